@@ -1,0 +1,106 @@
+// expseg configuration: one options table (lib/config.cpp), read from EXPSEG_ALLOC_CONF or a string.
+//
+// Syntax is PyTorch's PYTORCH_CUDA_ALLOC_CONF: comma-separated `key:value` pairs, e.g.
+//   EXPSEG_ALLOC_CONF=backend:expandable,limit:20GiB
+// PyTorch's own keys are accepted with their meaning, so a PYTORCH_CUDA_ALLOC_CONF can be pasted:
+//   expandable_segments:True|False, max_split_size_mb:N, roundup_power2_divisions:N or [a:b,...,>:c],
+//   garbage_collection_threshold:F, max_non_split_rounding_mb:N, per_process_memory_fraction:F,
+//   backend:native (= split_merge); release_lock_on_cudamalloc and pinned_* (host-side options of
+//   PyTorch with nothing to do in a device allocator) are accepted and ignored.
+// Unknown keys and bad values throw expseg::config_error naming the key and listing valid ones.
+// `expseg config` (tools) prints the table; Config::options() returns it.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace expseg {
+
+enum class BackendKind : std::uint8_t { split_merge, expandable };
+enum class DeviceKind : std::uint8_t { cuda, sim };
+// split_merge presets: PyTorch's caching allocator (default) or CuPy's memory pool.
+enum class PoolPolicy : std::uint8_t { pytorch, cupy };
+// Shareable handle type for expandable physical memory (IPC).
+enum class IpcHandle : std::uint8_t { none, posix_fd, fabric };
+
+const char* to_string(BackendKind) noexcept;
+const char* to_string(DeviceKind) noexcept;
+const char* to_string(PoolPolicy) noexcept;
+const char* to_string(IpcHandle) noexcept;
+
+// A memory limit: absolute bytes, or a fraction of device memory (CuPy's CUPY_GPU_MEMORY_LIMIT
+// "50%" semantics / PyTorch's per-process memory fraction). Unset means "the device's capacity".
+struct Limit {
+  std::size_t bytes = 0;   // used when fraction == 0
+  double fraction = 0.0;   // in (0, 1]; 0 when bytes is used
+  bool is_set() const noexcept { return bytes != 0 || fraction != 0.0; }
+  // The limit in bytes for a device of `device_total` bytes (0 when unset).
+  std::size_t resolve(std::size_t device_total) const noexcept;
+  bool operator==(const Limit&) const = default;
+};
+
+inline constexpr std::size_t kRoundupIntervals = 16;  // PyTorch's intervals: 1 MiB .. 64 GiB
+
+struct Config {
+  // --- which allocator ---
+  BackendKind backend = BackendKind::split_merge;   // backend:split_merge|expandable
+  PoolPolicy policy = PoolPolicy::pytorch;          // policy:pytorch|cupy (split_merge presets)
+  DeviceKind device = DeviceKind::cuda;             // device:cuda|sim
+
+  // --- simulated device (device:sim) ---
+  std::size_t sim_capacity = std::size_t{80} << 30;    // sim_capacity:80GiB
+  std::size_t sim_granularity = std::size_t{2} << 20;  // sim_granularity:2MiB
+  bool sim_host_backed = false;                        // sim_host_backed:true -> allocations hold real bytes
+  bool sim_latency = false;                            // sim_latency:true -> H200 driver latency model
+
+  // --- limit ---
+  Limit limit;  // limit:20GiB | limit:50% | per_process_memory_fraction:0.5
+
+  // --- split_merge, PyTorch semantics ---
+  std::size_t max_split_size = SIZE_MAX;              // max_split_size_mb (MiB, > 20)
+  std::size_t max_non_split_rounding = std::size_t{20} << 20;  // max_non_split_rounding_mb
+  std::array<std::size_t, kRoundupIntervals> roundup_power2_divisions{};  // 0 = off
+  double garbage_collection_threshold = 0.0;          // in (0, 1); 0 = off
+
+  // --- expandable ---
+  std::size_t va_size = 0;          // expandable_va_size: VA reserved per segment; 0 = 2x device memory
+  std::size_t max_handle_size = 0;  // expandable_max_handle: largest physical handle; 0 = policy default
+  IpcHandle ipc_handle = IpcHandle::none;  // ipc_handle:none|posix_fd|fabric
+
+  // --- observability ---
+  bool record = false;              // record:true -> event recorder on from the start
+  std::size_t record_ring = 0;      // record_ring:N -> keep only the last N events (0 = all)
+  bool oom_snapshot = false;        // oom_snapshot:true -> attach a snapshot to every OOM report
+  bool oom_counterfactual = true;   // oom_counterfactual:false -> skip the other-backend check
+
+  // Parse `text` over the defaults. Empty text gives the defaults.
+  static Config parse(std::string_view text);
+  // Config::parse(getenv("EXPSEG_ALLOC_CONF")) or the defaults when it is unset.
+  static Config from_env();
+  // Apply `text` over this config's current values (later keys win).
+  void apply(std::string_view text);
+  // Canonical `key:value,...` form; parse(to_string()) == *this.
+  std::string to_string() const;
+
+  bool operator==(const Config&) const = default;
+
+  struct Option {
+    const char* name;
+    const char* type;
+    const char* default_value;
+    const char* help;
+  };
+  // The options table, in the order `expseg config` prints it.
+  static std::span<const Option> options();
+};
+
+// "80GiB", "512MiB", "2GB", "4096", "1.5GiB" -> bytes. Throws config_error(key) on bad input.
+std::size_t parse_bytes(std::string_view text, std::string_view key = "size");
+// 1536 -> "1.50 KiB" (PyTorch's format_size: B, KiB, MiB, GiB with two decimals).
+std::string format_bytes(std::size_t bytes);
+
+}  // namespace expseg

@@ -1,0 +1,125 @@
+// expseg — errors thrown by the C++ API.
+//
+// Every error the library throws derives from one of these. The rule for all of them: when an
+// operation throws, the allocator is left as it was before the call (no leaked driver resources,
+// invariants hold), and it keeps serving.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+namespace expseg {
+
+// Base of the library's non-OOM errors.
+class error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A configuration string or option was malformed: names the key and lists the valid ones.
+class config_error : public error {
+ public:
+  config_error(std::string key, const std::string& message) : error(message), key_(std::move(key)) {}
+  // The key that was wrong ("" when the string itself could not be split into key:value pairs).
+  const std::string& key() const noexcept { return key_; }
+
+ private:
+  std::string key_;
+};
+
+// A pointer passed to deallocate()/record_stream() is not a live allocation of this allocator:
+// double free, interior pointer, a pointer of another allocator or device, or garbage.
+class invalid_pointer : public error {
+ public:
+  using error::error;
+};
+
+// A CUDA driver call (or the simulated device standing in for it) failed with something other than
+// running out of memory. Carries the call's name and the driver's own error name and string.
+class driver_error : public error {
+ public:
+  driver_error(std::string call, int code, std::string code_name, std::string description)
+      : error(call + " failed: " + code_name + " (" + std::to_string(code) + "): " + description),
+        call_(std::move(call)), code_(code), code_name_(std::move(code_name)) {}
+  const std::string& call() const noexcept { return call_; }
+  int code() const noexcept { return code_; }
+  const std::string& code_name() const noexcept { return code_name_; }
+  // CUDA_ERROR_OUT_OF_MEMORY (2): the device itself has no memory left for this call.
+  static constexpr int kOutOfMemoryCode = 2;
+  bool is_out_of_memory() const noexcept { return code_ == kOutOfMemoryCode; }
+
+ private:
+  std::string call_;
+  int code_;
+  std::string code_name_;
+};
+
+// A malformed allocation trace (RMM CSV log): names the file and line.
+class trace_error : public error {
+ public:
+  trace_error(const std::string& file, std::size_t line, const std::string& message)
+      : error(file + (line ? ":" + std::to_string(line) : std::string()) + ": " + message), file_(file), line_(line) {}
+  const std::string& file() const noexcept { return file_; }
+  std::size_t line() const noexcept { return line_; }  // 1-based; 0 when not tied to one line
+
+ private:
+  std::string file_;
+  std::size_t line_;
+};
+
+// Why an allocation failed.
+enum class OomVerdict : std::uint8_t {
+  capacity,       // live bytes + request exceed what the device has
+  limit,          // live bytes + request exceed the configured limit
+  fragmentation,  // enough memory is free in total, but the allocator has no place for the request
+};
+const char* to_string(OomVerdict) noexcept;
+
+// What the other backend would have done with the same live set and the same request.
+enum class Counterfactual : std::uint8_t { not_evaluated, would_succeed, would_fail };
+const char* to_string(Counterfactual) noexcept;
+
+// Everything expseg knows about one failed allocation. `message` is the full text; its first
+// sentence reads like PyTorch's "CUDA out of memory. Tried to allocate ..." so users recognise it.
+struct OomReport {
+  std::string backend;               // "split_merge" or "expandable"
+  int device = 0;
+  std::uint64_t stream = 0;          // the stream the request was made on
+  std::size_t requested_bytes = 0;   // what the caller asked for
+  std::size_t rounded_bytes = 0;     // after the backend's rounding
+  std::size_t device_total_bytes = 0;
+  std::size_t device_free_bytes = 0;
+  std::size_t limit_bytes = 0;       // 0: no limit configured
+  std::size_t allocated_bytes = 0;   // live blocks (rounded sizes), as stats().allocated_bytes
+  std::size_t reserved_bytes = 0;    // memory held from the device, as stats().reserved_bytes
+  std::size_t live_requested_bytes = 0;        // sum of the live allocations' requested sizes
+  std::size_t largest_free_block_bytes = 0;    // largest free contiguous block the backend holds
+  std::size_t free_blocks = 0;                 // number of free blocks the backend holds
+  OomVerdict verdict = OomVerdict::capacity;
+  std::string other_backend;                   // the backend the counterfactual was run on
+  Counterfactual counterfactual = Counterfactual::not_evaluated;
+  std::string message;
+
+  std::size_t reserved_unallocated_bytes() const noexcept {
+    return reserved_bytes > allocated_bytes ? reserved_bytes - allocated_bytes : 0;
+  }
+  std::string to_json() const;
+};
+
+// Thrown by Allocator::allocate when memory cannot be found. Derives from std::bad_alloc so that
+// code written for operator new handles it; report() says why it happened.
+class out_of_memory : public std::bad_alloc {
+ public:
+  explicit out_of_memory(std::shared_ptr<const OomReport> report) : report_(std::move(report)) {}
+  const char* what() const noexcept override { return report_->message.c_str(); }
+  const OomReport& report() const noexcept { return *report_; }
+
+ private:
+  std::shared_ptr<const OomReport> report_;
+};
+
+}  // namespace expseg

@@ -1,0 +1,93 @@
+// expseg statistics, with PyTorch's names and meanings (torch.cuda.memory_stats()), so numbers can
+// be compared line by line, and CuPy's pool views (used/total/free bytes, free blocks) of the same
+// numbers.
+//
+// Each Stat is {current, peak, allocated, freed}: `allocated`/`freed` are running totals of
+// increases/decreases; current = allocated - freed; peak = max current since the last
+// reset_peak_stats(). Arrays are indexed by StatPool: all, small_pool, large_pool.
+//
+// Identities (checked by tests after every step of randomized runs):
+//   allocated_bytes.current <= active_bytes.current (a block freed while a stream still uses it is
+//     no longer allocated but still active)
+//   active_bytes.current <= reserved_bytes.current <= limit (when a limit is set)
+//   CuPy: total_bytes == used_bytes + free_bytes
+//   every peak >= its current
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace expseg {
+
+struct Stat {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;
+  std::int64_t freed = 0;
+
+  void increase(std::int64_t amount) noexcept {
+    current += amount;
+    allocated += amount;
+    if (current > peak) peak = current;
+  }
+  void decrease(std::int64_t amount) noexcept {
+    current -= amount;
+    freed += amount;
+  }
+  void reset_peak() noexcept { peak = current; }
+  void reset_accumulated() noexcept { allocated = current; freed = 0; }
+};
+
+enum StatPool : std::uint8_t { kAllPools = 0, kSmallPool = 1, kLargePool = 2, kStatPools = 3 };
+const char* stat_pool_name(int pool) noexcept;  // "all", "small_pool", "large_pool"
+
+// X-macro: each per-pool statistic, PyTorch's name first. Keep in the order memory_stats() uses.
+#define EXPSEG_POOL_STATS(X)                                                                        \
+  X(allocation, "allocations requested by client code (count)")                                    \
+  X(segment, "segments held from the device: driver allocations, or expandable segments (count)")  \
+  X(active, "active blocks: allocated, or freed while a stream still uses them (count)")           \
+  X(inactive_split, "free blocks that cannot be given back to the device (count)")                 \
+  X(allocated_bytes, "bytes in allocated blocks (after rounding)")                                 \
+  X(reserved_bytes, "bytes of device memory held (free or not)")                                   \
+  X(active_bytes, "bytes in active blocks")                                                        \
+  X(inactive_split_bytes, "bytes in free blocks that cannot be given back to the device")          \
+  X(requested_bytes, "bytes requested by client code (before rounding)")
+
+// X-macro: plain counters.
+#define EXPSEG_COUNTERS(X)                                                                          \
+  X(num_alloc_retries, "allocations that failed at the driver or limit and were retried after freeing cache") \
+  X(num_ooms, "allocations that ended in out_of_memory")                                            \
+  X(num_sync_all_streams, "times all pending cross-stream frees were synchronized")                 \
+  X(num_device_alloc, "driver allocation calls (cuMemAlloc, cuMemCreate+cuMemMap)")                 \
+  X(num_device_free, "driver free calls (cuMemFree, cuMemUnmap)")
+
+struct Stats {
+#define EXPSEG_DECLARE_POOL_STAT(name, help) Stat name[kStatPools];
+  EXPSEG_POOL_STATS(EXPSEG_DECLARE_POOL_STAT)
+#undef EXPSEG_DECLARE_POOL_STAT
+#define EXPSEG_DECLARE_COUNTER(name, help) std::int64_t name = 0;
+  EXPSEG_COUNTERS(EXPSEG_DECLARE_COUNTER)
+#undef EXPSEG_DECLARE_COUNTER
+  Stat oversize_allocations;  // allocations of max_split_size or more served from the pool
+  Stat oversize_segments;     // driver allocations for oversize requests
+  std::int64_t max_split_size = -1;  // -1: unlimited (PyTorch reports SIZE_MAX as -1 too)
+
+  // expseg's own, beyond PyTorch's:
+  Stat physical_handles;      // expandable: cuMemCreate handles held; split_merge: driver allocations
+  std::int64_t num_free_blocks = 0;  // free blocks held (mapped or not), CuPy's n_free_blocks
+
+  // --- CuPy's views of the same numbers ---
+  std::int64_t used_bytes() const noexcept { return allocated_bytes[kAllPools].current; }
+  std::int64_t total_bytes() const noexcept { return reserved_bytes[kAllPools].current; }
+  std::int64_t free_bytes() const noexcept { return total_bytes() - used_bytes(); }
+  std::int64_t n_free_blocks() const noexcept { return num_free_blocks; }
+
+  void reset_peaks() noexcept;
+  void reset_accumulated() noexcept;
+  // Flat JSON object with PyTorch's keys ("allocated_bytes.all.current": ...), the counters, and a
+  // "cupy" object {used_bytes, total_bytes, free_bytes, n_free_blocks}.
+  std::string to_json() const;
+};
+
+}  // namespace expseg

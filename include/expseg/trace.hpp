@@ -1,0 +1,106 @@
+// expseg allocation traces: RMM's allocation-log CSV (plain or gzip) and their replay.
+//
+// Format (RMM logging_resource_adaptor): header `Thread,Time,Action,Pointer,Size,Stream`, then one
+// event per line:
+//   Thread  decimal thread id
+//   Time    RMM's "HH:MM:SS.ffffff" (also "HH:MM:SS:ffffff"), or a plain number (seconds, or an index)
+//   Action  allocate | free | deallocate (= free) | allocate failure | map | unmap
+//   Pointer hex (0x...) address; only an identity for replay, never dereferenced
+//   Size    decimal bytes as requested
+//   Stream  hex (0x...) or decimal stream id; 0 is the default stream
+// `allocate failure` (an allocation that failed when recorded) and map/unmap (driver events written
+// by expseg's recorder) are kept in the trace but do not change what replay asks of the allocator.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "expseg/config.hpp"
+#include "expseg/errors.hpp"
+#include "expseg/snapshot.hpp"
+#include "expseg/stats.hpp"
+
+namespace expseg {
+
+enum class TraceAction : std::uint8_t { allocate, free, allocate_failure, map, unmap };
+const char* to_string(TraceAction) noexcept;  // the CSV spelling
+
+struct TraceEvent {
+  std::uint64_t thread = 0;
+  double time = 0.0;  // seconds (RMM clock times become seconds since midnight)
+  TraceAction action = TraceAction::allocate;
+  std::uint64_t pointer = 0;
+  std::uint64_t size = 0;
+  std::uint64_t stream = 0;
+  std::uint64_t line = 0;  // 1-based line in the source file (0 when built in memory)
+};
+
+struct Trace {
+  std::string name;  // file name (without directories), or a label
+  std::vector<TraceEvent> events;
+};
+
+// Reads a trace from a file; gzip is recognised by its magic bytes. Throws trace_error naming the
+// file and line for: unreadable or truncated/corrupt gzip, bad header, missing columns, bad numbers,
+// unknown actions. (Frees of unknown pointers are found by validate_trace/replay, see below.)
+Trace read_trace(const std::string& path);
+// Parses CSV text already in memory; `name` is used in error messages.
+Trace parse_trace(std::string_view csv_text, const std::string& name);
+// Writes RMM's CSV (header included). Time is written as "HH:MM:SS.ffffff" of the event's seconds.
+// rmm_strict: write only allocate/free lines (what RMM's own replay benchmark accepts).
+void write_trace(std::ostream& out, const std::vector<TraceEvent>& events, bool rmm_strict = false);
+// Writes to `path`; gzip-compressed when the path ends in ".gz".
+void write_trace_file(const std::string& path, const std::vector<TraceEvent>& events, bool rmm_strict = false);
+
+// Checks pairing: every free matches a live allocation of the same pointer, no pointer is
+// allocated twice while live. Throws trace_error (with the line) on the first violation.
+void validate_trace(const Trace& trace);
+
+// ---------------------------------------------------------------------------------------------
+// Replay: run a trace's allocations and frees against one allocator configuration.
+
+struct SeriesPoint {
+  std::uint64_t event = 0;       // index of the event after which the sample was taken
+  std::int64_t allocated = 0;    // allocated_bytes.all.current
+  std::int64_t reserved = 0;     // reserved_bytes.all.current
+};
+
+struct ReplayOptions {
+  bool progress = false;          // progress on stderr (only drawn when stderr is a terminal)
+  std::size_t series_points = 0;  // >0: sample allocated/reserved over time at about this many points
+  bool snapshot_at_peak = false;  // take a snapshot at the moment of peak reserved (replays twice)
+  bool lenient = false;           // skip frees of unknown pointers instead of failing
+};
+
+struct ReplayResult {
+  std::string trace;
+  std::string backend;            // "split_merge" or "expandable"
+  std::string device;             // "sim:80GiB" or "cuda:0"
+  std::size_t events = 0;         // events in the trace
+  std::size_t allocations = 0;    // allocations attempted
+  std::size_t frees = 0;          // frees performed
+  std::size_t ooms = 0;           // allocations that failed
+  std::size_t skipped_frees = 0;  // frees of allocations that had failed (or unknown, lenient)
+  std::int64_t peak_allocated_bytes = 0;
+  std::int64_t peak_reserved_bytes = 0;
+  std::int64_t peak_requested_bytes = 0;  // peak of live requested bytes
+  double seconds = 0.0;           // wall time of the replay loop (parsing excluded)
+  double driver_seconds = 0.0;    // sim with sim_latency:true: modelled driver time
+  Stats stats;                    // at the end of the replay, before the allocator is destroyed
+  std::vector<SeriesPoint> series;
+  std::vector<std::uint64_t> oom_events;  // event indexes of the failed allocations
+  std::optional<OomReport> first_oom;
+  std::optional<Snapshot> peak_snapshot;
+  std::string to_json() const;    // one line: trace, backend, device, events, peaks, ooms, seconds, ...
+};
+
+// Replays `trace` on a fresh allocator built from `config` for `device` (the config's device kind
+// decides sim or cuda). Allocations that fail count as OOMs and their frees are skipped.
+ReplayResult replay(const Trace& trace, const Config& config, const ReplayOptions& options = {}, int device = 0);
+
+}  // namespace expseg

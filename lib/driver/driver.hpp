@@ -1,0 +1,150 @@
+// expseg driver layer: the one interface through which the allocator touches a device.
+//
+// Layer rule: only lib/driver/ includes cuda.h. Everything above sees device addresses as integers,
+// physical memory as opaque handles, and streams/events as opaque pointers. Two implementations:
+//   - CudaDriver (cuda_driver.cpp): the CUDA driver API, with libcuda.so.1 loaded at run time, so the
+//     library builds, links and runs its simulated tests on a machine with no GPU and no driver.
+//   - SimDriver (sim_driver.cpp): a simulated device (bookkeeping or host-backed, fault injection,
+//     a latency model from measured H200 figures).
+//
+// Error contract: every call either succeeds or throws expseg::driver_error carrying the call's name
+// and the driver's error name and string; driver_error::is_out_of_memory() tells an OOM from the
+// rest. A call that throws has no effect (nothing half-created is left behind).
+// A Driver object is used under its owner's lock; implementations need not be thread-safe except
+// where a method says so.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "expseg/errors.hpp"
+
+namespace expseg::driver {
+
+using dev_ptr = std::uint64_t;      // a device virtual address (CUdeviceptr)
+using phys_handle = std::uint64_t;  // a physical allocation (CUmemGenericAllocationHandle)
+using stream_t = void*;             // a CUstream; nullptr is the legacy default stream
+using event_t = void*;              // a CUevent
+
+// The operations the allocator performs; used to count calls, to inject faults and by the latency
+// model. Keep op_name() in step.
+enum class Op : std::uint8_t {
+  reserve,        // cuMemAddressReserve
+  free_reserve,   // cuMemAddressFree
+  create,         // cuMemCreate
+  release,        // cuMemRelease
+  map,            // cuMemMap
+  unmap,          // cuMemUnmap
+  set_access,     // cuMemSetAccess
+  mem_alloc,      // cuMemAlloc
+  mem_free,       // cuMemFree
+  event_record,   // cuEventRecord
+  event_query,    // cuEventQuery
+  stream_sync,    // cuStreamSynchronize / cuEventSynchronize / cuCtxSynchronize
+  export_handle,  // cuMemExportToShareableHandle / cuIpcGetMemHandle
+  import_handle,  // cuMemImportFromShareableHandle / cuIpcOpenMemHandle
+  count_
+};
+inline constexpr std::size_t kOpCount = static_cast<std::size_t>(Op::count_);
+const char* op_name(Op op) noexcept;
+
+struct MemInfo {
+  std::size_t free = 0;
+  std::size_t total = 0;
+};
+
+// How physical memory created by create() may be shared with other processes.
+enum class ShareableHandle : std::uint8_t { none, posix_fd, fabric };
+
+// An exported physical handle or driver allocation, as bytes another process can import.
+struct ExportedHandle {
+  ShareableHandle type = ShareableHandle::none;
+  int fd = -1;                                // posix_fd: a file descriptor owned by the caller
+  std::array<std::uint8_t, 64> bytes{};       // fabric handle, or cuIpcGetMemHandle's 64 bytes
+};
+
+class Driver {
+ public:
+  virtual ~Driver() = default;
+
+  virtual const char* kind() const noexcept = 0;  // "cuda" or "sim"
+  virtual int device() const noexcept = 0;
+  virtual std::string device_name() const = 0;
+  // Allocation granularity of physical memory (cuMemGetAllocationGranularity, recommended).
+  virtual std::size_t granularity() const noexcept = 0;
+  virtual MemInfo mem_info() = 0;
+
+  // --- virtual memory management ---
+  // Reserve `bytes` (a multiple of granularity()) of virtual address space; no memory behind it.
+  virtual dev_ptr reserve(std::size_t bytes) = 0;
+  virtual void free_reserve(dev_ptr base, std::size_t bytes) = 0;
+  // Create `bytes` (multiple of granularity()) of physical memory. OOM -> driver_error(2).
+  virtual phys_handle create(std::size_t bytes) = 0;
+  virtual void release(phys_handle handle) = 0;
+  // Map a whole handle at `ptr` (inside a reservation, aligned to granularity()).
+  virtual void map(dev_ptr ptr, std::size_t bytes, phys_handle handle) = 0;
+  virtual void unmap(dev_ptr ptr, std::size_t bytes) = 0;
+  // Make [ptr, ptr+bytes) readable and writable by this device and every device added with
+  // add_access_device().
+  virtual void set_access(dev_ptr ptr, std::size_t bytes) = 0;
+
+  // --- plain allocations (split_merge backend) ---
+  virtual dev_ptr mem_alloc(std::size_t bytes) = 0;
+  virtual void mem_free(dev_ptr ptr) = 0;
+
+  // --- streams and events ---
+  virtual stream_t stream_create() = 0;
+  virtual void stream_destroy(stream_t stream) = 0;
+  virtual event_t event_create() = 0;
+  virtual void event_destroy(event_t event) = 0;
+  virtual void event_record(event_t event, stream_t stream) = 0;
+  virtual bool event_query(event_t event) = 0;  // true when the recorded work is complete
+  virtual void event_synchronize(event_t event) = 0;
+  virtual void stream_synchronize(stream_t stream) = 0;
+  virtual void device_synchronize() = 0;
+
+  // --- data access (tests, the GPU stress test, contract checks) ---
+  virtual void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) = 0;
+  virtual void copy_to_host(void* dst, dev_ptr src, std::size_t bytes) = 0;
+  virtual void copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) = 0;
+
+  // --- peers ---
+  virtual int device_count() = 0;
+  virtual bool can_access_peer(int peer) = 0;
+  // From now on set_access() also grants `peer`; returns false if it was already granted.
+  virtual bool add_access_device(int peer) = 0;
+  virtual std::vector<int> access_devices() const = 0;  // this device first
+
+  // --- sharing with other processes ---
+  virtual ShareableHandle shareable_handle_type() const noexcept = 0;  // what create() makes
+  // When the type asked for in the options was not available: why, and what is used instead.
+  virtual std::string shareable_fallback_reason() const { return {}; }
+  virtual ExportedHandle export_handle(phys_handle handle) = 0;
+  virtual phys_handle import_handle(const ExportedHandle& exported) = 0;
+  virtual ExportedHandle ipc_export(dev_ptr mem_alloc_ptr) = 0;  // cuIpcGetMemHandle
+  virtual dev_ptr ipc_open(const ExportedHandle& exported) = 0;  // cuIpcOpenMemHandle
+  virtual void ipc_close(dev_ptr ptr) = 0;                       // cuIpcCloseMemHandle
+};
+
+// ---------------------------------------------------------------------------------------------
+// Factories.
+
+struct CudaOptions {
+  // Shareable handle type requested from cuMemCreate. fabric falls back to posix_fd, and posix_fd to
+  // none, when the device or platform does not allow it (Driver::shareable_fallback_reason() says why).
+  ShareableHandle shareable = ShareableHandle::none;
+};
+
+// Throws driver_error when libcuda cannot be loaded, cuInit fails or the device does not exist.
+std::unique_ptr<Driver> make_cuda_driver(int device, const CudaOptions& options = {});
+
+// Whether a CUDA device is usable (libcuda loads, cuInit succeeds, at least one device). On false,
+// `why` (if given) says what failed. Thread-safe; the answer is computed once.
+bool cuda_usable(std::string* why = nullptr);
+int cuda_device_count();  // 0 when CUDA is not usable
+
+}  // namespace expseg::driver

@@ -1,0 +1,127 @@
+// SimDriver: a simulated device behind the same Driver interface, so that every test, scenario and
+// replay runs deterministically on a machine without a GPU.
+//
+// Modes:
+//   - bookkeeping (default): addresses and handles are numbers; capacity may be 141 GB on a laptop.
+//   - host-backed: reserve = mmap(PROT_NONE), physical handle = memfd, map = mmap(MAP_FIXED|MAP_SHARED),
+//     set_access = mprotect(READ|WRITE), unmap = mmap(PROT_NONE) over the range again. Device
+//     addresses are host addresses, so tests write patterns into allocations and prove that no two
+//     live blocks overlap and that no data moves when segments grow or pages are remapped. Memory
+//     touched before set_access, or after unmap, faults like it would on the GPU.
+//
+// It enforces the CUDA rules the allocator must respect (map only inside a reservation, on
+// granularity boundaries, never over a mapping; unmap whole mappings; free a reservation only when
+// nothing is mapped in it; free only live allocations) and throws driver_error with CUDA's error
+// names when they are broken, so a backend bug shows up as an error, not as silent success.
+//
+// Fault injection makes the n-th future call of an operation fail with OOM or another error; the
+// failing call has no effect. live() counts what is outstanding, for leak checks.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "driver/driver.hpp"
+
+namespace expseg::driver {
+
+struct SimOptions {
+  std::size_t capacity = std::size_t{80} << 30;   // bytes of simulated device memory
+  std::size_t granularity = std::size_t{2} << 20;  // power of two, multiple of the host page size
+  bool host_backed = false;
+  bool latency_model = false;  // accumulate the H200's measured driver-call latencies
+  int device = 0;
+  int device_count = 1;        // simulated devices visible (for peer bookkeeping)
+  ShareableHandle shareable = ShareableHandle::none;
+};
+
+enum class Fault : std::uint8_t { out_of_memory, error };
+
+class SimDriver final : public Driver {
+ public:
+  explicit SimDriver(const SimOptions& options = {});
+  ~SimDriver() override;
+  SimDriver(const SimDriver&) = delete;
+  SimDriver& operator=(const SimDriver&) = delete;
+
+  // --- Driver ---
+  const char* kind() const noexcept override { return "sim"; }
+  int device() const noexcept override { return options_.device; }
+  std::string device_name() const override;
+  std::size_t granularity() const noexcept override { return options_.granularity; }
+  MemInfo mem_info() override;
+  dev_ptr reserve(std::size_t bytes) override;
+  void free_reserve(dev_ptr base, std::size_t bytes) override;
+  phys_handle create(std::size_t bytes) override;
+  void release(phys_handle handle) override;
+  void map(dev_ptr ptr, std::size_t bytes, phys_handle handle) override;
+  void unmap(dev_ptr ptr, std::size_t bytes) override;
+  void set_access(dev_ptr ptr, std::size_t bytes) override;
+  dev_ptr mem_alloc(std::size_t bytes) override;
+  void mem_free(dev_ptr ptr) override;
+  stream_t stream_create() override;
+  void stream_destroy(stream_t stream) override;
+  event_t event_create() override;
+  void event_destroy(event_t event) override;
+  void event_record(event_t event, stream_t stream) override;
+  bool event_query(event_t event) override;
+  void event_synchronize(event_t event) override;
+  void stream_synchronize(stream_t stream) override;
+  void device_synchronize() override;
+  void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) override;
+  void copy_to_host(void* dst, dev_ptr src, std::size_t bytes) override;
+  void copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) override;
+  int device_count() override { return options_.device_count; }
+  bool can_access_peer(int peer) override;
+  bool add_access_device(int peer) override;
+  std::vector<int> access_devices() const override;
+  ShareableHandle shareable_handle_type() const noexcept override { return options_.shareable; }
+  ExportedHandle export_handle(phys_handle handle) override;
+  phys_handle import_handle(const ExportedHandle& exported) override;
+  ExportedHandle ipc_export(dev_ptr mem_alloc_ptr) override;
+  dev_ptr ipc_open(const ExportedHandle& exported) override;
+  void ipc_close(dev_ptr ptr) override;
+
+  // --- simulation controls (tests) ---
+  const SimOptions& options() const noexcept { return options_; }
+  // The nth call (1 = the next one) of `op` from now on fails with `fault` and has no effect.
+  // Several faults may be pending at once.
+  void inject_fault(Op op, std::uint64_t nth, Fault fault);
+  void clear_faults();
+  std::uint64_t calls(Op op) const;  // calls made so far, failed ones included
+  // Outstanding driver resources; all zero once an allocator has been destroyed.
+  struct Live {
+    std::size_t reservations = 0;
+    std::size_t handles = 0;        // created/imported and not released
+    std::size_t mappings = 0;       // map() calls not yet undone by unmap()
+    std::size_t mem_allocs = 0;     // mem_alloc() not yet freed
+    std::size_t events = 0;
+    std::size_t streams = 0;
+    std::size_t physical_bytes = 0; // device memory in use (handles + mem_allocs)
+  };
+  Live live() const;
+  // Simulated device memory used by someone else (another process): reduces what create() and
+  // mem_alloc() can get and what mem_info() reports as free.
+  void set_foreign_usage(std::size_t bytes);
+  // A busy stream keeps events recorded on it incomplete until it is made idle or synchronized.
+  void set_stream_busy(stream_t stream, bool busy);
+  // Total simulated driver time (seconds) under the latency model; 0 when the model is off.
+  double simulated_seconds() const;
+
+  // Access checks used by tests: whether [ptr, ptr+bytes) is mapped and accessible.
+  bool is_accessible(dev_ptr ptr, std::size_t bytes) const;
+
+ private:
+  struct Impl;
+  SimOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace expseg::driver
