@@ -1,1 +1,337 @@
-// (being written)
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "allocator_impl.hpp"
+#include "driver/sim_driver.hpp"
+
+namespace expseg {
+
+using core::Block;
+using core::BlockStatus;
+
+namespace {
+
+// Larger requests cannot be rounded without overflow; no device has this much memory anyway.
+constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
+
+std::string hex(std::uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace
+
+std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
+  if (config.device == DeviceKind::sim) {
+    driver::SimOptions o;
+    o.capacity = config.sim_capacity;
+    o.granularity = config.sim_granularity;
+    o.host_backed = config.sim_host_backed;
+    o.latency_model = config.sim_latency;
+    o.device = device;
+    o.device_count = std::max(device + 1, 1);
+    o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
+    return std::make_unique<driver::SimDriver>(o);
+  }
+  driver::CudaOptions o;
+  o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
+  return driver::make_cuda_driver(device, o);
+}
+
+Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
+    : config(cfg), driver(std::move(drv)), ctx{*driver, config, stats} {
+  ctx.device_total = driver->mem_info().total;
+  ctx.limit = config.limit.resolve(ctx.device_total);
+  ctx.hooks = this;
+  backend = config.backend == BackendKind::expandable ? backends::make_expandable(ctx) : backends::make_split_merge(ctx);
+  if (config.record) recorder.start(config.record_ring);
+}
+
+Allocator::Impl::~Impl() {
+  // Pending frees hold events; the backend gives all memory back in its destructor.
+  for (StreamEvents& se : pending)
+    for (PendingFree& pf : se.queue) {
+      try {
+        driver->event_destroy(pf.event);
+      } catch (...) {
+      }
+    }
+  for (driver::event_t e : spare_events) {
+    try {
+      driver->event_destroy(e);
+    } catch (...) {
+    }
+  }
+  backend.reset();
+}
+
+void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
+  if (bytes == 0) return nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (pending_count != 0) process_events();
+  Block* b = bytes <= kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
+  if (b == nullptr) {
+    stats.num_ooms += 1;
+    std::shared_ptr<OomReport> report = build_oom_report(bytes, stream);
+    last_oom = report;
+    if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, stream);
+    throw out_of_memory(std::move(report));
+  }
+  live.insert(b);
+  if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, stream);
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
+}
+
+void Allocator::Impl::throw_invalid_pointer(const char* op, std::uint64_t addr) const {
+  std::ostringstream os;
+  os << "expseg: " << op << " of pointer " << hex(addr) << ": ";
+  const bool recently_freed = std::find(recent_frees.begin(), recent_frees.end(), addr) != recent_frees.end();
+  if (recently_freed) {
+    os << "double free (this allocation was already freed)";
+  } else if (backend->contains(addr)) {
+    os << "not the start of a live allocation (an interior pointer, or memory already freed)";
+  } else {
+    os << "not allocated by this expseg allocator (device " << driver->device()
+       << "): a foreign pointer, or one from another device's allocator";
+  }
+  throw invalid_pointer(os.str());
+}
+
+void Allocator::Impl::deallocate(void* ptr) {
+  if (ptr == nullptr) return;
+  const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
+  std::lock_guard<std::mutex> lock(mu);
+  Block* b = live.find(addr);
+  if (b == nullptr) throw_invalid_pointer("free", addr);
+  if (!b->stream_uses.empty()) {
+    // Record an event on every stream that used the block; the free completes when all have passed.
+    // Reserve first so that nothing below can fail after the block changed state.
+    std::vector<driver::event_t> events;
+    events.reserve(b->stream_uses.size());
+    try {
+      for (driver::stream_t s : b->stream_uses) {
+        driver::event_t e = nullptr;
+        if (spare_events.empty()) {
+          e = driver->event_create();
+        } else {
+          e = spare_events.back();
+          spare_events.pop_back();
+        }
+        events.push_back(e);  // capacity reserved: cannot throw
+        driver->event_record(e, s);
+      }
+      for (driver::stream_t s : b->stream_uses) {
+        auto it = std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == s; });
+        if (it == pending.end()) pending.push_back(StreamEvents{s, {}});
+      }
+    } catch (...) {
+      for (driver::event_t e : events) spare_events.push_back(e);
+      throw;
+    }
+    live.erase(addr);
+    backend->begin_pending_free(b);
+    for (std::size_t i = 0; i < events.size(); ++i) {
+      auto it = std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == b->stream_uses[i]; });
+      it->queue.push_back(PendingFree{events[i], b});
+      ++pending_count;
+    }
+    b->pending_events = static_cast<std::uint32_t>(events.size());
+  } else {
+    live.erase(addr);
+    backend->free(b);
+  }
+  recent_frees[recent_next++ % recent_frees.size()] = addr;
+  if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested ? b->requested : 0, b->stream);
+}
+
+void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
+  const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
+  std::lock_guard<std::mutex> lock(mu);
+  Block* b = live.find(addr);
+  if (b == nullptr) throw_invalid_pointer("record_stream", addr);
+  if (stream == b->stream) return;  // the allocation stream is always waited for
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
+}
+
+void Allocator::Impl::finish_pending(Block* b) {
+  if (--b->pending_events == 0) backend->free(b);
+}
+
+void Allocator::Impl::process_events() {
+  for (StreamEvents& se : pending) {
+    while (!se.queue.empty()) {
+      PendingFree pf = se.queue.front();
+      if (!driver->event_query(pf.event)) break;
+      se.queue.pop_front();
+      --pending_count;
+      spare_events.push_back(pf.event);
+      finish_pending(pf.block);
+    }
+  }
+}
+
+void Allocator::Impl::synchronize_pending_frees() {
+  if (pending_count == 0) return;
+  stats.num_sync_all_streams += 1;
+  for (StreamEvents& se : pending) {
+    while (!se.queue.empty()) {
+      PendingFree pf = se.queue.front();
+      driver->event_synchronize(pf.event);
+      se.queue.pop_front();
+      --pending_count;
+      spare_events.push_back(pf.event);
+      finish_pending(pf.block);
+    }
+  }
+}
+
+void Allocator::Impl::on_map(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) {
+  if (recorder.enabled()) recorder.add(TraceAction::map, addr, bytes, stream);
+}
+
+void Allocator::Impl::on_unmap(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) {
+  if (recorder.enabled()) recorder.add(TraceAction::unmap, addr, bytes, stream);
+}
+
+Snapshot Allocator::Impl::snapshot_locked() const {
+  Snapshot s;
+  s.backend = to_string(config.backend);
+  s.device = driver->device();
+  s.limit_bytes = ctx.limit;
+  s.device_total_bytes = ctx.device_total;
+  backend->snapshot(s.segments);
+  std::sort(s.segments.begin(), s.segments.end(), [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+  s.stats = stats;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Allocator::Allocator(const Config& config, int device) : impl_(std::make_unique<Impl>(config, make_driver(config, device))) {}
+Allocator::Allocator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Allocator::~Allocator() = default;
+
+void* Allocator::allocate(std::size_t bytes, stream_t stream) { return impl_->allocate(bytes, stream); }
+void Allocator::deallocate(void* ptr) { impl_->deallocate(ptr); }
+void Allocator::record_stream(void* ptr, stream_t stream) { impl_->record_stream(ptr, stream); }
+
+void Allocator::release_cached() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->backend->release_cached();
+}
+
+Stats Allocator::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->stats;
+}
+
+void Allocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->stats.reset_peaks();
+}
+
+void Allocator::reset_accumulated_stats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->stats.reset_accumulated();
+}
+
+void Allocator::set_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->ctx.limit = bytes;
+  impl_->backend->on_limit_changed();
+}
+
+std::size_t Allocator::limit() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->ctx.limit;
+}
+
+Snapshot Allocator::snapshot() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->snapshot_locked();
+}
+
+std::optional<OomReport> Allocator::last_oom() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->last_oom) return std::nullopt;
+  return *impl_->last_oom;
+}
+
+void Allocator::start_recording(std::size_t ring) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->recorder.start(ring);
+}
+
+void Allocator::stop_recording() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->recorder.stop();
+}
+
+bool Allocator::recording() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->recorder.enabled();
+}
+
+std::vector<TraceEvent> Allocator::recorded() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->recorder.events();
+}
+
+void Allocator::enable_peer_access(int peer) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (peer == impl_->driver->device()) return;
+  if (!impl_->driver->can_access_peer(peer))
+    throw error("expseg: device " + std::to_string(impl_->driver->device()) + " cannot grant access to device " +
+                std::to_string(peer) + " (no peer access between them)");
+  if (impl_->driver->add_access_device(peer)) impl_->backend->on_peer_added(peer);
+}
+
+void Allocator::validate() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const Impl& m = *impl_;
+  m.backend->validate();
+  auto fail = [](const std::string& what) { throw error("frontend invariant broken: " + what); };
+  m.live.for_each([&](const Block* b) {
+    if (b->status != BlockStatus::allocated) fail("live map holds a block that is not allocated");
+  });
+  if (static_cast<std::int64_t>(m.live.size()) != m.stats.allocation[kAllPools].current)
+    fail("live map size differs from allocation.all.current");
+  std::size_t queued = 0;
+  for (const Impl::StreamEvents& se : m.pending) {
+    queued += se.queue.size();
+    for (const Impl::PendingFree& pf : se.queue)
+      if (pf.block->status != BlockStatus::pending_free || pf.block->pending_events == 0) fail("pending queue holds a block not pending");
+  }
+  if (queued != m.pending_count) fail("pending_count is wrong");
+  const Stats& s = m.stats;
+  if (s.allocated_bytes[kAllPools].current > s.active_bytes[kAllPools].current) fail("allocated_bytes > active_bytes");
+  if (s.active_bytes[kAllPools].current > s.reserved_bytes[kAllPools].current) fail("active_bytes > reserved_bytes");
+  for (int p = 0; p < kStatPools; ++p)
+    if (s.allocated_bytes[p].peak < s.allocated_bytes[p].current || s.reserved_bytes[p].peak < s.reserved_bytes[p].current)
+      fail("a peak is below its current value");
+}
+
+const Config& Allocator::config() const noexcept { return impl_->config; }
+BackendKind Allocator::backend() const noexcept { return impl_->config.backend; }
+int Allocator::device() const noexcept { return impl_->driver->device(); }
+
+DeviceInfo Allocator::device_info() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  DeviceInfo d;
+  d.index = impl_->driver->device();
+  d.kind = impl_->driver->kind();
+  d.name = impl_->driver->device_name();
+  const driver::MemInfo mi = impl_->driver->mem_info();
+  d.total_bytes = mi.total;
+  d.free_bytes = mi.free;
+  d.granularity = impl_->driver->granularity();
+  return d;
+}
+
+std::unique_ptr<Allocator> detail::AllocatorAccess::make(const Config& config, std::shared_ptr<driver::Driver> driver) {
+  return std::unique_ptr<Allocator>(new Allocator(std::make_unique<Allocator::Impl>(config, std::move(driver))));
+}
+
+}  // namespace expseg

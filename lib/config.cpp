@@ -1,1 +1,700 @@
-// (being written)
+// expseg configuration: THE options table and everything it drives (see config.hpp).
+//
+// Each option is one row of kEntries: name, type, default, help, how its value is parsed into a
+// Config and how it is printed back. Config::parse/apply, to_string and options() all walk the
+// same rows, so an option cannot be parsed but not printed, or listed but not parsed.
+#include "expseg/config.hpp"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "expseg/errors.hpp"
+
+namespace expseg {
+
+const char* to_string(BackendKind k) noexcept {
+  switch (k) {
+    case BackendKind::split_merge: return "split_merge";
+    case BackendKind::expandable: return "expandable";
+  }
+  return "unknown";
+}
+
+const char* to_string(DeviceKind k) noexcept {
+  switch (k) {
+    case DeviceKind::cuda: return "cuda";
+    case DeviceKind::sim: return "sim";
+  }
+  return "unknown";
+}
+
+const char* to_string(PoolPolicy p) noexcept {
+  switch (p) {
+    case PoolPolicy::pytorch: return "pytorch";
+    case PoolPolicy::cupy: return "cupy";
+  }
+  return "unknown";
+}
+
+const char* to_string(IpcHandle h) noexcept {
+  switch (h) {
+    case IpcHandle::none: return "none";
+    case IpcHandle::posix_fd: return "posix_fd";
+    case IpcHandle::fabric: return "fabric";
+  }
+  return "unknown";
+}
+
+std::size_t Limit::resolve(std::size_t device_total) const noexcept {
+  if (bytes != 0) return bytes;
+  if (fraction > 0.0) {
+    // In double, as PyTorch (fraction * total) and CuPy (int(total * fraction)) compute it, so 30% of
+    // 10 is 3, not the 2 that the exact product of the double 0.3 would floor to.
+    const double total = static_cast<double>(device_total);
+    const double v = std::floor(fraction * total);
+    if (v >= total) return device_total;
+    return v <= 0 ? 0 : static_cast<std::size_t>(v);
+  }
+  return 0;
+}
+
+namespace {
+
+constexpr std::size_t kKiB = std::size_t{1} << 10;
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+// ---- text helpers ------------------------------------------------------------------------------
+
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+bool iequals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    char x = a[i], y = b[i];
+    if (x >= 'A' && x <= 'Z') x = static_cast<char>(x - 'A' + 'a');
+    if (y >= 'A' && y <= 'Z') y = static_cast<char>(y - 'A' + 'a');
+    if (x != y) return false;
+  }
+  return true;
+}
+
+// User text quoted in messages: bounded, so a 1 MB hostile value gives a short message.
+std::string clip(std::string_view s) {
+  constexpr std::size_t kMax = 64;
+  std::string out;
+  const std::size_t n = std::min(s.size(), kMax);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    out += (c < 0x20 || c == 0x7f) ? '?' : s[i];
+  }
+  if (s.size() > kMax) out += "... (" + std::to_string(s.size()) + " bytes)";
+  return out;
+}
+
+[[noreturn]] void bad_value(std::string_view key, std::string_view value, const std::string& expected) {
+  throw config_error(std::string(key),
+                     std::string(key) + ": invalid value '" + clip(value) + "'; expected " + expected);
+}
+
+// ---- value parsers -----------------------------------------------------------------------------
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// Unsigned decimal integer; `what` describes the expected value for messages.
+std::uint64_t parse_uint(std::string_view key, std::string_view v, const std::string& what) {
+  if (!v.empty() && v.front() == '-') bad_value(key, v, what + " (negative numbers are not allowed)");
+  if (!all_digits(v)) bad_value(key, v, what);
+  std::uint64_t n = 0;
+  auto r = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (r.ec == std::errc::result_out_of_range) bad_value(key, v, what + " (the number is too large)");
+  if (r.ec != std::errc() || r.ptr != v.data() + v.size()) bad_value(key, v, what);
+  return n;
+}
+
+// Finite decimal number (exponent allowed, as the shortest-form printer may produce one).
+double parse_double(std::string_view key, std::string_view v, const std::string& what) {
+  double d = 0;
+  auto r = std::from_chars(v.data(), v.data() + v.size(), d, std::chars_format::general);
+  if (r.ec != std::errc() || r.ptr != v.data() + v.size() || !std::isfinite(d)) bad_value(key, v, what);
+  return d;
+}
+
+// Shortest decimal text that reads back as the same double, independent of the C locale.
+std::string format_double(double d) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, d);
+  return std::string(buf, r.ptr);
+}
+
+bool parse_bool(std::string_view key, std::string_view v) {
+  if (v == "true" || v == "True" || v == "1") return true;
+  if (v == "false" || v == "False" || v == "0") return false;
+  bad_value(key, v, "a bool: true, false, True, False, 1 or 0");
+}
+
+const char* format_bool(bool b) { return b ? "true" : "false"; }
+
+template <class E>
+struct EnumName {
+  const char* name;
+  E value;
+};
+
+template <class E, std::size_t N>
+E parse_enum(std::string_view key, std::string_view v, const EnumName<E> (&names)[N]) {
+  for (const auto& n : names)
+    if (v == n.name) return n.value;
+  std::string list;
+  for (const auto& n : names) {
+    if (!list.empty()) list += ", ";
+    list += n.name;
+  }
+  bad_value(key, v, "one of: " + list);
+}
+
+constexpr EnumName<BackendKind> kBackendNames[] = {
+    {"split_merge", BackendKind::split_merge},
+    {"expandable", BackendKind::expandable},
+    {"native", BackendKind::split_merge},  // PyTorch's name for its caching allocator
+};
+constexpr EnumName<PoolPolicy> kPolicyNames[] = {{"pytorch", PoolPolicy::pytorch}, {"cupy", PoolPolicy::cupy}};
+constexpr EnumName<DeviceKind> kDeviceNames[] = {{"cuda", DeviceKind::cuda}, {"sim", DeviceKind::sim}};
+constexpr EnumName<IpcHandle> kIpcNames[] = {
+    {"none", IpcHandle::none}, {"posix_fd", IpcHandle::posix_fd}, {"fabric", IpcHandle::fabric}};
+
+struct Unit {
+  const char* name;
+  std::size_t factor;
+};
+constexpr Unit kUnits[] = {
+    {"", 1},
+    {"B", 1},
+    {"KB", 1000},
+    {"MB", 1000 * 1000},
+    {"GB", std::size_t{1000} * 1000 * 1000},
+    {"TB", std::size_t{1000} * 1000 * 1000 * 1000},
+    {"KiB", kKiB},
+    {"MiB", kMiB},
+    {"GiB", std::size_t{1} << 30},
+    {"TiB", std::size_t{1} << 40},
+};
+constexpr const char* kBytesExpected =
+    "a size in bytes: a number with an optional unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, "
+    "GiB, TiB (powers of 1024), e.g. 4096, 512KiB, 1.5GiB";
+
+// Exact: the integer part is multiplied, the fraction is folded in digit by digit with floor
+// division (Horner), so "1.5GiB" is 1610612736 without rounding through a double.
+std::size_t parse_bytes_impl(std::string_view key, std::string_view text) {
+  const std::string_view v = trim(text);
+  if (v.empty()) bad_value(key, text, kBytesExpected);
+  if (v.front() == '-') bad_value(key, v, std::string(kBytesExpected) + " (negative sizes are not allowed)");
+  std::size_t i = 0;
+  while (i < v.size() && v[i] >= '0' && v[i] <= '9') ++i;
+  const std::string_view int_part = v.substr(0, i);
+  std::string_view frac_part;
+  if (i < v.size() && v[i] == '.') {
+    const std::size_t f = ++i;
+    while (i < v.size() && v[i] >= '0' && v[i] <= '9') ++i;
+    frac_part = v.substr(f, i - f);
+    if (frac_part.empty()) bad_value(key, v, kBytesExpected);
+  }
+  if (int_part.empty()) bad_value(key, v, kBytesExpected);
+  const std::string_view unit = trim(v.substr(i));
+  std::size_t factor = 0;
+  for (const Unit& u : kUnits)
+    if (iequals(unit, u.name)) factor = u.factor;
+  if (factor == 0) bad_value(key, v, kBytesExpected);
+
+  constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max();
+  const std::string too_large = std::string(kBytesExpected) + " (the size is larger than " + std::to_string(kMax) + " bytes)";
+  std::size_t whole = 0;
+  auto r = std::from_chars(int_part.data(), int_part.data() + int_part.size(), whole);
+  if (r.ec == std::errc::result_out_of_range) bad_value(key, v, too_large);
+  if (whole > kMax / factor) bad_value(key, v, too_large);
+  std::size_t frac = 0;
+  for (std::size_t k = frac_part.size(); k-- > 0;)
+    frac = (static_cast<std::size_t>(frac_part[k] - '0') * factor + frac) / 10;  // < factor, no overflow
+  const std::size_t base = whole * factor;
+  if (frac > kMax - base) bad_value(key, v, too_large);
+  return base + frac;
+}
+
+// Canonical size text: the largest binary unit that divides it exactly.
+std::string format_size_exact(std::size_t n) {
+  if (n == 0) return "0";
+  static constexpr Unit kBinary[] = {{"TiB", std::size_t{1} << 40}, {"GiB", std::size_t{1} << 30}, {"MiB", kMiB}, {"KiB", kKiB}};
+  for (const Unit& u : kBinary)
+    if (n % u.factor == 0) return std::to_string(n / u.factor) + u.name;
+  return std::to_string(n);
+}
+
+// Percentages are parsed from the decimal text shifted by two places ("12.5" -> 12.5e-2), not by
+// dividing a double by 100, so that every fraction the printer writes reads back bit-exact.
+std::optional<double> parse_percent(std::string_view key, std::string_view v) {
+  if (v.empty() || v.back() != '%') return std::nullopt;
+  const std::string_view num = trim(v.substr(0, v.size() - 1));
+  const char* expected = "a percentage in (0%, 100%], e.g. 50%";
+  if (!num.empty() && num.front() == '-') bad_value(key, v, std::string(expected) + " (negative percentages are not allowed)");
+  const std::size_t dot = num.find('.');
+  const std::string_view ip = num.substr(0, dot);
+  const std::string_view fp = dot == std::string_view::npos ? std::string_view() : num.substr(dot + 1);
+  if (!all_digits(ip) || (dot != std::string_view::npos && !all_digits(fp))) bad_value(key, v, expected);
+  if (num.size() > 4096) bad_value(key, v, expected);  // far beyond double precision: refuse, don't allocate
+  std::string shifted(num);
+  shifted += "e-2";
+  double f = 0;
+  auto r = std::from_chars(shifted.data(), shifted.data() + shifted.size(), f, std::chars_format::general);
+  if (r.ec == std::errc::result_out_of_range) {
+    // Underflow of a nonzero value; overflow cannot pass the range check below anyway.
+    bad_value(key, v, expected);
+  }
+  if (r.ec != std::errc() || r.ptr != shifted.data() + shifted.size() || !(f <= 1.0)) bad_value(key, v, expected);
+  return f;  // 0 for "0%": no limit
+}
+
+std::string format_percent(double fraction) {
+  // Shortest scientific form d.ddde±X of the fraction, then the decimal point moved two places.
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, fraction, std::chars_format::scientific);
+  const std::string_view s(buf, static_cast<std::size_t>(r.ptr - buf));
+  const std::size_t e = s.find('e');
+  std::string digits;
+  for (char c : s.substr(0, e))
+    if (c != '.') digits += c;
+  int exp10 = 0;
+  std::string_view es = s.substr(e + 1);
+  if (!es.empty() && es.front() == '+') es.remove_prefix(1);
+  std::from_chars(es.data(), es.data() + es.size(), exp10);
+  while (digits.size() > 1 && digits.back() == '0') digits.pop_back();
+  const long point = static_cast<long>(exp10) + 2 + 1;  // digits before the decimal point
+  const long n = static_cast<long>(digits.size());
+  std::string out;
+  if (point <= 0) {
+    out = "0." + std::string(static_cast<std::size_t>(-point), '0') + digits;
+  } else if (point >= n) {
+    out = digits + std::string(static_cast<std::size_t>(point - n), '0');
+  } else {
+    out = digits.substr(0, static_cast<std::size_t>(point)) + "." + digits.substr(static_cast<std::size_t>(point));
+  }
+  return out + "%";
+}
+
+// ---- option parsers and printers ---------------------------------------------------------------
+
+using Key = std::string_view;
+
+void parse_backend(Config& c, Key key, std::string_view v) {
+  if (v == "cudaMallocAsync")
+    throw config_error(std::string(key),
+                       std::string(key) + ": 'cudaMallocAsync' (PyTorch's stream-ordered CUDA allocator) is "
+                       "not provided by expseg; expected one of: split_merge, expandable, native");
+  c.backend = parse_enum(key, v, kBackendNames);
+}
+
+void parse_size_option(std::size_t& field, Key key, std::string_view v) { field = parse_bytes_impl(key, v); }
+
+void parse_sim_capacity(Config& c, Key key, std::string_view v) {
+  const std::size_t n = parse_bytes_impl(key, v);
+  if (n == 0) bad_value(key, v, "a size larger than 0, e.g. 80GiB");
+  c.sim_capacity = n;
+}
+
+void parse_sim_granularity(Config& c, Key key, std::string_view v) {
+  const std::size_t n = parse_bytes_impl(key, v);
+  if (n < 4 * kKiB || !std::has_single_bit(n))
+    bad_value(key, v, "a power of two that is a multiple of 4KiB, e.g. 2MiB");
+  c.sim_granularity = n;
+}
+
+void parse_limit(Config& c, Key key, std::string_view v) {
+  if (auto f = parse_percent(key, v)) {
+    c.limit = Limit{0, *f};
+    return;
+  }
+  c.limit = Limit{parse_bytes_impl(key, v), 0.0};  // 0: no limit
+}
+
+std::string format_limit(const Limit& l) {
+  if (l.bytes != 0) return format_size_exact(l.bytes);
+  if (l.fraction != 0.0) return format_percent(l.fraction);
+  return "0";
+}
+
+void parse_max_handle(Config& c, Key key, std::string_view v) {
+  const std::size_t n = parse_bytes_impl(key, v);
+  if (n % (2 * kMiB) != 0) bad_value(key, v, "0 (the policy default) or a multiple of 2MiB, e.g. 64MiB");
+  c.max_handle_size = n;
+}
+
+void parse_expandable_segments(Config& c, Key key, std::string_view v) {
+  c.backend = parse_bool(key, v) ? BackendKind::expandable : BackendKind::split_merge;
+}
+
+// PyTorch's MiB options; the product must fit a size_t.
+std::size_t parse_mib(Key key, std::string_view v, const std::string& what) {
+  const std::uint64_t n = parse_uint(key, v, what);
+  if (n > std::numeric_limits<std::size_t>::max() / kMiB) bad_value(key, v, what + " (the size overflows)");
+  return static_cast<std::size_t>(n) * kMiB;
+}
+
+void parse_max_split_size(Config& c, Key key, std::string_view v) {
+  if (v == "unlimited") {
+    c.max_split_size = SIZE_MAX;
+    return;
+  }
+  const std::string what = "an integer number of MiB > 20, or unlimited";
+  const std::size_t n = parse_mib(key, v, what);
+  if (n <= 20 * kMiB)
+    throw config_error(std::string(key), std::string(key) + ": max_split_size_mb too small, must be > 20 (got '" +
+                                             clip(v) + "'); expected " + what);
+  c.max_split_size = n;
+}
+
+void parse_max_non_split_rounding(Config& c, Key key, std::string_view v) {
+  const std::string what = "an integer number of MiB >= 20";
+  const std::size_t n = parse_mib(key, v, what);
+  if (n < 20 * kMiB)
+    throw config_error(std::string(key), std::string(key) + ": max_non_split_rounding_mb too small, must be >= 20 (got '" +
+                                             clip(v) + "'); expected " + what);
+  c.max_non_split_rounding = n;
+}
+
+constexpr const char* kRoundupExpected =
+    "a power of two (or 0 = off) for all intervals, or a list [MB:divisions,...,>:divisions] whose keys "
+    "are powers of two in MB and whose divisions are powers of two or 0, e.g. [256:1,512:2,1024:4,>:8]";
+
+// A number inside a roundup value; messages quote the whole value for context.
+std::uint64_t roundup_number(Key key, std::string_view whole, std::string_view part, const char* role) {
+  if (!part.empty() && part.front() == '-')
+    bad_value(key, whole, std::string(kRoundupExpected) + " (" + role + " " + clip(part) + " is negative)");
+  std::uint64_t n = 0;
+  auto r = std::from_chars(part.data(), part.data() + part.size(), n);
+  if (!all_digits(part) || r.ec != std::errc() || r.ptr != part.data() + part.size())
+    bad_value(key, whole, std::string(kRoundupExpected) + " (" + role + " '" + clip(part) + "' is not a power of two)");
+  return n;
+}
+
+std::size_t parse_divisions(Key key, std::string_view whole, std::string_view d) {
+  const std::uint64_t n = roundup_number(key, whole, d, "divisions");
+  if (n != 0 && !std::has_single_bit(n))
+    bad_value(key, whole, std::string(kRoundupExpected) + " (divisions " + clip(d) + " is not a power of two or 0)");
+  return static_cast<std::size_t>(n);
+}
+
+// PyTorch's parseRoundUpPower2Divisions. The key's value defines every interval: the ones it does
+// not name are 0, so to_string's output reads back whatever came before.
+void parse_roundup(Config& c, Key key, std::string_view v) {
+  std::array<std::size_t, kRoundupIntervals> out{};
+  if (v.front() != '[') {
+    out.fill(parse_divisions(key, v, v));
+    c.roundup_power2_divisions = out;
+    return;
+  }
+  if (v.back() != ']' || v.size() < 2) bad_value(key, v, std::string(kRoundupExpected) + " (missing ']')");
+  const std::string_view inner = trim(v.substr(1, v.size() - 2));
+  if (inner.find_first_of("[]") != std::string_view::npos) bad_value(key, v, std::string(kRoundupExpected) + " (nested brackets)");
+  bool first = true;
+  std::size_t last_index = 0;
+  std::size_t pos = 0;
+  while (!inner.empty() && pos <= inner.size()) {
+    std::size_t comma = inner.find(',', pos);
+    if (comma == std::string_view::npos) comma = inner.size();
+    const std::string_view entry = trim(inner.substr(pos, comma - pos));
+    pos = comma + 1;
+    const std::size_t colon = entry.find(':');
+    if (entry.empty() || colon == std::string_view::npos)
+      bad_value(key, v, std::string(kRoundupExpected) + " (entry '" + clip(entry) + "' is not MB:divisions)");
+    const std::string_view k = trim(entry.substr(0, colon));
+    const std::size_t divisions = parse_divisions(key, v, trim(entry.substr(colon + 1)));
+    if (k == ">") {
+      std::fill(out.begin() + static_cast<std::ptrdiff_t>(std::min(last_index + 1, out.size())), out.end(), divisions);
+      continue;
+    }
+    const std::uint64_t boundary = roundup_number(key, v, k, "interval");
+    if (!std::has_single_bit(boundary))
+      bad_value(key, v, std::string(kRoundupExpected) + " (interval " + clip(k) + " is not a power of two)");
+    const std::size_t index = std::min<std::size_t>(static_cast<std::size_t>(std::bit_width(boundary) - 1), kRoundupIntervals - 1);
+    if (first) {
+      std::fill(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(index), divisions);
+      first = false;
+    }
+    out[index] = divisions;
+    last_index = index;
+  }
+  c.roundup_power2_divisions = out;
+}
+
+std::string format_roundup(const Config& c) {
+  const auto& v = c.roundup_power2_divisions;
+  if (std::all_of(v.begin(), v.end(), [&](std::size_t x) { return x == v[0]; })) return std::to_string(v[0]);
+  // The first key fills the intervals before it, '>' fills those after the last key: name the end of
+  // the leading run, the middle ones, then '>' for the trailing run.
+  std::size_t a = 1;
+  while (a < v.size() && v[a] == v[0]) ++a;
+  std::size_t b = v.size() - 1;
+  while (b > 0 && v[b - 1] == v.back()) --b;
+  std::string out = "[";
+  auto entry = [&out](const std::string& k, std::size_t d) {
+    if (out.size() > 1) out += ',';
+    out.append(k).append(":").append(std::to_string(d));
+  };
+  entry(std::to_string(std::size_t{1} << (a - 1)), v[0]);
+  for (std::size_t i = a; i < b; ++i) entry(std::to_string(std::size_t{1} << i), v[i]);
+  entry(">", v.back());
+  out += ']';
+  return out;
+}
+
+void parse_gc_threshold(Config& c, Key key, std::string_view v) {
+  if (v == "off") {
+    c.garbage_collection_threshold = 0.0;
+    return;
+  }
+  const char* what = "a number in (0, 1), e.g. 0.8, or off";
+  const double t = parse_double(key, v, what);
+  if (!(t > 0.0 && t < 1.0))
+    throw config_error(std::string(key), std::string(key) + ": garbage_collection_threshold is invalid, set it in (0.0, 1.0) (got '" +
+                                             clip(v) + "'); expected " + what);
+  c.garbage_collection_threshold = t;
+}
+
+void parse_memory_fraction(Config& c, Key key, std::string_view v) {
+  const char* what = "a fraction of device memory in (0, 1], e.g. 0.5";
+  const double f = parse_double(key, v, what);
+  if (!(f > 0.0 && f <= 1.0)) bad_value(key, v, what);
+  c.limit = Limit{0, f};
+}
+
+// Host-side PyTorch options: the value is checked (to catch typos) and dropped.
+void ignore_bool(Config&, Key key, std::string_view v) { (void)parse_bool(key, v); }
+void ignore_count(Config&, Key key, std::string_view v) { (void)parse_uint(key, v, "a non-negative integer"); }
+
+struct Entry {
+  Config::Option opt;
+  void (*parse)(Config&, Key, std::string_view);
+  std::string (*print)(const Config&);  // nullptr: an alias or ignored key, left out of to_string()
+};
+
+// clang-format off
+const Entry kEntries[] = {
+  // --- expseg ---
+  {{"backend", "split_merge|expandable", "split_merge",
+    "allocator backend; PyTorch's 'native' = split_merge"},
+   parse_backend, [](const Config& c) -> std::string { return to_string(c.backend); }},
+  {{"policy", "pytorch|cupy", "pytorch", "split_merge preset: PyTorch's caching allocator or CuPy's memory pool"},
+   [](Config& c, Key k, std::string_view v) { c.policy = parse_enum(k, v, kPolicyNames); },
+   [](const Config& c) -> std::string { return to_string(c.policy); }},
+  {{"device", "cuda|sim", "cuda", "the real GPU through the CUDA driver, or the simulated device"},
+   [](Config& c, Key k, std::string_view v) { c.device = parse_enum(k, v, kDeviceNames); },
+   [](const Config& c) -> std::string { return to_string(c.device); }},
+  {{"sim_capacity", "bytes", "80GiB", "memory of the simulated device"},
+   parse_sim_capacity, [](const Config& c) { return format_size_exact(c.sim_capacity); }},
+  {{"sim_granularity", "bytes", "2MiB", "allocation granularity of the simulated device (power of two, multiple of 4KiB)"},
+   parse_sim_granularity, [](const Config& c) { return format_size_exact(c.sim_granularity); }},
+  {{"sim_host_backed", "bool", "false", "simulated allocations are backed by host memory (memfd) and hold real bytes"},
+   [](Config& c, Key k, std::string_view v) { c.sim_host_backed = parse_bool(k, v); },
+   [](const Config& c) -> std::string { return format_bool(c.sim_host_backed); }},
+  {{"sim_latency", "bool", "false", "simulated driver calls follow the H200 latency model"},
+   [](Config& c, Key k, std::string_view v) { c.sim_latency = parse_bool(k, v); },
+   [](const Config& c) -> std::string { return format_bool(c.sim_latency); }},
+  {{"limit", "bytes|N%", "0", "memory limit: bytes, or a percentage of device memory; 0 = none"},
+   parse_limit, [](const Config& c) { return format_limit(c.limit); }},
+  {{"expandable_va_size", "bytes", "0", "virtual address range reserved per expandable segment; 0 = 2x device memory"},
+   [](Config& c, Key k, std::string_view v) { parse_size_option(c.va_size, k, v); },
+   [](const Config& c) { return format_size_exact(c.va_size); }},
+  {{"expandable_max_handle", "bytes", "0", "largest physical handle of the expandable backend (multiple of 2MiB); 0 = policy default"},
+   parse_max_handle, [](const Config& c) { return format_size_exact(c.max_handle_size); }},
+  {{"ipc_handle", "none|posix_fd|fabric", "none", "shareable handle type of expandable physical memory"},
+   [](Config& c, Key k, std::string_view v) { c.ipc_handle = parse_enum(k, v, kIpcNames); },
+   [](const Config& c) -> std::string { return to_string(c.ipc_handle); }},
+  {{"record", "bool", "false", "event recorder on from the start"},
+   [](Config& c, Key k, std::string_view v) { c.record = parse_bool(k, v); },
+   [](const Config& c) -> std::string { return format_bool(c.record); }},
+  {{"record_ring", "count", "0", "keep only the last N recorded events; 0 = all"},
+   [](Config& c, Key k, std::string_view v) { c.record_ring = parse_uint(k, v, "a non-negative integer (events)"); },
+   [](const Config& c) { return std::to_string(c.record_ring); }},
+  {{"oom_snapshot", "bool", "false", "attach a snapshot to every OOM report"},
+   [](Config& c, Key k, std::string_view v) { c.oom_snapshot = parse_bool(k, v); },
+   [](const Config& c) -> std::string { return format_bool(c.oom_snapshot); }},
+  {{"oom_counterfactual", "bool", "true", "on OOM, check whether the other backend would have succeeded"},
+   [](Config& c, Key k, std::string_view v) { c.oom_counterfactual = parse_bool(k, v); },
+   [](const Config& c) -> std::string { return format_bool(c.oom_counterfactual); }},
+  // --- PyTorch's keys, with PyTorch's meaning ---
+  {{"max_split_size_mb", "MiB|unlimited", "unlimited", "PyTorch: blocks this large or larger are never split (> 20)"},
+   parse_max_split_size,
+   [](const Config& c) { return c.max_split_size == SIZE_MAX ? std::string("unlimited") : std::to_string(c.max_split_size / kMiB); }},
+  {{"max_non_split_rounding_mb", "MiB", "20", "PyTorch: an oversize request may reuse a cached block up to this much larger"},
+   parse_max_non_split_rounding, [](const Config& c) { return std::to_string(c.max_non_split_rounding / kMiB); }},
+  {{"roundup_power2_divisions", "N|[MB:N,...,>:N]", "0", "PyTorch: round sizes up to 1/N steps between powers of two, per 1MiB..64GiB interval"},
+   parse_roundup, format_roundup},
+  {{"garbage_collection_threshold", "float|off", "off", "PyTorch: reclaim cached blocks when reserved memory passes this fraction of the limit"},
+   parse_gc_threshold,
+   [](const Config& c) { return c.garbage_collection_threshold == 0.0 ? std::string("off") : format_double(c.garbage_collection_threshold); }},
+  {{"expandable_segments", "bool", "False", "PyTorch: True = backend:expandable, False = backend:split_merge"},
+   parse_expandable_segments, nullptr},
+  {{"per_process_memory_fraction", "float", "1", "PyTorch: limit to this fraction of device memory, in (0, 1] (= limit:N%)"},
+   parse_memory_fraction, nullptr},
+  // --- PyTorch's host-side keys: accepted and ignored ---
+  {{"release_lock_on_cudamalloc", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
+  {{"pinned_use_cuda_host_register", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
+  {{"pinned_num_register_threads", "count", "1", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
+  {{"pinned_use_background_threads", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
+  {{"pinned_reserve_segment_size_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
+  {{"graph_capture_record_stream_reuse", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
+};
+// clang-format on
+
+constexpr std::size_t kNumEntries = std::size(kEntries);
+
+const Entry* find_entry(std::string_view key) {
+  for (const Entry& e : kEntries)
+    if (key == e.opt.name) return &e;
+  return nullptr;
+}
+
+std::string valid_keys() {
+  std::string out;
+  for (const Entry& e : kEntries) {
+    if (!out.empty()) out += ", ";
+    out += e.opt.name;
+  }
+  return out;
+}
+
+// The key of the item that starts at `item` (for messages about the item as a whole).
+std::string item_key(std::string_view item) {
+  const std::size_t colon = item.find(':');
+  if (colon == std::string_view::npos) return "";
+  const std::string_view key = trim(item.substr(0, colon));
+  return key.find_first_of("[]") == std::string_view::npos ? clip(key) : "";
+}
+
+// Splits on commas outside [...]; brackets must balance.
+std::vector<std::string_view> split_items(std::string_view text) {
+  std::vector<std::string_view> items;
+  if (trim(text).empty()) return items;
+  std::size_t start = 0;
+  int depth = 0;
+  for (std::size_t i = 0; i <= text.size(); ++i) {
+    const char c = i < text.size() ? text[i] : ',';
+    if (c == '[') {
+      ++depth;
+    } else if (c == ']') {
+      if (--depth < 0) {
+        const std::string k = item_key(text.substr(start));
+        throw config_error(k, (k.empty() ? std::string() : k + ": ") + "unbalanced ']' at byte " + std::to_string(i));
+      }
+    } else if (c == ',' && (depth == 0 || i == text.size())) {
+      if (depth > 0) {
+        const std::string k = item_key(text.substr(start));
+        throw config_error(k, (k.empty() ? std::string() : k + ": ") + "'[' opened and never closed");
+      }
+      const std::string_view item = text.substr(start, i - start);
+      if (trim(item).empty())
+        throw config_error("", "empty item at byte " + std::to_string(start) +
+                                   " (expected key:value pairs separated by single commas)");
+      items.push_back(item);
+      start = i + 1;
+    }
+  }
+  return items;
+}
+
+}  // namespace
+
+std::size_t parse_bytes(std::string_view text, std::string_view key) { return parse_bytes_impl(key, text); }
+
+std::string format_bytes(std::size_t bytes) {
+  if (bytes <= 1024) return std::to_string(bytes) + " bytes";
+  double v = 0;
+  const char* unit = nullptr;
+  if (bytes <= kMiB) {
+    v = static_cast<double>(bytes) / 1024.0;
+    unit = " KiB";
+  } else if (bytes <= (std::size_t{1} << 30)) {
+    v = static_cast<double>(bytes) / 1048576.0;
+    unit = " MiB";
+  } else {
+    v = static_cast<double>(bytes) / 1073741824.0;
+    unit = " GiB";
+  }
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed, 2);  // locale-independent %.2f
+  return std::string(buf, r.ptr) + unit;
+}
+
+void Config::apply(std::string_view text) {
+  Config next = *this;  // a failed apply leaves *this as it was
+  for (std::string_view item : split_items(text)) {
+    const std::size_t colon = item.find(':');
+    const std::string_view key = trim(item.substr(0, colon));
+    if (key.empty()) throw config_error("", "empty key in item '" + clip(trim(item)) + "' (expected key:value)");
+    const Entry* e = find_entry(key);
+    if (!e)
+      throw config_error(clip(key), "unknown option '" + clip(key) + "'; valid options are: " + valid_keys());
+    if (colon == std::string_view::npos)
+      throw config_error(std::string(key), std::string(key) + ": missing ':value'; expected " + std::string(key) +
+                                               ":<" + e->opt.type + ">");
+    const std::string_view value = trim(item.substr(colon + 1));
+    if (value.empty())
+      throw config_error(std::string(key), std::string(key) + ": empty value; expected a value of type " + e->opt.type);
+    e->parse(next, key, value);
+  }
+  *this = next;
+}
+
+Config Config::parse(std::string_view text) {
+  Config c;
+  c.apply(text);
+  return c;
+}
+
+Config Config::from_env() {
+  const char* env = std::getenv("EXPSEG_ALLOC_CONF");
+  if (env == nullptr) return Config{};
+  try {
+    return parse(env);
+  } catch (const config_error& e) {
+    throw config_error(e.key(), std::string("EXPSEG_ALLOC_CONF: ") + e.what());
+  }
+}
+
+std::string Config::to_string() const {
+  std::string out;
+  for (const Entry& e : kEntries) {
+    if (e.print == nullptr) continue;
+    if (!out.empty()) out += ',';
+    out += e.opt.name;
+    out += ':';
+    out += e.print(*this);
+  }
+  return out;
+}
+
+std::span<const Config::Option> Config::options() {
+  static const std::array<Option, kNumEntries> table = [] {
+    std::array<Option, kNumEntries> t{};
+    for (std::size_t i = 0; i < kNumEntries; ++i) t[i] = kEntries[i].opt;
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace expseg

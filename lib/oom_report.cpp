@@ -1,1 +1,179 @@
-// (being written)
+// The OOM report: what PyTorch (or CuPy) would print, then why it happened and what the other
+// backend would have done with the same live set.
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "allocator_impl.hpp"
+
+namespace expseg {
+
+namespace {
+
+std::string hex(std::uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// 838860800 -> "838,860,800" (CuPy's message format).
+std::string with_commas(std::size_t v) {
+  std::string digits = std::to_string(v);
+  std::string out;
+  const std::size_t n = digits.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    out += digits[i];
+    if ((n - i - 1) % 3 == 0 && i + 1 < n) out += ',';
+  }
+  return out;
+}
+
+struct LiveAllocation {
+  std::uint64_t addr;
+  std::size_t requested;
+  driver::stream_t stream;
+};
+
+// Replays the live set, in address order, into a fresh allocator of the other backend on a
+// simulated device of the same size and limit, then asks for the failed request.
+Counterfactual run_counterfactual(const Config& base, BackendKind other, std::size_t device_total, std::size_t granularity,
+                                  std::size_t limit, const std::vector<LiveAllocation>& live, std::size_t requested,
+                                  driver::stream_t stream) {
+  Config c = base;
+  c.backend = other;
+  c.device = DeviceKind::sim;
+  c.sim_granularity = granularity;
+  c.sim_capacity = std::max(device_total / granularity * granularity, granularity);
+  c.sim_host_backed = false;
+  c.sim_latency = false;
+  c.record = false;
+  c.oom_snapshot = false;
+  c.oom_counterfactual = false;
+  c.limit = Limit{limit, 0.0};
+  try {
+    Allocator a(c);
+    for (const LiveAllocation& l : live) a.allocate(l.requested, l.stream);
+    a.allocate(requested, stream);
+    return Counterfactual::would_succeed;
+  } catch (const std::bad_alloc&) {
+    return Counterfactual::would_fail;
+  } catch (const std::exception&) {
+    return Counterfactual::not_evaluated;
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t requested, driver::stream_t stream) {
+  auto r = std::make_shared<OomReport>();
+  r->backend = to_string(config.backend);
+  r->device = driver->device();
+  r->stream = reinterpret_cast<std::uintptr_t>(stream);
+  r->requested_bytes = requested;
+  r->rounded_bytes = backend->round_size(requested);
+  driver::MemInfo mi;
+  try {
+    mi = driver->mem_info();
+  } catch (...) {
+    mi.total = ctx.device_total;
+  }
+  r->device_total_bytes = mi.total;
+  r->device_free_bytes = mi.free;
+  r->limit_bytes = ctx.limit;
+  r->allocated_bytes = static_cast<std::size_t>(stats.allocated_bytes[kAllPools].current);
+  r->reserved_bytes = static_cast<std::size_t>(stats.reserved_bytes[kAllPools].current);
+  r->live_requested_bytes = static_cast<std::size_t>(stats.requested_bytes[kAllPools].current);
+  const backends::FreeSummary fs = backend->free_summary(r->rounded_bytes > SIZE_MAX / 2 ? 0 : r->rounded_bytes);
+  r->largest_free_block_bytes = fs.largest_free_block;
+  r->free_blocks = fs.free_blocks;
+
+  // What the request needs at the least: the memory live blocks (pending frees included) occupy,
+  // counted the way this backend must hold it (whole frames for expandable), plus the request.
+  const std::size_t active = static_cast<std::size_t>(stats.active_bytes[kAllPools].current);
+  const std::size_t footprint = std::max(fs.live_footprint, active);
+  r->live_footprint_bytes = footprint;
+  const bool overflow = r->rounded_bytes > SIZE_MAX / 2;
+  const std::size_t need = overflow ? SIZE_MAX : footprint + std::max(fs.request_footprint, r->rounded_bytes);
+  const std::size_t obtainable = mi.free + r->reserved_bytes;  // what this process could hold at most
+  if (overflow || need > mi.total) {
+    r->verdict = OomVerdict::capacity;
+  } else if (ctx.limit != 0 && need > ctx.limit) {
+    r->verdict = OomVerdict::limit;
+  } else if (need > obtainable) {
+    r->verdict = OomVerdict::capacity;  // other processes hold the rest of the device
+  } else {
+    r->verdict = OomVerdict::fragmentation;
+  }
+
+  const BackendKind other = config.backend == BackendKind::expandable ? BackendKind::split_merge : BackendKind::expandable;
+  r->other_backend = to_string(other);
+  std::vector<LiveAllocation> live_set;
+  if (r->verdict != OomVerdict::fragmentation) {
+    // Live set + request exceed the device or the limit: no backend can serve it.
+    r->counterfactual = Counterfactual::would_fail;
+  } else if (config.oom_counterfactual) {
+    live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
+    for (const StreamEvents& se : pending)
+      for (const PendingFree& pf : se.queue) live_set.push_back({pf.block->addr, pf.block->requested, pf.block->stream});
+    std::sort(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr < b.addr; });
+    live_set.erase(std::unique(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr == b.addr; }),
+                   live_set.end());
+    r->counterfactual = run_counterfactual(config, other, mi.total ? mi.total : ctx.device_total, driver->granularity(), ctx.limit,
+                                           live_set, requested, stream);
+  }
+
+  std::ostringstream os;
+  const std::size_t unallocated = r->reserved_unallocated_bytes();
+  if (config.backend == BackendKind::split_merge && config.policy == PoolPolicy::cupy) {
+    os << "Out of memory allocating " << with_commas(r->rounded_bytes) << " bytes (allocated so far: " << with_commas(r->reserved_bytes)
+       << " bytes";
+    if (ctx.limit) os << ", limit set to: " << with_commas(ctx.limit) << " bytes";
+    os << ").";
+  } else {
+    os << "CUDA out of memory. Tried to allocate " << format_bytes(r->rounded_bytes) << ". GPU " << r->device << " has a total capacity of "
+       << format_bytes(mi.total) << " of which " << format_bytes(mi.free) << " is free. ";
+    if (ctx.limit) os << format_bytes(ctx.limit) << " allowed; ";
+    os << "Of the allocated memory " << format_bytes(r->allocated_bytes) << " is allocated by expseg, and " << format_bytes(unallocated)
+       << " is reserved by expseg but unallocated.";
+    if (config.backend == BackendKind::split_merge && r->verdict == OomVerdict::fragmentation)
+      os << " If reserved but unallocated memory is large try setting EXPSEG_ALLOC_CONF=backend:expandable to avoid fragmentation.";
+  }
+  os << "\nexpseg verdict: " << to_string(r->verdict) << ". ";
+  switch (r->verdict) {
+    case OomVerdict::capacity:
+      os << "The live allocations (" << format_bytes(active) << ") plus the request (" << format_bytes(r->rounded_bytes)
+         << ") exceed what the device can give this process (" << format_bytes(std::min(obtainable, mi.total)) << " of "
+         << format_bytes(mi.total) << ").";
+      break;
+    case OomVerdict::limit:
+      os << "The live allocations (" << format_bytes(active);
+      if (footprint > active) os << ", occupying " << format_bytes(footprint) << " of whole pages";
+      os << ") plus the request (" << format_bytes(r->rounded_bytes) << ") exceed the limit of " << format_bytes(ctx.limit) << ".";
+      break;
+    case OomVerdict::fragmentation:
+      os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
+         << " is reserved but unallocated in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
+         << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
+         << (ctx.limit ? "limit" : "device") << " leaves no room for more.";
+      break;
+  }
+  os << "\nexpseg: backend " << r->backend << ", device " << driver->kind() << ":" << r->device << ", stream " << hex(r->stream) << ", "
+     << live.size() << " live allocation" << (live.size() == 1 ? "" : "s") << " (" << format_bytes(r->live_requested_bytes)
+     << " requested).";
+  switch (r->counterfactual) {
+    case Counterfactual::would_succeed:
+      os << " The " << r->other_backend << " backend, given the same " << live_set.size() << " live allocations"
+         << (ctx.limit ? " and limit" : "") << ", would have served this request.";
+      break;
+    case Counterfactual::would_fail:
+      os << " The " << r->other_backend << " backend would have failed too.";
+      break;
+    case Counterfactual::not_evaluated:
+      break;
+  }
+  r->message = os.str();
+  if (config.oom_snapshot) r->snapshot = std::make_shared<const Snapshot>(snapshot_locked());
+  return r;
+}
+
+}  // namespace expseg

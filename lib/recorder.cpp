@@ -1,1 +1,56 @@
-// (being written)
+#include "recorder.hpp"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+
+namespace expseg {
+
+namespace {
+std::uint64_t thread_id() noexcept {
+  static thread_local const auto tid = static_cast<std::uint64_t>(::syscall(SYS_gettid));
+  return tid;
+}
+// RMM logs the wall-clock time of day; keep microseconds.
+double time_of_day() noexcept {
+  using namespace std::chrono;
+  const auto us = duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
+  return static_cast<double>(us % (86400LL * 1000000LL)) / 1e6;
+}
+}  // namespace
+
+void Recorder::start(std::size_t ring) {
+  ring_ = ring;
+  buf_.clear();
+  next_ = 0;
+  if (ring_ > 0) buf_.reserve(ring_);
+  enabled_ = true;
+}
+
+void Recorder::add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream) {
+  TraceEvent e;
+  e.thread = thread_id();
+  e.time = time_of_day();
+  e.action = action;
+  e.pointer = pointer;
+  e.size = size;
+  e.stream = reinterpret_cast<std::uintptr_t>(stream);
+  if (ring_ == 0 || buf_.size() < ring_) {
+    buf_.push_back(e);
+  } else {
+    buf_[next_] = e;
+    next_ = (next_ + 1) % ring_;
+  }
+}
+
+std::vector<TraceEvent> Recorder::events() const {
+  if (ring_ == 0 || buf_.size() < ring_) return buf_;
+  std::vector<TraceEvent> out;
+  out.reserve(buf_.size());
+  out.insert(out.end(), buf_.begin() + static_cast<std::ptrdiff_t>(next_), buf_.end());
+  out.insert(out.end(), buf_.begin(), buf_.begin() + static_cast<std::ptrdiff_t>(next_));
+  return out;
+}
+
+}  // namespace expseg

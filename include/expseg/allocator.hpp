@@ -1,1 +1,103 @@
+// expseg::Allocator — one caching allocator for one device.
+//
+// Stream contract (as RMM's and PyTorch's): memory returned by allocate(bytes, stream) may be used
+// by work queued on `stream` without synchronization. After deallocate(p), the block may be handed
+// out again to a later allocate() on the same stream at once (stream order makes that safe); it is
+// handed to another stream only after the work queued on its stream is known complete. If other
+// streams used the memory, call record_stream(p, other) before deallocate(p): the block then
+// waits for events recorded on those streams.
+//
+// Thread safety: every method may be called from any thread; one lock per allocator, held for the
+// cached malloc/free path only as long as the free-block index update takes.
+//
+// Errors: allocate() throws expseg::out_of_memory (a std::bad_alloc) with a report saying why;
+// deallocate()/record_stream() of a pointer that is not a live allocation throw
+// expseg::invalid_pointer; failing driver calls throw expseg::driver_error. After any throw the
+// allocator is unchanged and keeps serving.
+//
+// Size 0: allocate(0) returns nullptr and deallocate(nullptr) does nothing (PyTorch's behaviour).
 #pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "expseg/config.hpp"
+#include "expseg/errors.hpp"
+#include "expseg/snapshot.hpp"
+#include "expseg/stats.hpp"
+#include "expseg/trace.hpp"
+
+namespace expseg {
+
+using stream_t = void*;  // a cudaStream_t / CUstream; nullptr is the default stream
+
+struct DeviceInfo {
+  int index = 0;
+  std::string kind;   // "cuda" or "sim"
+  std::string name;
+  std::size_t total_bytes = 0;
+  std::size_t free_bytes = 0;
+  std::size_t granularity = 0;
+};
+
+namespace detail {
+struct AllocatorAccess;  // tests and the replay engine reach the driver through this
+}
+
+class Allocator {
+ public:
+  // Builds the allocator for `device` (an index of the config's device kind) from `config`.
+  explicit Allocator(const Config& config = Config::from_env(), int device = 0);
+  ~Allocator();  // gives all device memory back, live allocations included
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  void* allocate(std::size_t bytes, stream_t stream = nullptr);
+  void deallocate(void* ptr);
+  void record_stream(void* ptr, stream_t stream);
+  // Gives back to the device every cached byte that can be given back (empty_cache()).
+  void release_cached();
+
+  Stats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  // Bytes of device memory this allocator may hold; 0 removes the limit. Lowering it gives back
+  // cached memory above the new limit at once.
+  void set_limit(std::size_t bytes);
+  std::size_t limit() const;
+
+  Snapshot snapshot() const;
+  // The report of the most recent out_of_memory, if any.
+  std::optional<OomReport> last_oom() const;
+
+  // Event recorder: every allocate/free (and map/unmap, allocate failure) with a timestamp. ring > 0
+  // keeps only the last `ring` events. recorded() can be written with write_trace_file().
+  void start_recording(std::size_t ring = 0);
+  void stop_recording();
+  bool recording() const;
+  std::vector<TraceEvent> recorded() const;
+
+  // Grants device `peer` access to everything this allocator maps, now and later.
+  void enable_peer_access(int peer);
+
+  // Checks every invariant of the backend and the frontend; throws expseg::error naming the first
+  // broken one. Walks all blocks: for tests and debugging, not for hot paths.
+  void validate() const;
+
+  const Config& config() const noexcept;
+  BackendKind backend() const noexcept;
+  int device() const noexcept;
+  DeviceInfo device_info() const;
+
+ private:
+  struct Impl;
+  friend struct detail::AllocatorAccess;
+  explicit Allocator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace expseg

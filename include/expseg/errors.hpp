@@ -14,6 +14,8 @@
 
 namespace expseg {
 
+struct Snapshot;
+
 // Base of the library's non-OOM errors.
 class error : public std::runtime_error {
  public:
@@ -62,11 +64,21 @@ class driver_error : public error {
 class trace_error : public error {
  public:
   trace_error(const std::string& file, std::size_t line, const std::string& message)
-      : error(file + (line ? ":" + std::to_string(line) : std::string()) + ": " + message), file_(file), line_(line) {}
+      : error(compose(file, line, message)), file_(file), line_(line) {}
   const std::string& file() const noexcept { return file_; }
   std::size_t line() const noexcept { return line_; }  // 1-based; 0 when not tied to one line
 
  private:
+  static std::string compose(const std::string& file, std::size_t line, const std::string& message) {
+    std::string text = file;
+    if (line != 0) {
+      text += ':';
+      text += std::to_string(line);
+    }
+    text += ": ";
+    text += message;
+    return text;
+  }
   std::string file_;
   std::size_t line_;
 };
@@ -97,12 +109,14 @@ struct OomReport {
   std::size_t allocated_bytes = 0;   // live blocks (rounded sizes), as stats().allocated_bytes
   std::size_t reserved_bytes = 0;    // memory held from the device, as stats().reserved_bytes
   std::size_t live_requested_bytes = 0;        // sum of the live allocations' requested sizes
+  std::size_t live_footprint_bytes = 0;        // memory the live blocks occupy at the least (whole pages when expandable)
   std::size_t largest_free_block_bytes = 0;    // largest free contiguous block the backend holds
   std::size_t free_blocks = 0;                 // number of free blocks the backend holds
   OomVerdict verdict = OomVerdict::capacity;
   std::string other_backend;                   // the backend the counterfactual was run on
   Counterfactual counterfactual = Counterfactual::not_evaluated;
   std::string message;
+  std::shared_ptr<const Snapshot> snapshot;    // with oom_snapshot:true, the allocator at the OOM
 
   std::size_t reserved_unallocated_bytes() const noexcept {
     return reserved_bytes > allocated_bytes ? reserved_bytes - allocated_bytes : 0;

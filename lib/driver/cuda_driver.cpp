@@ -1,1 +1,596 @@
-// (being written)
+// CudaDriver: the Driver interface on the CUDA driver API.
+//
+// libcuda.so.1 is dlopen'ed at run time (never linked), so the library builds and runs its simulated
+// tests where no driver is installed. Only cuGetProcAddress comes from dlsym; every other entry point
+// is obtained through it.
+//
+// ABI: cuGetProcAddress(name, cudaVersion) returns the newest ABI of `name` up to cudaVersion, and
+// that is not always what cuda.h declares under the name: for 13000, "cuCtxSynchronize" is the
+// CUDA 13 ABI cuCtxSynchronize(CUcontext), while cuda.h still declares cuCtxSynchronize(void) (seen
+// on an H200, driver 580: CUDA_ERROR_CONTEXT_IS_DESTROYED). So each entry point is requested at the
+// version whose ABI matches its declaration in cuda.h (decltype(&::cuX), which follows cuda.h's
+// macros, e.g. cuMemAlloc -> cuMemAlloc_v2), and a static_assert checks that pairing against
+// cudaTypedefs.h (PFN_cuX_vN), so a header upgrade that changes an ABI fails to compile instead of
+// crashing.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "driver/driver.hpp"
+
+#if defined(__CUDA_API_PER_THREAD_DEFAULT_STREAM) || defined(CUDA_API_PER_THREAD_DEFAULT_STREAM)
+#error "expseg's driver layer assumes legacy default stream semantics"
+#endif
+
+namespace expseg::driver {
+namespace {
+
+static_assert(sizeof(CUmemFabricHandle) == sizeof(ExportedHandle::bytes));
+static_assert(sizeof(CUipcMemHandle) == sizeof(ExportedHandle::bytes));
+static_assert(sizeof(CUdeviceptr) == sizeof(dev_ptr));
+static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
+
+// (name, the CUDA version whose ABI cuda.h declares for it). cuGetErrorName/cuGetErrorString come
+// first: later failures while loading are named with them.
+#define EXPSEG_CUDA_ENTRY_POINTS(X)                                                                    \
+  X(cuGetErrorName, 6000) X(cuGetErrorString, 6000) X(cuInit, 2000) X(cuDeviceGet, 2000)              \
+  X(cuDeviceGetCount, 2000) X(cuDeviceGetName, 2000) X(cuDeviceGetAttribute, 2000)                    \
+  X(cuDeviceCanAccessPeer, 4000) X(cuDevicePrimaryCtxRetain, 7000) X(cuDevicePrimaryCtxRelease, 11000) \
+  X(cuCtxGetCurrent, 4000) X(cuCtxPushCurrent, 4000) X(cuCtxPopCurrent, 4000)                         \
+  X(cuCtxSynchronize, 2000) X(cuMemGetInfo, 3020) X(cuMemGetAllocationGranularity, 10020)             \
+  X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)                      \
+  X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020) X(cuMemSetAccess, 10020)             \
+  X(cuMemAlloc, 3020) X(cuMemFree, 3020) X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000)             \
+  X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)  \
+  X(cuEventQuery, 2000) X(cuEventSynchronize, 2000) X(cuMemsetD32Async, 3020)                         \
+  X(cuMemcpyDtoH, 3020) X(cuMemcpyHtoD, 3020) X(cuMemExportToShareableHandle, 10020)                  \
+  X(cuMemImportFromShareableHandle, 10020) X(cuIpcGetMemHandle, 4010) X(cuIpcOpenMemHandle, 11000)    \
+  X(cuIpcCloseMemHandle, 4010)
+
+// `name` is macro-expanded (cuMemAlloc -> cuMemAlloc_v2) in decltype and in the member name alike,
+// so `api.cuMemAlloc` is the cuMemAlloc_v2 pointer; PFN_##name pastes the unexpanded name.
+#define EXPSEG_CHECK_ABI(name, version)                                                      \
+  static_assert(std::is_same_v<decltype(&::name), PFN_##name##_v##version>,                  \
+                "cuda.h's declaration of " #name " is not the ABI of CUDA version " #version);
+EXPSEG_CUDA_ENTRY_POINTS(EXPSEG_CHECK_ABI)
+#undef EXPSEG_CHECK_ABI
+
+struct Api {
+#define EXPSEG_DECLARE(name, version) decltype(&::name) name = nullptr;
+  EXPSEG_CUDA_ENTRY_POINTS(EXPSEG_DECLARE)
+#undef EXPSEG_DECLARE
+};
+
+// The process-wide state of libcuda: loaded once, never unloaded (unloading libcuda while other
+// code may still hold its pointers, or at exit, is a known source of crashes).
+struct Library {
+  bool ok = false;     // libcuda loaded, every entry point found, cuInit succeeded
+  int device_count = 0;
+  Api api;
+  // When !ok: the failure, as the fields of the driver_error make_cuda_driver throws.
+  std::string call;
+  int code = 0;
+  std::string code_name;
+  std::string description;
+};
+
+std::string error_name(const Api& api, CUresult r) {
+  const char* name = nullptr;
+  if (api.cuGetErrorName == nullptr || api.cuGetErrorName(r, &name) != CUDA_SUCCESS || name == nullptr)
+    return "CUDA_ERROR_UNRECOGNIZED";
+  return name;
+}
+
+std::string error_string(const Api& api, CUresult r) {
+  const char* text = nullptr;
+  if (api.cuGetErrorString == nullptr || api.cuGetErrorString(r, &text) != CUDA_SUCCESS || text == nullptr)
+    return "unrecognized CUresult " + std::to_string(static_cast<int>(r));
+  return text;
+}
+
+[[noreturn]] void throw_cuda(const Api& api, const char* call, CUresult r) {
+  throw driver_error(call, static_cast<int>(r), error_name(api, r), error_string(api, r));
+}
+
+inline void check(const Api& api, CUresult r, const char* call) {
+  if (r != CUDA_SUCCESS) throw_cuda(api, call, r);
+}
+
+Library load_library() {
+  Library lib;
+  auto fail = [&lib](std::string call, int code, std::string code_name, std::string description) {
+    lib.call = std::move(call);
+    lib.code = code;
+    lib.code_name = std::move(code_name);
+    lib.description = std::move(description);
+    return std::move(lib);
+  };
+
+  void* handle = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* e1 = ::dlerror();
+    std::string first = e1 ? e1 : "unknown error";
+    handle = ::dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      const char* e2 = ::dlerror();
+      return fail("dlopen", CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND",
+                  "cannot load the CUDA driver library: " + first + "; " + (e2 ? e2 : "unknown error"));
+    }
+  }
+
+  using GetProcV2 = PFN_cuGetProcAddress_v12000;
+  static_assert(std::is_same_v<GetProcV2, decltype(&::cuGetProcAddress_v2)>);
+  using GetProcV1 = PFN_cuGetProcAddress_v11030;
+  GetProcV2 get_v2 = nullptr;
+  GetProcV1 get_v1 = nullptr;
+  if (void* sym = ::dlsym(handle, "cuGetProcAddress_v2")) {
+    get_v2 = reinterpret_cast<GetProcV2>(sym);
+  } else if (void* sym1 = ::dlsym(handle, "cuGetProcAddress")) {
+    get_v1 = reinterpret_cast<GetProcV1>(sym1);
+  } else {
+    return fail("dlsym", CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND",
+                "libcuda has neither cuGetProcAddress_v2 nor cuGetProcAddress (driver too old)");
+  }
+
+  // On failure returns the description of what went wrong; empty on success.
+  // The default flags give the legacy-default-stream variants (not _ptds/_ptsz).
+  auto get = [&](const char* symbol, int version, void** fn, CUresult* result) -> std::string {
+    *fn = nullptr;
+    if (get_v2 != nullptr) {
+      CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SUCCESS;
+      *result = get_v2(symbol, fn, version, CU_GET_PROC_ADDRESS_DEFAULT, &status);
+      if (*result == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && *fn != nullptr) return {};
+      if (status == CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)
+        return std::string(symbol) + " is not available for CUDA version " + std::to_string(version);
+    } else {
+      *result = get_v1(symbol, fn, version, CU_GET_PROC_ADDRESS_DEFAULT);
+      if (*result == CUDA_SUCCESS && *fn != nullptr) return {};
+    }
+    return std::string(symbol) + " not found in the CUDA driver (driver too old?)";
+  };
+
+#define EXPSEG_LOAD(name, version)                                                             \
+  {                                                                                            \
+    void* fn = nullptr;                                                                        \
+    CUresult r = CUDA_SUCCESS;                                                                 \
+    std::string problem = get(#name, version, &fn, &r);                                        \
+    if (!problem.empty()) {                                                                    \
+      if (r == CUDA_SUCCESS) r = CUDA_ERROR_NOT_FOUND;                                         \
+      return fail("cuGetProcAddress", static_cast<int>(r), error_name(lib.api, r), problem);   \
+    }                                                                                          \
+    lib.api.name = reinterpret_cast<decltype(lib.api.name)>(fn);                               \
+  }
+  EXPSEG_CUDA_ENTRY_POINTS(EXPSEG_LOAD)
+#undef EXPSEG_LOAD
+
+  if (CUresult r = lib.api.cuInit(0); r != CUDA_SUCCESS)
+    return fail("cuInit", static_cast<int>(r), error_name(lib.api, r), error_string(lib.api, r));
+  int count = 0;
+  if (CUresult r = lib.api.cuDeviceGetCount(&count); r != CUDA_SUCCESS)
+    return fail("cuDeviceGetCount", static_cast<int>(r), error_name(lib.api, r), error_string(lib.api, r));
+  lib.device_count = count;
+  lib.ok = true;
+  return lib;
+}
+
+const Library& library() {
+  static const Library lib = load_library();  // thread-safe, once
+  return lib;
+}
+
+CUmemAllocationHandleType to_cu(ShareableHandle type) noexcept {
+  switch (type) {
+    case ShareableHandle::posix_fd: return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    case ShareableHandle::fabric: return CU_MEM_HANDLE_TYPE_FABRIC;
+    case ShareableHandle::none: break;
+  }
+  return CU_MEM_HANDLE_TYPE_NONE;
+}
+
+const char* shareable_name(ShareableHandle type) noexcept {
+  switch (type) {
+    case ShareableHandle::posix_fd: return "posix_fd";
+    case ShareableHandle::fabric: return "fabric";
+    case ShareableHandle::none: break;
+  }
+  return "none";
+}
+
+CUdeviceptr to_cu(dev_ptr p) noexcept { return static_cast<CUdeviceptr>(p); }
+// The legacy default stream, named explicitly so the meaning of nullptr never depends on flags.
+CUstream to_cu(stream_t s) noexcept { return s ? static_cast<CUstream>(s) : CU_STREAM_LEGACY; }
+CUevent to_cu_event(event_t e) noexcept { return static_cast<CUevent>(e); }
+
+[[noreturn]] void throw_invalid(const char* call, const std::string& description) {
+  throw driver_error(call, CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", description);
+}
+
+class CudaDriver final : public Driver {
+ public:
+  CudaDriver(const Api& api, int device, const CudaOptions& options);
+  ~CudaDriver() override;
+  CudaDriver(const CudaDriver&) = delete;
+  CudaDriver& operator=(const CudaDriver&) = delete;
+
+  const char* kind() const noexcept override { return "cuda"; }
+  int device() const noexcept override { return ordinal_; }
+  std::string device_name() const override { return name_; }
+  std::size_t granularity() const noexcept override { return granularity_; }
+
+  MemInfo mem_info() override {
+    CtxScope scope(*this);
+    std::size_t free = 0, total = 0;
+    check(api_, api_.cuMemGetInfo(&free, &total), "cuMemGetInfo");
+    return {free, total};
+  }
+
+  dev_ptr reserve(std::size_t bytes) override {
+    CtxScope scope(*this);
+    CUdeviceptr p = 0;
+    check(api_, api_.cuMemAddressReserve(&p, bytes, granularity_, 0, 0), "cuMemAddressReserve");
+    return p;
+  }
+  void free_reserve(dev_ptr base, std::size_t bytes) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemAddressFree(to_cu(base), bytes), "cuMemAddressFree");
+  }
+  phys_handle create(std::size_t bytes) override {
+    CtxScope scope(*this);
+    CUmemGenericAllocationHandle h = 0;
+    check(api_, api_.cuMemCreate(&h, bytes, &prop_, 0), "cuMemCreate");
+    return h;
+  }
+  void release(phys_handle handle) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemRelease(handle), "cuMemRelease");
+  }
+  void map(dev_ptr ptr, std::size_t bytes, phys_handle handle) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemMap(to_cu(ptr), bytes, 0, handle, 0), "cuMemMap");
+  }
+  void unmap(dev_ptr ptr, std::size_t bytes) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemUnmap(to_cu(ptr), bytes), "cuMemUnmap");
+  }
+  void set_access(dev_ptr ptr, std::size_t bytes) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemSetAccess(to_cu(ptr), bytes, access_.data(), access_.size()), "cuMemSetAccess");
+  }
+
+  dev_ptr mem_alloc(std::size_t bytes) override {
+    CtxScope scope(*this);
+    CUdeviceptr p = 0;
+    check(api_, api_.cuMemAlloc(&p, bytes), "cuMemAlloc");
+    return p;
+  }
+  void mem_free(dev_ptr ptr) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemFree(to_cu(ptr)), "cuMemFree");
+  }
+
+  stream_t stream_create() override {
+    CtxScope scope(*this);
+    CUstream s = nullptr;
+    check(api_, api_.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    return s;
+  }
+  void stream_destroy(stream_t stream) override {
+    if (stream == nullptr) throw_invalid("cuStreamDestroy", "the default stream cannot be destroyed");
+    CtxScope scope(*this);
+    check(api_, api_.cuStreamDestroy(static_cast<CUstream>(stream)), "cuStreamDestroy");
+  }
+  event_t event_create() override {
+    CtxScope scope(*this);
+    CUevent e = nullptr;
+    check(api_, api_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    return e;
+  }
+  void event_destroy(event_t event) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuEventDestroy(to_cu_event(event)), "cuEventDestroy");
+  }
+  void event_record(event_t event, stream_t stream) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuEventRecord(to_cu_event(event), to_cu(stream)), "cuEventRecord");
+  }
+  bool event_query(event_t event) override {
+    CtxScope scope(*this);
+    const CUresult r = api_.cuEventQuery(to_cu_event(event));
+    if (r == CUDA_ERROR_NOT_READY) return false;
+    check(api_, r, "cuEventQuery");
+    return true;
+  }
+  void event_synchronize(event_t event) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuEventSynchronize(to_cu_event(event)), "cuEventSynchronize");
+  }
+  void stream_synchronize(stream_t stream) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuStreamSynchronize(to_cu(stream)), "cuStreamSynchronize");
+  }
+  void device_synchronize() override {
+    CtxScope scope(*this);
+    check(api_, api_.cuCtxSynchronize(), "cuCtxSynchronize");
+  }
+
+  void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemsetD32Async(to_cu(ptr), value, count, to_cu(stream)), "cuMemsetD32Async");
+  }
+  void copy_to_host(void* dst, dev_ptr src, std::size_t bytes) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemcpyDtoH(dst, to_cu(src), bytes), "cuMemcpyDtoH");
+  }
+  void copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemcpyHtoD(to_cu(dst), src, bytes), "cuMemcpyHtoD");
+  }
+
+  int device_count() override {
+    int count = 0;
+    check(api_, api_.cuDeviceGetCount(&count), "cuDeviceGetCount");
+    return count;
+  }
+  // Whether `peer` can access memory that lives on this device: the direction set_access() grants.
+  bool can_access_peer(int peer) override {
+    if (peer == ordinal_) return false;
+    CtxScope scope(*this);
+    CUdevice peer_dev = 0;
+    check(api_, api_.cuDeviceGet(&peer_dev, peer), "cuDeviceGet");
+    int can = 0;
+    check(api_, api_.cuDeviceCanAccessPeer(&can, peer_dev, dev_), "cuDeviceCanAccessPeer");
+    return can != 0;
+  }
+  bool add_access_device(int peer) override {
+    for (int d : devices_)
+      if (d == peer) return false;
+    if (!can_access_peer(peer))
+      throw driver_error("cuDeviceCanAccessPeer", CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+                         "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+                         "device " + std::to_string(peer) + " cannot access memory of device " +
+                             std::to_string(ordinal_));
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = peer;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    access_.reserve(access_.size() + 1);  // both pushes below then cannot throw halfway
+    devices_.push_back(peer);
+    access_.push_back(desc);
+    return true;
+  }
+  std::vector<int> access_devices() const override { return devices_; }
+
+  ShareableHandle shareable_handle_type() const noexcept override { return shareable_; }
+  std::string shareable_fallback_reason() const override { return fallback_reason_; }
+
+  ExportedHandle export_handle(phys_handle handle) override {
+    ExportedHandle out;
+    out.type = shareable_;
+    if (shareable_ == ShareableHandle::none)
+      throw_invalid("cuMemExportToShareableHandle",
+                    "physical memory is created without a shareable handle type (CudaOptions::shareable "
+                    "is none, or fell back to none: " + fallback_reason_ + ")");
+    CtxScope scope(*this);
+    if (shareable_ == ShareableHandle::posix_fd) {
+      int fd = -1;
+      check(api_, api_.cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle");
+      out.fd = fd;
+    } else {
+      CUmemFabricHandle fabric{};
+      check(api_, api_.cuMemExportToShareableHandle(&fabric, handle, CU_MEM_HANDLE_TYPE_FABRIC, 0),
+            "cuMemExportToShareableHandle");
+      std::memcpy(out.bytes.data(), &fabric, sizeof fabric);
+    }
+    return out;
+  }
+  phys_handle import_handle(const ExportedHandle& exported) override {
+    CUmemGenericAllocationHandle h = 0;
+    switch (exported.type) {
+      case ShareableHandle::posix_fd: {
+        if (exported.fd < 0) throw_invalid("cuMemImportFromShareableHandle", "the exported file descriptor is negative");
+        CtxScope scope(*this);
+        void* os_handle = reinterpret_cast<void*>(static_cast<std::uintptr_t>(exported.fd));
+        check(api_, api_.cuMemImportFromShareableHandle(&h, os_handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+              "cuMemImportFromShareableHandle");
+        return h;
+      }
+      case ShareableHandle::fabric: {
+        CtxScope scope(*this);
+        CUmemFabricHandle fabric{};
+        std::memcpy(&fabric, exported.bytes.data(), sizeof fabric);
+        check(api_, api_.cuMemImportFromShareableHandle(&h, &fabric, CU_MEM_HANDLE_TYPE_FABRIC),
+              "cuMemImportFromShareableHandle");
+        return h;
+      }
+      case ShareableHandle::none: break;
+    }
+    throw_invalid("cuMemImportFromShareableHandle", "the exported handle has no shareable type");
+  }
+  ExportedHandle ipc_export(dev_ptr mem_alloc_ptr) override {
+    CtxScope scope(*this);
+    CUipcMemHandle h{};
+    check(api_, api_.cuIpcGetMemHandle(&h, to_cu(mem_alloc_ptr)), "cuIpcGetMemHandle");
+    ExportedHandle out;
+    std::memcpy(out.bytes.data(), &h, sizeof h);
+    return out;
+  }
+  dev_ptr ipc_open(const ExportedHandle& exported) override {
+    CtxScope scope(*this);
+    CUipcMemHandle h{};
+    std::memcpy(&h, exported.bytes.data(), sizeof h);
+    CUdeviceptr p = 0;
+    check(api_, api_.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle");
+    return p;
+  }
+  void ipc_close(dev_ptr ptr) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuIpcCloseMemHandle(to_cu(ptr)), "cuIpcCloseMemHandle");
+  }
+
+ private:
+  // Makes the device's primary context current for one call: pushes it only when another (or no)
+  // context is current, and pops it at scope exit, so callers' own contexts stay as they were, on
+  // any thread.
+  class CtxScope {
+   public:
+    explicit CtxScope(const CudaDriver& d) : api_(d.api_) {
+      CUcontext current = nullptr;
+      check(api_, api_.cuCtxGetCurrent(&current), "cuCtxGetCurrent");
+      if (current != d.ctx_) {
+        check(api_, api_.cuCtxPushCurrent(d.ctx_), "cuCtxPushCurrent");
+        pushed_ = true;
+      }
+    }
+    ~CtxScope() {
+      if (pushed_) {
+        CUcontext popped = nullptr;
+        (void)api_.cuCtxPopCurrent(&popped);  // cannot fail: we pushed it on this thread
+      }
+    }
+    CtxScope(const CtxScope&) = delete;
+    CtxScope& operator=(const CtxScope&) = delete;
+
+   private:
+    const Api& api_;
+    bool pushed_ = false;
+  };
+
+  CUmemAllocationProp make_prop(ShareableHandle type) const noexcept {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = to_cu(type);
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal_;
+    return prop;
+  }
+  std::string cuda_failure(const char* call, CUresult r) const {
+    return std::string(call) + " failed: " + error_name(api_, r) + " (" + std::to_string(static_cast<int>(r)) +
+           "): " + error_string(api_, r);
+  }
+  // Empty when physical memory of this type can be created here; otherwise why not. Needs ctx_ current.
+  std::string probe_shareable(ShareableHandle type);
+
+  const Api& api_;
+  int ordinal_;
+  CUdevice dev_ = 0;
+  CUcontext ctx_ = nullptr;  // the device's primary context, retained for the object's lifetime
+  std::string name_;
+  std::size_t granularity_ = 0;
+  CUmemAllocationProp prop_{};  // what create() makes: pinned, on this device, shareable_ handles
+  ShareableHandle shareable_ = ShareableHandle::none;
+  std::string fallback_reason_;
+  std::vector<int> devices_;             // this device first; devices_[i] is access_[i]'s location
+  std::vector<CUmemAccessDesc> access_;  // READWRITE for each of devices_
+};
+
+CudaDriver::CudaDriver(const Api& api, int device, const CudaOptions& options) : api_(api), ordinal_(device) {
+  check(api_, api_.cuDeviceGet(&dev_, device), "cuDeviceGet");
+  check(api_, api_.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
+  try {  // the destructor does not run if the constructor throws: release the context here
+    CtxScope scope(*this);
+    char name[256] = {};
+    check(api_, api_.cuDeviceGetName(name, static_cast<int>(sizeof name - 1), dev_), "cuDeviceGetName");
+    name_ = name;
+
+    ShareableHandle type = options.shareable;
+    while (type != ShareableHandle::none) {
+      std::string problem = probe_shareable(type);
+      if (problem.empty()) break;
+      const ShareableHandle next = type == ShareableHandle::fabric ? ShareableHandle::posix_fd : ShareableHandle::none;
+      if (!fallback_reason_.empty()) fallback_reason_ += "; ";
+      fallback_reason_ += std::string(shareable_name(type)) + " handles are not available (" + problem + "), using " +
+                          shareable_name(next);
+      type = next;
+    }
+    shareable_ = type;
+    prop_ = make_prop(type);
+    check(api_, api_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+          "cuMemGetAllocationGranularity");
+
+    CUmemAccessDesc self{};
+    self.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    self.location.id = ordinal_;
+    self.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    devices_.push_back(ordinal_);
+    access_.push_back(self);
+  } catch (...) {
+    (void)api_.cuDevicePrimaryCtxRelease(dev_);
+    throw;
+  }
+}
+
+CudaDriver::~CudaDriver() {
+  // Errors are ignored: at process exit the driver may already be shutting down.
+  (void)api_.cuDevicePrimaryCtxRelease(dev_);
+}
+
+std::string CudaDriver::probe_shareable(ShareableHandle type) {
+  const CUdevice_attribute attr = type == ShareableHandle::fabric
+                                      ? CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED
+                                      : CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+  const char* attr_name = type == ShareableHandle::fabric ? "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"
+                                                          : "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED";
+  int supported = 0;
+  if (CUresult r = api_.cuDeviceGetAttribute(&supported, attr, dev_); r != CUDA_SUCCESS)
+    return cuda_failure("cuDeviceGetAttribute", r);
+  if (supported == 0) return std::string("the device reports ") + attr_name + " = 0";
+
+  // The attribute can say yes where the platform still refuses (fabric without IMEX channels in a
+  // container): only creating memory tells.
+  const CUmemAllocationProp prop = make_prop(type);
+  std::size_t gran = 0;
+  if (CUresult r = api_.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+      r != CUDA_SUCCESS)
+    return cuda_failure("cuMemGetAllocationGranularity", r);
+  CUmemGenericAllocationHandle h = 0;
+  if (CUresult r = api_.cuMemCreate(&h, gran, &prop, 0); r != CUDA_SUCCESS)
+    return "a probe " + cuda_failure("cuMemCreate", r);
+  check(api_, api_.cuMemRelease(h), "cuMemRelease");
+  return {};
+}
+
+}  // namespace
+
+std::unique_ptr<Driver> make_cuda_driver(int device, const CudaOptions& options) {
+  const Library& lib = library();
+  if (!lib.ok) throw driver_error(lib.call, lib.code, lib.code_name, lib.description);
+  return std::make_unique<CudaDriver>(lib.api, device, options);
+}
+
+bool cuda_usable(std::string* why) {
+  try {
+    const Library& lib = library();
+    if (!lib.ok) {
+      if (why) *why = lib.call + " failed: " + lib.code_name + " (" + std::to_string(lib.code) + "): " + lib.description;
+      return false;
+    }
+    if (lib.device_count <= 0) {
+      if (why) *why = "the CUDA driver reports no device";
+      return false;
+    }
+    if (why) why->clear();
+    return true;
+  } catch (const std::exception& e) {  // only allocation failures can get here
+    if (why) *why = e.what();
+    return false;
+  }
+}
+
+int cuda_device_count() {
+  try {
+    const Library& lib = library();
+    return lib.ok ? lib.device_count : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+}  // namespace expseg::driver

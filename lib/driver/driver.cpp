@@ -1,1 +1,27 @@
-// (being written)
+// Names of the driver operations (Op), as the CUDA calls that implement them.
+#include "driver/driver.hpp"
+
+namespace expseg::driver {
+
+const char* op_name(Op op) noexcept {
+  switch (op) {
+    case Op::reserve: return "cuMemAddressReserve";
+    case Op::free_reserve: return "cuMemAddressFree";
+    case Op::create: return "cuMemCreate";
+    case Op::release: return "cuMemRelease";
+    case Op::map: return "cuMemMap";
+    case Op::unmap: return "cuMemUnmap";
+    case Op::set_access: return "cuMemSetAccess";
+    case Op::mem_alloc: return "cuMemAlloc";
+    case Op::mem_free: return "cuMemFree";
+    case Op::event_record: return "cuEventRecord";
+    case Op::event_query: return "cuEventQuery";
+    case Op::stream_sync: return "cuStreamSynchronize";
+    case Op::export_handle: return "cuMemExportToShareableHandle";
+    case Op::import_handle: return "cuMemImportFromShareableHandle";
+    case Op::count_: break;
+  }
+  return "unknown";
+}
+
+}  // namespace expseg::driver

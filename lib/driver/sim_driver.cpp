@@ -1,1 +1,818 @@
-// (being written)
+// SimDriver: the simulated device (see sim_driver.hpp).
+//
+// Every public method takes Impl::mutex, so tests may call it from several threads. Each method
+// checks everything first and changes state last; host system calls that can fail come before the
+// bookkeeping, and are undone if a later step of the same call fails, so a call that throws has no
+// effect.
+#include "driver/sim_driver.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <stdexcept>
+#include <utility>
+
+namespace expseg::driver {
+namespace {
+
+constexpr int kInvalidValue = 1;
+constexpr int kOutOfMemory = 2;
+constexpr int kInvalidDevice = 101;
+constexpr int kUnknown = 999;
+constexpr dev_ptr kFirstFakeAddress = 0x100000000000;
+constexpr int kFakeFdBase = 1 << 30;  // above any real fd limit: close() on it is a harmless EBADF
+constexpr std::uint32_t kHandleMagic = 0x45534831;  // "ESH1": an exported physical handle
+constexpr std::uint32_t kIpcMagic = 0x45534931;     // "ESI1": an exported cuMemAlloc pointer
+
+std::atomic<std::uint64_t> g_next_instance{1};  // tells exported handles of two SimDrivers apart
+
+std::string hex(std::uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string range(dev_ptr p, std::size_t bytes) {
+  std::string s(1, '[');  // appended piecewise: g++ 12 warns falsely (-Wrestrict) on "[" + std::string
+  s += hex(p);
+  s += ", ";
+  s += hex(p + bytes);
+  s += ')';
+  return s;
+}
+
+[[noreturn]] void invalid(const char* call, const std::string& what) {
+  throw driver_error(call, kInvalidValue, "CUDA_ERROR_INVALID_VALUE", what);
+}
+
+[[noreturn]] void out_of_memory(const char* call, const std::string& what) {
+  throw driver_error(call, kOutOfMemory, "CUDA_ERROR_OUT_OF_MEMORY", what);
+}
+
+[[noreturn]] void host_failure(const char* call, const char* syscall, int err) {
+  const std::string what = std::string("simulated device: ") + syscall + " failed: " + std::strerror(err);
+  if (err == ENOMEM) out_of_memory(call, what);
+  throw driver_error(call, kUnknown, "CUDA_ERROR_UNKNOWN", what);
+}
+
+std::uintptr_t id_of(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
+void* as_pointer(std::uintptr_t id) noexcept { return reinterpret_cast<void*>(id); }
+
+// --- latency model: H200 medians (DESIGN.md), µs, interpolated linearly in log(size) ---------
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr std::array<double, 5> kTableSizes = {2 * kMiB, 20 * kMiB, 64 * kMiB, 512 * kMiB, 2048 * kMiB};
+constexpr std::array<double, 5> kCreateUs = {8.1, 8.1, 8.7, 27.3, 98.9};
+constexpr std::array<double, 5> kMapUs = {0.7, 0.7, 0.7, 0.8, 1.1};
+constexpr std::array<double, 5> kSetAccessUs = {35.9, 36.0, 36.8, 50.3, 94.6};
+constexpr std::array<double, 5> kUnmapUs = {22.0, 22.1, 22.5, 27.1, 42.1};
+constexpr std::array<double, 5> kReleaseUs = {10.2, 19.3, 37.7, 168.6, 624.8};
+// cuMemAlloc/cuMemFree were measured small (taken at the table's smallest size) and at 1 GiB.
+constexpr std::array<double, 2> kAllocSizes = {2 * kMiB, 1024 * kMiB};
+constexpr std::array<double, 2> kMemAllocUs = {33.0, 91.0};
+constexpr std::array<double, 2> kMemFreeUs = {29.0, 336.0};
+constexpr double kReserveUs = 24.0;
+constexpr double kEventUs = 0.5;
+constexpr double kSyncUs = 5.0;
+
+template <std::size_t N>
+double interpolate_us(const std::array<double, N>& sizes, const std::array<double, N>& us, std::size_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b <= sizes.front()) return us.front();
+  if (b >= sizes.back()) return us.back();
+  std::size_t i = 1;
+  while (sizes[i] < b) ++i;
+  const double t = (std::log(b) - std::log(sizes[i - 1])) / (std::log(sizes[i]) - std::log(sizes[i - 1]));
+  return us[i - 1] + t * (us[i] - us[i - 1]);
+}
+
+}  // namespace
+
+struct SimDriver::Impl {
+  // A physical allocation. Invariant: refs = handles naming it + mappings of it; it (and its bytes
+  // in `physical`) lives while refs > 0, as CUDA keeps released-but-mapped memory until unmapped.
+  struct Phys {
+    std::size_t size = 0;
+    int fd = -1;  // host-backed: the memfd holding the data
+    std::size_t refs = 0;
+  };
+  // One map() call. Invariant: mappings are disjoint, each inside one reservation; access has one
+  // flag per granule (set_access may cover part of a mapping).
+  struct Mapping {
+    std::size_t size = 0;
+    std::uint64_t phys = 0;
+    std::vector<bool> access;
+  };
+  struct Alloc {
+    std::size_t size = 0;       // as requested (counted in `physical`)
+    std::size_t host_size = 0;  // host-backed: the mmap'ed length
+    std::size_t ipc_opens = 0;
+  };
+  struct Event {
+    bool pending = false;  // recorded on a busy stream and not yet completed
+    std::uintptr_t stream = 0;
+    std::uint64_t seq = 0;  // order of recording, across streams
+  };
+
+  explicit Impl(const SimOptions& o)
+      : opt(o), instance(g_next_instance.fetch_add(1)) {
+    streams.emplace(0, false);  // the default stream
+  }
+
+  const SimOptions opt;
+  const std::uint64_t instance;
+  mutable std::mutex mutex;
+
+  std::array<std::uint64_t, kOpCount> calls{};
+  std::map<std::pair<std::size_t, std::uint64_t>, Fault> faults;  // (op, absolute call number)
+  double seconds = 0;
+
+  std::uint64_t next_id = 1;  // handles, physical allocations, events and streams: never reused
+  dev_ptr next_address = kFirstFakeAddress;
+  std::size_t foreign = 0;
+  std::size_t physical = 0;  // bytes of live Phys + live Allocs
+
+  std::map<dev_ptr, std::size_t> reservations;  // base -> size; disjoint
+  std::unordered_map<std::uint64_t, Phys> phys;
+  std::unordered_map<phys_handle, std::uint64_t> handles;  // handle -> phys id
+  std::map<dev_ptr, Mapping> mappings;                      // start -> mapping
+  std::map<dev_ptr, Alloc> allocs;                          // cuMemAlloc pointers
+  std::unordered_map<std::uintptr_t, bool> streams;         // id -> busy; 0 is the default stream
+  std::unordered_map<std::uintptr_t, Event> events;
+  std::uint64_t record_seq = 0;
+  std::vector<int> peers;
+
+  std::size_t gran() const noexcept { return opt.granularity; }
+
+  // Counts the call; throws the injected fault if this is the call it was aimed at.
+  void enter(Op op, const char* call) {
+    const auto index = static_cast<std::size_t>(op);
+    const std::uint64_t n = ++calls[index];
+    auto it = faults.find({index, n});
+    if (it == faults.end()) return;
+    const Fault fault = it->second;
+    faults.erase(it);
+    if (fault == Fault::out_of_memory)
+      out_of_memory(call, "out of memory (fault injected by the simulated device)");
+    throw driver_error(call, kUnknown, "CUDA_ERROR_UNKNOWN", "fault injected by the simulated device");
+  }
+  void charge(double us) noexcept {
+    if (opt.latency_model) seconds += us * 1e-6;
+  }
+
+  void check_granular(const char* call, const char* what, std::uint64_t value) const {
+    if (value % gran() != 0)
+      invalid(call, std::string(what) + " " + hex(value) + " is not a multiple of the granularity " + hex(gran()));
+  }
+  void check_range(const char* call, dev_ptr ptr, std::size_t bytes) const {
+    if (bytes == 0) invalid(call, "size is 0");
+    check_granular(call, "address", ptr);
+    check_granular(call, "size", bytes);
+    if (bytes > std::numeric_limits<dev_ptr>::max() - ptr) invalid(call, "range " + hex(ptr) + " + " + hex(bytes) + " wraps around");
+  }
+  void check_capacity(const char* call, std::size_t bytes) const {
+    const std::size_t avail = opt.capacity > foreign ? opt.capacity - foreign : 0;
+    if (bytes > avail || physical > avail - bytes)
+      out_of_memory(call, "out of memory: " + std::to_string(bytes) + " bytes requested, " +
+                              std::to_string(avail > physical ? avail - physical : 0) + " of " +
+                              std::to_string(opt.capacity) + " bytes free on the simulated device (" +
+                              std::to_string(physical) + " in use, " + std::to_string(foreign) +
+                              " used by other processes)");
+  }
+
+  // The mapping containing addr, or mappings.end().
+  std::map<dev_ptr, Mapping>::iterator mapping_at(dev_ptr addr) {
+    auto it = mappings.upper_bound(addr);
+    if (it == mappings.begin()) return mappings.end();
+    --it;
+    return addr < it->first + it->second.size ? it : mappings.end();
+  }
+  std::map<dev_ptr, Mapping>::const_iterator mapping_at(dev_ptr addr) const {
+    return const_cast<Impl*>(this)->mapping_at(addr);
+  }
+  // Whether [ptr, ptr+bytes) is covered by mappings without a gap.
+  bool fully_mapped(dev_ptr ptr, std::size_t bytes) const {
+    const dev_ptr end = ptr + bytes;
+    auto it = mapping_at(ptr);
+    dev_ptr cur = ptr;
+    while (cur < end) {
+      if (it == mappings.end() || it->first > cur) return false;
+      cur = it->first + it->second.size;
+      ++it;
+    }
+    return true;
+  }
+  bool accessible(dev_ptr ptr, std::size_t bytes) const {
+    if (bytes == 0) return true;
+    if (bytes > std::numeric_limits<dev_ptr>::max() - ptr) return false;
+    const dev_ptr end = ptr + bytes;
+    auto a = allocs.upper_bound(ptr);
+    if (a != allocs.begin()) {
+      --a;
+      if (end <= a->first + a->second.size) return true;
+    }
+    auto it = mapping_at(ptr);
+    dev_ptr cur = ptr;
+    while (cur < end) {
+      if (it == mappings.end() || it->first > cur) return false;
+      const dev_ptr stop = std::min<dev_ptr>(end, it->first + it->second.size);
+      for (dev_ptr g = (cur - it->first) / gran(); it->first + g * gran() < stop; ++g)
+        if (!it->second.access[g]) return false;
+      cur = stop;
+      ++it;
+    }
+    return true;
+  }
+  // Host-backed data access: the range as host memory, after checking it like the GPU would fault.
+  unsigned char* data(const char* call, dev_ptr ptr, std::size_t bytes) const {
+    if (!opt.host_backed)
+      invalid(call, "data access needs a host-backed simulated device (sim_host_backed / SimOptions::host_backed)");
+    if (!accessible(ptr, bytes))
+      invalid(call, "range " + range(ptr, bytes) + " is not mapped and accessible (an illegal access on the GPU)");
+    return reinterpret_cast<unsigned char*>(static_cast<std::uintptr_t>(ptr));
+  }
+
+  void unref(std::uint64_t id) noexcept {
+    auto it = phys.find(id);
+    if (--it->second.refs != 0) return;
+    physical -= it->second.size;
+    if (it->second.fd >= 0) ::close(it->second.fd);
+    phys.erase(it);
+  }
+  Event& event(const char* call, event_t e) {
+    auto it = events.find(id_of(e));
+    if (it == events.end()) invalid(call, "unknown event " + hex(id_of(e)));
+    return it->second;
+  }
+  void check_stream(const char* call, stream_t s) const {
+    if (!streams.contains(id_of(s))) invalid(call, "unknown stream " + hex(id_of(s)));
+  }
+  // Completes the pending events of `stream` recorded up to `seq` (all streams when stream is null).
+  void complete(const std::uintptr_t* stream, std::uint64_t seq) noexcept {
+    for (auto& [id, ev] : events)
+      if (ev.pending && (stream == nullptr || ev.stream == *stream) && ev.seq <= seq) ev.pending = false;
+  }
+
+  void encode(ExportedHandle& out, std::uint32_t magic, std::uint64_t value) const noexcept {
+    std::memcpy(out.bytes.data(), &magic, sizeof magic);
+    std::memcpy(out.bytes.data() + 8, &instance, sizeof instance);
+    std::memcpy(out.bytes.data() + 16, &value, sizeof value);
+  }
+  std::uint64_t decode(const char* call, const ExportedHandle& in, std::uint32_t magic) const {
+    std::uint32_t m = 0;
+    std::uint64_t inst = 0, value = 0;
+    std::memcpy(&m, in.bytes.data(), sizeof m);
+    std::memcpy(&inst, in.bytes.data() + 8, sizeof inst);
+    std::memcpy(&value, in.bytes.data() + 16, sizeof value);
+    if (m != magic) invalid(call, "not a handle exported by a simulated device");
+    if (inst != instance) invalid(call, "the handle was exported by another simulated device (only in-process, same-device import is simulated)");
+    return value;
+  }
+
+  void release_host_resources() noexcept {
+    if (!opt.host_backed) return;
+    for (auto& [base, size] : reservations) ::munmap(reinterpret_cast<void*>(base), size);
+    for (auto& [p, a] : allocs) ::munmap(reinterpret_cast<void*>(p), a.host_size);
+    for (auto& [id, p] : phys)
+      if (p.fd >= 0) ::close(p.fd);
+  }
+};
+
+SimDriver::SimDriver(const SimOptions& options) : options_(options) {
+  const long page = ::sysconf(_SC_PAGESIZE);
+  const std::size_t g = options.granularity;
+  if (options.capacity == 0) throw std::invalid_argument("SimOptions::capacity must be > 0");
+  if (g == 0 || (g & (g - 1)) != 0)
+    throw std::invalid_argument("SimOptions::granularity must be a power of two (got " + std::to_string(g) + ")");
+  if (page > 0 && g % static_cast<std::size_t>(page) != 0)
+    throw std::invalid_argument("SimOptions::granularity must be a multiple of the host page size " +
+                                std::to_string(page) + " (got " + std::to_string(g) + ")");
+  if (options.device_count < 1) throw std::invalid_argument("SimOptions::device_count must be >= 1");
+  if (options.device < 0 || options.device >= options.device_count)
+    throw std::invalid_argument("SimOptions::device must be in [0, device_count)");
+  impl_ = std::make_unique<Impl>(options);
+}
+
+SimDriver::~SimDriver() { impl_->release_host_resources(); }
+
+std::string SimDriver::device_name() const {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "expseg simulated device %d (%.1f GiB, %s)", options_.device,
+                static_cast<double>(options_.capacity) / (1024.0 * 1024.0 * 1024.0),
+                options_.host_backed ? "host-backed" : "bookkeeping");
+  return buf;
+}
+
+MemInfo SimDriver::mem_info() {
+  std::lock_guard lock(impl_->mutex);
+  const std::size_t used = std::min(options_.capacity, impl_->physical + std::min(impl_->foreign, options_.capacity));
+  return {options_.capacity - used, options_.capacity};
+}
+
+// --- virtual memory management -----------------------------------------------------------------
+
+dev_ptr SimDriver::reserve(std::size_t bytes) {
+  static constexpr const char* call = "cuMemAddressReserve";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::reserve, call);
+  if (bytes == 0) invalid(call, "size is 0");
+  s.check_granular(call, "size", bytes);
+  const std::size_t g = s.gran();
+  dev_ptr base = 0;
+  if (options_.host_backed) {
+    if (bytes > std::numeric_limits<std::size_t>::max() - g) out_of_memory(call, "reservation too large");
+    const std::size_t over = bytes + g;  // room to align the start to the granularity
+    void* p = ::mmap(nullptr, over, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) host_failure(call, "mmap", errno);
+    const auto raw = reinterpret_cast<std::uintptr_t>(p);
+    base = (raw + g - 1) & ~static_cast<std::uintptr_t>(g - 1);
+    if (base > raw) ::munmap(p, base - raw);
+    if (raw + over > base + bytes) ::munmap(reinterpret_cast<void*>(base + bytes), raw + over - (base + bytes));
+    try {
+      s.reservations.emplace(base, bytes);
+    } catch (...) {
+      ::munmap(reinterpret_cast<void*>(base), bytes);
+      throw;
+    }
+  } else {
+    base = (s.next_address + g - 1) & ~static_cast<dev_ptr>(g - 1);
+    if (bytes > std::numeric_limits<dev_ptr>::max() - base - g) out_of_memory(call, "simulated address space exhausted");
+    s.reservations.emplace(base, bytes);
+    s.next_address = base + bytes + g;  // a guard gap: no two reservations touch
+  }
+  s.charge(kReserveUs);
+  return base;
+}
+
+void SimDriver::free_reserve(dev_ptr base, std::size_t bytes) {
+  static constexpr const char* call = "cuMemAddressFree";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::free_reserve, call);
+  auto it = s.reservations.find(base);
+  if (it == s.reservations.end()) invalid(call, "no reservation starts at " + hex(base));
+  if (it->second != bytes)
+    invalid(call, "reservation at " + hex(base) + " has size " + hex(it->second) + ", not " + hex(bytes));
+  auto m = s.mappings.lower_bound(base);
+  if (m != s.mappings.end() && m->first < base + bytes)
+    invalid(call, "reservation " + range(base, bytes) + " still has a mapping at " + hex(m->first));
+  if (options_.host_backed && ::munmap(reinterpret_cast<void*>(base), bytes) != 0) host_failure(call, "munmap", errno);
+  s.reservations.erase(it);
+}
+
+phys_handle SimDriver::create(std::size_t bytes) {
+  static constexpr const char* call = "cuMemCreate";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::create, call);
+  if (bytes == 0) invalid(call, "size is 0");
+  s.check_granular(call, "size", bytes);
+  s.check_capacity(call, bytes);
+  int fd = -1;
+  if (options_.host_backed) {
+    fd = ::memfd_create("expseg-sim", MFD_CLOEXEC);
+    if (fd < 0) host_failure(call, "memfd_create", errno);
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const int err = errno;
+      ::close(fd);
+      host_failure(call, "ftruncate", err);
+    }
+  }
+  const std::uint64_t id = s.next_id++;
+  const phys_handle h = s.next_id++;
+  try {
+    s.phys.emplace(id, Impl::Phys{bytes, fd, 1});
+    s.handles.emplace(h, id);
+  } catch (...) {
+    s.phys.erase(id);
+    if (fd >= 0) ::close(fd);
+    throw;
+  }
+  s.physical += bytes;
+  s.charge(interpolate_us(kTableSizes, kCreateUs, bytes));
+  return h;
+}
+
+void SimDriver::release(phys_handle handle) {
+  static constexpr const char* call = "cuMemRelease";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::release, call);
+  auto it = s.handles.find(handle);
+  if (it == s.handles.end()) invalid(call, "unknown physical handle " + hex(handle));
+  const std::uint64_t id = it->second;
+  s.charge(interpolate_us(kTableSizes, kReleaseUs, s.phys.at(id).size));
+  s.handles.erase(it);
+  s.unref(id);
+}
+
+void SimDriver::map(dev_ptr ptr, std::size_t bytes, phys_handle handle) {
+  static constexpr const char* call = "cuMemMap";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::map, call);
+  s.check_range(call, ptr, bytes);
+  auto h = s.handles.find(handle);
+  if (h == s.handles.end()) invalid(call, "unknown physical handle " + hex(handle));
+  Impl::Phys& p = s.phys.at(h->second);
+  if (p.size != bytes)
+    invalid(call, "map size " + hex(bytes) + " differs from the handle's size " + hex(p.size) +
+                      " (the allocator maps whole handles)");
+  auto r = s.reservations.upper_bound(ptr);
+  if (r == s.reservations.begin() || (--r, ptr + bytes > r->first + r->second))
+    invalid(call, "range " + range(ptr, bytes) + " is not inside a reservation");
+  auto next = s.mappings.lower_bound(ptr + bytes);
+  if (next != s.mappings.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.size > ptr)
+      invalid(call, "range " + range(ptr, bytes) + " overlaps the mapping " + range(prev->first, prev->second.size));
+  }
+  Impl::Mapping m{bytes, h->second, std::vector<bool>(bytes / s.gran(), false)};
+  void* at = reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr));
+  if (options_.host_backed && ::mmap(at, bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, p.fd, 0) == MAP_FAILED)
+    host_failure(call, "mmap", errno);
+  try {
+    s.mappings.emplace(ptr, std::move(m));
+  } catch (...) {
+    if (options_.host_backed)
+      ::mmap(at, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    throw;
+  }
+  ++p.refs;
+  s.charge(interpolate_us(kTableSizes, kMapUs, bytes));
+}
+
+void SimDriver::unmap(dev_ptr ptr, std::size_t bytes) {
+  static constexpr const char* call = "cuMemUnmap";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::unmap, call);
+  s.check_range(call, ptr, bytes);
+  const dev_ptr end = ptr + bytes;
+  auto first = s.mappings.find(ptr);
+  auto it = first;
+  for (dev_ptr cur = ptr; cur < end; cur += it->second.size, ++it)
+    if (it == s.mappings.end() || it->first != cur || cur + it->second.size > end)
+      invalid(call, "range " + range(ptr, bytes) + " does not consist of whole mappings");
+  if (options_.host_backed &&
+      ::mmap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr)), bytes, PROT_NONE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
+    host_failure(call, "mmap", errno);
+  for (auto m = first; m != it; ++m) {
+    s.charge(interpolate_us(kTableSizes, kUnmapUs, m->second.size));
+    s.unref(m->second.phys);
+  }
+  s.mappings.erase(first, it);
+}
+
+void SimDriver::set_access(dev_ptr ptr, std::size_t bytes) {
+  static constexpr const char* call = "cuMemSetAccess";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::set_access, call);
+  s.check_range(call, ptr, bytes);
+  if (!s.fully_mapped(ptr, bytes)) invalid(call, "range " + range(ptr, bytes) + " is not fully mapped");
+  if (options_.host_backed &&
+      ::mprotect(reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr)), bytes, PROT_READ | PROT_WRITE) != 0)
+    host_failure(call, "mprotect", errno);
+  const dev_ptr end = ptr + bytes;
+  for (auto it = s.mapping_at(ptr); it != s.mappings.end() && it->first < end; ++it) {
+    Impl::Mapping& m = it->second;
+    const dev_ptr from = std::max(ptr, it->first), to = std::min<dev_ptr>(end, it->first + m.size);
+    for (dev_ptr a = from; a < to; a += s.gran()) m.access[(a - it->first) / s.gran()] = true;
+    s.charge(interpolate_us(kTableSizes, kSetAccessUs, m.size));  // cost follows handles, not bytes
+  }
+}
+
+// --- plain allocations ---------------------------------------------------------------------------
+
+dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
+  static constexpr const char* call = "cuMemAlloc";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::mem_alloc, call);
+  if (bytes == 0) invalid(call, "size is 0");
+  s.check_capacity(call, bytes);
+  const std::size_t g = s.gran();
+  Impl::Alloc a{bytes, 0, 0};
+  dev_ptr p = 0;
+  if (options_.host_backed) {
+    const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    a.host_size = (bytes + page - 1) / page * page;
+    void* m = ::mmap(nullptr, a.host_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) host_failure(call, "mmap", errno);
+    p = reinterpret_cast<std::uintptr_t>(m);
+    try {
+      s.allocs.emplace(p, a);
+    } catch (...) {
+      ::munmap(m, a.host_size);
+      throw;
+    }
+  } else {
+    p = (s.next_address + g - 1) & ~static_cast<dev_ptr>(g - 1);
+    const std::size_t span = (bytes + g - 1) / g * g;
+    s.allocs.emplace(p, a);
+    s.next_address = p + span + g;
+  }
+  s.physical += bytes;
+  s.charge(interpolate_us(kAllocSizes, kMemAllocUs, bytes));
+  return p;
+}
+
+void SimDriver::mem_free(dev_ptr ptr) {
+  static constexpr const char* call = "cuMemFree";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::mem_free, call);
+  auto it = s.allocs.find(ptr);
+  if (it == s.allocs.end()) invalid(call, hex(ptr) + " is not a live cuMemAlloc pointer");
+  if (options_.host_backed && ::munmap(reinterpret_cast<void*>(ptr), it->second.host_size) != 0)
+    host_failure(call, "munmap", errno);
+  s.physical -= it->second.size;
+  s.charge(interpolate_us(kAllocSizes, kMemFreeUs, it->second.size));
+  s.allocs.erase(it);
+}
+
+// --- streams and events --------------------------------------------------------------------------
+
+stream_t SimDriver::stream_create() {
+  std::lock_guard lock(impl_->mutex);
+  const std::uintptr_t id = impl_->next_id++;
+  impl_->streams.emplace(id, false);
+  return as_pointer(id);
+}
+
+void SimDriver::stream_destroy(stream_t stream) {
+  static constexpr const char* call = "cuStreamDestroy";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  if (stream == nullptr) invalid(call, "the default stream cannot be destroyed");
+  s.check_stream(call, stream);
+  // CUDA lets queued work finish after cuStreamDestroy: the stream's events complete.
+  const std::uintptr_t id = id_of(stream);
+  s.complete(&id, s.record_seq);
+  s.streams.erase(id);
+}
+
+event_t SimDriver::event_create() {
+  std::lock_guard lock(impl_->mutex);
+  const std::uintptr_t id = impl_->next_id++;
+  impl_->events.emplace(id, Impl::Event{});
+  return as_pointer(id);
+}
+
+void SimDriver::event_destroy(event_t event) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->event("cuEventDestroy", event);
+  impl_->events.erase(id_of(event));
+}
+
+void SimDriver::event_record(event_t event, stream_t stream) {
+  static constexpr const char* call = "cuEventRecord";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::event_record, call);
+  Impl::Event& ev = s.event(call, event);
+  s.check_stream(call, stream);
+  ev.stream = id_of(stream);
+  ev.pending = s.streams.at(ev.stream);
+  ev.seq = ++s.record_seq;
+  s.charge(kEventUs);
+}
+
+bool SimDriver::event_query(event_t event) {
+  static constexpr const char* call = "cuEventQuery";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::event_query, call);
+  const bool done = !s.event(call, event).pending;
+  s.charge(kEventUs);
+  return done;
+}
+
+void SimDriver::event_synchronize(event_t event) {
+  static constexpr const char* call = "cuEventSynchronize";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::stream_sync, call);
+  const Impl::Event& ev = s.event(call, event);
+  // Work is done in stream order: earlier events of the same stream complete too.
+  if (ev.pending) {
+    const std::uintptr_t stream = ev.stream;
+    s.complete(&stream, ev.seq);
+  }
+  s.charge(kSyncUs);
+}
+
+void SimDriver::stream_synchronize(stream_t stream) {
+  static constexpr const char* call = "cuStreamSynchronize";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::stream_sync, call);
+  s.check_stream(call, stream);
+  const std::uintptr_t id = id_of(stream);
+  s.complete(&id, s.record_seq);
+  s.charge(kSyncUs);
+}
+
+void SimDriver::device_synchronize() {
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::stream_sync, "cuCtxSynchronize");
+  s.complete(nullptr, s.record_seq);
+  s.charge(kSyncUs);
+}
+
+// --- data access ---------------------------------------------------------------------------------
+
+void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) {
+  static constexpr const char* call = "cuMemsetD32Async";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.check_stream(call, stream);
+  if (ptr % 4 != 0) invalid(call, "address " + hex(ptr) + " is not 4-byte aligned");
+  if (count > std::numeric_limits<std::size_t>::max() / 4) invalid(call, "count too large");
+  // Host memory from mmap has no declared type, so writing it as uint32_t is fine (ptr is 4-aligned).
+  std::fill_n(reinterpret_cast<std::uint32_t*>(s.data(call, ptr, count * 4)), count, value);
+}
+
+void SimDriver::copy_to_host(void* dst, dev_ptr src, std::size_t bytes) {
+  std::lock_guard lock(impl_->mutex);
+  const unsigned char* from = impl_->data("cuMemcpyDtoH", src, bytes);
+  if (bytes) std::memcpy(dst, from, bytes);
+}
+
+void SimDriver::copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) {
+  std::lock_guard lock(impl_->mutex);
+  unsigned char* to = impl_->data("cuMemcpyHtoD", dst, bytes);
+  if (bytes) std::memcpy(to, src, bytes);
+}
+
+// --- peers ---------------------------------------------------------------------------------------
+
+bool SimDriver::can_access_peer(int peer) {
+  return peer != options_.device && peer >= 0 && peer < options_.device_count;
+}
+
+bool SimDriver::add_access_device(int peer) {
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  if (peer < 0 || peer >= options_.device_count)
+    throw driver_error("cuDeviceGet", kInvalidDevice, "CUDA_ERROR_INVALID_DEVICE",
+                       "no simulated device " + std::to_string(peer) + " (device_count " +
+                           std::to_string(options_.device_count) + ")");
+  if (peer == options_.device || std::find(s.peers.begin(), s.peers.end(), peer) != s.peers.end()) return false;
+  s.peers.push_back(peer);
+  return true;
+}
+
+std::vector<int> SimDriver::access_devices() const {
+  std::lock_guard lock(impl_->mutex);
+  std::vector<int> out{options_.device};
+  out.insert(out.end(), impl_->peers.begin(), impl_->peers.end());
+  return out;
+}
+
+// --- sharing (in-process only) -------------------------------------------------------------------
+
+ExportedHandle SimDriver::export_handle(phys_handle handle) {
+  static constexpr const char* call = "cuMemExportToShareableHandle";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::export_handle, call);
+  if (options_.shareable == ShareableHandle::none)
+    invalid(call, "physical memory is created without a shareable handle type (SimOptions::shareable is none)");
+  auto h = s.handles.find(handle);
+  if (h == s.handles.end()) invalid(call, "unknown physical handle " + hex(handle));
+  ExportedHandle out;
+  out.type = options_.shareable;
+  s.encode(out, kHandleMagic, h->second);
+  if (options_.shareable == ShareableHandle::posix_fd) {
+    if (options_.host_backed) {
+      out.fd = ::fcntl(s.phys.at(h->second).fd, F_DUPFD_CLOEXEC, 0);
+      if (out.fd < 0) host_failure(call, "fcntl(F_DUPFD_CLOEXEC)", errno);
+    } else {
+      out.fd = kFakeFdBase + static_cast<int>(h->second % (1u << 20));
+    }
+  }
+  return out;
+}
+
+phys_handle SimDriver::import_handle(const ExportedHandle& exported) {
+  static constexpr const char* call = "cuMemImportFromShareableHandle";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::import_handle, call);
+  if (exported.type == ShareableHandle::none) invalid(call, "the exported handle has no shareable type");
+  if (exported.type == ShareableHandle::posix_fd && exported.fd < 0)
+    invalid(call, "the exported file descriptor is negative");
+  const std::uint64_t id = s.decode(call, exported, kHandleMagic);
+  auto p = s.phys.find(id);
+  if (p == s.phys.end()) invalid(call, "the exported physical memory no longer exists");
+  const phys_handle h = s.next_id++;
+  s.handles.emplace(h, id);
+  ++p->second.refs;
+  return h;
+}
+
+ExportedHandle SimDriver::ipc_export(dev_ptr mem_alloc_ptr) {
+  static constexpr const char* call = "cuIpcGetMemHandle";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::export_handle, call);
+  if (!s.allocs.contains(mem_alloc_ptr)) invalid(call, hex(mem_alloc_ptr) + " is not a live cuMemAlloc pointer");
+  ExportedHandle out;
+  s.encode(out, kIpcMagic, mem_alloc_ptr);
+  return out;
+}
+
+dev_ptr SimDriver::ipc_open(const ExportedHandle& exported) {
+  static constexpr const char* call = "cuIpcOpenMemHandle";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.enter(Op::import_handle, call);
+  const dev_ptr p = s.decode(call, exported, kIpcMagic);
+  auto it = s.allocs.find(p);
+  if (it == s.allocs.end()) invalid(call, "the exported allocation " + hex(p) + " no longer exists");
+  ++it->second.ipc_opens;  // in-process: the same memory at the same address
+  return p;
+}
+
+void SimDriver::ipc_close(dev_ptr ptr) {
+  static constexpr const char* call = "cuIpcCloseMemHandle";
+  std::lock_guard lock(impl_->mutex);
+  auto it = impl_->allocs.find(ptr);
+  if (it == impl_->allocs.end() || it->second.ipc_opens == 0)
+    invalid(call, hex(ptr) + " is not a pointer returned by cuIpcOpenMemHandle");
+  --it->second.ipc_opens;
+}
+
+// --- simulation controls -------------------------------------------------------------------------
+
+void SimDriver::inject_fault(Op op, std::uint64_t nth, Fault fault) {
+  if (op >= Op::count_) throw std::invalid_argument("inject_fault: invalid Op");
+  if (nth == 0) throw std::invalid_argument("inject_fault: nth counts from 1 (the next call)");
+  std::lock_guard lock(impl_->mutex);
+  const auto index = static_cast<std::size_t>(op);
+  impl_->faults.insert_or_assign({index, impl_->calls[index] + nth}, fault);
+}
+
+void SimDriver::clear_faults() {
+  std::lock_guard lock(impl_->mutex);
+  impl_->faults.clear();
+}
+
+std::uint64_t SimDriver::calls(Op op) const {
+  if (op >= Op::count_) throw std::invalid_argument("calls: invalid Op");
+  std::lock_guard lock(impl_->mutex);
+  return impl_->calls[static_cast<std::size_t>(op)];
+}
+
+SimDriver::Live SimDriver::live() const {
+  std::lock_guard lock(impl_->mutex);
+  const Impl& s = *impl_;
+  Live l;
+  l.reservations = s.reservations.size();
+  l.handles = s.handles.size();
+  l.mappings = s.mappings.size();
+  l.mem_allocs = s.allocs.size();
+  l.events = s.events.size();
+  l.streams = s.streams.size() - 1;  // not the default stream
+  l.physical_bytes = s.physical;
+  return l;
+}
+
+void SimDriver::set_foreign_usage(std::size_t bytes) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->foreign = bytes;
+}
+
+void SimDriver::set_stream_busy(stream_t stream, bool busy) {
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  s.check_stream("set_stream_busy", stream);
+  const std::uintptr_t id = id_of(stream);
+  s.streams.at(id) = busy;
+  if (!busy) s.complete(&id, s.record_seq);
+}
+
+double SimDriver::simulated_seconds() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->seconds;
+}
+
+bool SimDriver::is_accessible(dev_ptr ptr, std::size_t bytes) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->accessible(ptr, bytes);
+}
+
+}  // namespace expseg::driver

@@ -1,1 +1,477 @@
-// (being written)
+// RMM allocation-log CSV: reading (plain or gzip), writing, pairing checks. See expseg/trace.hpp.
+//
+// Traces have millions of lines, so parsing works on string_views of one in-memory buffer with
+// hand-rolled integer parsing (std::from_chars for fractional times); no iostreams, no regex, no
+// per-line allocation.
+#include "trace/rmm_log.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <ostream>
+#include <unordered_map>
+
+#include "trace/inflate.hpp"
+
+namespace expseg {
+
+const char* to_string(TraceAction a) noexcept {
+  switch (a) {
+    case TraceAction::allocate: return "allocate";
+    case TraceAction::free: return "free";
+    case TraceAction::allocate_failure: return "allocate failure";
+    case TraceAction::map: return "map";
+    case TraceAction::unmap: return "unmap";
+  }
+  return "unknown";
+}
+
+namespace trace {
+namespace {
+
+enum Column : int { c_thread, c_time, c_action, c_pointer, c_size, c_stream, c_count, c_ignored = -1 };
+constexpr std::array<std::string_view, c_count> kColumnNames = {"Thread", "Time", "Action", "Pointer", "Size", "Stream"};
+
+constexpr bool is_space(char c) { return c == ' ' || c == '\t'; }
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && (is_space(s.back()) || s.back() == '\r')) s.remove_suffix(1);
+  return s;
+}
+
+bool iequals(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return (x >= 'A' && x <= 'Z' ? char(x + 32) : x) == (y >= 'A' && y <= 'Z' ? char(y + 32) : y);
+         });
+}
+
+// The offending text for a message: quoted, non-ASCII and control bytes escaped, cut at ~40 characters.
+std::string quote(std::string_view s) {
+  constexpr std::size_t kMax = 40;
+  std::string q = "\"";
+  for (std::size_t i = 0; i < s.size() && i < kMax; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c >= 0x7F || c == '"' || c == '\\') {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\x%02x", c);
+      q += b;
+    } else {
+      q += char(c);
+    }
+  }
+  if (s.size() > kMax) q += "...";
+  return q + "\"";
+}
+
+// Length of the valid UTF-8 sequence starting s (lead byte >= 0x80), 0 when invalid.
+std::size_t utf8_sequence_length(std::string_view s) {
+  const auto c = static_cast<unsigned char>(s[0]);
+  const std::size_t n = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+  if (n == 0 || s.size() < n) return 0;
+  for (std::size_t k = 1; k < n; ++k)
+    if ((static_cast<unsigned char>(s[k]) & 0xC0) != 0x80) return 0;
+  return n;
+}
+
+std::string hex(std::uint64_t v) {
+  char b[2 + 16] = {'0', 'x'};
+  const auto r = std::to_chars(b + 2, b + sizeof b, v, 16);
+  return std::string(b, r.ptr);
+}
+
+enum class NumError { none, empty, negative, overflow, syntax };
+
+// Hand-rolled: from_chars (base 16 especially) was the largest cost of parsing a line.
+NumError parse_u64(std::string_view s, std::uint64_t& v) {
+  if (s.empty()) return NumError::empty;
+  if (s.front() == '-') return NumError::negative;
+  std::uint64_t r = 0;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const unsigned d = unsigned(s[i]) - '0';
+    if (d > 9) return NumError::syntax;
+    if (i >= 19 && (r > (UINT64_MAX - d) / 10)) {
+      for (++i; i < s.size(); ++i)
+        if (unsigned(s[i]) - '0' > 9) return NumError::syntax;
+      return NumError::overflow;
+    }
+    r = r * 10 + d;
+  }
+  v = r;
+  return NumError::none;
+}
+
+inline int hex_digit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  c = char(c | 0x20);
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  return -1;
+}
+
+// "0x..." hex or decimal. Bare hex digits are refused: "1000" would silently read as decimal in a
+// file whose other pointers are bare hex, giving wrong identities.
+NumError parse_address(std::string_view s, std::uint64_t& v) {
+  if (s.size() >= 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+    s.remove_prefix(2);
+    if (s.empty()) return NumError::syntax;
+    while (s.size() > 1 && s.front() == '0') s.remove_prefix(1);
+    std::uint64_t r = 0;
+    for (char c : s) {
+      const int d = hex_digit(c);
+      if (d < 0) return NumError::syntax;
+      r = r << 4 | unsigned(d);
+    }
+    if (s.size() > 16) return NumError::overflow;
+    v = r;
+    return NumError::none;
+  }
+  return parse_u64(s, v);
+}
+
+const char* num_reason(NumError e, bool address) {
+  switch (e) {
+    case NumError::empty: return "empty field";
+    case NumError::negative: return "negative";
+    case NumError::overflow: return "does not fit in 64 bits";
+    default: return address ? "expected a 0x-prefixed hex or a decimal number" : "expected a decimal integer";
+  }
+}
+
+bool parse_action(std::string_view s, TraceAction& a) {
+  switch (s.size()) {
+    case 3: if (s == "map") return a = TraceAction::map, true; break;
+    case 4: if (s == "free") return a = TraceAction::free, true; break;
+    case 5: if (s == "unmap") return a = TraceAction::unmap, true; break;
+    case 8: if (s == "allocate") return a = TraceAction::allocate, true; break;
+    case 10: if (s == "deallocate") return a = TraceAction::free, true; break;
+    case 16: if (s == "allocate failure") return a = TraceAction::allocate_failure, true; break;
+    default: break;
+  }
+  return false;
+}
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+struct Parser {
+  std::string_view text;
+  const std::string& file;  // for messages
+
+  [[noreturn]] void fail(std::size_t line, const std::string& msg) const { throw trace_error(file, line, msg); }
+
+  // Column role of each header field, and the header's line number.
+  std::vector<int> header(std::string_view line, std::size_t line_no) const {
+    for (std::size_t i = 0; i < line.size(); ++i) {
+      const auto c = static_cast<unsigned char>(line[i]);
+      if (c == '\r' && i + 1 < line.size())
+        fail(line_no, "carriage return inside a line: only \\n and \\r\\n line endings are supported");
+      // Control bytes or invalid UTF-8 in the header: this is not a text file.
+      const std::size_t utf8_len = c < 0x80 ? 1 : utf8_sequence_length(line.substr(i));
+      if ((c < 0x20 && c != '\t' && c != '\r') || c == 0x7F || utf8_len == 0)
+        fail(line_no, "not a CSV trace: binary data in the header line (byte " + hex(c) + " at column " +
+                          std::to_string(i + 1) + ")");
+      i += utf8_len - 1;
+    }
+    std::vector<int> roles;
+    std::array<bool, c_count> seen{};
+    for (std::size_t start = 0;;) {
+      const std::size_t comma = line.find(',', start);
+      const std::string_view name = trim(line.substr(start, comma == std::string_view::npos ? line.npos : comma - start));
+      int role = c_ignored;
+      for (int c = 0; c < c_count; ++c)
+        if (iequals(name, kColumnNames[std::size_t(c)])) role = c;
+      if (role != c_ignored) {
+        if (seen[std::size_t(role)]) fail(line_no, "duplicate column " + std::string(kColumnNames[std::size_t(role)]) + " in the header");
+        seen[std::size_t(role)] = true;
+      }
+      roles.push_back(role);
+      if (comma == std::string_view::npos) break;
+      start = comma + 1;
+    }
+    std::string missing;
+    for (int c = 0; c < c_count; ++c)
+      if (!seen[std::size_t(c)]) missing += (missing.empty() ? "" : ", ") + std::string(kColumnNames[std::size_t(c)]);
+    if (!missing.empty())
+      fail(line_no, "header is missing column(s) " + missing +
+                        ": expected Thread,Time,Action,Pointer,Size,Stream (in any order), found " + quote(trim(line)));
+    return roles;
+  }
+
+  [[noreturn]] void bad(std::size_t line_no, int col, std::string_view value, const char* reason) const {
+    fail(line_no, "bad " + std::string(kColumnNames[std::size_t(col)]) + " " + quote(value) + ": " + reason);
+  }
+
+  Trace run(const std::string& name) const {
+    Trace t;
+    t.name = name;
+    std::string_view rest = text;
+    if (rest.substr(0, 3) == "\xEF\xBB\xBF") rest.remove_prefix(3);  // UTF-8 BOM
+    if (is_gzip(rest))
+      fail(1, "data is gzip-compressed: read the file with read_trace (or gunzip it first)");
+
+    std::size_t line_no = 0;
+    auto next_line = [&rest, &line_no](std::string_view& line) {
+      if (rest.empty()) return false;
+      const std::size_t nl = rest.find('\n');
+      line = rest.substr(0, nl);
+      rest.remove_prefix(nl == std::string_view::npos ? rest.size() : nl + 1);
+      ++line_no;
+      return true;
+    };
+
+    std::string_view line;
+    bool have_header = false;
+    while (next_line(line))
+      if (!trim(line).empty()) {
+        have_header = true;
+        break;
+      }
+    if (!have_header) fail(0, "empty trace: no header");
+    const std::vector<int> roles = header(line, line_no);
+    const std::size_t ncols = roles.size();
+
+    t.events.reserve(std::size_t(std::count(rest.begin(), rest.end(), '\n')) + 1);
+    std::array<std::string_view, c_count> f;
+    while (next_line(line)) {
+      if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+      if (line.empty() || trim(line).empty()) continue;
+      std::size_t nfields = 0;
+      const char* const lend = line.data() + line.size();
+      for (const char* p = line.data();;) {
+        const char* q = p;
+        while (q != lend && *q != ',') ++q;  // fields are short: a loop beats a memchr call
+        if (nfields < ncols && roles[nfields] != c_ignored) f[std::size_t(roles[nfields])] = std::string_view(p, std::size_t(q - p));
+        ++nfields;
+        if (q == lend) break;
+        p = q + 1;
+      }
+      if (nfields != ncols)
+        fail(line_no, "expected " + std::to_string(ncols) + " comma-separated fields (as in the header), found " +
+                          std::to_string(nfields) + ": " + quote(line));
+      for (auto& v : f)
+        if (!v.empty() && (is_space(v.front()) || is_space(v.back()))) v = trim(v);
+
+      TraceEvent e;
+      e.line = line_no;
+      if (auto err = parse_u64(f[c_thread], e.thread); err != NumError::none) bad(line_no, c_thread, f[c_thread], num_reason(err, false));
+      if (!parse_time(f[c_time], e.time))
+        bad(line_no, c_time, f[c_time], "expected HH:MM:SS.ffffff, HH:MM:SS:ffffff or a non-negative number");
+      if (!parse_action(f[c_action], e.action))
+        bad(line_no, c_action, f[c_action], "expected allocate, free, deallocate, allocate failure, map or unmap");
+      if (auto err = parse_address(f[c_pointer], e.pointer); err != NumError::none) bad(line_no, c_pointer, f[c_pointer], num_reason(err, true));
+      if (auto err = parse_u64(f[c_size], e.size); err != NumError::none) bad(line_no, c_size, f[c_size], num_reason(err, false));
+      if (auto err = parse_address(f[c_stream], e.stream); err != NumError::none) bad(line_no, c_stream, f[c_stream], num_reason(err, true));
+      t.events.push_back(e);
+    }
+    return t;
+  }
+};
+
+char* put_2digits(char* p, unsigned v) {
+  p[0] = char('0' + v / 10);
+  p[1] = char('0' + v % 10);
+  return p + 2;
+}
+
+// "HH:MM:SS.ffffff" into p (at most 26 bytes); returns the end.
+char* put_time(char* p, double seconds) {
+  constexpr double kMaxSeconds = 1e12;  // keeps microseconds inside int64
+  std::uint64_t us = 0;
+  if (std::isfinite(seconds) && seconds > 0) us = std::uint64_t(std::llround(std::min(seconds, kMaxSeconds) * 1e6));
+  const std::uint64_t h = us / 3'600'000'000u;
+  us %= 3'600'000'000u;
+  if (h < 100) p = put_2digits(p, unsigned(h));
+  else p = std::to_chars(p, p + 20, h).ptr;
+  *p++ = ':';
+  p = put_2digits(p, unsigned(us / 60'000'000u));
+  us %= 60'000'000u;
+  *p++ = ':';
+  p = put_2digits(p, unsigned(us / 1'000'000u));
+  us %= 1'000'000u;
+  *p++ = '.';
+  for (int i = 5; i >= 0; --i, us /= 10) p[i] = char('0' + us % 10);
+  return p + 6;
+}
+
+// Streams the CSV through `sink(const char*, size_t)` in chunks.
+template <class Sink>
+void emit_trace(const std::vector<TraceEvent>& events, bool rmm_strict, Sink&& sink) {
+  std::string chunk;
+  chunk.reserve(1 << 16);
+  chunk.append(kRmmHeader);
+  chunk.push_back('\n');
+  char line[kMaxEventLine];
+  for (const auto& e : events) {
+    if (rmm_strict && e.action != TraceAction::allocate && e.action != TraceAction::free) continue;
+    chunk.append(line, format_event(e, line));
+    if (chunk.size() > (1 << 16) - kMaxEventLine) {
+      sink(chunk.data(), chunk.size());
+      chunk.clear();
+    }
+  }
+  if (!chunk.empty()) sink(chunk.data(), chunk.size());
+}
+
+std::string read_file(const std::string& path) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!f) throw trace_error(path, 0, std::string("cannot open trace file: ") + std::strerror(errno));
+  std::string data;
+  char buf[1 << 16];
+  for (;;) {
+    const std::size_t n = std::fread(buf, 1, sizeof buf, f.get());
+    data.append(buf, n);
+    if (n < sizeof buf) break;
+  }
+  if (std::ferror(f.get())) throw trace_error(path, 0, std::string("cannot read trace file: ") + std::strerror(errno));
+  return data;
+}
+
+}  // namespace
+
+std::size_t format_event(const TraceEvent& e, char (&buf)[kMaxEventLine]) noexcept {
+  // Widest line: 20 + 1 + 26 + 1 + 16 + 1 + 18 + 1 + 20 + 1 + 18 + 1 = 124 bytes.
+  char* p = buf;
+  char* const end = buf + kMaxEventLine;
+  p = std::to_chars(p, end, e.thread).ptr;
+  *p++ = ',';
+  p = put_time(p, e.time);
+  *p++ = ',';
+  const char* a = to_string(e.action);
+  const std::size_t alen = std::strlen(a);
+  std::memcpy(p, a, alen);
+  p += alen;
+  *p++ = ',';
+  *p++ = '0';
+  *p++ = 'x';
+  p = std::to_chars(p, end, e.pointer, 16).ptr;
+  *p++ = ',';
+  p = std::to_chars(p, end, e.size).ptr;
+  *p++ = ',';
+  *p++ = '0';
+  *p++ = 'x';
+  p = std::to_chars(p, end, e.stream, 16).ptr;
+  *p++ = '\n';
+  return std::size_t(p - buf);
+}
+
+std::string format_time(double seconds) {
+  char b[32];
+  return std::string(b, put_time(b, seconds));
+}
+
+bool parse_time(std::string_view s, double& seconds) noexcept {
+  const char* p = s.data();
+  const char* const end = p + s.size();
+  auto digits = [&p, end](std::uint64_t& v, std::size_t min, std::size_t max) {
+    const char* start = p;
+    v = 0;
+    while (p < end && *p >= '0' && *p <= '9' && std::size_t(p - start) < max) v = v * 10 + std::uint64_t(*p++ - '0');
+    return std::size_t(p - start) >= min;
+  };
+  if (s.find(':') != std::string_view::npos) {
+    std::uint64_t h, m, sec, frac = 0, scale = 1;
+    if (!digits(h, 1, 9) || p == end || *p++ != ':') return false;
+    if (!digits(m, 2, 2) || p == end || *p++ != ':') return false;
+    if (!digits(sec, 2, 2) || m > 59 || sec > 60) return false;
+    if (p != end) {
+      if (*p != '.' && *p != ':') return false;
+      ++p;
+      const char* fstart = p;
+      if (!digits(frac, 1, 9)) return false;
+      for (auto i = fstart; i < p; ++i) scale *= 10;
+    }
+    if (p != end) return false;
+    // One division of exact integers: the written "HH:MM:SS.ffffff" reads back bit-identical.
+    seconds = double((h * 3600 + m * 60 + sec) * scale + frac) / double(scale);
+    return true;
+  }
+  if (s.size() <= 15 && all_digits(s)) {  // indexes, the common plain case; exact in a double
+    std::uint64_t v = 0;
+    for (char c : s) v = v * 10 + std::uint64_t(c - '0');
+    seconds = double(v);
+    return true;
+  }
+  if (s.empty() || s.front() == '-' || s.front() == '+') return false;
+  const auto r = std::from_chars(p, end, seconds);
+  return r.ec == std::errc() && r.ptr == end && std::isfinite(seconds) && seconds >= 0;
+}
+
+std::string format_trace(const std::vector<TraceEvent>& events, bool rmm_strict) {
+  std::string out;
+  out.reserve(events.size() * 48 + kRmmHeader.size() + 1);
+  emit_trace(events, rmm_strict, [&out](const char* p, std::size_t n) { out.append(p, n); });
+  return out;
+}
+
+}  // namespace trace
+
+Trace parse_trace(std::string_view csv_text, const std::string& name) {
+  return trace::Parser{csv_text, name}.run(name);
+}
+
+Trace read_trace(const std::string& path) {
+  std::string data = trace::read_file(path);
+  if (trace::is_gzip(data)) {
+    try {
+      data = trace::gunzip(data);
+    } catch (const trace::gzip_error& e) {
+      throw trace_error(path, 0, std::string("corrupt gzip: ") + e.what());
+    }
+  }
+  return trace::Parser{data, path}.run(std::filesystem::path(path).filename().string());
+}
+
+void write_trace(std::ostream& out, const std::vector<TraceEvent>& events, bool rmm_strict) {
+  trace::emit_trace(events, rmm_strict, [&out](const char* p, std::size_t n) { out.write(p, std::streamsize(n)); });
+  if (!out) throw error("write_trace: the output stream failed");
+}
+
+void write_trace_file(const std::string& path, const std::vector<TraceEvent>& events, bool rmm_strict) {
+  const bool gz = path.size() > 3 && path.ends_with(".gz");
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "wb"), &std::fclose);
+  if (!f) throw error("cannot write trace file " + path + ": " + std::strerror(errno));
+  bool ok = true;
+  auto put = [&f, &ok](const char* p, std::size_t n) { ok = ok && std::fwrite(p, 1, n, f.get()) == n; };
+  if (gz) {
+    const std::string z = trace::gzip_compress(trace::format_trace(events, rmm_strict));
+    put(z.data(), z.size());
+  } else {
+    trace::emit_trace(events, rmm_strict, put);
+  }
+  const int err = ok ? 0 : errno;
+  if (std::fclose(f.release()) != 0 && ok) ok = false;
+  if (!ok) throw error("cannot write trace file " + path + ": " + std::strerror(err ? err : errno));
+}
+
+void validate_trace(const Trace& trace) {
+  std::unordered_map<std::uint64_t, std::size_t> live;  // pointer -> index of its allocate event
+  live.reserve(1024);
+  const auto& ev = trace.events;
+  auto where = [&ev](std::size_t i) {
+    return ev[i].line ? "line " + std::to_string(ev[i].line) : "event " + std::to_string(i);
+  };
+  auto fail = [&](std::size_t i, const std::string& msg) {
+    throw trace_error(trace.name, ev[i].line, (ev[i].line ? "" : where(i) + ": ") + msg);
+  };
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    const auto& e = ev[i];
+    if (e.action == TraceAction::allocate) {
+      const auto [it, inserted] = live.try_emplace(e.pointer, i);
+      if (!inserted)
+        fail(i, "pointer " + trace::hex(e.pointer) + " allocated again while live (allocated at " + where(it->second) + ")");
+    } else if (e.action == TraceAction::free) {
+      if (live.erase(e.pointer) == 0)
+        fail(i, "free of pointer " + trace::hex(e.pointer) + " that is not live (never allocated, or already freed)");
+    }
+  }
+}
+
+}  // namespace expseg

@@ -1,1 +1,159 @@
-// (being written)
+// The driver contract and CUDA specifics on the real device (device 0).
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <thread>
+
+#include "driver/driver.hpp"
+#include "driver_contract.hpp"
+
+using namespace expseg::driver;
+
+TEST_SUITE("driver") {
+  TEST_CASE("driver: contract on CudaDriver device 0") {
+    auto d = make_cuda_driver(0);
+    REQUIRE(d != nullptr);
+    CHECK(std::string(d->kind()) == "cuda");
+    CHECK(d->device() == 0);
+    CHECK(d->shareable_handle_type() == ShareableHandle::none);
+    check_driver_contract(*d, true);
+  }
+
+  TEST_CASE("driver: CudaDriver works from a thread with no current context") {
+    // The driver pushes its primary context for each call and pops it again; a fresh thread has none.
+    auto d = make_cuda_driver(0);
+    bool ok = false;
+    std::string error;
+    std::thread t([&] {
+      try {
+        const dev_ptr p = d->mem_alloc(d->granularity());
+        d->memset_d32(p, 0xBEEFu, d->granularity() / 4, nullptr);
+        std::uint32_t v = 0;
+        d->copy_to_host(&v, p + d->granularity() - 4, 4);
+        d->mem_free(p);
+        ok = v == 0xBEEFu;
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    });
+    t.join();
+    INFO(error);
+    CHECK(ok);
+    // Two drivers of the same device share the primary context; destroying one leaves the other working.
+    {
+      auto other = make_cuda_driver(0);
+      other->release(other->create(other->granularity()));
+    }
+    d->release(d->create(d->granularity()));
+  }
+
+  TEST_CASE("driver: CUDA mem_info and device count") {
+    std::string why = "unchanged";
+    CHECK(cuda_usable(&why));
+    CHECK(why.empty());
+    CHECK(cuda_device_count() >= 1);
+    auto d = make_cuda_driver(0);
+    CHECK(d->device_count() == cuda_device_count());
+    const MemInfo info = d->mem_info();
+    CHECK(info.total > 0);
+    CHECK(info.free <= info.total);
+    MESSAGE("device 0: " << d->device_name() << ", " << info.total << " bytes, granularity " << d->granularity());
+
+    // Physical memory shows up in mem_info (allow for other users of the GPU changing it meanwhile).
+    const std::size_t bytes = 64 * d->granularity();
+    const phys_handle h = d->create(bytes);
+    const MemInfo after = d->mem_info();
+    CHECK(after.total == info.total);
+    d->release(h);
+  }
+
+  TEST_CASE("driver: CUDA invalid device throws driver_error") {
+    auto err = expseg::test::catch_driver_error([] { (void)make_cuda_driver(cuda_device_count() + 7); });
+    REQUIRE(err.has_value());
+    CHECK(err->call() == "cuDeviceGet");
+    CHECK(err->code_name() == "CUDA_ERROR_INVALID_DEVICE");
+  }
+
+  TEST_CASE("driver: CUDA ipc_export of a cuMemAlloc pointer") {
+    auto d = make_cuda_driver(0);
+    const dev_ptr p = d->mem_alloc(d->granularity());
+    const ExportedHandle h = d->ipc_export(p);
+    CHECK(h.bytes.size() == 64);
+    CHECK(std::any_of(h.bytes.begin(), h.bytes.end(), [](std::uint8_t b) { return b != 0; }));
+    d->mem_free(p);
+  }
+
+  TEST_CASE("driver: CUDA posix_fd export and in-process import") {
+    CudaOptions options;
+    options.shareable = ShareableHandle::posix_fd;
+    auto d = make_cuda_driver(0, options);
+    if (d->shareable_handle_type() != ShareableHandle::posix_fd) {
+      MESSAGE("posix_fd handles unavailable: " << d->shareable_fallback_reason());
+      CHECK_FALSE(d->shareable_fallback_reason().empty());
+      return;
+    }
+    CHECK(d->shareable_fallback_reason().empty());
+    const std::size_t g = d->granularity();
+    const phys_handle h = d->create(g);
+    const ExportedHandle ex = d->export_handle(h);
+    CHECK(ex.type == ShareableHandle::posix_fd);
+    REQUIRE(ex.fd >= 0);
+    const phys_handle imported = d->import_handle(ex);
+    CHECK(imported != 0);
+    ::close(ex.fd);
+
+    // Both handles name the same memory: write through one mapping, read through the other.
+    const dev_ptr base = d->reserve(2 * g);
+    d->map(base, g, h);
+    d->map(base + g, g, imported);
+    d->set_access(base, 2 * g);
+    d->memset_d32(base, 0x600DF00Du, g / 4, nullptr);
+    d->stream_synchronize(nullptr);
+    expseg::test::check_words(*d, base + g, g / 4, 0x600DF00Du);
+    d->unmap(base, 2 * g);
+    d->free_reserve(base, 2 * g);
+    d->release(imported);
+    d->release(h);
+  }
+
+  TEST_CASE("driver: CUDA fabric request falls back with a reason, or works") {
+    CudaOptions options;
+    options.shareable = ShareableHandle::fabric;
+    auto d = make_cuda_driver(0, options);
+    MESSAGE("fabric request -> " << static_cast<int>(d->shareable_handle_type()) << ": "
+                                 << d->shareable_fallback_reason());
+    if (d->shareable_handle_type() == ShareableHandle::fabric) {
+      CHECK(d->shareable_fallback_reason().empty());
+      const phys_handle h = d->create(d->granularity());
+      const ExportedHandle ex = d->export_handle(h);
+      CHECK(ex.type == ShareableHandle::fabric);
+      CHECK(std::any_of(ex.bytes.begin(), ex.bytes.end(), [](std::uint8_t b) { return b != 0; }));
+      d->release(h);
+    } else {
+      CHECK_FALSE(d->shareable_fallback_reason().empty());
+    }
+  }
+
+  TEST_CASE("driver: CUDA export without a shareable type is an error") {
+    auto d = make_cuda_driver(0);
+    const phys_handle h = d->create(d->granularity());
+    auto err = expseg::test::catch_driver_error([&] { (void)d->export_handle(h); });
+    REQUIRE(err.has_value());
+    CHECK(err->call() == "cuMemExportToShareableHandle");
+    d->release(h);
+  }
+
+  TEST_CASE("driver: CUDA event on a non-blocking stream") {
+    auto d = make_cuda_driver(0);
+    const stream_t s = d->stream_create();
+    const event_t e = d->event_create();
+    d->event_record(e, s);
+    d->stream_synchronize(s);
+    CHECK(d->event_query(e));
+    d->event_destroy(e);
+    d->stream_destroy(s);
+  }
+}

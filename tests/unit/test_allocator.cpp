@@ -1,1 +1,373 @@
-// (being written)
+// The frontend: API contract, bad input, cross-stream frees, thread safety, recorder, replay, OOM
+// reports, run over both backends.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+#include "core/json.hpp"
+#include "expseg/scenarios.hpp"
+#include "expseg/trace.hpp"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::Allocator;
+using expseg::BackendKind;
+using expseg::kAllPools;
+
+#ifndef EXPSEG_SOURCE_DIR
+#define EXPSEG_SOURCE_DIR "."
+#endif
+
+namespace {
+const BackendKind kBackends[] = {BackendKind::split_merge, BackendKind::expandable};
+const char* name(BackendKind b) { return expseg::to_string(b); }
+
+std::string what_of(auto&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no exception>";
+}
+}  // namespace
+
+TEST_SUITE("allocator") {
+
+TEST_CASE("allocator: size 0 gives nullptr and freeing nullptr does nothing") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    Allocator a(sim_config(b));
+    CHECK(a.allocate(0) == nullptr);
+    a.deallocate(nullptr);
+    CHECK(a.stats().allocation[kAllPools].allocated == 0);
+    a.validate();
+  }
+}
+
+TEST_CASE("allocator: absurd sizes fail as a capacity OOM and leave the allocator as it was") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    Allocator a(sim_config(b, 8 * GiB));
+    void* keep = a.allocate(1 * MiB);
+    const auto before = a.stats();
+    for (std::size_t size : {SIZE_MAX, SIZE_MAX - 511, std::size_t{1} << 62, 9 * GiB}) {
+      CAPTURE(size);
+      try {
+        a.allocate(size);
+        FAIL("allocate succeeded");
+      } catch (const expseg::out_of_memory& e) {
+        CHECK(e.report().verdict == expseg::OomVerdict::capacity);
+        CHECK(e.report().requested_bytes == size);
+        CHECK(std::string(e.what()).find("expseg verdict: capacity") != std::string::npos);
+      }
+    }
+    const auto after = a.stats();
+    CHECK(after.reserved_bytes[kAllPools].current == before.reserved_bytes[kAllPools].current);
+    CHECK(after.allocated_bytes[kAllPools].current == before.allocated_bytes[kAllPools].current);
+    CHECK(after.num_ooms == 4);
+    a.validate();
+    a.deallocate(keep);
+  }
+}
+
+TEST_CASE("allocator: double free, interior and foreign pointers are reported by name and change nothing") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    Allocator a(sim_config(b));
+    void* p = a.allocate(4 * MiB);
+    void* q = a.allocate(4 * MiB);
+    a.deallocate(p);
+    const auto before = a.stats();
+    CHECK(what_of([&] { a.deallocate(p); }).find("double free") != std::string::npos);
+    CHECK(what_of([&] { a.deallocate(static_cast<char*>(q) + 512); }).find("not the start of a live allocation") != std::string::npos);
+    int on_stack = 0;
+    CHECK(what_of([&] { a.deallocate(&on_stack); }).find("not allocated by this expseg allocator (device 0)") != std::string::npos);
+    CHECK(what_of([&] { a.record_stream(&on_stack, stream_id(5)); }).find("record_stream of pointer") != std::string::npos);
+    CHECK_THROWS_AS(a.deallocate(p), expseg::invalid_pointer);
+    const auto after = a.stats();
+    CHECK(after.allocation[kAllPools].current == before.allocation[kAllPools].current);
+    CHECK(after.reserved_bytes[kAllPools].current == before.reserved_bytes[kAllPools].current);
+    a.validate();
+    a.deallocate(q);
+    a.validate();
+  }
+}
+
+TEST_CASE("allocator: a pointer of another device's allocator is foreign") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    Allocator d0(sim_config(b), 0);
+    Allocator d1(sim_config(b), 1);
+    void* p = d0.allocate(1 * MiB);
+    const std::string msg = what_of([&] { d1.deallocate(p); });
+    // Simulated devices hand out disjoint address ranges, like real ones.
+    CHECK(msg.find("device 1") != std::string::npos);
+    d0.deallocate(p);
+    d0.validate();
+    d1.validate();
+  }
+}
+
+TEST_CASE("allocator: record_stream defers the free until the other stream's work completes") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    auto sa = make_sim_allocator(sim_config(b));
+    void* other = sa.sim->stream_create();
+    void* p = sa->allocate(8 * MiB);
+    sa->record_stream(p, other);
+    sa.sim->set_stream_busy(other, true);
+    sa->deallocate(p);
+    auto s = sa->stats();
+    CHECK(s.allocated_bytes[kAllPools].current == 0);
+    CHECK(s.active_bytes[kAllPools].current == static_cast<std::int64_t>(8 * MiB));  // still in use by `other`
+    void* q = sa->allocate(8 * MiB);
+    CHECK(q != p);  // not reused while `other` may still read it
+    sa->validate();
+    sa.sim->set_stream_busy(other, false);
+    void* r = sa->allocate(1 * MiB);  // processes completed events first
+    CHECK(sa->stats().active_bytes[kAllPools].current == static_cast<std::int64_t>(9 * MiB));
+    sa->deallocate(q);
+    sa->deallocate(r);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(other);
+    CHECK(sa.sim->live().events == 0);
+  }
+}
+
+TEST_CASE("allocator: release_cached waits for pending cross-stream frees") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    auto sa = make_sim_allocator(sim_config(b));
+    void* other = sa.sim->stream_create();
+    void* p = sa->allocate(30 * MiB);
+    sa->record_stream(p, other);
+    sa.sim->set_stream_busy(other, true);
+    sa->deallocate(p);
+    sa->release_cached();  // synchronizes the event, then gives the memory back
+    auto s = sa->stats();
+    CHECK(s.active_bytes[kAllPools].current == 0);
+    CHECK(s.reserved_bytes[kAllPools].current == 0);
+    CHECK(s.num_sync_all_streams == 1);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(other);
+  }
+}
+
+TEST_CASE("allocator: threads allocating and freeing concurrently keep every invariant") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    Allocator a(sim_config(b, 80 * GiB, "limit:8GiB"));
+    std::atomic<int> failures{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 8; ++t) {
+      threads.emplace_back([&, t] {
+        expseg::ScenarioRng rng(static_cast<std::uint64_t>(t) + 1);
+        std::vector<void*> mine;
+        void* stream = t % 2 ? stream_id(0x100 + static_cast<std::uintptr_t>(t)) : nullptr;
+        for (int i = 0; i < 4000; ++i) {
+          try {
+            if (!mine.empty() && rng.uniform() < 0.5) {
+              std::size_t j = rng.below(mine.size());
+              a.deallocate(mine[j]);
+              mine[j] = mine.back();
+              mine.pop_back();
+            } else {
+              mine.push_back(a.allocate(rng.log_uniform(9, 24), stream));
+            }
+            if (i % 500 == 0) (void)a.stats();
+          } catch (const expseg::out_of_memory&) {
+          } catch (...) {
+            ++failures;
+          }
+        }
+        for (void* p : mine) a.deallocate(p);
+      });
+    }
+    for (auto& th : threads) th.join();
+    CHECK(failures == 0);
+    a.validate();
+    CHECK(a.stats().allocated_bytes[kAllPools].current == 0);
+  }
+}
+
+TEST_CASE("allocator: limit changes give back cached memory above the new limit") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    Allocator a(sim_config(b));
+    void* keep = a.allocate(100 * MiB);
+    for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(200 * MiB + static_cast<std::size_t>(i) * 50 * MiB));
+    CHECK(a.stats().reserved_bytes[kAllPools].current > static_cast<std::int64_t>(300 * MiB));
+    a.set_limit(300 * MiB);
+    CHECK(a.limit() == 300 * MiB);
+    CHECK(a.stats().reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(300 * MiB));
+    CHECK_THROWS_AS(a.allocate(250 * MiB), expseg::out_of_memory);
+    a.set_limit(0);
+    void* big = a.allocate(250 * MiB);
+    a.deallocate(big);
+    a.deallocate(keep);
+    a.validate();
+  }
+}
+
+TEST_CASE("allocator: the recorder's trace replays to the same peaks as the recorded run") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    auto cfg = sim_config(b, 80 * GiB, "limit:3GiB");
+    Allocator a(cfg);
+    a.start_recording();
+    expseg::ScenarioRng rng(17);
+    std::vector<void*> live;
+    for (int i = 0; i < 3000; ++i) {
+      if (!live.empty() && rng.uniform() < 0.45) {
+        std::size_t j = rng.below(live.size());
+        a.deallocate(live[j]);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(j));
+      } else {
+        try {
+          live.push_back(a.allocate(rng.log_uniform(12, 29)));
+        } catch (const expseg::out_of_memory&) {
+          for (std::size_t k = 0; k < live.size() / 2; ++k) a.deallocate(live[k]);
+          live.erase(live.begin(), live.begin() + static_cast<std::ptrdiff_t>(live.size() / 2));
+        }
+      }
+    }
+    const auto stats = a.stats();
+    auto events = a.recorded();
+    REQUIRE(!events.empty());
+    const auto path = std::filesystem::temp_directory_path() / ("expseg_rec_" + std::string(name(b)) + ".csv.gz");
+    expseg::write_trace_file(path.string(), events);
+    expseg::Trace t = expseg::read_trace(path.string());
+    std::filesystem::remove(path);
+    CHECK(t.events.size() == events.size());
+    auto r = expseg::replay(t, cfg);
+    CHECK(r.peak_allocated_bytes == stats.allocated_bytes[kAllPools].peak);
+    CHECK(r.peak_reserved_bytes == stats.reserved_bytes[kAllPools].peak);
+    CHECK(r.ooms == static_cast<std::size_t>(stats.num_ooms));
+    for (void* p : live) a.deallocate(p);
+  }
+}
+
+TEST_CASE("allocator: a bounded recorder keeps the last events") {
+  Allocator a(sim_config(BackendKind::split_merge));
+  a.start_recording(10);
+  for (int i = 0; i < 20; ++i) a.deallocate(a.allocate(1024 + static_cast<std::size_t>(i)));
+  auto ev = a.recorded();
+  REQUIRE(ev.size() == 10);
+  CHECK(ev.back().action == expseg::TraceAction::free);
+  CHECK(ev[ev.size() - 2].size == 1024 + 19);
+  a.stop_recording();
+  a.deallocate(a.allocate(1));
+  CHECK(a.recorded().size() == 10);
+}
+
+TEST_CASE("allocator: the ResNet-50 trace replays on split_merge within 1% of PyTorch's own peaks") {
+  expseg::Trace t = expseg::read_trace(EXPSEG_SOURCE_DIR "/benchmarks/traces/resnet50-train-varsize.rmm.csv.gz");
+  auto sm = expseg::replay(t, sim_config(BackendKind::split_merge));
+  // PyTorch's caching allocator on that run (H200): peak reserved 8,480,882,688; peak allocated 5,951,374,336.
+  CHECK(std::abs(static_cast<double>(sm.peak_reserved_bytes) / 8480882688.0 - 1.0) < 0.01);
+  CHECK(std::abs(static_cast<double>(sm.peak_allocated_bytes) / 5951374336.0 - 1.0) < 0.01);
+  CHECK(sm.ooms == 0);
+  auto ex = expseg::replay(t, sim_config(BackendKind::expandable));
+  // PyTorch expandable_segments:True on that run: peak reserved 5,987,368,960.
+  CHECK(ex.peak_reserved_bytes <= 5987368960LL);
+  CHECK(static_cast<double>(ex.peak_reserved_bytes) / static_cast<double>(ex.peak_allocated_bytes) <= 1.01);
+  MESSAGE("resnet replay: split_merge reserved " << sm.peak_reserved_bytes << " allocated " << sm.peak_allocated_bytes
+                                                 << "; expandable reserved " << ex.peak_reserved_bytes << " allocated " << ex.peak_allocated_bytes);
+  // One JSON object per run, with the documented fields.
+  auto j = expseg::core::parse_json(ex.to_json());
+  for (const char* key : {"trace", "backend", "device", "events", "peak_allocated_bytes", "peak_reserved_bytes", "ooms", "seconds"}) CHECK(j.has(key));
+  CHECK(j["events"].as_int() == 41787);
+  CHECK(j["device"].as_string() == "sim:80GiB");
+}
+
+TEST_CASE("allocator: replay rejects a free of a pointer the trace never allocated, naming the line") {
+  expseg::Trace t = expseg::parse_trace("Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,512,0x0\n1,1,free,0x2000,512,0x0\n", "bad.csv");
+  const std::string msg = what_of([&] { expseg::replay(t, sim_config(BackendKind::split_merge)); });
+  CHECK(msg == "bad.csv:3: free of pointer 0x2000 that is not live (never allocated, or already freed)");
+  expseg::ReplayOptions lenient;
+  lenient.lenient = true;
+  auto r = expseg::replay(t, sim_config(BackendKind::split_merge), lenient);
+  CHECK(r.skipped_frees == 1);
+}
+
+TEST_CASE("allocator: an allocation that fails in replay counts as an OOM and its free is skipped") {
+  expseg::Trace t = expseg::parse_trace(
+      "Thread,Time,Action,Pointer,Size,Stream\n"
+      "1,0,allocate,0x1000,2097152000,0x0\n"
+      "1,1,allocate,0x2000,2097152000,0x0\n"
+      "1,2,free,0x2000,2097152000,0x0\n"
+      "1,3,free,0x1000,2097152000,0x0\n",
+      "two.csv");
+  for (BackendKind b : kBackends) {
+    auto r = expseg::replay(t, sim_config(b, 80 * GiB, "limit:3GiB"));
+    CHECK(r.ooms == 1);
+    CHECK(r.skipped_frees == 1);
+    CHECK(r.frees == 1);
+    CHECK(r.oom_events == std::vector<std::uint64_t>{1});
+  }
+}
+
+TEST_CASE("allocator: every scenario's verdict on the simulated device") {
+  struct Expect {
+    const char* scenario;
+    std::optional<expseg::OomVerdict> split_merge;
+    std::optional<expseg::OomVerdict> expandable;
+  };
+  using V = expseg::OomVerdict;
+  const Expect expected[] = {
+      {"split-800-500-300", V::fragmentation, std::nullopt},
+      {"cupy-limit", V::limit, V::limit},
+      {"growing-buffer", std::nullopt, std::nullopt},
+      {"random-churn", V::fragmentation, V::limit},
+      {"kv-cache-decode", V::fragmentation, std::nullopt},
+      {"mixed-lifetimes", V::fragmentation, std::nullopt},
+  };
+  for (const Expect& e : expected) {
+    for (BackendKind b : kBackends) {
+      CAPTURE(e.scenario);
+      CAPTURE(name(b));
+      auto r = expseg::run_scenario(e.scenario, sim_config(b));
+      const auto& want = b == BackendKind::split_merge ? e.split_merge : e.expandable;
+      CHECK(r.verdict == want);
+      CHECK(r.ok == !want.has_value());
+      auto j = expseg::core::parse_json(r.to_json());
+      for (const char* key : {"scenario", "backend", "ok", "verdict", "ooms", "peak_allocated_bytes", "peak_reserved_bytes"}) CHECK(j.has(key));
+    }
+  }
+  // An over-capacity request is a capacity OOM on both.
+  for (BackendKind b : kBackends) {
+    Allocator a(sim_config(b, 4 * GiB));
+    try {
+      a.allocate(5 * GiB);
+      FAIL("no OOM");
+    } catch (const expseg::out_of_memory& e) {
+      CHECK(e.report().verdict == V::capacity);
+    }
+  }
+}
+
+TEST_CASE("allocator: stats identities hold after every step of randomized scenarios") {
+  for (BackendKind b : kBackends) {
+    for (const char* s : {"random-churn", "kv-cache-decode", "mixed-lifetimes"}) {
+      CAPTURE(name(b));
+      CAPTURE(s);
+      expseg::ScenarioOptions o;
+      o.series_points = 100000;  // every step
+      auto r = expseg::run_scenario(s, sim_config(b), o);
+      REQUIRE(!r.series.empty());
+      for (const auto& p : r.series) {
+        REQUIRE(p.allocated <= p.reserved);
+        REQUIRE(p.reserved <= static_cast<std::int64_t>(r.limit_bytes));
+      }
+    }
+  }
+}
+
+}  // TEST_SUITE

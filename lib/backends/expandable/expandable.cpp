@@ -1,1 +1,865 @@
-// (being written)
+#include "backends/expandable/expandable.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <limits>
+#include <sstream>
+
+#include "expseg/errors.hpp"
+
+namespace expseg::backends {
+
+using core::Block;
+using core::BlockStatus;
+
+namespace {
+
+[[noreturn]] void broken(const std::string& what) { throw expseg::error("expandable invariant broken: " + what); }
+
+std::string hex(std::uint64_t v) {
+  std::ostringstream os;
+  os << "0x" << std::hex << v;
+  return os.str();
+}
+
+constexpr std::uint8_t pool_of_size(std::size_t size) noexcept {
+  return size <= ExpandableBackend::kSmallSize ? kSmallPool : kLargePool;
+}
+
+constexpr std::size_t round_up(std::size_t v, std::size_t m) noexcept { return (v + m - 1) / m * m; }
+
+// Splits free block `b` at `at` (inside it): `b` keeps [addr, at), the returned new block holds
+// [at, end) with the same segment, stream and mapped state. Indexes are the caller's business.
+Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
+  Block* n = pool.make();
+  n->addr = at;
+  n->size = b->end() - at;
+  n->stream = b->stream;
+  n->segment = b->segment;
+  n->mapped = b->mapped;
+  n->status = BlockStatus::free;
+  n->prev = b;
+  n->next = b->next;
+  if (b->next) b->next->prev = n;
+  b->next = n;
+  b->size = at - b->addr;
+  return n;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Handle policy.
+//
+// Driver calls cost per physical handle, not per byte (H200: cuMemSetAccess ~36 us and cuMemCreate
+// ~8 us per handle whatever its size), so growth wants few, large handles: 1 GiB in one handle maps
+// in ~0.1 ms, in 2 MiB handles in ~23 ms. But a handle can only be unmapped whole: once a block
+// smaller than the handle reuses part of it, the rest cannot be given back while that block lives
+// ("pinned" free memory), and when memory is tight, pinned memory is exactly what turns into a
+// fragmentation OOM. The policy:
+//   - when memory is plentiful (no limit configured and less than half the device held), handles
+//     are up to 1/32 of the device, at most 1 GiB: a fresh 1 GiB tensor maps as one handle;
+//   - under a configured limit, or with more than half the device held, handles are at most 1/1536
+//     of the limit (or device), at least one frame: 2 MiB under a 3 GiB limit, 64 MiB on a 141 GB
+//     card. Pinned memory then stays below a thousandth of the limit per handle, and any request
+//     succeeds while the frames touched by live blocks plus the request fit. The price is paid only
+//     when memory moves: a request that needs new frames while others are cached in holes maps
+//     (and unmaps) one handle per frame it moves;
+//   - the frame a new block covers only partly at its end gets a handle of its own, so neighbours
+//     that later pack into that frame never keep a bulk handle mapped;
+//   - allocations from cached memory prefer, among the few best-fitting free blocks, the place that
+//     leaves no idle handle partly used;
+//   - expandable_max_handle overrides the size.
+// ---------------------------------------------------------------------------------------------
+std::size_t ExpandableBackend::max_handle_bytes() const noexcept {
+  std::size_t bytes = ctx_.config.max_handle_size;
+  if (bytes == 0) {
+    const std::size_t limit = ctx_.effective_limit();
+    const bool tight = ctx_.limit != 0 || reserved_ > limit / 2;
+    bytes = std::bit_floor(std::max<std::size_t>(tight ? limit / 1536 : limit / 32, 1));
+    bytes = std::min<std::size_t>(bytes, std::size_t{1} << 30);
+  }
+  bytes = bytes / frame_ * frame_;
+  return std::max(bytes, frame_);
+}
+
+ExpandableBackend::ExpandableBackend(Context& ctx) : Backend(ctx), frame_(ctx.driver.granularity()) {
+  std::size_t va = ctx.config.va_size ? ctx.config.va_size : 2 * ctx.device_total;
+  va_bytes_ = std::max(round_up(va, frame_), frame_);
+}
+
+ExpandableBackend::~ExpandableBackend() {
+  // Give everything back; errors cannot be reported from a destructor.
+  auto quietly = [](auto&& f) {
+    try {
+      f();
+    } catch (...) {
+    }
+  };
+  for (ExpArena* arena : arenas_) {
+    arena->mapped_free.clear();
+    arena->unmapped.clear();
+    for (ExpSegment* seg : arena->segments) {
+      for (std::size_t f = 0; f < seg->frames.size();) {
+        ExpHandle* h = seg->frames[f];
+        if (h == nullptr) {
+          ++f;
+          continue;
+        }
+        f = h->first_frame + h->nframes;
+        quietly([&] { ctx_.driver.unmap(frame_addr(*seg, h->first_frame), h->bytes); });
+        quietly([&] { ctx_.driver.release(h->handle); });
+        if (h->hook.is_linked()) idle_.erase(idle_.iterator_to(*h));
+        delete h;
+      }
+      quietly([&] { ctx_.driver.free_reserve(seg->base, seg->va_bytes); });
+      delete seg;
+    }
+    delete arena;
+  }
+  while (!orphans_.empty()) {
+    ExpHandle* h = &orphans_.front();
+    orphans_.pop_front();
+    quietly([&] { ctx_.driver.release(h->handle); });
+    delete h;
+  }
+}
+
+std::size_t ExpandableBackend::round_size(std::size_t size) const noexcept {
+  if (size < kMinBlockSize) return kMinBlockSize;
+  if (size > std::numeric_limits<std::size_t>::max() / 2) return size;
+  return round_up(size, kMinBlockSize);
+}
+
+ExpArena& ExpandableBackend::arena_for(driver::stream_t stream) {
+  if (last_arena_ != nullptr && last_arena_->stream == stream) return *last_arena_;
+  for (ExpArena* a : arenas_) {
+    if (a->stream == stream) {
+      last_arena_ = a;
+      return *a;
+    }
+  }
+  auto* a = new ExpArena;
+  a->stream = stream;
+  try {
+    arenas_.push_back(a);
+  } catch (...) {
+    delete a;
+    throw;
+  }
+  last_arena_ = a;
+  return *a;
+}
+
+void ExpandableBackend::insert_free(ExpArena& arena, Block* b) noexcept {
+  b->status = BlockStatus::free;
+  if (b->mapped) {
+    arena.mapped_free.insert(*b);
+    ctx_.stats.num_free_blocks += 1;
+  } else {
+    arena.unmapped.insert(*b);
+  }
+}
+
+void ExpandableBackend::erase_free(ExpArena& arena, Block* b) noexcept {
+  if (b->mapped) {
+    arena.mapped_free.erase(arena.mapped_free.iterator_to(*b));
+    ctx_.stats.num_free_blocks -= 1;
+  } else {
+    arena.unmapped.erase(arena.unmapped.iterator_to(*b));
+  }
+}
+
+// Merges free block `b` (not in an index) with free neighbours of the same mapped state; the lower
+// block object survives. Returns the merged block (still not in an index).
+Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
+  if (Block* p = b->prev; p && p->is_free() && p->mapped == b->mapped) {
+    erase_free(arena, p);
+    p->size += b->size;
+    p->next = b->next;
+    if (b->next) b->next->prev = p;
+    blocks_.recycle(b);
+    b = p;
+  }
+  if (Block* n = b->next; n && n->is_free() && n->mapped == b->mapped) {
+    erase_free(arena, n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    blocks_.recycle(n);
+  }
+  return b;
+}
+
+void ExpandableBackend::add_live(const Block& b) noexcept {
+  const auto& seg = *static_cast<const ExpSegment*>(b.segment);
+  for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
+    ExpHandle* h = seg.frames[f];
+    const std::uint64_t lo = frame_addr(seg, h->first_frame);
+    const std::uint64_t hi = lo + h->bytes;
+    const std::size_t overlap = std::min(hi, b.end()) - std::max(lo, b.addr);
+    if (h->live_bytes == 0) {
+      idle_.erase(idle_.iterator_to(*h));
+      pinned_free_ += h->bytes - overlap;
+    } else {
+      pinned_free_ -= overlap;
+    }
+    h->live_bytes += overlap;
+    f = h->first_frame + h->nframes;
+  }
+}
+
+void ExpandableBackend::remove_live(const Block& b) noexcept {
+  const auto& seg = *static_cast<const ExpSegment*>(b.segment);
+  for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
+    ExpHandle* h = seg.frames[f];
+    const std::uint64_t lo = frame_addr(seg, h->first_frame);
+    const std::uint64_t hi = lo + h->bytes;
+    const std::size_t overlap = std::min(hi, b.end()) - std::max(lo, b.addr);
+    h->live_bytes -= overlap;
+    if (h->live_bytes == 0) {
+      idle_.push_back(*h);
+      pinned_free_ -= h->bytes - overlap;
+    } else {
+      pinned_free_ += overlap;
+    }
+    f = h->first_frame + h->nframes;
+  }
+}
+
+// Bytes of idle handles that a block at [lo, hi) would use only partly: memory that could not be
+// given back while the block lives.
+std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept {
+  std::size_t pinned = 0;
+  for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last;) {
+    const ExpHandle* h = seg.frames[f];
+    if (h->live_bytes == 0) {
+      const std::uint64_t hlo = frame_addr(seg, h->first_frame);
+      const std::uint64_t hhi = hlo + h->bytes;
+      pinned += h->bytes - (std::min(hhi, hi) - std::max(hlo, lo));
+    }
+    f = h->first_frame + h->nframes;
+  }
+  return pinned;
+}
+
+// Hands out `size` bytes of free mapped block `b`, at its front or (back) at its end.
+Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std::size_t requested, bool back) {
+  erase_free(arena, b);
+  Block* c = b;
+  if (b->size > size) {
+    if (back) {
+      c = split_after(blocks_, b, b->end() - size);
+      insert_free(arena, b);
+    } else {
+      insert_free(arena, split_after(blocks_, b, b->addr + size));
+    }
+  }
+  c->status = BlockStatus::allocated;
+  c->requested = requested;
+  c->pool = pool_of_size(size);
+  add_live(*c);
+  account_allocated(*c);
+  return c;
+}
+
+Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t stream) {
+  const std::size_t size = round_size(requested);
+  if (size > std::numeric_limits<std::size_t>::max() / 2) return nullptr;
+  ExpArena& arena = arena_for(stream);
+  // Best fit among mapped free blocks; among the few smallest that fit, prefer a place that does
+  // not leave an idle handle partly used (it could not be given back while the block lives).
+  auto it = arena.mapped_free.lower_bound(core::FreeKey{stream, size, 0}, core::FreeKeyOrder{});
+  Block* best = nullptr;
+  bool best_back = false;
+  std::size_t best_pin = std::numeric_limits<std::size_t>::max();
+  for (int k = 0; it != arena.mapped_free.end() && k < kPlacementCandidates; ++it, ++k) {
+    Block* b = &*it;
+    const auto& seg = *static_cast<const ExpSegment*>(b->segment);
+    const std::size_t front = new_pin_bytes(seg, b->addr, b->addr + size);
+    const std::size_t back = b->size > size ? new_pin_bytes(seg, b->end() - size, b->end()) : front;
+    if (front < best_pin || back < best_pin) {
+      best = b;
+      best_back = back < front;
+      best_pin = std::min(front, back);
+    }
+    if (best_pin == 0) break;
+  }
+  if (best != nullptr) return carve(arena, best, size, requested, best_back);
+  return allocate_slow(arena, size, requested);
+}
+
+std::size_t ExpandableBackend::frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept {
+  std::size_t n = 0;
+  for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last; ++f)
+    if (seg.frames[f] == nullptr) ++n;
+  return n;
+}
+
+// A place for `size` bytes: a run of free blocks (mapped or not) of at least `size` bytes that
+// contains unmapped space; of these, the run that needs the fewest new frames (it reuses the most
+// cached memory), the lowest address on ties (packs memory low, as PyTorch's first fit does).
+bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placement& out) {
+  bool found = false;
+  for (Block& u : arena.unmapped) {
+    // The maximal run of free blocks around u; the block may sit at either end of it, against the
+    // live neighbour whose partly used frame it can share.
+    Block* first = &u;
+    while (first->prev && first->prev->is_free()) first = first->prev;
+    Block* last = &u;
+    while (last->next && last->next->is_free()) last = last->next;
+    const std::uint64_t lo = first->addr;
+    const std::uint64_t hi = last->end();
+    if (hi - lo < size) continue;
+    auto* seg = static_cast<ExpSegment*>(u.segment);
+    for (const std::uint64_t start : {lo, hi - size}) {
+      const std::size_t need = frames_needed(*seg, start, start + size);
+      if (!found || need < out.new_frames) {
+        out = Placement{seg, first->prev, start, need};
+        found = true;
+      }
+      if (need == 0 || hi == seg->base + seg->va_bytes) break;  // never place at the far end of a segment's tail
+    }
+    if (out.new_frames == 0) break;
+  }
+  return found;
+}
+
+ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_bytes) {
+  const std::size_t va = std::max(va_bytes_, round_up(min_bytes, frame_));
+  driver::dev_ptr base = 0;
+  try {
+    base = ctx_.driver.reserve(va);
+  } catch (const driver_error& e) {
+    if (e.is_out_of_memory()) return nullptr;
+    throw;
+  }
+  auto seg = std::make_unique<ExpSegment>();
+  try {
+    seg->frames.assign(va / frame_, nullptr);
+    arena.segments.reserve(arena.segments.size() + 1);
+  } catch (...) {
+    ctx_.driver.free_reserve(base, va);
+    throw;
+  }
+  seg->base = base;
+  seg->va_bytes = va;
+  seg->arena = &arena;
+  Block* b = blocks_.make();
+  b->addr = base;
+  b->size = va;
+  b->stream = arena.stream;
+  b->segment = seg.get();
+  b->mapped = false;
+  seg->first = b;
+  insert_free(arena, b);
+  arena.segments.push_back(seg.get());
+  account_segment(kLargePool, 1);
+  return seg.release();
+}
+
+Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested) {
+  Placement pl;
+  if (!find_placement(arena, size, pl)) {
+    ExpSegment* seg = new_segment(arena, size);
+    if (seg == nullptr) return nullptr;
+    pl = Placement{seg, nullptr, seg->base, frames_needed(*seg, seg->base, seg->base + size)};
+  }
+  if (!make_room(pl.new_frames * frame_, Exclusion{pl.seg, pl.start, pl.start + size})) return nullptr;
+  if (!map_range(*pl.seg, pl.start, pl.start + size, pl.anchor)) return nullptr;
+  // [start, start + size) now lies in one free mapped block (adjacent mapped free blocks merge).
+  Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
+  while (b->end() <= pl.start) b = b->next;
+  if (!b->is_free() || !b->mapped || b->end() < pl.start + size) broken("mapped run at " + hex(pl.start) + " is not one free block");
+  if (b->addr < pl.start) {
+    erase_free(arena, b);
+    Block* upper = split_after(blocks_, b, pl.start);
+    insert_free(arena, b);
+    insert_free(arena, upper);
+    b = upper;
+  }
+  return carve(arena, b, size, requested, false);
+}
+
+bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, Block* anchor) {
+  const Exclusion ex{&seg, lo, hi};
+  const std::size_t last = frame_of(seg, hi - 1);
+  const bool last_partial = (hi - seg.base) % frame_ != 0;
+  const std::size_t max_frames = max_handle_bytes() / frame_;
+  for (std::size_t f = frame_of(seg, lo); f <= last;) {
+    if (seg.frames[f] != nullptr) {
+      ++f;
+      continue;
+    }
+    std::size_t run_end = f;
+    while (run_end <= last && seg.frames[run_end] == nullptr) ++run_end;
+    while (f < run_end) {
+      std::size_t n = std::min(run_end - f, max_frames);
+      if (last_partial && run_end == last + 1 && f + n == run_end && n > 1) --n;
+      if (!map_one(seg, f, n, anchor, ex)) return false;
+      f += n;
+    }
+  }
+  return true;
+}
+
+// Creates, maps and grants access to one handle of `nframes` at `frame`. Returns false when memory
+// cannot be found; throws driver_error for other failures. Either way nothing is leaked: a handle
+// whose cleanup also fails is kept as an orphan (still counted as reserved) and retried later.
+bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, Block* anchor, const Exclusion& ex) {
+  const std::size_t bytes = nframes * frame_;
+  if (!make_room(bytes, ex)) return false;
+  driver::Driver& drv = ctx_.driver;
+  driver::phys_handle ph = 0;
+  try {
+    ph = drv.create(bytes);
+  } catch (const driver_error& e) {
+    if (!e.is_out_of_memory()) throw;
+    // The device itself is short (other processes, or less memory than the limit says).
+    if (reclaim_idle(bytes, ex) == 0) return false;
+    try {
+      ph = drv.create(bytes);
+    } catch (const driver_error& e2) {
+      if (!e2.is_out_of_memory()) throw;
+      return false;
+    }
+  }
+  auto h = std::make_unique<ExpHandle>();
+  h->handle = ph;
+  h->bytes = bytes;
+  h->first_frame = frame;
+  h->nframes = nframes;
+  const std::uint64_t addr = frame_addr(seg, frame);
+  auto give_up = [&](bool still_mapped) {
+    // Undo this handle; what cannot be undone now becomes an orphan.
+    try {
+      if (still_mapped) drv.unmap(addr, bytes);
+      still_mapped = false;
+      drv.release(ph);
+      return;
+    } catch (...) {
+    }
+    h->mapped = still_mapped;
+    h->orphan_addr = addr;
+    h->seg = nullptr;
+    orphans_.push_back(*h);
+    reserved_ += bytes;
+    ++handles_;
+    account_reserved(kLargePool, static_cast<std::int64_t>(bytes));
+    ctx_.stats.physical_handles.increase(1);
+    (void)h.release();
+  };
+  try {
+    drv.map(addr, bytes, ph);
+  } catch (const driver_error& e) {
+    give_up(false);
+    if (e.is_out_of_memory()) return false;
+    throw;
+  }
+  try {
+    drv.set_access(addr, bytes);
+  } catch (const driver_error& e) {
+    give_up(true);
+    if (e.is_out_of_memory()) return false;
+    throw;
+  }
+  register_mapping(seg, h.release(), anchor);
+  return true;
+}
+
+void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* anchor) {
+  ExpArena& arena = *seg.arena;
+  h->seg = &seg;
+  h->mapped = true;
+  h->live_bytes = 0;
+  for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = h;
+  seg.mapped_bytes += h->bytes;
+  seg.high_water = std::max(seg.high_water, (h->first_frame + h->nframes) * frame_);
+  reserved_ += h->bytes;
+  ++handles_;
+  account_reserved(kLargePool, static_cast<std::int64_t>(h->bytes));
+  ctx_.stats.physical_handles.increase(1);
+  ctx_.stats.num_device_alloc += 1;
+  idle_.push_back(*h);
+  const std::uint64_t lo = frame_addr(seg, h->first_frame);
+  const std::uint64_t hi = lo + h->bytes;
+  if (ctx_.hooks) ctx_.hooks->on_map(lo, h->bytes, arena.stream);
+
+  // The unmapped free block holding [lo, hi) becomes: unmapped [.., lo), mapped [lo, hi), unmapped [hi, ..).
+  Block* u = anchor ? anchor->next : seg.first;
+  while (u->end() <= lo) u = u->next;
+  if (!u->is_free() || u->mapped || u->addr > lo || u->end() < hi)
+    broken("frames at " + hex(lo) + " were unmapped but not inside one unmapped free block");
+  erase_free(arena, u);
+  Block* m = u;
+  if (u->addr < lo) {
+    m = split_after(blocks_, u, lo);
+    insert_free(arena, u);
+  }
+  if (m->end() > hi) insert_free(arena, split_after(blocks_, m, hi));
+  m->mapped = true;
+  insert_free(arena, merge_free(arena, m));
+}
+
+bool ExpandableBackend::make_room(std::size_t bytes, const Exclusion& ex) {
+  const std::size_t limit = ctx_.effective_limit();
+  if (bytes > limit) return false;
+  if (reserved_ + bytes <= limit) return true;
+  if (!orphans_.empty()) retry_orphans();
+  if (reserved_ + bytes > limit) reclaim_idle(reserved_ + bytes - limit, ex);
+  return reserved_ + bytes <= limit;
+}
+
+// Unmaps idle handles, least recently idle first, until at least `bytes` are given back (or none
+// is left outside the exclusion). Returns the bytes given back.
+std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& ex) {
+  std::size_t freed = 0;
+  driver::stream_t synced[8];
+  std::size_t nsynced = 0;
+  bool synced_all = false;
+  for (auto it = idle_.begin(); it != idle_.end() && freed < bytes;) {
+    ExpHandle* h = &*it;
+    ++it;
+    if (h->seg == ex.seg) {
+      const std::uint64_t lo = frame_addr(*h->seg, h->first_frame);
+      if (lo < ex.hi && lo + h->bytes > ex.lo) continue;
+    }
+    // The memory was freed on the arena's stream: work queued there may still use it.
+    const driver::stream_t stream = h->seg->arena->stream;
+    if (!synced_all && std::find(synced, synced + nsynced, stream) == synced + nsynced) {
+      if (nsynced < 8) {
+        ctx_.driver.stream_synchronize(stream);
+        synced[nsynced++] = stream;
+      } else {
+        ctx_.driver.device_synchronize();
+        synced_all = true;
+      }
+    }
+    const std::size_t hb = h->bytes;
+    unmap_handle(h);
+    freed += hb;
+  }
+  return freed;
+}
+
+void ExpandableBackend::unmap_handle(ExpHandle* h) {
+  ExpSegment& seg = *h->seg;
+  ExpArena& arena = *seg.arena;
+  const std::uint64_t lo = frame_addr(seg, h->first_frame);
+  const std::uint64_t hi = lo + h->bytes;
+  ctx_.driver.unmap(lo, h->bytes);  // throws with nothing changed
+  idle_.erase(idle_.iterator_to(*h));
+  for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = nullptr;
+  seg.mapped_bytes -= h->bytes;
+  ctx_.stats.num_device_free += 1;
+  if (ctx_.hooks) ctx_.hooks->on_unmap(lo, h->bytes, arena.stream);
+
+  // An idle handle lies inside exactly one free mapped block (adjacent free mapped blocks merge).
+  Block* b = seg.first;
+  while (b->end() <= lo) b = b->next;
+  if (!b->is_free() || !b->mapped || b->addr > lo || b->end() < hi)
+    broken("idle handle at " + hex(lo) + " is not inside one free mapped block");
+  erase_free(arena, b);
+  Block* mid = b;
+  if (b->addr < lo) {
+    mid = split_after(blocks_, b, lo);
+    insert_free(arena, b);
+  }
+  if (mid->end() > hi) insert_free(arena, split_after(blocks_, mid, hi));
+  mid->mapped = false;
+  insert_free(arena, merge_free(arena, mid));
+
+  h->seg = nullptr;
+  h->mapped = false;
+  try {
+    ctx_.driver.release(h->handle);
+  } catch (...) {
+    orphans_.push_back(*h);  // still holds memory: counted as reserved until a retry succeeds
+    throw;
+  }
+  reserved_ -= h->bytes;
+  --handles_;
+  account_reserved(kLargePool, -static_cast<std::int64_t>(h->bytes));
+  ctx_.stats.physical_handles.decrease(1);
+  delete h;
+}
+
+void ExpandableBackend::retry_orphans() {
+  for (auto it = orphans_.begin(); it != orphans_.end();) {
+    ExpHandle* h = &*it;
+    ++it;
+    try {
+      if (h->mapped) {
+        // Only a handle whose set_access and unmap both failed stays mapped; nothing uses its range.
+        ctx_.driver.unmap(h->orphan_addr, h->bytes);
+        h->mapped = false;
+      }
+      ctx_.driver.release(h->handle);
+    } catch (...) {
+      continue;
+    }
+    orphans_.erase(orphans_.iterator_to(*h));
+    reserved_ -= h->bytes;
+    --handles_;
+    account_reserved(kLargePool, -static_cast<std::int64_t>(h->bytes));
+    ctx_.stats.physical_handles.decrease(1);
+    delete h;
+  }
+}
+
+void ExpandableBackend::free(Block* b) {
+  leave_active(*b);
+  remove_live(*b);
+  auto& seg = *static_cast<ExpSegment*>(b->segment);
+  ExpArena& arena = *seg.arena;
+  insert_free(arena, merge_free(arena, b));
+}
+
+void ExpandableBackend::release_cached() {
+  if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
+  reclaim_idle(std::numeric_limits<std::size_t>::max(), Exclusion{});
+  retry_orphans();
+  // Give back the address space of segments that hold nothing, keeping each arena's first one.
+  for (ExpArena* arena : arenas_) {
+    for (std::size_t i = arena->segments.size(); i-- > 1;) {
+      ExpSegment* seg = arena->segments[i];
+      Block* b = seg->first;
+      if (seg->mapped_bytes != 0 || b->next != nullptr || !b->is_free()) continue;
+      ctx_.driver.free_reserve(seg->base, seg->va_bytes);
+      erase_free(*arena, b);
+      blocks_.recycle(b);
+      arena->segments.erase(arena->segments.begin() + static_cast<std::ptrdiff_t>(i));
+      account_segment(kLargePool, -1);
+      delete seg;
+    }
+  }
+}
+
+void ExpandableBackend::on_limit_changed() {
+  const std::size_t limit = ctx_.effective_limit();
+  if (reserved_ > limit) reclaim_idle(reserved_ - limit, Exclusion{});
+}
+
+void ExpandableBackend::on_peer_added(int) {
+  // One cuMemSetAccess per mapped run grants the new peer (the driver's access list has it now).
+  for (ExpArena* arena : arenas_) {
+    for (ExpSegment* seg : arena->segments) {
+      for (std::size_t f = 0; f < seg->frames.size();) {
+        if (seg->frames[f] == nullptr) {
+          ++f;
+          continue;
+        }
+        std::size_t e = f;
+        while (e < seg->frames.size() && seg->frames[e] != nullptr) e = seg->frames[e]->first_frame + seg->frames[e]->nframes;
+        ctx_.driver.set_access(frame_addr(*seg, f), (e - f) * frame_);
+        f = e;
+      }
+    }
+  }
+}
+
+void ExpandableBackend::validate() const {
+  std::int64_t allocated[kStatPools] = {};
+  std::int64_t active[kStatPools] = {};
+  std::int64_t requested[kStatPools] = {};
+  std::size_t mapped_free_blocks = 0;
+  std::size_t unmapped_blocks = 0;
+  std::size_t reserved = 0;
+  std::size_t handles = 0;
+  std::size_t idle = 0;
+  std::size_t segments = 0;
+  for (const ExpArena* arena : arenas_) {
+    for (const ExpSegment* seg : arena->segments) {
+      ++segments;
+      if (seg->arena != arena) broken("segment points to another arena");
+      if (seg->frames.size() * frame_ != seg->va_bytes) broken("frame table does not cover the segment");
+      // Handles: frames -> handle consistency, live bytes recomputed below.
+      std::size_t mapped = 0;
+      std::vector<std::size_t> live(seg->frames.size(), 0);  // live bytes per handle, by first frame
+      for (std::size_t f = 0; f < seg->frames.size();) {
+        const ExpHandle* h = seg->frames[f];
+        if (h == nullptr) {
+          ++f;
+          continue;
+        }
+        if (h->first_frame != f || h->seg != seg || !h->mapped || h->bytes != h->nframes * frame_)
+          broken("handle at frame " + std::to_string(f) + " does not describe its own mapping");
+        for (std::size_t g = f; g < f + h->nframes; ++g)
+          if (seg->frames[g] != h) broken("frames of one handle point elsewhere");
+        mapped += h->bytes;
+        reserved += h->bytes;
+        ++handles;
+        if ((h->live_bytes == 0) != h->hook.is_linked()) broken("idle list membership disagrees with live bytes");
+        if (h->live_bytes == 0) ++idle;
+        if ((f + h->nframes) * frame_ > seg->high_water) broken("high-water mark below a mapping");
+        f += h->nframes;
+      }
+      if (mapped != seg->mapped_bytes) broken("segment mapped_bytes is wrong");
+      // Blocks tile the segment.
+      if (seg->first == nullptr || seg->first->prev != nullptr) broken("segment has no first block");
+      std::uint64_t expect = seg->base;
+      const Block* prev = nullptr;
+      for (const Block* b = seg->first; b; prev = b, b = b->next) {
+        if (b->addr != expect) broken("blocks do not tile segment " + hex(seg->base) + " at " + hex(expect));
+        if (b->prev != prev) broken("prev link mismatch at " + hex(b->addr));
+        if (b->segment != seg || b->stream != arena->stream) broken("block belongs to another segment or stream");
+        if (b->size == 0 || b->size % kMinBlockSize) broken("block size is not a multiple of 512");
+        expect = b->end();
+        const std::size_t f0 = frame_of(*seg, b->addr);
+        const std::size_t f1 = frame_of(*seg, b->end() - 1);
+        if (b->is_free()) {
+          if (!b->free_hook.is_linked()) broken("free block not in an index");
+          if (prev && prev->is_free() && prev->mapped == b->mapped) broken("adjacent free blocks of one state not merged at " + hex(b->addr));
+          if (b->mapped) ++mapped_free_blocks;
+          else ++unmapped_blocks;
+        } else if (b->free_hook.is_linked()) {
+          broken("allocated block is in a free index");
+        }
+        if (b->mapped) {
+          for (std::size_t f = f0; f <= f1; ++f)
+            if (seg->frames[f] == nullptr) broken("block at " + hex(b->addr) + " lies on an unmapped frame");
+        } else {
+          if ((b->addr - seg->base) % frame_ != 0 || ((b->end() - seg->base) % frame_ != 0 && b->end() != seg->base + seg->va_bytes))
+            broken("unmapped block at " + hex(b->addr) + " is not frame aligned");
+          for (std::size_t f = f0; f <= f1; ++f)
+            if (seg->frames[f] != nullptr) broken("unmapped block at " + hex(b->addr) + " covers a mapped frame");
+        }
+        if (!b->is_free()) {
+          if (!b->mapped) broken("allocated block is not mapped");
+          if (b->requested > b->size) broken("requested size larger than block");
+          active[b->pool] += static_cast<std::int64_t>(b->size);
+          if (b->status == BlockStatus::allocated) {
+            allocated[b->pool] += static_cast<std::int64_t>(b->size);
+            requested[b->pool] += static_cast<std::int64_t>(b->requested);
+          }
+          for (std::size_t f = f0; f <= f1;) {
+            const ExpHandle* h = seg->frames[f];
+            const std::uint64_t lo = frame_addr(*seg, h->first_frame);
+            live[h->first_frame] += std::min(lo + h->bytes, b->end()) - std::max(lo, b->addr);
+            f = h->first_frame + h->nframes;
+          }
+        }
+      }
+      if (expect != seg->base + seg->va_bytes) broken("blocks do not cover segment " + hex(seg->base));
+      for (std::size_t f = 0; f < seg->frames.size();) {
+        const ExpHandle* h = seg->frames[f];
+        if (h == nullptr) {
+          ++f;
+          continue;
+        }
+        if (live[f] != h->live_bytes) broken("handle live_bytes is wrong at frame " + std::to_string(f));
+        f += h->nframes;
+      }
+    }
+  }
+  std::size_t indexed_mapped = 0;
+  std::size_t indexed_unmapped = 0;
+  for (const ExpArena* arena : arenas_) {
+    indexed_mapped += arena->mapped_free.size();
+    indexed_unmapped += arena->unmapped.size();
+    for (const Block& b : arena->mapped_free)
+      if (!b.mapped || b.stream != arena->stream) broken("mapped index holds a foreign block");
+    for (const Block& b : arena->unmapped)
+      if (b.mapped) broken("unmapped index holds a mapped block");
+  }
+  if (indexed_mapped != mapped_free_blocks || indexed_unmapped != unmapped_blocks) broken("free indexes hold blocks not in any segment");
+  if (idle != idle_.size()) broken("idle list holds handles that are not idle");
+  for (const ExpHandle& h : orphans_) {
+    reserved += h.bytes;
+    ++handles;
+  }
+  if (reserved != reserved_ || handles != handles_) broken("reserved bytes or handle count is wrong");
+  const Stats& s = ctx_.stats;
+  if (s.reserved_bytes[kAllPools].current != static_cast<std::int64_t>(reserved_)) broken("reserved_bytes stat is wrong");
+  if (s.physical_handles.current != static_cast<std::int64_t>(handles_)) broken("physical_handles stat is wrong");
+  if (s.segment[kAllPools].current != static_cast<std::int64_t>(segments)) broken("segment stat is wrong");
+  if (s.num_free_blocks != static_cast<std::int64_t>(mapped_free_blocks)) broken("num_free_blocks stat is wrong");
+  for (int pool : {kSmallPool, kLargePool}) {
+    allocated[kAllPools] += allocated[pool];
+    active[kAllPools] += active[pool];
+    requested[kAllPools] += requested[pool];
+  }
+  for (int pool = 0; pool < kStatPools; ++pool) {
+    const std::string where = std::string(" (") + stat_pool_name(pool) + ")";
+    if (s.allocated_bytes[pool].current != allocated[pool]) broken("allocated_bytes stat is wrong" + where);
+    if (s.active_bytes[pool].current != active[pool]) broken("active_bytes stat is wrong" + where);
+    if (s.requested_bytes[pool].current != requested[pool]) broken("requested_bytes stat is wrong" + where);
+  }
+  if (allocated[kAllPools] > static_cast<std::int64_t>(reserved_)) broken("allocated > reserved");
+}
+
+void ExpandableBackend::snapshot(std::vector<SegmentInfo>& out) const {
+  for (const ExpArena* arena : arenas_) {
+    for (const ExpSegment* seg : arena->segments) {
+      SegmentInfo info;
+      info.address = seg->base;
+      info.size = seg->high_water;
+      info.mapped_bytes = seg->mapped_bytes;
+      info.stream = reinterpret_cast<std::uintptr_t>(arena->stream);
+      const std::uint64_t end = seg->base + seg->high_water;
+      for (const Block* b = seg->first; b && b->addr < end; b = b->next) {
+        BlockInfo bi;
+        bi.address = b->addr;
+        bi.size = std::min(b->end(), end) - b->addr;
+        bi.requested = b->is_free() ? 0 : b->requested;
+        bi.state = b->status == BlockStatus::allocated      ? BlockState::allocated
+                   : b->status == BlockStatus::pending_free ? BlockState::pending_free
+                   : b->mapped                              ? BlockState::free_mapped
+                                                            : BlockState::free_unmapped;
+        bi.stream = info.stream;
+        info.blocks.push_back(bi);
+      }
+      for (std::size_t f = 0; f < seg->frames.size();) {
+        if (seg->frames[f] == nullptr) {
+          ++f;
+          continue;
+        }
+        std::size_t e = f;
+        while (e < seg->frames.size() && seg->frames[e] != nullptr) {
+          ++info.physical_handles;
+          e = seg->frames[e]->first_frame + seg->frames[e]->nframes;
+        }
+        info.mapped_ranges.push_back({frame_addr(*seg, f), (e - f) * frame_});
+        f = e;
+      }
+      out.push_back(std::move(info));
+    }
+  }
+}
+
+FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
+  FreeSummary s;
+  s.request_footprint = round_up(request, frame_);
+  for (const ExpArena* arena : arenas_) {
+    for (const ExpSegment* seg : arena->segments) {
+      std::size_t last_frame = SIZE_MAX;  // frames already counted (blocks are address-ordered)
+      for (const Block* b = seg->first; b; b = b->next) {
+        if (b->is_free()) continue;
+        std::size_t f0 = frame_of(*seg, b->addr);
+        const std::size_t f1 = frame_of(*seg, b->end() - 1);
+        if (last_frame != SIZE_MAX && f0 <= last_frame) f0 = last_frame + 1;
+        if (f0 <= f1) s.live_footprint += (f1 - f0 + 1) * frame_;
+        last_frame = std::max(last_frame == SIZE_MAX ? f1 : last_frame, f1);
+      }
+    }
+  }
+  for (const ExpArena* arena : arenas_) {
+    for (const Block& b : arena->mapped_free) {
+      s.free_blocks += 1;
+      s.largest_free_block = std::max(s.largest_free_block, b.size);
+    }
+  }
+  for (const ExpHandle& h : idle_) s.releasable_bytes += h.bytes;
+  return s;
+}
+
+bool ExpandableBackend::contains(std::uint64_t addr) const noexcept {
+  for (const ExpArena* arena : arenas_)
+    for (const ExpSegment* seg : arena->segments)
+      if (addr >= seg->base && addr < seg->base + seg->va_bytes) return true;
+  return false;
+}
+
+std::unique_ptr<Backend> make_expandable(Context& ctx) { return std::make_unique<ExpandableBackend>(ctx); }
+
+}  // namespace expseg::backends

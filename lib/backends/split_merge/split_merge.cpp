@@ -1,1 +1,458 @@
-// (being written)
+#include "backends/split_merge/split_merge.hpp"
+
+#include <bit>
+#include <limits>
+#include <sstream>
+
+#include "expseg/errors.hpp"
+
+namespace expseg::backends {
+
+using core::Block;
+using core::BlockStatus;
+
+namespace {
+
+// PyTorch's roundup_power2_next_division: split [2^k, 2^(k+1)) into `divisions` equal steps.
+std::size_t roundup_power2_next_division(std::size_t size, std::size_t divisions) noexcept {
+  if (std::has_single_bit(size)) return size;
+  const std::size_t power2_floor = std::bit_floor(size);
+  const std::size_t power2_division = power2_floor >> (std::bit_width(divisions) - 1);
+  if (power2_division == 0) return power2_floor << 1;
+  const std::size_t round_size_floor = size & ~(power2_division - 1);
+  return round_size_floor == size ? size : round_size_floor + power2_division;
+}
+
+// PyTorch's CUDAAllocatorConfig::roundup_power2_divisions(size): intervals start at 1 MiB.
+std::size_t divisions_for(const Config& c, std::size_t size) noexcept {
+  const int log_size = std::bit_width(size) - 1;
+  int index = log_size - 20;
+  if (index < 0) index = 0;
+  if (index > static_cast<int>(kRoundupIntervals) - 1) index = kRoundupIntervals - 1;
+  return c.roundup_power2_divisions[static_cast<std::size_t>(index)];
+}
+
+[[noreturn]] void broken(const std::string& what) { throw expseg::error("split_merge invariant broken: " + what); }
+
+}  // namespace
+
+SplitMergeBackend::SplitMergeBackend(Context& ctx) : Backend(ctx) {
+  small_.is_small = true;
+  small_.stat_pool = kSmallPool;
+  large_.stat_pool = kLargePool;
+  ctx_.stats.max_split_size =
+      ctx_.config.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(ctx_.config.max_split_size);
+}
+
+SplitMergeBackend::~SplitMergeBackend() {
+  small_.blocks.clear();
+  large_.blocks.clear();
+  while (!segments_.empty()) {
+    SmSegment& seg = segments_.front();
+    segments_.pop_front();
+    try {
+      ctx_.driver.mem_free(seg.base);
+    } catch (...) {
+      // Nothing can be done in a destructor; the device reclaims the memory at process exit.
+    }
+    delete &seg;
+  }
+}
+
+std::size_t SplitMergeBackend::round_size(std::size_t size) const noexcept {
+  if (size < kMinBlockSize) return kMinBlockSize;
+  if (size > std::numeric_limits<std::size_t>::max() / 2) return size;  // absurd: the caller reports OOM
+  if (!cupy()) {
+    const std::size_t divisions = divisions_for(ctx_.config, size);
+    if (divisions > 1 && size > kMinBlockSize * divisions) return roundup_power2_next_division(size, divisions);
+  }
+  return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
+}
+
+SplitMergeBackend::Pool& SplitMergeBackend::pool_for(std::size_t size) noexcept {
+  if (cupy()) return large_;
+  return size <= kSmallSize ? small_ : large_;
+}
+
+std::size_t SplitMergeBackend::allocation_size(std::size_t size) const noexcept {
+  if (cupy()) return size;
+  if (size <= kSmallSize) return kSmallBuffer;
+  if (size < kMinLargeAlloc) return kLargeBuffer;
+  return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
+}
+
+bool SplitMergeBackend::should_split(const Block& block, std::size_t size) const noexcept {
+  const std::size_t remaining = block.size - size;
+  if (cupy()) return remaining > 0;
+  if (pool_of(block).is_small) return remaining >= kMinBlockSize;
+  return size < ctx_.config.max_split_size && remaining > kSmallSize;
+}
+
+void SplitMergeBackend::insert_free(Pool& pool, Block* block) noexcept {
+  block->gc_base = pool.get_free_blocks_calls;
+  pool.blocks.insert(*block);
+}
+
+bool SplitMergeBackend::get_free_block(Params& p) {
+  Pool& pool = *p.pool;
+  const bool gc_enabled = ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0;
+  if (gc_enabled) ++pool.get_free_blocks_calls;
+  Block* b = core::best_fit(pool.blocks, p.stream, p.size);
+  if (b == nullptr) return false;
+  if (!cupy()) {
+    const std::size_t max_split = ctx_.config.max_split_size;
+    // Do not hand an oversize block to a request below the oversize class...
+    if (p.size < max_split && b->size >= max_split) return false;
+    // ...and round oversize requests up by at most max_non_split_rounding.
+    if (p.size >= max_split && b->size >= p.size + ctx_.config.max_non_split_rounding) return false;
+  }
+  pool.blocks.erase(pool.blocks.iterator_to(*b));
+  p.block = b;
+  return true;
+}
+
+bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
+  Stats& stats = ctx_.stats;
+  if (is_retry) stats.num_alloc_retries += 1;
+  const std::size_t size = p.alloc_size;
+  if (ctx_.limit != 0 && (size > ctx_.limit || total_allocated_memory_ > ctx_.limit - size)) return false;
+  driver::dev_ptr ptr = 0;
+  try {
+    ptr = ctx_.driver.mem_alloc(size);
+  } catch (const driver_error& e) {
+    if (e.is_out_of_memory()) return false;
+    throw;
+  }
+  auto* seg = new SmSegment;
+  Block* b = blocks_.make();
+  seg->base = ptr;
+  seg->size = size;
+  seg->stream = p.stream;
+  seg->pool = p.pool->stat_pool;
+  seg->first = b;
+  segments_.push_back(*seg);
+  b->addr = ptr;
+  b->size = size;
+  b->stream = p.stream;
+  b->segment = seg;
+  b->pool = p.pool->stat_pool;
+  total_allocated_memory_ += size;
+  account_segment(seg->pool, 1);
+  account_reserved(seg->pool, static_cast<std::int64_t>(size));
+  stats.physical_handles.increase(1);
+  if (size >= ctx_.config.max_split_size) stats.oversize_segments.increase(1);
+  stats.num_device_alloc += 1;
+  if (ctx_.hooks) ctx_.hooks->on_map(ptr, size, p.stream);
+  p.block = b;
+  return true;
+}
+
+void SplitMergeBackend::release_block(Block* block) {
+  auto* seg = static_cast<SmSegment*>(block->segment);
+  ctx_.driver.mem_free(seg->base);  // throws before any state changes
+  Pool& pool = pool_of(*block);
+  pool.blocks.erase(pool.blocks.iterator_to(*block));
+  ctx_.stats.num_free_blocks -= 1;
+  total_allocated_memory_ -= seg->size;
+  account_segment(seg->pool, -1);
+  account_reserved(seg->pool, -static_cast<std::int64_t>(seg->size));
+  ctx_.stats.physical_handles.decrease(1);
+  if (seg->size >= ctx_.config.max_split_size) ctx_.stats.oversize_segments.decrease(1);
+  ctx_.stats.num_device_free += 1;
+  if (ctx_.hooks) ctx_.hooks->on_unmap(seg->base, seg->size, seg->stream);
+  segments_.erase(segments_.iterator_to(*seg));
+  delete seg;
+  blocks_.recycle(block);
+}
+
+bool SplitMergeBackend::release_available_cached_blocks(const Params& p) {
+  const std::size_t max_split = ctx_.config.max_split_size;
+  if (cupy() || max_split == SIZE_MAX) return false;
+  Pool& pool = *p.pool;
+  const std::size_t key_size = p.size < max_split ? max_split : p.size;
+  auto it = pool.blocks.lower_bound(core::FreeKey{p.stream, key_size, 0}, core::FreeKeyOrder{});
+  if (it == pool.blocks.end() || it->stream != p.stream) {
+    // No single block is large enough: free oversize blocks of this stream, largest first.
+    if (it == pool.blocks.begin()) return false;
+    std::size_t released = 0;
+    --it;
+    while (released < key_size && it->size >= max_split && it->stream == p.stream) {
+      auto cur = it;
+      const bool is_first = cur == pool.blocks.begin();
+      if (!is_first) --it;
+      const std::size_t size = cur->size;
+      release_block(&*cur);
+      released += size;
+      if (is_first) break;
+    }
+    if (released < key_size) return false;
+  } else {
+    release_block(&*it);
+  }
+  return true;
+}
+
+bool SplitMergeBackend::release_cached_blocks() {
+  if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
+  for (Pool* pool : {&large_, &small_}) {
+    for (auto it = pool->blocks.begin(); it != pool->blocks.end();) {
+      Block* b = &*it;
+      ++it;
+      if (!b->is_split()) release_block(b);
+    }
+  }
+  return true;
+}
+
+void SplitMergeBackend::garbage_collect_cached_blocks() {
+  const auto gc_threshold =
+      static_cast<std::size_t>(ctx_.config.garbage_collection_threshold * static_cast<double>(ctx_.limit));
+  if (total_allocated_memory_ <= gc_threshold) return;
+  const std::size_t target_size = total_allocated_memory_ - gc_threshold;
+  std::size_t gc_reclaimed = 0;
+  auto age = [&](const Block& b) { return large_.get_free_blocks_calls - b.gc_base; };
+  std::uint64_t total_age = 0;
+  std::int64_t freeable = 0;
+  for (const Block& b : large_.blocks) {
+    if (!b.is_split()) {
+      total_age += age(b);
+      ++freeable;
+    }
+  }
+  if (freeable == 0) return;
+  bool block_freed = true;
+  while (gc_reclaimed < target_size && block_freed && freeable > 0) {
+    const double age_threshold = static_cast<double>(total_age) / static_cast<double>(freeable);
+    block_freed = false;
+    for (auto it = large_.blocks.begin(); it != large_.blocks.end();) {
+      Block* b = &*it;
+      ++it;
+      if (!b->is_split() && static_cast<double>(age(*b)) >= age_threshold) {
+        block_freed = true;
+        gc_reclaimed += b->size;
+        total_age -= age(*b);
+        --freeable;
+        release_block(b);
+      }
+    }
+  }
+}
+
+Block* SplitMergeBackend::alloc_found_block(Params& p, std::size_t requested) {
+  Block* block = p.block;
+  Pool& pool = *p.pool;
+  const int sp = pool.stat_pool;
+  const bool already_split = block->is_split();
+  if (should_split(*block, p.size)) {
+    // The allocation takes the front; the remainder stays free behind it.
+    Block* remaining = block;
+    block = blocks_.make();
+    block->addr = remaining->addr;
+    block->size = p.size;
+    block->stream = p.stream;
+    block->segment = remaining->segment;
+    block->pool = remaining->pool;
+    block->prev = remaining->prev;
+    if (block->prev) block->prev->next = block;
+    else static_cast<SmSegment*>(block->segment)->first = block;
+    block->next = remaining;
+    remaining->prev = block;
+    remaining->addr += p.size;
+    remaining->size -= p.size;
+    insert_free(pool, remaining);
+    ctx_.stats.num_free_blocks += 1;
+    if (already_split) {
+      account_inactive(sp, 0, -static_cast<std::int64_t>(p.size));  // a split free block shrank
+    } else {
+      account_inactive(sp, 1, static_cast<std::int64_t>(remaining->size));  // a new split remainder
+    }
+  } else if (already_split) {
+    account_inactive(sp, -1, -static_cast<std::int64_t>(block->size));  // a split block becomes active
+  }
+  // The block left the free index (found) or was never in it (new segment).
+  block->status = BlockStatus::allocated;
+  block->requested = requested;
+  account_allocated(*block);
+  return block;
+}
+
+Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t stream) {
+  Params p;
+  p.size = round_size(requested);
+  if (p.size > std::numeric_limits<std::size_t>::max() / 2) return nullptr;
+  p.pool = &pool_for(p.size);
+  p.alloc_size = allocation_size(p.size);
+  p.stream = stream;
+
+  bool found = get_free_block(p);
+  if (found) {
+    ctx_.stats.num_free_blocks -= 1;
+  } else {
+    if (ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0 && !cupy()) garbage_collect_cached_blocks();
+    if (cupy()) {
+      // CuPy: over the limit or out of device memory -> free all unsplit cached blocks, retry once.
+      found = alloc_block(p, false) || (release_cached_blocks() && alloc_block(p, true));
+    } else {
+      found = alloc_block(p, false) || (release_available_cached_blocks(p) && alloc_block(p, false)) ||
+              (release_cached_blocks() && alloc_block(p, true));
+    }
+  }
+  if (!found) return nullptr;
+  return alloc_found_block(p, requested);
+}
+
+std::size_t SplitMergeBackend::try_merge_blocks(Block* dst, Block* src, Pool& pool) noexcept {
+  if (src == nullptr || !src->is_free()) return 0;
+  if (dst->prev == src) {
+    dst->addr = src->addr;
+    dst->prev = src->prev;
+    if (dst->prev) dst->prev->next = dst;
+    else static_cast<SmSegment*>(dst->segment)->first = dst;
+  } else {
+    dst->next = src->next;
+    if (dst->next) dst->next->prev = dst;
+  }
+  const std::size_t subsumed = src->size;
+  dst->size += subsumed;
+  pool.blocks.erase(pool.blocks.iterator_to(*src));
+  ctx_.stats.num_free_blocks -= 1;
+  blocks_.recycle(src);
+  return subsumed;
+}
+
+void SplitMergeBackend::free(Block* block) {
+  leave_active(*block);
+  Pool& pool = pool_of(*block);
+  std::int64_t inactive_blocks = 0;
+  std::int64_t inactive_bytes = 0;
+  for (Block* candidate : {block->prev, block->next}) {
+    const std::size_t subsumed = try_merge_blocks(block, candidate, pool);
+    if (subsumed > 0) {
+      inactive_blocks -= 1;
+      inactive_bytes -= static_cast<std::int64_t>(subsumed);
+    }
+  }
+  insert_free(pool, block);
+  ctx_.stats.num_free_blocks += 1;
+  if (block->is_split()) {
+    inactive_blocks += 1;
+    inactive_bytes += static_cast<std::int64_t>(block->size);
+  }
+  account_inactive(block->pool, inactive_blocks, inactive_bytes);
+}
+
+void SplitMergeBackend::release_cached() { release_cached_blocks(); }
+
+void SplitMergeBackend::on_limit_changed() {
+  if (ctx_.limit != 0 && total_allocated_memory_ > ctx_.limit) release_cached_blocks();
+}
+
+void SplitMergeBackend::validate() const {
+  std::int64_t reserved[kStatPools] = {};
+  std::int64_t allocated[kStatPools] = {};
+  std::int64_t active[kStatPools] = {};
+  std::int64_t inactive[kStatPools] = {};
+  std::int64_t requested[kStatPools] = {};
+  std::size_t free_blocks = 0;
+  std::size_t total = 0;
+  for (const SmSegment& seg : segments_) {
+    total += seg.size;
+    reserved[seg.pool] += static_cast<std::int64_t>(seg.size);
+    if (seg.first == nullptr || seg.first->prev != nullptr) broken("segment has no first block");
+    std::uint64_t expect = seg.base;
+    const Block* prev = nullptr;
+    for (const Block* b = seg.first; b; prev = b, b = b->next) {
+      if (b->addr != expect) broken("blocks do not tile segment 0x" + std::to_string(seg.base));
+      if (b->prev != prev) broken("prev link mismatch");
+      if (b->segment != &seg) broken("block points to another segment");
+      if (b->size == 0) broken("empty block");
+      if (b->pool != seg.pool) broken("block pool differs from its segment's");
+      expect = b->end();
+      if (b->is_free()) {
+        ++free_blocks;
+        if (!b->free_hook.is_linked()) broken("free block not in a free index");
+        if (b->stream != seg.stream) broken("free block on another stream than its segment");
+        if (prev && prev->is_free()) broken("two adjacent free blocks were not merged");
+        if (b->is_split()) inactive[b->pool] += static_cast<std::int64_t>(b->size);
+      } else {
+        if (b->free_hook.is_linked()) broken("allocated block is in a free index");
+        if (b->requested > b->size) broken("requested size larger than block");
+        active[b->pool] += static_cast<std::int64_t>(b->size);
+        if (b->status == BlockStatus::allocated) {
+          allocated[b->pool] += static_cast<std::int64_t>(b->size);
+          requested[b->pool] += static_cast<std::int64_t>(b->requested);
+        }
+      }
+    }
+    if (expect != seg.base + seg.size) broken("blocks do not cover their segment");
+  }
+  if (total != total_allocated_memory_) broken("total_allocated_memory differs from the sum of segments");
+  if (free_blocks != small_.blocks.size() + large_.blocks.size()) broken("free index holds blocks not in any segment");
+  if (static_cast<std::int64_t>(free_blocks) != ctx_.stats.num_free_blocks) broken("num_free_blocks stat is wrong");
+  const Stats& s = ctx_.stats;
+  for (int pool : {kSmallPool, kLargePool}) {
+    reserved[kAllPools] += reserved[pool];
+    allocated[kAllPools] += allocated[pool];
+    active[kAllPools] += active[pool];
+    inactive[kAllPools] += inactive[pool];
+    requested[kAllPools] += requested[pool];
+  }
+  for (int pool = 0; pool < kStatPools; ++pool) {
+    const std::string where = std::string(" (") + stat_pool_name(pool) + ")";
+    if (s.reserved_bytes[pool].current != reserved[pool]) broken("reserved_bytes stat is wrong" + where);
+    if (s.allocated_bytes[pool].current != allocated[pool]) broken("allocated_bytes stat is wrong" + where);
+    if (s.active_bytes[pool].current != active[pool]) broken("active_bytes stat is wrong" + where);
+    if (s.inactive_split_bytes[pool].current != inactive[pool]) broken("inactive_split_bytes stat is wrong" + where);
+    if (s.requested_bytes[pool].current != requested[pool]) broken("requested_bytes stat is wrong" + where);
+  }
+  if (s.allocated_bytes[kAllPools].current > s.reserved_bytes[kAllPools].current) broken("allocated > reserved");
+}
+
+void SplitMergeBackend::snapshot(std::vector<SegmentInfo>& out) const {
+  for (const SmSegment& seg : segments_) {
+    SegmentInfo info;
+    info.address = seg.base;
+    info.size = seg.size;
+    info.mapped_bytes = seg.size;
+    info.stream = reinterpret_cast<std::uintptr_t>(seg.stream);
+    info.small_pool = seg.pool == kSmallPool;
+    info.physical_handles = 1;
+    info.mapped_ranges.push_back({seg.base, seg.size});
+    for (const Block* b = seg.first; b; b = b->next) {
+      BlockInfo bi;
+      bi.address = b->addr;
+      bi.size = b->size;
+      bi.requested = b->is_free() ? 0 : b->requested;
+      bi.state = b->status == BlockStatus::allocated      ? BlockState::allocated
+                 : b->status == BlockStatus::pending_free ? BlockState::pending_free
+                                                          : BlockState::free_mapped;
+      bi.stream = reinterpret_cast<std::uintptr_t>(b->stream);
+      info.blocks.push_back(bi);
+    }
+    out.push_back(std::move(info));
+  }
+}
+
+FreeSummary SplitMergeBackend::free_summary(std::size_t request) const {
+  FreeSummary s;
+  s.live_footprint = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current);
+  s.request_footprint = request;
+  for (const Pool* pool : {&small_, &large_}) {
+    for (const Block& b : pool->blocks) {
+      s.free_blocks += 1;
+      if (b.size > s.largest_free_block) s.largest_free_block = b.size;
+      if (!b.is_split()) s.releasable_bytes += b.size;
+    }
+  }
+  return s;
+}
+
+bool SplitMergeBackend::contains(std::uint64_t addr) const noexcept {
+  for (const SmSegment& seg : segments_)
+    if (addr >= seg.base && addr < seg.base + seg.size) return true;
+  return false;
+}
+
+std::unique_ptr<Backend> make_split_merge(Context& ctx) { return std::make_unique<SplitMergeBackend>(ctx); }
+
+}  // namespace expseg::backends

@@ -1,0 +1,79 @@
+// The frontend's internals: Allocator::Impl (lock, live map, cross-stream frees, recorder, OOM
+// reports) and detail::AllocatorAccess, through which tests and the replay engine reach the driver.
+#pragma once
+
+#include <array>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backends/backend.hpp"
+#include "core/live_map.hpp"
+#include "driver/driver.hpp"
+#include "expseg/allocator.hpp"
+#include "recorder.hpp"
+
+namespace expseg {
+
+struct Allocator::Impl final : backends::FrontendHooks {
+  Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv);
+  ~Impl() override;
+
+  void* allocate(std::size_t bytes, driver::stream_t stream);
+  void deallocate(void* ptr);
+  void record_stream(void* ptr, driver::stream_t stream);
+
+  // FrontendHooks
+  void on_map(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) override;
+  void on_unmap(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) override;
+  void synchronize_pending_frees() override;
+
+  // Completes pending frees whose events have completed (PyTorch's process_events).
+  void process_events();
+  void finish_pending(core::Block* b);
+  [[noreturn]] void throw_invalid_pointer(const char* op, std::uint64_t addr) const;
+  // Builds the report of a failed allocation (oom_report.cpp).
+  std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream);
+  Snapshot snapshot_locked() const;
+
+  Config config;
+  std::shared_ptr<driver::Driver> driver;  // shared so tests can inspect a SimDriver after the allocator is gone
+  Stats stats;
+  backends::Context ctx;
+  std::unique_ptr<backends::Backend> backend;
+  core::LiveMap live;
+  mutable std::mutex mu;
+
+  struct PendingFree {
+    driver::event_t event;
+    core::Block* block;
+  };
+  struct StreamEvents {
+    driver::stream_t stream;
+    std::deque<PendingFree> queue;
+  };
+  std::vector<StreamEvents> pending;  // per stream, in record order
+  std::size_t pending_count = 0;
+  std::vector<driver::event_t> spare_events;
+
+  std::array<std::uint64_t, 64> recent_frees{};  // to tell a double free from a foreign pointer
+  unsigned recent_next = 0;
+
+  Recorder recorder;
+  std::shared_ptr<const OomReport> last_oom;
+};
+
+namespace detail {
+struct AllocatorAccess {
+  // An allocator over a driver the caller built (tests: a SimDriver with faults armed).
+  static std::unique_ptr<Allocator> make(const Config& config, std::shared_ptr<driver::Driver> driver);
+  static driver::Driver& driver(Allocator& a) { return *a.impl_->driver; }
+  static backends::Backend& backend(Allocator& a) { return *a.impl_->backend; }
+};
+}  // namespace detail
+
+// Builds the driver a config asks for (SimDriver for device:sim, CudaDriver for device:cuda).
+std::unique_ptr<driver::Driver> make_driver(const Config& config, int device);
+
+}  // namespace expseg

@@ -1,0 +1,111 @@
+// The backend interface: how the frontend (Allocator) asks a caching pool for blocks.
+//
+// Contract (both backends):
+//   - Everything runs under the frontend's lock; a backend is single-threaded.
+//   - allocate() returns an allocated, mapped block of at least round_size(requested) bytes on
+//     `stream`, or nullptr when no memory can be found after the backend's own retries (the
+//     frontend then builds the OOM report). A driver failure other than OOM throws driver_error;
+//     either way the backend is left consistent and leaks nothing.
+//   - A block freed on one stream is handed out again only on that stream; memory moves between
+//     streams only after the work queued on its old stream is known complete.
+//   - The backend owns the per-pool stats (allocation, segment, active, inactive_split, *_bytes,
+//     num_alloc_retries, num_device_alloc/free, physical_handles, num_free_blocks). The frontend
+//     owns num_ooms and num_sync_all_streams.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/block.hpp"
+#include "driver/driver.hpp"
+#include "expseg/config.hpp"
+#include "expseg/snapshot.hpp"
+#include "expseg/stats.hpp"
+
+namespace expseg::backends {
+
+// What a backend tells the frontend while it works.
+class FrontendHooks {
+ public:
+  virtual ~FrontendHooks() = default;
+  // Driver-level happenings the event recorder logs next to allocations.
+  virtual void on_map(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) = 0;
+  virtual void on_unmap(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) = 0;
+  // Wait for the events of every pending cross-stream free and complete those frees (PyTorch's
+  // synchronize_and_free_events), before cached memory is given back to the device.
+  virtual void synchronize_pending_frees() = 0;
+};
+
+// State shared between the frontend and its backend; guarded by the frontend's lock.
+struct Context {
+  driver::Driver& driver;
+  const Config& config;
+  Stats& stats;
+  std::size_t limit = 0;         // bytes of device memory the backend may hold; 0 = no limit
+  std::size_t device_total = 0;  // device capacity in bytes
+  FrontendHooks* hooks = nullptr;
+  std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
+};
+
+struct FreeSummary {
+  std::size_t largest_free_block = 0;  // largest free block backed by memory
+  std::size_t free_blocks = 0;         // free blocks backed by memory
+  std::size_t releasable_bytes = 0;    // cached bytes that release_cached() would give back
+  // Device memory the live (allocated and pending) blocks occupy at the least: their bytes in a
+  // split pool; the frames they touch in expandable segments.
+  std::size_t live_footprint = 0;
+  // What the request itself needs at the least (its rounded size; whole frames when expandable).
+  std::size_t request_footprint = 0;
+};
+
+class Backend {
+ public:
+  explicit Backend(Context& ctx) : ctx_(ctx) {}
+  virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  virtual BackendKind kind() const noexcept = 0;
+  // The block size a request of `requested` bytes gets (rounding only; no state).
+  virtual std::size_t round_size(std::size_t requested) const noexcept = 0;
+  virtual core::Block* allocate(std::size_t requested, driver::stream_t stream) = 0;
+  // allocated -> pending_free: the caller freed it but streams recorded with record_stream() may
+  // still use it. Stats: no longer allocated, still active.
+  void begin_pending_free(core::Block* block) noexcept;
+  // allocated or pending_free -> free (cached for reuse, merged with free neighbours).
+  virtual void free(core::Block* block) = 0;
+  // Give every cached byte that can be given back to the device.
+  virtual void release_cached() = 0;
+  // The limit changed (ctx.limit already updated): give back cached memory above it if possible.
+  virtual void on_limit_changed() { }
+  // A peer device was granted access: extend it to everything already mapped.
+  virtual void on_peer_added(int peer) = 0;
+  // Throws expseg::error naming the first broken invariant.
+  virtual void validate() const = 0;
+  virtual void snapshot(std::vector<SegmentInfo>& out) const = 0;
+  // `request`: the rounded size of a request whose footprint is asked for (0: none).
+  virtual FreeSummary free_summary(std::size_t request = 0) const = 0;
+  // Whether `addr` lies inside memory this backend manages (for invalid_pointer messages).
+  virtual bool contains(std::uint64_t addr) const noexcept = 0;
+
+ protected:
+  // Stat bookkeeping shared by both backends (PyTorch's accounting rules).
+  void account_allocated(const core::Block& b) noexcept;    // free -> allocated (and active)
+  void account_caller_freed(const core::Block& b) noexcept; // allocated -> pending or free
+  void account_deactivated(const core::Block& b) noexcept;  // allocated/pending -> free
+  // free(): the shared first half. Accounts the transition and marks the block free.
+  void leave_active(core::Block& b) noexcept;
+  void account_inactive(int pool, std::int64_t blocks, std::int64_t bytes) noexcept;
+  void account_reserved(int pool, std::int64_t bytes) noexcept;  // + grows, - shrinks
+  void account_segment(int pool, std::int64_t count) noexcept;
+
+  Context& ctx_;
+};
+
+std::unique_ptr<Backend> make_split_merge(Context& ctx);
+std::unique_ptr<Backend> make_expandable(Context& ctx);
+
+}  // namespace expseg::backends

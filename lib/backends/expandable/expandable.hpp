@@ -1,0 +1,150 @@
+// expandable: segments that grow in place on CUDA virtual memory.
+//
+// Each stream has an arena of segments. A segment reserves a large virtual range (2x device memory
+// by default) with cuMemAddressReserve; physical memory is created with cuMemCreate and mapped with
+// cuMemMap + cuMemSetAccess only where blocks need it, in frames of the allocation granularity
+// (2 MiB on the H200). Blocks split and merge inside the segment like in a caching pool, but a free
+// range can be unmapped and its memory mapped again anywhere, so fragmentation of free memory never
+// blocks a request: any request succeeds while the frames touched by live blocks plus the request
+// fit under the limit (up to handles that a live block keeps partly mapped, see the handle policy
+// in expandable.cpp).
+//
+// One arena per stream, holding all sizes: small blocks pack into the partly used frames at the
+// ends of large blocks instead of pinning frames of their own. Stats attribute allocations of
+// <= 1 MiB to small_pool (PyTorch's split) and all reserved memory to large_pool.
+//
+// Invariants (validate() checks each):
+//   - blocks of a segment tile [base, base + va_bytes), address-ordered, no gaps
+//   - frames[f] is the handle mapped at frame f, or nullptr; a handle covers exactly
+//     frames [first_frame, first_frame + nframes) of its segment
+//   - allocated, pending and mapped free blocks lie on mapped frames only; an unmapped free block
+//     starts and ends on frame boundaries and covers unmapped frames only
+//   - no two adjacent free blocks have the same mapped state
+//   - a mapped free block is in its arena's mapped_free index, an unmapped one in unmapped, no other
+//     block is in an index
+//   - handle.live_bytes = bytes of allocated/pending blocks inside the handle; a mapped handle is in
+//     the idle list iff live_bytes == 0
+//   - reserved_ = bytes of every handle held (mapped or waiting for a retried release)
+#pragma once
+
+#include <boost/intrusive/list.hpp>
+#include <boost/intrusive/set.hpp>
+#include <vector>
+
+#include "backends/backend.hpp"
+
+namespace expseg::backends {
+
+struct ExpSegment;
+struct ExpArena;
+
+// One physical allocation (cuMemCreate), mapped as a whole at a run of frames of one segment.
+struct ExpHandle {
+  driver::phys_handle handle = 0;
+  std::size_t bytes = 0;
+  ExpSegment* seg = nullptr;   // nullptr once unmapped (orphans)
+  std::size_t first_frame = 0;
+  std::size_t nframes = 0;
+  std::size_t live_bytes = 0;  // bytes of allocated/pending blocks inside
+  bool mapped = false;         // orphans: whether the mapping still exists
+  std::uint64_t orphan_addr = 0;  // orphans that are still mapped: where
+  core::bi::list_member_hook<> hook;  // idle list (mapped, no live bytes) or orphan list
+};
+
+struct ExpSegment {
+  driver::dev_ptr base = 0;
+  std::size_t va_bytes = 0;
+  std::vector<ExpHandle*> frames;  // frame -> handle mapped there, or nullptr
+  core::Block* first = nullptr;
+  ExpArena* arena = nullptr;
+  std::size_t mapped_bytes = 0;
+  std::size_t high_water = 0;      // bytes from base that have ever been mapped
+};
+
+struct BlockAddressOrder {
+  bool operator()(const core::Block& a, const core::Block& b) const noexcept { return a.addr < b.addr; }
+};
+using UnmappedIndex = core::bi::set<core::Block, core::bi::member_hook<core::Block, core::FreeHook, &core::Block::free_hook>,
+                                    core::bi::compare<BlockAddressOrder>, core::bi::constant_time_size<true>>;
+
+struct ExpArena {
+  driver::stream_t stream = nullptr;
+  core::FreeIndex mapped_free;  // free blocks backed by memory: best fit by size
+  UnmappedIndex unmapped;       // free address ranges without memory: first fit by address
+  std::vector<ExpSegment*> segments;
+};
+
+class ExpandableBackend final : public Backend {
+ public:
+  explicit ExpandableBackend(Context& ctx);
+  ~ExpandableBackend() override;  // unmaps and releases everything, live blocks included
+
+  BackendKind kind() const noexcept override { return BackendKind::expandable; }
+  std::size_t round_size(std::size_t requested) const noexcept override;
+  core::Block* allocate(std::size_t requested, driver::stream_t stream) override;
+  void free(core::Block* block) override;
+  void release_cached() override;
+  void on_limit_changed() override;
+  void on_peer_added(int peer) override;
+  void validate() const override;
+  void snapshot(std::vector<SegmentInfo>& out) const override;
+  FreeSummary free_summary(std::size_t request = 0) const override;
+  bool contains(std::uint64_t addr) const noexcept override;
+
+  static constexpr std::size_t kMinBlockSize = 512;
+  static constexpr std::size_t kSmallSize = std::size_t{1} << 20;
+
+  // The largest physical handle growth creates (the handle policy, see expandable.cpp).
+  std::size_t max_handle_bytes() const noexcept;
+
+ private:
+  struct Placement {
+    ExpSegment* seg = nullptr;
+    core::Block* anchor = nullptr;  // the block just before the run (not free), or nullptr
+    std::uint64_t start = 0;
+    std::size_t new_frames = 0;
+  };
+  struct Exclusion {  // a range whose idle handles reclaim must not take (the one being allocated)
+    const ExpSegment* seg = nullptr;
+    std::uint64_t lo = 0;
+    std::uint64_t hi = 0;
+  };
+
+  ExpArena& arena_for(driver::stream_t stream);
+  core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back);
+  std::size_t new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
+  static constexpr int kPlacementCandidates = 4;
+  core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
+  bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
+  std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
+  bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, core::Block* anchor);
+  bool map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
+  void register_mapping(ExpSegment& seg, ExpHandle* h, core::Block* anchor);
+  bool make_room(std::size_t bytes, const Exclusion& ex);
+  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex);
+  void unmap_handle(ExpHandle* h);
+  void retry_orphans();
+  ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
+  void add_live(const core::Block& b) noexcept;
+  void remove_live(const core::Block& b) noexcept;
+  void insert_free(ExpArena& arena, core::Block* b) noexcept;
+  void erase_free(ExpArena& arena, core::Block* b) noexcept;
+  core::Block* merge_free(ExpArena& arena, core::Block* b) noexcept;
+  std::uint64_t frame_addr(const ExpSegment& seg, std::size_t f) const noexcept { return seg.base + f * frame_; }
+  std::size_t frame_of(const ExpSegment& seg, std::uint64_t addr) const noexcept { return (addr - seg.base) / frame_; }
+
+  using HandleList = core::bi::list<ExpHandle, core::bi::member_hook<ExpHandle, core::bi::list_member_hook<>, &ExpHandle::hook>>;
+
+  std::size_t frame_;
+  std::size_t va_bytes_;
+  std::vector<ExpArena*> arenas_;
+  ExpArena* last_arena_ = nullptr;
+  core::BlockPool blocks_;
+  HandleList idle_;     // mapped handles without live bytes, least recently idle first
+  HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
+  std::size_t reserved_ = 0;
+  std::size_t handles_ = 0;
+  std::size_t pinned_free_ = 0;  // free bytes inside handles that live blocks keep mapped
+};
+
+}  // namespace expseg::backends

@@ -1,0 +1,101 @@
+// split_merge: the classic caching pool, reproduced faithfully so that A/B numbers mean something.
+//
+// policy:pytorch (default) follows PyTorch's CUDACachingAllocator (c10/cuda/CUDACachingAllocator.cpp):
+//   - sizes round up to 512 B (or to power-of-two divisions, roundup_power2_divisions);
+//   - requests <= 1 MiB come from 2 MiB segments (small pool), requests < 10 MiB from 20 MiB
+//     segments, larger ones get a segment of their size rounded to 2 MiB (large pool);
+//   - best fit by (stream, size, address); a block is split if the remainder is >= 512 B (small
+//     pool) or > 1 MiB (large pool, and only for requests below max_split_size);
+//   - blocks of max_split_size or more are only handed to requests of that size class, and only
+//     if at most max_non_split_rounding larger;
+//   - on a miss: garbage collection (if configured), a new segment, then freeing cached oversize
+//     blocks, then freeing every cached unsplit segment and retrying once; then OOM;
+//   - freed blocks merge with free neighbours, never across two driver allocations.
+// policy:cupy follows CuPy's SingleDeviceMemoryPool: 512 B rounding, one pool, segments of exactly
+// the rounded size, best fit with split and merge, and a limit that counts everything the pool
+// holds (total_bytes); on a miss over the limit or the device, free all unsplit cached segments and
+// retry once.
+#pragma once
+
+#include <boost/intrusive/list.hpp>
+
+#include "backends/backend.hpp"
+
+namespace expseg::backends {
+
+// One driver allocation (cuMemAlloc). Its blocks tile [base, base + size).
+struct SmSegment {
+  driver::dev_ptr base = 0;
+  std::size_t size = 0;
+  driver::stream_t stream = nullptr;
+  std::uint8_t pool = kLargePool;
+  core::Block* first = nullptr;
+  core::bi::list_member_hook<> hook;
+};
+
+class SplitMergeBackend final : public Backend {
+ public:
+  explicit SplitMergeBackend(Context& ctx);
+  ~SplitMergeBackend() override;  // gives every segment back to the device, live blocks included
+
+  BackendKind kind() const noexcept override { return BackendKind::split_merge; }
+  std::size_t round_size(std::size_t requested) const noexcept override;
+  core::Block* allocate(std::size_t requested, driver::stream_t stream) override;
+  void free(core::Block* block) override;
+  void release_cached() override;
+  void on_limit_changed() override;
+  void on_peer_added(int) override {}  // cuMemAlloc memory: peers are enabled per context by the driver
+  void validate() const override;
+  void snapshot(std::vector<SegmentInfo>& out) const override;
+  FreeSummary free_summary(std::size_t request = 0) const override;
+  bool contains(std::uint64_t addr) const noexcept override;
+
+  // PyTorch's constants.
+  static constexpr std::size_t kMinBlockSize = 512;
+  static constexpr std::size_t kSmallSize = std::size_t{1} << 20;
+  static constexpr std::size_t kSmallBuffer = std::size_t{2} << 20;
+  static constexpr std::size_t kLargeBuffer = std::size_t{20} << 20;
+  static constexpr std::size_t kMinLargeAlloc = std::size_t{10} << 20;
+  static constexpr std::size_t kRoundLarge = std::size_t{2} << 20;
+
+ private:
+  struct Pool {
+    core::FreeIndex blocks;
+    bool is_small = false;
+    std::uint8_t stat_pool = kLargePool;
+    std::uint64_t get_free_blocks_calls = 0;  // garbage collection ages blocks by this count
+  };
+  struct Params {
+    std::size_t size = 0;        // rounded request
+    std::size_t alloc_size = 0;  // segment size if a new one is needed
+    driver::stream_t stream = nullptr;
+    Pool* pool = nullptr;
+    core::Block* block = nullptr;
+  };
+
+  bool cupy() const noexcept { return ctx_.config.policy == PoolPolicy::cupy; }
+  Pool& pool_for(std::size_t size) noexcept;
+  std::size_t allocation_size(std::size_t size) const noexcept;
+  bool should_split(const core::Block& block, std::size_t size) const noexcept;
+  bool get_free_block(Params& p);
+  bool alloc_block(Params& p, bool is_retry);
+  bool release_available_cached_blocks(const Params& p);
+  bool release_cached_blocks();
+  void release_block(core::Block* block);
+  void garbage_collect_cached_blocks();
+  core::Block* alloc_found_block(Params& p, std::size_t requested);
+  std::size_t try_merge_blocks(core::Block* dst, core::Block* src, Pool& pool) noexcept;
+  void insert_free(Pool& pool, core::Block* block) noexcept;
+  Pool& pool_of(const core::Block& b) noexcept { return b.pool == kSmallPool && !cupy() ? small_ : large_; }
+  const Pool& pool_of(const core::Block& b) const noexcept { return b.pool == kSmallPool && !cupy() ? small_ : large_; }
+
+  using SegmentList = core::bi::list<SmSegment, core::bi::member_hook<SmSegment, core::bi::list_member_hook<>, &SmSegment::hook>>;
+
+  Pool small_;
+  Pool large_;
+  core::BlockPool blocks_;
+  SegmentList segments_;
+  std::size_t total_allocated_memory_ = 0;  // PyTorch's name: bytes of all segments (reserved)
+};
+
+}  // namespace expseg::backends

@@ -1,0 +1,142 @@
+// Core block metadata shared by both backends.
+//
+// A Block is a contiguous address range inside one segment. Blocks of a segment form an
+// address-ordered doubly linked list (prev/next) that tiles the segment exactly.
+//
+// Invariants (checked by each backend's validate()):
+//   - the blocks of a segment tile it: first->addr == segment base, b->addr + b->size == b->next->addr,
+//     last block ends at the segment end; prev/next never cross into another segment
+//   - a free block is in exactly one free index (free_hook linked), an allocated or pending block in
+//     none
+//   - no two adjacent free blocks share a mapped state (they are merged on free)
+//   - allocated and pending blocks are mapped; requested <= size for allocated blocks
+#pragma once
+
+#include <boost/intrusive/list.hpp>
+#include <boost/intrusive/set.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "driver/driver.hpp"
+
+namespace expseg::core {
+
+namespace bi = boost::intrusive;
+
+enum class BlockStatus : std::uint8_t {
+  free,          // in a free index
+  allocated,     // handed out to a caller
+  pending_free,  // freed by the caller, waiting for events on streams that used it
+};
+
+using FreeHook = bi::set_member_hook<bi::link_mode<bi::safe_link>>;
+using PendingHook = bi::list_member_hook<bi::link_mode<bi::safe_link>>;
+
+struct Block {
+  std::uint64_t addr = 0;
+  std::size_t size = 0;
+  std::size_t requested = 0;  // what the caller asked for; meaningful while allocated/pending
+  driver::stream_t stream = nullptr;
+  Block* prev = nullptr;      // address-ordered neighbours in the same segment
+  Block* next = nullptr;
+  void* segment = nullptr;    // the backend's segment record
+  BlockStatus status = BlockStatus::free;
+  bool mapped = true;         // expandable: backed by physical memory; split_merge: always true
+  std::uint8_t pool = 2;      // StatPool: kSmallPool (1) or kLargePool (2)
+  std::uint32_t pending_events = 0;         // events still to complete before a pending free ends
+  std::uint64_t gc_base = 0;                // split_merge garbage collection: call count at insertion
+  std::vector<driver::stream_t> stream_uses;  // record_stream(); empty on the hot path (no heap)
+  FreeHook free_hook;
+  PendingHook pending_hook;
+
+  bool is_free() const noexcept { return status == BlockStatus::free; }
+  bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
+  std::uint64_t end() const noexcept { return addr + size; }
+};
+
+// Free-block index ordered by (stream, size, address): best fit for a stream is one lower_bound.
+// This is PyTorch's BlockComparatorSize; a per-stream index simply has one stream.
+struct BlockSizeOrder {
+  bool operator()(const Block& a, const Block& b) const noexcept {
+    if (a.stream != b.stream) return reinterpret_cast<std::uintptr_t>(a.stream) < reinterpret_cast<std::uintptr_t>(b.stream);
+    if (a.size != b.size) return a.size < b.size;
+    return a.addr < b.addr;
+  }
+};
+using FreeIndex = bi::set<Block, bi::member_hook<Block, FreeHook, &Block::free_hook>, bi::compare<BlockSizeOrder>,
+                          bi::constant_time_size<true>>;
+
+// Search key for FreeIndex::lower_bound without constructing a Block.
+struct FreeKey {
+  driver::stream_t stream;
+  std::size_t size;
+  std::uint64_t addr;
+};
+struct FreeKeyOrder {
+  static std::uintptr_t s(driver::stream_t p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
+  bool operator()(const FreeKey& k, const Block& b) const noexcept {
+    if (k.stream != b.stream) return s(k.stream) < s(b.stream);
+    if (k.size != b.size) return k.size < b.size;
+    return k.addr < b.addr;
+  }
+  bool operator()(const Block& b, const FreeKey& k) const noexcept {
+    if (b.stream != k.stream) return s(b.stream) < s(k.stream);
+    if (b.size != k.size) return b.size < k.size;
+    return b.addr < k.addr;
+  }
+};
+
+// Smallest free block of `stream` with size >= `size`, or nullptr.
+inline Block* best_fit(FreeIndex& index, driver::stream_t stream, std::size_t size) noexcept {
+  auto it = index.lower_bound(FreeKey{stream, size, 0}, FreeKeyOrder{});
+  if (it == index.end() || it->stream != stream) return nullptr;
+  return &*it;
+}
+
+// Recycles Block objects so the cached allocation path never touches the heap: blocks come from
+// chunks that are only allocated when the number of blocks alive reaches a new high-water mark.
+class BlockPool {
+ public:
+  BlockPool() = default;
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  Block* make() {
+    if (free_ == nullptr) grow();
+    Block* b = free_;
+    free_ = b->next;
+    b->next = nullptr;
+    ++live_;
+    return b;
+  }
+  void recycle(Block* b) noexcept {
+    // Reset to a default state but keep stream_uses' capacity: no heap traffic on reuse.
+    std::vector<driver::stream_t> uses = std::move(b->stream_uses);
+    uses.clear();
+    b->~Block();
+    new (b) Block();
+    b->stream_uses = std::move(uses);
+    b->next = free_;
+    free_ = b;
+    --live_;
+  }
+  std::size_t live() const noexcept { return live_; }
+
+ private:
+  void grow() {
+    constexpr std::size_t kChunk = 256;
+    chunks_.push_back(std::make_unique<Block[]>(kChunk));
+    Block* chunk = chunks_.back().get();
+    for (std::size_t i = kChunk; i-- > 0;) {
+      chunk[i].next = free_;
+      free_ = &chunk[i];
+    }
+  }
+  std::vector<std::unique_ptr<Block[]>> chunks_;
+  Block* free_ = nullptr;
+  std::size_t live_ = 0;
+};
+
+}  // namespace expseg::core

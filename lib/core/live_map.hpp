@@ -1,0 +1,98 @@
+// LiveMap: address -> Block* of every live allocation, for deallocate(ptr).
+//
+// Open addressing with linear probing and backward-shift deletion: a lookup touches one or two cache
+// lines and never allocates. The table doubles when it is half full, so the heap is touched only
+// when the number of live allocations reaches a new high-water mark, never in a steady state.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/block.hpp"
+
+namespace expseg::core {
+
+class LiveMap {
+ public:
+  LiveMap() { rehash(64); }
+
+  // Inserts; the address must not be present.
+  void insert(Block* b) {
+    if ((size_ + 1) * 2 > capacity_) rehash(capacity_ * 2);
+    place(b);
+    ++size_;
+  }
+  Block* find(std::uint64_t addr) const noexcept {
+    for (std::size_t i = slot(addr);; i = (i + 1) & mask_) {
+      const Entry& e = table_[i];
+      if (e.block == nullptr) return nullptr;
+      if (e.addr == addr) return e.block;
+    }
+  }
+  // Removes and returns the block at `addr`, or nullptr.
+  Block* erase(std::uint64_t addr) noexcept {
+    std::size_t i = slot(addr);
+    for (;; i = (i + 1) & mask_) {
+      if (table_[i].block == nullptr) return nullptr;
+      if (table_[i].addr == addr) break;
+    }
+    Block* found = table_[i].block;
+    // Backward-shift: pull later entries of the probe run into the hole so lookups need no tombstones.
+    std::size_t hole = i;
+    for (std::size_t j = (i + 1) & mask_; table_[j].block != nullptr; j = (j + 1) & mask_) {
+      std::size_t home = slot(table_[j].addr);
+      // Move entry j into the hole if its home is not in the cyclic range (hole, j].
+      bool in_range = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+      if (!in_range) {
+        table_[hole] = table_[j];
+        hole = j;
+      }
+    }
+    table_[hole] = Entry{};
+    --size_;
+    return found;
+  }
+  std::size_t size() const noexcept { return size_; }
+
+  template <class F>
+  void for_each(F&& f) const {
+    for (std::size_t i = 0; i < capacity_; ++i)
+      if (table_[i].block) f(table_[i].block);
+  }
+
+ private:
+  struct Entry {
+    std::uint64_t addr = 0;
+    Block* block = nullptr;
+  };
+  std::size_t slot(std::uint64_t addr) const noexcept {
+    // Allocations are at least 512-byte aligned: mix the bits so they spread over the table.
+    std::uint64_t x = addr >> 9;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return static_cast<std::size_t>(x) & mask_;
+  }
+  void place(Block* b) noexcept {
+    std::size_t i = slot(b->addr);
+    while (table_[i].block != nullptr) i = (i + 1) & mask_;
+    table_[i] = Entry{b->addr, b};
+  }
+  void rehash(std::size_t capacity) {
+    std::unique_ptr<Entry[]> old = std::move(table_);
+    std::size_t old_capacity = capacity_;
+    table_ = std::make_unique<Entry[]>(capacity);
+    capacity_ = capacity;
+    mask_ = capacity - 1;
+    for (std::size_t i = 0; i < old_capacity; ++i)
+      if (old[i].block) place(old[i].block);
+  }
+
+  std::unique_ptr<Entry[]> table_;
+  std::size_t capacity_ = 0;
+  std::size_t mask_ = 0;
+  std::size_t size_ = 0;
+};
+
+}  // namespace expseg::core

@@ -1,0 +1,214 @@
+// The driver contract: what every Driver implementation must do, checked the same way on the
+// simulated device (tests/unit) and on the real GPU (tests/gpu).
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "driver/driver.hpp"
+#include "expseg/errors.hpp"
+
+namespace expseg::test {
+
+// The driver_error `f` throws, or nullopt when it throws none.
+template <class F>
+std::optional<expseg::driver_error> catch_driver_error(F&& f) {
+  try {
+    f();
+  } catch (const expseg::driver_error& e) {
+    return e;
+  }
+  return std::nullopt;
+}
+
+// Reads `count` 32-bit words at `ptr` and checks that each equals `value`; reports the first mismatch.
+inline void check_words(expseg::driver::Driver& d, expseg::driver::dev_ptr ptr, std::size_t count,
+                        std::uint32_t value) {
+  std::vector<std::uint32_t> words(count, ~value);
+  d.copy_to_host(words.data(), ptr, count * sizeof(std::uint32_t));
+  std::size_t bad = 0;
+  while (bad < count && words[bad] == value) ++bad;
+  INFO("first mismatch at word " << bad << " of " << count);
+  CHECK(bad == count);
+}
+
+}  // namespace expseg::test
+
+// Runs the contract on `d`. data_checks: also write and read device memory (needs a real device or a
+// host-backed simulator). Leaves no driver resources behind.
+inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
+  using namespace expseg::driver;
+  using expseg::test::catch_driver_error;
+  using expseg::test::check_words;
+
+  // --- identity and granularity ---
+  const std::string kind = d.kind();
+  CHECK((kind == "cuda" || kind == "sim"));
+  CHECK(d.device() >= 0);
+  CHECK(d.device() < d.device_count());
+  CHECK_FALSE(d.device_name().empty());
+  const std::size_t g = d.granularity();
+  REQUIRE(g >= 4096);
+  CHECK((g & (g - 1)) == 0);
+  const MemInfo info = d.mem_info();
+  CHECK(info.total > 0);
+  CHECK(info.free <= info.total);
+  const std::vector<int> access = d.access_devices();
+  REQUIRE_FALSE(access.empty());
+  CHECK(access.front() == d.device());
+  CHECK_FALSE(d.add_access_device(d.device()));  // this device is always granted
+  CHECK_FALSE(d.can_access_peer(d.device()));
+
+  // --- reserve 8 granules; map 3 handles (1, 1 and 2 granules) at granules 0, 1, 2-3 ---
+  const dev_ptr base = d.reserve(8 * g);
+  REQUIRE(base != 0);
+  CHECK(base % g == 0);
+  const phys_handle h1 = d.create(g);
+  const phys_handle h2 = d.create(g);
+  const phys_handle h3 = d.create(2 * g);
+  CHECK(h1 != 0);
+  CHECK(h2 != 0);
+  CHECK(h3 != 0);
+  CHECK(h1 != h2);
+  CHECK(h2 != h3);
+  d.map(base, g, h1);
+  d.map(base + g, g, h2);
+  d.map(base + 2 * g, 2 * g, h3);
+  d.set_access(base, 4 * g);  // one call over three handles
+
+  const std::size_t words_per_granule = g / sizeof(std::uint32_t);
+  if (data_checks) {
+    // One pattern over all four granules, then one per handle: every page reads back what was written.
+    d.memset_d32(base, 0xA5A5F00Du, 4 * words_per_granule, nullptr);
+    d.stream_synchronize(nullptr);
+    check_words(d, base, 4 * words_per_granule, 0xA5A5F00Du);
+    d.memset_d32(base, 0x11111111u, words_per_granule, nullptr);
+    d.memset_d32(base + g, 0x22222222u, words_per_granule, nullptr);
+    d.memset_d32(base + 2 * g, 0x33333333u, 2 * words_per_granule, nullptr);
+    d.stream_synchronize(nullptr);
+    check_words(d, base, words_per_granule, 0x11111111u);
+    check_words(d, base + g, words_per_granule, 0x22222222u);
+    check_words(d, base + 2 * g, 2 * words_per_granule, 0x33333333u);
+
+    // A distinct value in every word of h2, written from the host.
+    std::vector<std::uint32_t> pattern(words_per_granule);
+    for (std::size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::uint32_t>(i * 2654435761u + 7);
+    d.copy_from_host(base + g, pattern.data(), g);
+    std::vector<std::uint32_t> back(words_per_granule, 0);
+    d.copy_to_host(back.data(), base + g, g);
+    CHECK(back == pattern);
+
+    // Physical memory persists: unmap h2 and map it again at granule 5; the data comes along.
+    d.unmap(base + g, g);
+    d.map(base + 5 * g, g, h2);
+    d.set_access(base + 5 * g, g);
+    std::fill(back.begin(), back.end(), 0u);
+    d.copy_to_host(back.data(), base + 5 * g, g);
+    CHECK(back == pattern);
+    // The neighbours were not disturbed.
+    check_words(d, base, words_per_granule, 0x11111111u);
+    check_words(d, base + 2 * g, 2 * words_per_granule, 0x33333333u);
+  } else {
+    d.unmap(base + g, g);
+    d.map(base + 5 * g, g, h2);
+    d.set_access(base + 5 * g, g);
+  }
+
+  // --- errors carry the call's name ---
+  {
+    // An address range that was reserved and freed again is outside every reservation.
+    const dev_ptr gone = d.reserve(2 * g);
+    d.free_reserve(gone, 2 * g);
+    auto err = catch_driver_error([&] { d.map(gone, g, h1); });
+    REQUIRE_MESSAGE(err.has_value(), "mapping outside a reservation must throw");
+    CHECK(err->call() == "cuMemMap");
+    CHECK(err->code() != 0);
+    CHECK_FALSE(err->is_out_of_memory());
+    CHECK(std::string(err->what()).find("cuMemMap") != std::string::npos);
+  }
+  {
+    const std::size_t absurd = ((std::size_t{1} << 50) + g - 1) / g * g;
+    auto err = catch_driver_error([&] { (void)d.create(absurd); });
+    REQUIRE_MESSAGE(err.has_value(), "a 1 PiB cuMemCreate must throw");
+    CHECK(err->call() == "cuMemCreate");
+    CHECK(err->code() != 0);
+    CHECK_FALSE(err->code_name().empty());
+  }
+  // Nothing was disturbed by the failed calls.
+  if (data_checks) {
+    check_words(d, base, words_per_granule, 0x11111111u);
+    check_words(d, base + 2 * g, 2 * words_per_granule, 0x33333333u);
+  }
+
+  // --- tear down ---
+  d.unmap(base, g);
+  d.unmap(base + 2 * g, 2 * g);
+  d.unmap(base + 5 * g, g);
+  d.release(h1);
+  d.release(h2);
+  d.release(h3);
+  d.free_reserve(base, 8 * g);
+
+  // --- plain allocations ---
+  {
+    const std::size_t bytes = g + 4096;  // not a multiple of the granularity: cuMemAlloc takes any size
+    const dev_ptr p = d.mem_alloc(bytes);
+    REQUIRE(p != 0);
+    CHECK(p % 256 == 0);
+    if (data_checks) {
+      d.memset_d32(p, 0xC0FFEE11u, bytes / 4, nullptr);
+      d.stream_synchronize(nullptr);
+      check_words(d, p, bytes / 4, 0xC0FFEE11u);
+      const std::uint32_t tail[4] = {1, 2, 3, 0xFFFFFFFFu};
+      d.copy_from_host(p + bytes - sizeof tail, tail, sizeof tail);
+      std::uint32_t back[4] = {};
+      d.copy_to_host(back, p + bytes - sizeof tail, sizeof back);
+      CHECK(back[0] == 1u);
+      CHECK(back[1] == 2u);
+      CHECK(back[2] == 3u);
+      CHECK(back[3] == 0xFFFFFFFFu);
+      check_words(d, p, bytes / 4 - 4, 0xC0FFEE11u);
+    }
+    d.mem_free(p);
+    auto err = catch_driver_error([&] { d.mem_free(p); });  // double free
+    REQUIRE(err.has_value());
+    CHECK(err->call() == "cuMemFree");
+  }
+
+  // --- streams and events ---
+  {
+    const stream_t s = d.stream_create();
+    REQUIRE(s != nullptr);
+    const event_t e = d.event_create();
+    REQUIRE(e != nullptr);
+    const event_t e2 = d.event_create();
+    CHECK(e2 != e);
+    CHECK(d.event_query(e));  // never recorded: complete
+    dev_ptr p = 0;
+    if (data_checks) {
+      p = d.mem_alloc(g);
+      d.memset_d32(p, 0x5A5A5A5Au, g / 4, s);
+    }
+    d.event_record(e, s);
+    d.event_synchronize(e);
+    CHECK(d.event_query(e));
+    if (data_checks) check_words(d, p, g / 4, 0x5A5A5A5Au);
+    d.event_record(e2, nullptr);
+    d.stream_synchronize(nullptr);
+    CHECK(d.event_query(e2));
+    d.event_record(e, s);
+    d.stream_synchronize(s);
+    CHECK(d.event_query(e));
+    d.device_synchronize();
+    if (p) d.mem_free(p);
+    d.event_destroy(e2);
+    d.event_destroy(e);
+    d.stream_destroy(s);
+  }
+}
