@@ -40,6 +40,8 @@ std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
   return driver::make_cuda_driver(device, o);
 }
 
+bool cuda_available(std::string* why) { return driver::cuda_usable(why); }
+
 Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
     : config(cfg), driver(std::move(drv)), ctx{*driver, config, stats} {
   ctx.device_total = driver->mem_info().total;
@@ -69,7 +71,7 @@ Allocator::Impl::~Impl() {
 
 void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   if (bytes == 0) return nullptr;
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<core::Mutex> lock(mu);
   if (pending_count != 0) process_events();
   Block* b = bytes <= kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
   if (b == nullptr) {
@@ -102,9 +104,10 @@ void Allocator::Impl::throw_invalid_pointer(const char* op, std::uint64_t addr) 
 void Allocator::Impl::deallocate(void* ptr) {
   if (ptr == nullptr) return;
   const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
-  std::lock_guard<std::mutex> lock(mu);
-  Block* b = live.find(addr);
+  std::lock_guard<core::Mutex> lock(mu);
+  Block* b = live.erase(addr);
   if (b == nullptr) throw_invalid_pointer("free", addr);
+  if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
   if (!b->stream_uses.empty()) {
     // Record an event on every stream that used the block; the free completes when all have passed.
     // Reserve first so that nothing below can fail after the block changed state.
@@ -128,9 +131,9 @@ void Allocator::Impl::deallocate(void* ptr) {
       }
     } catch (...) {
       for (driver::event_t e : events) spare_events.push_back(e);
+      live.insert(b);  // nothing changed: the block stays live
       throw;
     }
-    live.erase(addr);
     backend->begin_pending_free(b);
     for (std::size_t i = 0; i < events.size(); ++i) {
       auto it = std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == b->stream_uses[i]; });
@@ -139,16 +142,14 @@ void Allocator::Impl::deallocate(void* ptr) {
     }
     b->pending_events = static_cast<std::uint32_t>(events.size());
   } else {
-    live.erase(addr);
     backend->free(b);
   }
   recent_frees[recent_next++ % recent_frees.size()] = addr;
-  if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested ? b->requested : 0, b->stream);
 }
 
 void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<core::Mutex> lock(mu);
   Block* b = live.find(addr);
   if (b == nullptr) throw_invalid_pointer("record_stream", addr);
   if (stream == b->stream) return;  // the allocation stream is always waited for
@@ -218,69 +219,69 @@ void Allocator::deallocate(void* ptr) { impl_->deallocate(ptr); }
 void Allocator::record_stream(void* ptr, stream_t stream) { impl_->record_stream(ptr, stream); }
 
 void Allocator::release_cached() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   impl_->backend->release_cached();
 }
 
 Stats Allocator::stats() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   return impl_->stats;
 }
 
 void Allocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   impl_->stats.reset_peaks();
 }
 
 void Allocator::reset_accumulated_stats() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   impl_->stats.reset_accumulated();
 }
 
 void Allocator::set_limit(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   impl_->ctx.limit = bytes;
   impl_->backend->on_limit_changed();
 }
 
 std::size_t Allocator::limit() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   return impl_->ctx.limit;
 }
 
 Snapshot Allocator::snapshot() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   return impl_->snapshot_locked();
 }
 
 std::optional<OomReport> Allocator::last_oom() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   if (!impl_->last_oom) return std::nullopt;
   return *impl_->last_oom;
 }
 
 void Allocator::start_recording(std::size_t ring) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   impl_->recorder.start(ring);
 }
 
 void Allocator::stop_recording() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   impl_->recorder.stop();
 }
 
 bool Allocator::recording() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   return impl_->recorder.enabled();
 }
 
 std::vector<TraceEvent> Allocator::recorded() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   return impl_->recorder.events();
 }
 
 void Allocator::enable_peer_access(int peer) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   if (peer == impl_->driver->device()) return;
   if (!impl_->driver->can_access_peer(peer))
     throw error("expseg: device " + std::to_string(impl_->driver->device()) + " cannot grant access to device " +
@@ -289,7 +290,7 @@ void Allocator::enable_peer_access(int peer) {
 }
 
 void Allocator::validate() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   const Impl& m = *impl_;
   m.backend->validate();
   auto fail = [](const std::string& what) { throw error("frontend invariant broken: " + what); };
@@ -318,7 +319,7 @@ BackendKind Allocator::backend() const noexcept { return impl_->config.backend; 
 int Allocator::device() const noexcept { return impl_->driver->device(); }
 
 DeviceInfo Allocator::device_info() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
   DeviceInfo d;
   d.index = impl_->driver->device();
   d.kind = impl_->driver->kind();

@@ -10,6 +10,7 @@
 
 #include "backends/backend.hpp"
 #include "core/live_map.hpp"
+#include "core/mutex.hpp"
 #include "driver/driver.hpp"
 #include "expseg/allocator.hpp"
 #include "recorder.hpp"
@@ -43,7 +44,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   backends::Context ctx;
   std::unique_ptr<backends::Backend> backend;
   core::LiveMap live;
-  mutable std::mutex mu;
+  mutable core::Mutex mu;
 
   struct PendingFree {
     driver::event_t event;

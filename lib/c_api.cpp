@@ -1,1 +1,451 @@
-// (being written)
+// The C API (include/expseg/expseg.h): one Allocator per device index behind extern "C" functions
+// that never throw. Every entry point catches everything and turns it into a status code plus a
+// thread-local message (see "Errors" in expseg.h).
+//
+// State: g_alloc[device] is created once under g_mu (double-checked, acquire/release) and never
+// destroyed except by reset_for_tests(), so the malloc/free hot path is one atomic load plus the
+// allocator's own lock. The configuration string and the per-thread string buffers live in
+// objects that are never destroyed either, so calls that arrive during static destruction (PyTorch
+// freeing tensors at exit) still find them.
+#include "expseg/expseg.h"
+
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <exception>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "c_api_internal.hpp"
+#include "expseg/allocator.hpp"
+#include "expseg/config.hpp"
+#include "expseg/errors.hpp"
+#include "expseg/snapshot.hpp"
+#include "expseg/stats.hpp"
+#include "expseg/trace.hpp"
+
+namespace expseg::capi {
+namespace {
+
+constexpr int kMaxDevices = EXPSEG_MAX_DEVICES;
+
+// Constant-initialized (all null) and trivially destructible: usable at any time of the process.
+std::atomic<Allocator*> g_alloc[kMaxDevices];
+std::atomic<bool> g_oom_stderr{true};
+
+struct Shared {
+  std::mutex mu;           // allocator creation, expseg_configure, reset_for_tests
+  std::string conf;        // expseg_configure's string; guarded by mu
+};
+Shared& shared() {
+  static Shared* s = new Shared();  // never destroyed (see the file comment)
+  return *s;
+}
+
+// One buffer per string-returning function (see "Strings" in expseg.h).
+enum Buffer : int { kConfigBuf, kStatsBuf, kSnapshotBuf, kOomTextBuf, kOomJsonBuf, kBufferCount };
+
+struct ThreadState {
+  int code = EXPSEG_SUCCESS;
+  std::string message;
+  std::array<std::string, kBufferCount> buffers;
+};
+ThreadState& tls() noexcept {
+  thread_local ThreadState state;
+  return state;
+}
+
+void set_error(int code, std::string_view fn, std::string_view message) noexcept {
+  ThreadState& t = tls();
+  t.code = code;
+  try {
+    t.message.assign(fn);
+    t.message += ": ";
+    t.message += message;
+  } catch (...) {
+    t.message.clear();  // no memory for the message: the code still tells what happened
+  }
+}
+
+// Translates the exception being handled into a status code and the thread's error message.
+int fail_current(const char* fn) noexcept {
+  try {
+    throw;
+  } catch (const out_of_memory& e) {
+    set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
+    return EXPSEG_ERROR_OUT_OF_MEMORY;
+  } catch (const config_error& e) {
+    set_error(EXPSEG_ERROR_CONFIG, fn, e.what());
+    return EXPSEG_ERROR_CONFIG;
+  } catch (const invalid_pointer& e) {
+    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, e.what());
+    return EXPSEG_ERROR_INVALID_POINTER;
+  } catch (const driver_error& e) {
+    const int code = e.is_out_of_memory() ? EXPSEG_ERROR_OUT_OF_MEMORY : EXPSEG_ERROR_DRIVER;
+    set_error(code, fn, e.what());
+    return code;
+  } catch (const std::bad_alloc&) {
+    set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, "host memory exhausted (std::bad_alloc)");
+    return EXPSEG_ERROR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_error(EXPSEG_ERROR_INTERNAL, fn, e.what());
+    return EXPSEG_ERROR_INTERNAL;
+  } catch (...) {
+    set_error(EXPSEG_ERROR_INTERNAL, fn, "unknown exception");
+    return EXPSEG_ERROR_INTERNAL;
+  }
+}
+
+bool valid_device(int device, const char* fn) noexcept {
+  if (device >= 0 && device < kMaxDevices) return true;
+  try {
+    set_error(EXPSEG_ERROR_INVALID_DEVICE, fn,
+              "device " + std::to_string(device) + " is out of range (0 .. " + std::to_string(kMaxDevices - 1) + ")");
+  } catch (...) {
+    set_error(EXPSEG_ERROR_INVALID_DEVICE, fn, "device index out of range");
+  }
+  return false;
+}
+
+// The device's allocator, or nullptr when it has none yet (queries never create one).
+Allocator* existing(int device) noexcept { return g_alloc[device].load(std::memory_order_acquire); }
+
+// The configuration new allocators get: defaults <- EXPSEG_ALLOC_CONF <- expseg_configure's string.
+// Caller holds shared().mu.
+Config effective_config_locked() {
+  Config c = Config::from_env();  // a bad EXPSEG_ALLOC_CONF throws config_error naming it
+  if (!shared().conf.empty()) c.apply(shared().conf);
+  return c;
+}
+
+// The device's allocator, created on first use. nullptr (with the error set) on failure.
+Allocator* get_or_create(int device, const char* fn) noexcept {
+  if (!valid_device(device, fn)) return nullptr;
+  if (Allocator* a = existing(device)) return a;
+  try {
+    Shared& s = shared();
+    std::lock_guard<std::mutex> lock(s.mu);
+    Allocator* a = g_alloc[device].load(std::memory_order_relaxed);
+    if (a == nullptr) {
+      a = new Allocator(effective_config_locked(), device);
+      g_alloc[device].store(a, std::memory_order_release);
+    }
+    return a;
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+const char* put(Buffer b, std::string&& text) noexcept {
+  std::string& buf = tls().buffers[static_cast<std::size_t>(b)];
+  buf = std::move(text);  // move assignment: no allocation, cannot throw
+  return buf.c_str();
+}
+
+void* allocate(std::size_t size, int device, expseg_stream_t stream, const char* fn, bool print_oom) noexcept {
+  if (size == 0) return nullptr;
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return nullptr;
+  try {
+    return a->allocate(size, stream);
+  } catch (const out_of_memory& e) {
+    set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
+    if (print_oom && g_oom_stderr.load(std::memory_order_relaxed))
+      std::fprintf(stderr, "expseg: %s returns NULL (out of memory):\n%s\n", fn, e.what());
+    return nullptr;
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+void deallocate(void* ptr, int device, const char* fn) noexcept {
+  if (ptr == nullptr) return;
+  if (!valid_device(device, fn)) return;
+  Allocator* a = existing(device);
+  if (a == nullptr) {
+    char text[160];
+    std::snprintf(text, sizeof text, "free of pointer %p on device %d, which has no expseg allocator (not allocated by expseg)",
+                  ptr, device);
+    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
+    return;
+  }
+  try {
+    a->deallocate(ptr);
+  } catch (...) {
+    fail_current(fn);
+  }
+}
+
+}  // namespace
+
+void reset_for_tests() noexcept {
+  Shared& s = shared();
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (auto& slot : g_alloc) delete slot.exchange(nullptr, std::memory_order_acq_rel);
+  s.conf.clear();
+  ThreadState& t = tls();
+  t.code = EXPSEG_SUCCESS;
+  t.message.clear();
+}
+
+void set_oom_stderr(bool on) noexcept { g_oom_stderr.store(on, std::memory_order_relaxed); }
+
+}  // namespace expseg::capi
+
+using namespace expseg;
+using namespace expseg::capi;
+
+extern "C" {
+
+void expseg_reset_for_tests(void) noexcept { reset_for_tests(); }
+
+void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) noexcept {
+  if (size < 0) {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, "expseg_malloc", "negative size");
+    return nullptr;
+  }
+  return allocate(static_cast<std::size_t>(size), device, stream, "expseg_malloc", true);
+}
+
+void expseg_free(void* ptr, ssize_t /*size*/, int device, expseg_stream_t /*stream*/) noexcept {
+  deallocate(ptr, device, "expseg_free");
+}
+
+void* expseg_cupy_malloc(void* /*param*/, size_t size, int device_id) noexcept {
+  return allocate(size, device_id, nullptr, "expseg_cupy_malloc", false);
+}
+
+void expseg_cupy_free(void* /*param*/, void* ptr, int device_id) noexcept {
+  deallocate(ptr, device_id, "expseg_cupy_free");
+}
+
+int expseg_record_stream(void* ptr, int device, expseg_stream_t stream) noexcept {
+  constexpr const char* fn = "expseg_record_stream";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = existing(device);
+  if (a == nullptr) {
+    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, "the device has no expseg allocator (the pointer was not allocated by expseg)");
+    return EXPSEG_ERROR_INVALID_POINTER;
+  }
+  try {
+    a->record_stream(ptr, stream);
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_configure(const char* conf) noexcept {
+  constexpr const char* fn = "expseg_configure";
+  try {
+    Shared& s = shared();
+    std::lock_guard<std::mutex> lock(s.mu);
+    std::string devices;
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (g_alloc[d].load(std::memory_order_relaxed) == nullptr) continue;
+      if (!devices.empty()) devices += ", ";
+      devices += std::to_string(d);
+    }
+    if (!devices.empty()) {
+      set_error(EXPSEG_ERROR_ALREADY_INITIALIZED, fn,
+                "an allocator already exists for device(s) " + devices +
+                    "; the configuration can only be set before the first allocation (call expseg_configure "
+                    "first, or set EXPSEG_ALLOC_CONF)");
+      return EXPSEG_ERROR_ALREADY_INITIALIZED;
+    }
+    std::string text = conf != nullptr ? std::string(conf) : std::string();
+    Config c = Config::from_env();
+    c.apply(text);  // checks the string now; throws config_error naming the key
+    s.conf = std::move(text);
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+const char* expseg_config(int device) noexcept {
+  constexpr const char* fn = "expseg_config";
+  if (!valid_device(device, fn)) return nullptr;
+  try {
+    if (Allocator* a = existing(device)) return put(kConfigBuf, a->config().to_string());
+    Shared& s = shared();
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (Allocator* a = existing(device)) return put(kConfigBuf, a->config().to_string());
+    return put(kConfigBuf, effective_config_locked().to_string());
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+int expseg_device_initialized(int device) noexcept {
+  if (!valid_device(device, "expseg_device_initialized")) return -1;
+  return existing(device) != nullptr ? 1 : 0;
+}
+
+int expseg_release_cached(int device) noexcept {
+  constexpr const char* fn = "expseg_release_cached";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = existing(device);
+  if (a == nullptr) return EXPSEG_SUCCESS;  // nothing cached
+  try {
+    a->release_cached();
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_set_limit(int device, size_t bytes) noexcept {
+  constexpr const char* fn = "expseg_set_limit";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->set_limit(bytes);
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_reset_peak_stats(int device) noexcept {
+  constexpr const char* fn = "expseg_reset_peak_stats";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = existing(device);
+  if (a == nullptr) return EXPSEG_SUCCESS;  // no peaks yet
+  try {
+    a->reset_peak_stats();
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+const char* expseg_stats_json(int device) noexcept {
+  constexpr const char* fn = "expseg_stats_json";
+  if (!valid_device(device, fn)) return nullptr;
+  try {
+    Allocator* a = existing(device);
+    return put(kStatsBuf, a != nullptr ? a->stats().to_json() : Stats{}.to_json());
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+const char* expseg_snapshot_json(int device) noexcept {
+  constexpr const char* fn = "expseg_snapshot_json";
+  if (!valid_device(device, fn)) return nullptr;
+  try {
+    if (Allocator* a = existing(device)) return put(kSnapshotBuf, a->snapshot().to_json());
+    Snapshot s;  // no allocator yet: no segments, zero stats
+    {
+      Shared& sh = shared();
+      std::lock_guard<std::mutex> lock(sh.mu);
+      if (Allocator* a = existing(device)) return put(kSnapshotBuf, a->snapshot().to_json());
+      s.backend = to_string(effective_config_locked().backend);
+    }
+    s.device = device;
+    return put(kSnapshotBuf, s.to_json());
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+const char* expseg_last_oom_report(int device) noexcept {
+  constexpr const char* fn = "expseg_last_oom_report";
+  if (!valid_device(device, fn)) return nullptr;
+  try {
+    Allocator* a = existing(device);
+    std::optional<OomReport> r = a != nullptr ? a->last_oom() : std::nullopt;
+    return put(kOomTextBuf, r ? std::move(r->message) : std::string());
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+const char* expseg_last_oom_report_json(int device) noexcept {
+  constexpr const char* fn = "expseg_last_oom_report_json";
+  if (!valid_device(device, fn)) return nullptr;
+  try {
+    Allocator* a = existing(device);
+    std::optional<OomReport> r = a != nullptr ? a->last_oom() : std::nullopt;
+    return put(kOomJsonBuf, r ? r->to_json() : std::string("null"));
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+int expseg_record_start(int device, size_t ring) noexcept {
+  constexpr const char* fn = "expseg_record_start";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->start_recording(ring);
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_record_stop(int device) noexcept {
+  constexpr const char* fn = "expseg_record_stop";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = existing(device);
+  if (a == nullptr) return EXPSEG_SUCCESS;  // was not recording
+  try {
+    a->stop_recording();
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_record_write(int device, const char* path) noexcept {
+  constexpr const char* fn = "expseg_record_write";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  if (path == nullptr || *path == '\0') {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "no path given");
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  }
+  try {
+    Allocator* a = existing(device);
+    const std::vector<TraceEvent> events = a != nullptr ? a->recorded() : std::vector<TraceEvent>{};
+    try {
+      write_trace_file(path, events);
+    } catch (const out_of_memory&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {
+      set_error(EXPSEG_ERROR_IO, fn, e.what());
+      return EXPSEG_ERROR_IO;
+    }
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+const char* expseg_last_error(void) noexcept { return tls().message.c_str(); }
+
+int expseg_last_error_code(void) noexcept { return tls().code; }
+
+void expseg_clear_error(void) noexcept {
+  ThreadState& t = tls();
+  t.code = EXPSEG_SUCCESS;
+  t.message.clear();
+}
+
+const char* expseg_version(void) noexcept { return EXPSEG_VERSION_STRING; }
+
+}  // extern "C"

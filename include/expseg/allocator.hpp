@@ -35,6 +35,11 @@ namespace expseg {
 
 using stream_t = void*;  // a cudaStream_t / CUstream; nullptr is the default stream
 
+// Whether a CUDA device is usable here (libcuda loads, cuInit succeeds, at least one device exists).
+// On false, `why` (if given) says what failed. Thread-safe; the answer is computed once. Tools use it
+// to pick device:cuda when it works and the simulated device otherwise.
+bool cuda_available(std::string* why = nullptr);
+
 struct DeviceInfo {
   int index = 0;
   std::string kind;   // "cuda" or "sim"

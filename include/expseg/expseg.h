@@ -1,1 +1,150 @@
+/* expseg C API: the allocator behind a plain C ABI, for PyTorch, CuPy, ctypes and any C caller.
+ *
+ * Needs no CUDA header: streams are opaque pointers (expseg_stream_t is ABI-compatible with
+ * cudaStream_t and CUstream; NULL is the legacy default stream). C and C++ compatible.
+ *
+ *   PyTorch  torch.cuda.memory.CUDAPluggableAllocator("libexpseg.so", "expseg_malloc", "expseg_free")
+ *            + torch.cuda.memory.change_current_allocator(...)   (before any CUDA tensor exists)
+ *   CuPy     cupy.cuda.memory.CFunctionAllocator(0, <expseg_cupy_malloc>, <expseg_cupy_free>, owner)
+ *            + cupy.cuda.set_allocator(...)
+ *   Python   tools/expseg.py does both (install_torch / install_cupy) and wraps the rest.
+ *
+ * State. One allocator per device index (0 .. EXPSEG_MAX_DEVICES-1), created on first use (the
+ * first malloc, set_limit or record_start for that device) from the configuration: the defaults,
+ * then EXPSEG_ALLOC_CONF, then the string given to expseg_configure(). Creation is thread-safe;
+ * after it, malloc/free take no lock of the C API, only the allocator's own. Allocators live until
+ * the process exits (they are never destroyed, so frees that arrive during interpreter or library
+ * teardown stay valid); the operating system reclaims device memory at exit. Queries (stats,
+ * snapshot, OOM report) never create an allocator: for a device without one they answer "nothing
+ * yet" (zero stats, an empty snapshot, no report).
+ *
+ * Errors. No C++ exception ever crosses this boundary. Calls that return int return EXPSEG_SUCCESS
+ * (0) or one of the expseg_status codes; calls that return a pointer return NULL on error. Every
+ * failure records a message and a code for the calling thread, read with expseg_last_error() and
+ * expseg_last_error_code(); successful calls leave them unchanged (errno-style), and
+ * expseg_clear_error() resets them. Out of memory: malloc returns NULL, the code is
+ * EXPSEG_ERROR_OUT_OF_MEMORY, and the full report (why: capacity, limit or fragmentation, with the
+ * numbers) stays retrievable with expseg_last_oom_report(device) from any thread.
+ *
+ * Strings. Every returned const char* is owned by expseg and points to a buffer of the calling
+ * thread, one buffer per function: it stays valid until the same function is called again on the
+ * same thread, or the thread exits. Copy it to keep it longer. Never free it.
+ */
+#ifndef EXPSEG_EXPSEG_H
+#define EXPSEG_EXPSEG_H
 
+#include <stddef.h>    /* size_t */
+#include <sys/types.h> /* ssize_t (POSIX) */
+
+#define EXPSEG_VERSION_MAJOR 0
+#define EXPSEG_VERSION_MINOR 1
+#define EXPSEG_VERSION_PATCH 0
+#define EXPSEG_VERSION_STRING "0.1.0"
+
+/* Devices 0 .. EXPSEG_MAX_DEVICES-1 can have an allocator. */
+#define EXPSEG_MAX_DEVICES 64
+
+#if defined(__GNUC__) || defined(__clang__)
+#define EXPSEG_API __attribute__((visibility("default")))
+#else
+#define EXPSEG_API
+#endif
+
+#ifdef __cplusplus
+#define EXPSEG_NOEXCEPT noexcept
+extern "C" {
+#else
+#define EXPSEG_NOEXCEPT
+#endif
+
+/* A cudaStream_t / CUstream, passed through untouched; NULL is the legacy default stream. */
+typedef void* expseg_stream_t;
+
+/* Status codes returned by the int-returning calls and by expseg_last_error_code(). */
+enum expseg_status {
+  EXPSEG_SUCCESS = 0,
+  EXPSEG_ERROR_INVALID_ARGUMENT = 1,    /* a NULL path, a negative size, ... */
+  EXPSEG_ERROR_INVALID_DEVICE = 2,      /* device index outside 0 .. EXPSEG_MAX_DEVICES-1 */
+  EXPSEG_ERROR_CONFIG = 3,              /* a bad configuration string: the message names the key */
+  EXPSEG_ERROR_ALREADY_INITIALIZED = 4, /* expseg_configure after an allocator was created */
+  EXPSEG_ERROR_OUT_OF_MEMORY = 5,       /* see expseg_last_oom_report() */
+  EXPSEG_ERROR_INVALID_POINTER = 6,     /* free/record_stream of a pointer that is not a live allocation */
+  EXPSEG_ERROR_DRIVER = 7,              /* a CUDA driver call failed (or no usable driver/device) */
+  EXPSEG_ERROR_IO = 8,                  /* a trace file could not be written */
+  EXPSEG_ERROR_INTERNAL = 9             /* anything else; the message says what */
+};
+
+/* ---------------------------------------------------------------------------------------------
+ * Allocation: PyTorch's CUDAPluggableAllocator pair.
+ * expseg_malloc: `size` bytes on `device` for use on `stream`. Size 0 returns NULL (no error).
+ * On out of memory returns NULL and also prints the OOM report on stderr, because PyTorch's
+ * pluggable allocator does not check for NULL (the next kernel then fails with an illegal address).
+ * expseg_free: `size` and `stream` are ignored (expseg keeps its own record); free(NULL) does
+ * nothing; freeing a pointer that is not a live allocation of `device` records
+ * EXPSEG_ERROR_INVALID_POINTER and changes nothing. */
+EXPSEG_API void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
+EXPSEG_API void expseg_free(void* ptr, ssize_t size, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
+
+/* Allocation: CuPy's CFunctionAllocator pair. `param` is ignored (pass 0). CuPy passes no stream:
+ * these allocate for, and reuse freed blocks in the order of, the legacy default stream (NULL).
+ * Out of memory returns NULL silently (tools/expseg.py turns it into cupy's OutOfMemoryError). */
+EXPSEG_API void* expseg_cupy_malloc(void* param, size_t size, int device_id) EXPSEG_NOEXCEPT;
+EXPSEG_API void expseg_cupy_free(void* param, void* ptr, int device_id) EXPSEG_NOEXCEPT;
+
+/* The live allocation `ptr` of `device` is also used by work on `stream`: when it is freed, its
+ * memory is reused only after the work queued on `stream` up to the free has completed. */
+EXPSEG_API int expseg_record_stream(void* ptr, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
+
+/* ---------------------------------------------------------------------------------------------
+ * Configuration. `conf` has EXPSEG_ALLOC_CONF's syntax ("backend:expandable,limit:20GiB"; PyTorch's
+ * PYTORCH_CUDA_ALLOC_CONF keys are accepted) and is applied over EXPSEG_ALLOC_CONF for every
+ * allocator created afterwards. Each call replaces the previous call's string (NULL or "" goes
+ * back to EXPSEG_ALLOC_CONF alone). The string is checked at once: EXPSEG_ERROR_CONFIG names the
+ * bad key. Allowed only while no device has an allocator yet, else EXPSEG_ERROR_ALREADY_INITIALIZED. */
+EXPSEG_API int expseg_configure(const char* conf) EXPSEG_NOEXCEPT;
+/* The configuration of `device`'s allocator in canonical key:value form, or the one it would be
+ * created with. NULL on error. */
+EXPSEG_API const char* expseg_config(int device) EXPSEG_NOEXCEPT;
+/* 1 when `device` has an allocator, 0 when not, -1 for an invalid device index. */
+EXPSEG_API int expseg_device_initialized(int device) EXPSEG_NOEXCEPT;
+
+/* Gives every cached byte that can be given back to the device (PyTorch's empty_cache()). */
+EXPSEG_API int expseg_release_cached(int device) EXPSEG_NOEXCEPT;
+/* Bytes of device memory `device`'s allocator may hold; 0 removes the limit. Creates the allocator
+ * when needed. Lowering the limit gives back cached memory above it at once. */
+EXPSEG_API int expseg_set_limit(int device, size_t bytes) EXPSEG_NOEXCEPT;
+EXPSEG_API int expseg_reset_peak_stats(int device) EXPSEG_NOEXCEPT;
+
+/* ---------------------------------------------------------------------------------------------
+ * Observability (JSON is one object per call, UTF-8).
+ * stats: PyTorch's memory_stats() keys ("allocated_bytes.all.peak", "reserved_bytes.all.current",
+ *   "num_alloc_retries", ...) plus a "cupy" object {used_bytes, total_bytes, free_bytes, n_free_blocks}.
+ * snapshot: {backend, device, limit_bytes, device_total_bytes, segments: [{address, size, blocks: [...]}], stats}.
+ * last OOM report: the text (its first sentence reads like PyTorch's "CUDA out of memory. Tried to
+ *   allocate ...") or JSON; "" (text) / "null" (JSON) when `device` has had no OOM. */
+EXPSEG_API const char* expseg_stats_json(int device) EXPSEG_NOEXCEPT;
+EXPSEG_API const char* expseg_snapshot_json(int device) EXPSEG_NOEXCEPT;
+EXPSEG_API const char* expseg_last_oom_report(int device) EXPSEG_NOEXCEPT;
+EXPSEG_API const char* expseg_last_oom_report_json(int device) EXPSEG_NOEXCEPT;
+
+/* Event recorder: every alloc/free (and map/unmap, failed allocation) with a timestamp.
+ * record_start creates the allocator when needed and starts afresh (earlier events are dropped);
+ * ring > 0 keeps only the last `ring` events. record_write writes what was recorded so far (also
+ * after record_stop) as RMM's CSV log, gzip-compressed when `path` ends in ".gz"; `expseg replay`
+ * and read_trace() read it back. */
+EXPSEG_API int expseg_record_start(int device, size_t ring) EXPSEG_NOEXCEPT;
+EXPSEG_API int expseg_record_stop(int device) EXPSEG_NOEXCEPT;
+EXPSEG_API int expseg_record_write(int device, const char* path) EXPSEG_NOEXCEPT;
+
+/* ---------------------------------------------------------------------------------------------
+ * Errors and version. */
+EXPSEG_API const char* expseg_last_error(void) EXPSEG_NOEXCEPT; /* "" when none */
+EXPSEG_API int expseg_last_error_code(void) EXPSEG_NOEXCEPT;    /* EXPSEG_SUCCESS when none */
+EXPSEG_API void expseg_clear_error(void) EXPSEG_NOEXCEPT;
+EXPSEG_API const char* expseg_version(void) EXPSEG_NOEXCEPT;     /* EXPSEG_VERSION_STRING */
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* EXPSEG_EXPSEG_H */

@@ -74,7 +74,10 @@ class Backend {
   virtual core::Block* allocate(std::size_t requested, driver::stream_t stream) = 0;
   // allocated -> pending_free: the caller freed it but streams recorded with record_stream() may
   // still use it. Stats: no longer allocated, still active.
-  void begin_pending_free(core::Block* block) noexcept;
+  void begin_pending_free(core::Block* block) noexcept {
+    account_caller_freed(*block);
+    block->status = core::BlockStatus::pending_free;
+  }
   // allocated or pending_free -> free (cached for reuse, merged with free neighbours).
   virtual void free(core::Block* block) = 0;
   // Give every cached byte that can be given back to the device.
@@ -92,15 +95,62 @@ class Backend {
   virtual bool contains(std::uint64_t addr) const noexcept = 0;
 
  protected:
-  // Stat bookkeeping shared by both backends (PyTorch's accounting rules).
-  void account_allocated(const core::Block& b) noexcept;    // free -> allocated (and active)
-  void account_caller_freed(const core::Block& b) noexcept; // allocated -> pending or free
-  void account_deactivated(const core::Block& b) noexcept;  // allocated/pending -> free
+  // Stat bookkeeping shared by both backends (PyTorch's accounting rules). Inline: this is the
+  // cached malloc/free path.
+  static void up(Stat* arr, int pool, std::int64_t v) noexcept {
+    arr[kAllPools].increase(v);
+    arr[pool].increase(v);
+  }
+  static void down(Stat* arr, int pool, std::int64_t v) noexcept {
+    arr[kAllPools].decrease(v);
+    arr[pool].decrease(v);
+  }
+  void account_allocated(const core::Block& b) noexcept {  // free -> allocated (and active)
+    Stats& s = ctx_.stats;
+    const auto size = static_cast<std::int64_t>(b.size);
+    up(s.allocation, b.pool, 1);
+    up(s.allocated_bytes, b.pool, size);
+    up(s.active, b.pool, 1);
+    up(s.active_bytes, b.pool, size);
+    up(s.requested_bytes, b.pool, static_cast<std::int64_t>(b.requested));
+    if (b.size >= ctx_.config.max_split_size) s.oversize_allocations.increase(1);
+  }
+  void account_caller_freed(const core::Block& b) noexcept {  // allocated -> pending or free
+    Stats& s = ctx_.stats;
+    down(s.allocation, b.pool, 1);
+    down(s.allocated_bytes, b.pool, static_cast<std::int64_t>(b.size));
+    down(s.requested_bytes, b.pool, static_cast<std::int64_t>(b.requested));
+  }
+  void account_deactivated(const core::Block& b) noexcept {  // allocated/pending -> free
+    Stats& s = ctx_.stats;
+    down(s.active, b.pool, 1);
+    down(s.active_bytes, b.pool, static_cast<std::int64_t>(b.size));
+    if (b.size >= ctx_.config.max_split_size) s.oversize_allocations.decrease(1);
+  }
   // free(): the shared first half. Accounts the transition and marks the block free.
-  void leave_active(core::Block& b) noexcept;
-  void account_inactive(int pool, std::int64_t blocks, std::int64_t bytes) noexcept;
-  void account_reserved(int pool, std::int64_t bytes) noexcept;  // + grows, - shrinks
-  void account_segment(int pool, std::int64_t count) noexcept;
+  void leave_active(core::Block& b) noexcept {
+    if (b.status == core::BlockStatus::allocated) account_caller_freed(b);
+    account_deactivated(b);
+    b.status = core::BlockStatus::free;
+    b.requested = 0;
+    b.pending_events = 0;
+    if (!b.stream_uses.empty()) b.stream_uses.clear();
+  }
+  void account_inactive(int pool, std::int64_t blocks, std::int64_t bytes) noexcept {
+    Stats& s = ctx_.stats;
+    if (blocks >= 0) up(s.inactive_split, pool, blocks);
+    else down(s.inactive_split, pool, -blocks);
+    if (bytes >= 0) up(s.inactive_split_bytes, pool, bytes);
+    else down(s.inactive_split_bytes, pool, -bytes);
+  }
+  void account_reserved(int pool, std::int64_t bytes) noexcept {  // + grows, - shrinks
+    if (bytes >= 0) up(ctx_.stats.reserved_bytes, pool, bytes);
+    else down(ctx_.stats.reserved_bytes, pool, -bytes);
+  }
+  void account_segment(int pool, std::int64_t count) noexcept {
+    if (count >= 0) up(ctx_.stats.segment, pool, count);
+    else down(ctx_.stats.segment, pool, -count);
+  }
 
   Context& ctx_;
 };

@@ -47,7 +47,8 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
   X(cuCtxSynchronize, 2000) X(cuMemGetInfo, 3020) X(cuMemGetAllocationGranularity, 10020)             \
   X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)                      \
   X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020) X(cuMemSetAccess, 10020)             \
-  X(cuMemAlloc, 3020) X(cuMemFree, 3020) X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000)             \
+  X(cuMemAlloc, 3020) X(cuMemFree, 3020) X(cuMemAllocAsync, 11020) X(cuMemFreeAsync, 11020)        \
+  X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000)             \
   X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)  \
   X(cuEventQuery, 2000) X(cuEventSynchronize, 2000) X(cuMemsetD32Async, 3020)                         \
   X(cuMemcpyDtoH, 3020) X(cuMemcpyHtoD, 3020) X(cuMemExportToShareableHandle, 10020)                  \
@@ -273,6 +274,16 @@ class CudaDriver final : public Driver {
   void mem_free(dev_ptr ptr) override {
     CtxScope scope(*this);
     check(api_, api_.cuMemFree(to_cu(ptr)), "cuMemFree");
+  }
+  dev_ptr mem_alloc_async(std::size_t bytes, stream_t stream) override {
+    CtxScope scope(*this);
+    CUdeviceptr p = 0;
+    check(api_, api_.cuMemAllocAsync(&p, bytes, to_cu(stream)), "cuMemAllocAsync");
+    return p;
+  }
+  void mem_free_async(dev_ptr ptr, stream_t stream) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuMemFreeAsync(to_cu(ptr), to_cu(stream)), "cuMemFreeAsync");
   }
 
   stream_t stream_create() override {

@@ -24,4 +24,12 @@ const char* op_name(Op op) noexcept {
   return "unknown";
 }
 
+dev_ptr Driver::mem_alloc_async(std::size_t, stream_t) {
+  throw driver_error("cuMemAllocAsync", 801, "CUDA_ERROR_NOT_SUPPORTED", std::string("not provided by the ") + kind() + " driver");
+}
+
+void Driver::mem_free_async(dev_ptr, stream_t) {
+  throw driver_error("cuMemFreeAsync", 801, "CUDA_ERROR_NOT_SUPPORTED", std::string("not provided by the ") + kind() + " driver");
+}
+
 }  // namespace expseg::driver

@@ -95,6 +95,10 @@ class Driver {
   // --- plain allocations (split_merge backend) ---
   virtual dev_ptr mem_alloc(std::size_t bytes) = 0;
   virtual void mem_free(dev_ptr ptr) = 0;
+  // Stream-ordered allocations from the driver's default pool (cuMemAllocAsync/cuMemFreeAsync):
+  // only the benchmarks use them, as the baseline users would pick instead of a caching allocator.
+  virtual dev_ptr mem_alloc_async(std::size_t bytes, stream_t stream);
+  virtual void mem_free_async(dev_ptr ptr, stream_t stream);
 
   // --- streams and events ---
   virtual stream_t stream_create() = 0;

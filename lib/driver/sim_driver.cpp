@@ -19,6 +19,7 @@
 #include <iterator>
 #include <limits>
 #include <stdexcept>
+#include <unordered_set>
 #include <utility>
 
 namespace expseg::driver {
@@ -122,10 +123,7 @@ struct SimDriver::Impl {
     std::uint64_t seq = 0;  // order of recording, across streams
   };
 
-  explicit Impl(const SimOptions& o)
-      : opt(o), instance(g_next_instance.fetch_add(1)) {
-    streams.emplace(0, false);  // the default stream
-  }
+  explicit Impl(const SimOptions& o) : opt(o), instance(g_next_instance.fetch_add(1)) {}
 
   const SimOptions opt;
   const std::uint64_t instance;
@@ -145,7 +143,10 @@ struct SimDriver::Impl {
   std::unordered_map<phys_handle, std::uint64_t> handles;  // handle -> phys id
   std::map<dev_ptr, Mapping> mappings;                      // start -> mapping
   std::map<dev_ptr, Alloc> allocs;                          // cuMemAlloc pointers
-  std::unordered_map<std::uintptr_t, bool> streams;         // id -> busy; 0 is the default stream
+  // Any stream value is accepted where work is queued (the default stream, streams of the program
+  // or of a replayed trace); only those from stream_create() count as live and may be destroyed.
+  std::unordered_set<std::uintptr_t> created_streams;
+  std::unordered_set<std::uintptr_t> busy_streams;
   std::unordered_map<std::uintptr_t, Event> events;
   std::uint64_t record_seq = 0;
   std::vector<int> peers;
@@ -251,9 +252,6 @@ struct SimDriver::Impl {
     auto it = events.find(id_of(e));
     if (it == events.end()) invalid(call, "unknown event " + hex(id_of(e)));
     return it->second;
-  }
-  void check_stream(const char* call, stream_t s) const {
-    if (!streams.contains(id_of(s))) invalid(call, "unknown stream " + hex(id_of(s)));
   }
   // Completes the pending events of `stream` recorded up to `seq` (all streams when stream is null).
   void complete(const std::uintptr_t* stream, std::uint64_t seq) noexcept {
@@ -547,7 +545,7 @@ void SimDriver::mem_free(dev_ptr ptr) {
 stream_t SimDriver::stream_create() {
   std::lock_guard lock(impl_->mutex);
   const std::uintptr_t id = impl_->next_id++;
-  impl_->streams.emplace(id, false);
+  impl_->created_streams.insert(id);
   return as_pointer(id);
 }
 
@@ -556,11 +554,12 @@ void SimDriver::stream_destroy(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   if (stream == nullptr) invalid(call, "the default stream cannot be destroyed");
-  s.check_stream(call, stream);
-  // CUDA lets queued work finish after cuStreamDestroy: the stream's events complete.
   const std::uintptr_t id = id_of(stream);
+  if (!s.created_streams.contains(id)) invalid(call, "unknown stream " + hex(id) + " (not from stream_create)");
+  // CUDA lets queued work finish after cuStreamDestroy: the stream's events complete.
   s.complete(&id, s.record_seq);
-  s.streams.erase(id);
+  s.busy_streams.erase(id);
+  s.created_streams.erase(id);
 }
 
 event_t SimDriver::event_create() {
@@ -582,9 +581,8 @@ void SimDriver::event_record(event_t event, stream_t stream) {
   Impl& s = *impl_;
   s.enter(Op::event_record, call);
   Impl::Event& ev = s.event(call, event);
-  s.check_stream(call, stream);
   ev.stream = id_of(stream);
-  ev.pending = s.streams.at(ev.stream);
+  ev.pending = s.busy_streams.contains(ev.stream);
   ev.seq = ++s.record_seq;
   s.charge(kEventUs);
 }
@@ -618,7 +616,6 @@ void SimDriver::stream_synchronize(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::stream_sync, call);
-  s.check_stream(call, stream);
   const std::uintptr_t id = id_of(stream);
   s.complete(&id, s.record_seq);
   s.charge(kSyncUs);
@@ -638,7 +635,7 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
   static constexpr const char* call = "cuMemsetD32Async";
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
-  s.check_stream(call, stream);
+  (void)stream;  // host-backed work completes at once, on any stream
   if (ptr % 4 != 0) invalid(call, "address " + hex(ptr) + " is not 4-byte aligned");
   if (count > std::numeric_limits<std::size_t>::max() / 4) invalid(call, "count too large");
   // Host memory from mmap has no declared type, so writing it as uint32_t is fine (ptr is 4-aligned).
@@ -786,7 +783,7 @@ SimDriver::Live SimDriver::live() const {
   l.mappings = s.mappings.size();
   l.mem_allocs = s.allocs.size();
   l.events = s.events.size();
-  l.streams = s.streams.size() - 1;  // not the default stream
+  l.streams = s.created_streams.size();
   l.physical_bytes = s.physical;
   return l;
 }
@@ -799,10 +796,13 @@ void SimDriver::set_foreign_usage(std::size_t bytes) {
 void SimDriver::set_stream_busy(stream_t stream, bool busy) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
-  s.check_stream("set_stream_busy", stream);
   const std::uintptr_t id = id_of(stream);
-  s.streams.at(id) = busy;
-  if (!busy) s.complete(&id, s.record_seq);
+  if (busy) {
+    s.busy_streams.insert(id);
+  } else {
+    s.busy_streams.erase(id);
+    s.complete(&id, s.record_seq);
+  }
 }
 
 double SimDriver::simulated_seconds() const {

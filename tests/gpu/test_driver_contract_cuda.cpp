@@ -146,6 +146,19 @@ TEST_SUITE("driver") {
     d->release(h);
   }
 
+  TEST_CASE("driver: CUDA stream-ordered allocations") {
+    auto d = make_cuda_driver(0);
+    const stream_t s = d->stream_create();
+    const dev_ptr p = d->mem_alloc_async(std::size_t{1} << 20, s);
+    CHECK(p != 0);
+    d->memset_d32(p, 0xA11CA7EDu, (std::size_t{1} << 20) / 4, s);
+    d->stream_synchronize(s);
+    expseg::test::check_words(*d, p, (std::size_t{1} << 20) / 4, 0xA11CA7EDu);
+    d->mem_free_async(p, s);
+    d->stream_synchronize(s);
+    d->stream_destroy(s);
+  }
+
   TEST_CASE("driver: CUDA event on a non-blocking stream") {
     auto d = make_cuda_driver(0);
     const stream_t s = d->stream_create();

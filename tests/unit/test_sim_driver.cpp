@@ -392,9 +392,8 @@ TEST_SUITE("sim") {
       check_invalid(d, "cuEventSynchronize", [&] { d.event_synchronize(bogus); });
       check_invalid(d, "cuEventDestroy", [&] { d.event_destroy(bogus); });
       const event_t e = d.event_create();
-      check_invalid(d, "cuEventRecord", [&] { d.event_record(e, reinterpret_cast<stream_t>(bogus)); });
-      check_invalid(d, "cuStreamSynchronize", [&] { d.stream_synchronize(reinterpret_cast<stream_t>(bogus)); });
       check_invalid(d, "cuStreamDestroy", [&] { d.stream_destroy(nullptr); });
+      check_invalid(d, "cuStreamDestroy", [&] { d.stream_destroy(reinterpret_cast<stream_t>(bogus)); });
       d.event_destroy(e);
       check_invalid(d, "cuEventQuery", [&] { (void)d.event_query(e); });  // destroyed
     }
@@ -562,8 +561,8 @@ TEST_SUITE("sim") {
       d.stream_destroy(s);  // queued work still completes
       CHECK(d.event_query(e1));
       CHECK(d.event_query(e3));
-      CHECK_THROWS_AS(d.set_stream_busy(s, false), driver_error);
       CHECK(d.live().streams == 1);
+      check_invalid(d, "cuStreamDestroy", [&] { d.stream_destroy(s); });  // already destroyed
       d.stream_destroy(t);
       d.event_destroy(e1);
       d.event_destroy(e2);
@@ -576,6 +575,24 @@ TEST_SUITE("sim") {
     d.event_destroy(e1);
     d.event_destroy(e2);
     d.event_destroy(e3);
+    check_nothing_left(d);
+  }
+
+  TEST_CASE("sim: streams not from stream_create are accepted (program or trace streams)") {
+    SimDriver d;
+    const auto foreign = reinterpret_cast<stream_t>(std::uintptr_t{0x7f0012345600});
+    const event_t e = d.event_create();
+    d.event_record(e, foreign);  // idle unless made busy
+    CHECK(d.event_query(e));
+    d.set_stream_busy(foreign, true);
+    d.event_record(e, foreign);
+    CHECK_FALSE(d.event_query(e));
+    d.stream_synchronize(foreign);
+    CHECK(d.event_query(e));
+    d.set_stream_busy(foreign, false);
+    CHECK(d.live().streams == 0);  // not counted, and cannot be destroyed
+    check_invalid(d, "cuStreamDestroy", [&] { d.stream_destroy(foreign); });
+    d.event_destroy(e);
     check_nothing_left(d);
   }
 

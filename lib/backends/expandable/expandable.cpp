@@ -83,7 +83,9 @@ std::size_t ExpandableBackend::max_handle_bytes() const noexcept {
   return std::max(bytes, frame_);
 }
 
-ExpandableBackend::ExpandableBackend(Context& ctx) : Backend(ctx), frame_(ctx.driver.granularity()) {
+ExpandableBackend::ExpandableBackend(Context& ctx)
+    : Backend(ctx), frame_(ctx.driver.granularity()), frame_shift_(static_cast<unsigned>(std::countr_zero(frame_))) {
+  if (!std::has_single_bit(frame_)) throw expseg::error("expandable: allocation granularity is not a power of two");
   std::size_t va = ctx.config.va_size ? ctx.config.va_size : 2 * ctx.device_total;
   va_bytes_ = std::max(round_up(va, frame_), frame_);
 }
@@ -277,7 +279,7 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
     Block* b = &*it;
     const auto& seg = *static_cast<const ExpSegment*>(b->segment);
     const std::size_t front = new_pin_bytes(seg, b->addr, b->addr + size);
-    const std::size_t back = b->size > size ? new_pin_bytes(seg, b->end() - size, b->end()) : front;
+    const std::size_t back = b->size > size && front != 0 ? new_pin_bytes(seg, b->end() - size, b->end()) : front;
     if (front < best_pin || back < best_pin) {
       best = b;
       best_back = back < front;

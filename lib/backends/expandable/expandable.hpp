@@ -130,12 +130,13 @@ class ExpandableBackend final : public Backend {
   void insert_free(ExpArena& arena, core::Block* b) noexcept;
   void erase_free(ExpArena& arena, core::Block* b) noexcept;
   core::Block* merge_free(ExpArena& arena, core::Block* b) noexcept;
-  std::uint64_t frame_addr(const ExpSegment& seg, std::size_t f) const noexcept { return seg.base + f * frame_; }
-  std::size_t frame_of(const ExpSegment& seg, std::uint64_t addr) const noexcept { return (addr - seg.base) / frame_; }
+  std::uint64_t frame_addr(const ExpSegment& seg, std::size_t f) const noexcept { return seg.base + (f << frame_shift_); }
+  std::size_t frame_of(const ExpSegment& seg, std::uint64_t addr) const noexcept { return (addr - seg.base) >> frame_shift_; }
 
   using HandleList = core::bi::list<ExpHandle, core::bi::member_hook<ExpHandle, core::bi::list_member_hook<>, &ExpHandle::hook>>;
 
-  std::size_t frame_;
+  std::size_t frame_;        // allocation granularity, a power of two
+  unsigned frame_shift_;     // log2(frame_)
   std::size_t va_bytes_;
   std::vector<ExpArena*> arenas_;
   ExpArena* last_arena_ = nullptr;

@@ -37,6 +37,8 @@ std::size_t divisions_for(const Config& c, std::size_t size) noexcept {
 }  // namespace
 
 SplitMergeBackend::SplitMergeBackend(Context& ctx) : Backend(ctx) {
+  for (std::size_t d : ctx_.config.roundup_power2_divisions) has_divisions_ = has_divisions_ || d > 1;
+  has_divisions_ = has_divisions_ && !cupy();
   small_.is_small = true;
   small_.stat_pool = kSmallPool;
   large_.stat_pool = kLargePool;
@@ -62,7 +64,7 @@ SplitMergeBackend::~SplitMergeBackend() {
 std::size_t SplitMergeBackend::round_size(std::size_t size) const noexcept {
   if (size < kMinBlockSize) return kMinBlockSize;
   if (size > std::numeric_limits<std::size_t>::max() / 2) return size;  // absurd: the caller reports OOM
-  if (!cupy()) {
+  if (has_divisions_) {
     const std::size_t divisions = divisions_for(ctx_.config, size);
     if (divisions > 1 && size > kMinBlockSize * divisions) return roundup_power2_next_division(size, divisions);
   }

@@ -96,6 +96,7 @@ class SplitMergeBackend final : public Backend {
   core::BlockPool blocks_;
   SegmentList segments_;
   std::size_t total_allocated_memory_ = 0;  // PyTorch's name: bytes of all segments (reserved)
+  bool has_divisions_ = false;              // roundup_power2_divisions configured
 };
 
 }  // namespace expseg::backends

@@ -1,0 +1,97 @@
+// expseg_hotpath: runs one hot path a fixed number of times on the simulated device, for profilers
+// (callgrind counts instructions per operation exactly; perf stat counts cycles), where Google
+// Benchmark's adaptive iteration counts get in the way.
+//
+//   expseg_hotpath pair  <split_merge|expandable> [iterations] [bytes]   cached allocate+free
+//   expseg_hotpath churn <split_merge|expandable> [iterations]           torch_anchor's 64-slot churn
+//   expseg_hotpath replay <split_merge|expandable> [iterations] [trace]  replay() of a trace (default:
+//                                                                        the shipped ResNet-50 trace)
+//
+// The cache is warmed first (one pair; 20000 churn steps); only hot_loop() runs the measured part:
+//   valgrind --tool=callgrind --toggle-collect='*hot_loop*' build/benchmarks/expseg_hotpath churn expandable 200000
+// Prints the wall time per operation (meaningless under valgrind).
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "bench_common.hpp"
+#include "expseg/trace.hpp"
+
+#ifndef EXPSEG_BENCH_TRACE_DIR
+#define EXPSEG_BENCH_TRACE_DIR "benchmarks/traces"
+#endif
+
+namespace {
+
+using expseg::bench::Churn;
+using expseg::bench::ExpsegSubject;
+
+[[gnu::noinline]] void hot_loop_pair(ExpsegSubject& s, std::size_t bytes, long iterations) {
+  for (long i = 0; i < iterations; ++i) {
+    void* p = s.alloc(bytes, nullptr);
+    asm volatile("" : : "r"(p) : "memory");
+    s.free(p, nullptr);
+  }
+}
+
+[[gnu::noinline]] void hot_loop_churn(Churn<ExpsegSubject>& c, long iterations) {
+  for (long i = 0; i < iterations; ++i) c.step();
+}
+
+[[gnu::noinline]] double hot_loop_replay(const expseg::Trace& trace, const expseg::Config& cfg, long iterations) {
+  double seconds = 0.0;
+  for (long i = 0; i < iterations; ++i) seconds += expseg::replay(trace, cfg).seconds;
+  return seconds;
+}
+
+int usage() {
+  std::fprintf(stderr, "usage: expseg_hotpath pair|churn|replay split_merge|expandable [iterations] [bytes|trace]\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) return usage();
+  const std::string workload = argv[1];
+  const std::string backend = argv[2];
+  const long iterations = argc > 3 ? std::atol(argv[3]) : 1000000;
+  const std::size_t bytes = argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 512;
+  expseg::Config cfg;
+  cfg.device = expseg::DeviceKind::sim;
+  if (backend == "split_merge") cfg.backend = expseg::BackendKind::split_merge;
+  else if (backend == "expandable") cfg.backend = expseg::BackendKind::expandable;
+  else return usage();
+
+  ExpsegSubject s(cfg);
+  if (workload == "pair") {
+    s.free(s.alloc(bytes, nullptr), nullptr);
+    const auto w = std::chrono::steady_clock::now();
+    hot_loop_pair(s, bytes, iterations);
+    const auto t1 = std::chrono::steady_clock::now();
+    std::printf("pair %s %zu B: %.1f ns/pair over %ld\n", backend.c_str(), bytes,
+                std::chrono::duration<double, std::nano>(t1 - w).count() / static_cast<double>(iterations ? iterations : 1), iterations);
+  } else if (workload == "churn") {
+    Churn<ExpsegSubject> c(s, nullptr, 1);
+    for (int i = 0; i < 20000; ++i) c.step();
+    const auto w = std::chrono::steady_clock::now();
+    hot_loop_churn(c, iterations);
+    const auto t1 = std::chrono::steady_clock::now();
+    std::printf("churn %s: %.1f ns/step over %ld\n", backend.c_str(),
+                std::chrono::duration<double, std::nano>(t1 - w).count() / static_cast<double>(iterations ? iterations : 1), iterations);
+  } else if (workload == "replay") {
+    // Under callgrind, also --toggle-collect='expseg::Allocator::allocate*' --toggle-collect='expseg::Allocator::deallocate*'
+    // to leave out the trace compilation and the allocator's construction.
+    const std::string path = argc > 4 ? argv[4] : std::string(EXPSEG_BENCH_TRACE_DIR) + "/resnet50-train-varsize.rmm.csv.gz";
+    const expseg::Trace trace = expseg::read_trace(path);
+    const long n = iterations > 0 ? iterations : 1;
+    const double seconds = hot_loop_replay(trace, cfg, n);
+    std::printf("replay %s %s: %.2f M events/s (%zu events x %ld)\n", backend.c_str(), trace.name.c_str(),
+                static_cast<double>(trace.events.size()) * static_cast<double>(n) / seconds / 1e6, trace.events.size(), n);
+  } else {
+    return usage();
+  }
+  return 0;
+}

@@ -1,0 +1,20 @@
+// Internals of the C API (c_api.cpp) for tests: not part of the public headers.
+#pragma once
+
+namespace expseg::capi {
+
+// Destroys every device's allocator, forgets expseg_configure()'s string and clears the calling
+// thread's error. No other thread may be inside the C API meanwhile, and pointers from the
+// destroyed allocators become invalid. Unit tests call it between cases: the C API's per-device
+// state otherwise persists for the whole process.
+void reset_for_tests() noexcept;
+
+// Whether expseg_malloc (the PyTorch entry point) prints the OOM report on stderr (default: true).
+void set_oom_stderr(bool on) noexcept;
+
+}  // namespace expseg::capi
+
+extern "C" {
+// The same as expseg::capi::reset_for_tests(), reachable through dlsym/ctypes (tests/python).
+void expseg_reset_for_tests(void) noexcept;
+}

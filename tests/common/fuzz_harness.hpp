@@ -1,0 +1,245 @@
+// Model-based fuzzing of the Allocator on the host-backed simulated device.
+//
+// A Harness owns an allocator over a SimDriver (host-backed: allocations hold real bytes) seen
+// through a spy driver, and a model of what the allocator must hold. It runs a randomized sequence
+// of operations -- allocate of skewed sizes (mostly small, some huge, some absurd), free,
+// record_stream + free with busy streams, set_stream_busy toggles, release_cached, set_limit,
+// snapshot/stats reads, invalid pointers, and injected driver faults -- and after every operation
+// checks:
+//   - validate() holds;
+//   - the model agrees: the live set (allocation count, requested bytes, snapshot blocks), pending
+//     cross-stream frees, the stats identities (allocated <= active <= reserved; reserved <= limit
+//     whenever the operation grew it; reserved == the simulated device's physical bytes; CuPy's
+//     total == used + free; peaks >= currents; num_ooms counts the OOMs the caller saw);
+//   - every live allocation holds the pattern written when it was allocated (checked at free, when
+//     it becomes reused, and periodically for all), so no two live blocks overlap and no data moves
+//     when memory is unmapped and mapped again;
+//   - the stream contract: a block freed while a stream may still use it (record_stream, or a busy
+//     allocation stream) is handed to another stream, completed as a pending free, or unmapped only
+//     after that stream's work is known complete (the spy driver sees every event query and sync);
+//   - no driver call breaks a CUDA rule (the simulated device reports those as errors), and unmap /
+//     cuMemFree never take memory a live or pending block lies in;
+//   - errors are the documented ones: out_of_memory for allocate, driver_error (naming the cu* call)
+//     only when an injected fault fired during the operation, invalid_pointer for bad pointers; the
+//     allocator's live set is unchanged after any throw and it keeps serving.
+// At the end, finish() frees everything (or destroys the allocator with allocations still live) and
+// checks that every reservation, handle, mapping, driver allocation and event went back.
+//
+// The decisions come from a Source: a seeded generator (unit and stress suites) or the bytes of a
+// libFuzzer input (tests/fuzz/fuzz_allocator.cpp). A broken check throws fuzz::Failure whose message
+// names the option set, the operation index and the recent operations.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "driver/driver.hpp"
+#include "expseg/allocator.hpp"
+#include "expseg/config.hpp"
+
+namespace expseg::driver {
+class SimDriver;
+}
+
+namespace fuzz {
+
+class Failure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Where decisions come from.
+class Source {
+ public:
+  virtual ~Source() = default;
+  virtual bool exhausted() const = 0;
+  virtual std::uint64_t next64() = 0;
+  std::uint64_t below(std::uint64_t n) { return n ? next64() % n : 0; }
+  bool chance(unsigned percent) { return below(100) < percent; }
+  double unit() { return static_cast<double>(next64() >> 11) * 0x1.0p-53; }
+};
+
+// splitmix64, as expseg::ScenarioRng.
+class RngSource final : public Source {
+ public:
+  explicit RngSource(std::uint64_t seed) : state_(seed) {}
+  bool exhausted() const override { return false; }
+  std::uint64_t next64() override;
+
+ private:
+  std::uint64_t state_;
+};
+
+// Reads decisions from fuzzer bytes: each decision takes the next byte (or 8 bytes for next64);
+// past the end everything reads as 0 and exhausted() is true.
+class ByteSource final : public Source {
+ public:
+  ByteSource(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+  bool exhausted() const override { return pos_ >= size_; }
+  std::uint64_t next64() override;
+  std::uint8_t byte() { return pos_ < size_ ? data_[pos_++] : 0; }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t pos_ = 0;
+};
+
+struct Options {
+  expseg::BackendKind backend = expseg::BackendKind::expandable;
+  expseg::PoolPolicy policy = expseg::PoolPolicy::pytorch;
+  std::size_t capacity = std::size_t{256} << 20;     // simulated device memory
+  std::size_t granularity = std::size_t{64} << 10;   // small: many frames, little host memory
+  std::string extra_config;                          // more `key:value,...` for the Config
+  bool faults = true;                                // arm injected driver faults
+  bool multi_faults = false;                         // arm a fault while another is still pending
+  unsigned validate_every = 1;                       // validate() after every n-th operation
+  unsigned full_check_every = 64;                    // check every live pattern and the snapshot
+  std::size_t max_live = 192;                        // above this many live allocations, free more
+  unsigned streams = 3;                              // streams besides the default stream
+  bool verbose = false;                              // print every operation to stderr
+
+  std::string describe() const;  // the options as text (for messages and replays)
+};
+
+// A few option sets covering both backends and their policies; the stress suite and the unit suite
+// iterate over them, and `preset(i)` is how a failing run is named for replay.
+std::size_t preset_count();
+Options preset(std::size_t index);
+// Options drawn from fuzzer bytes.
+Options options_from(ByteSource& src);
+
+struct Counters {
+  std::uint64_t ops = 0;
+  std::uint64_t allocs = 0;
+  std::uint64_t frees = 0;
+  std::uint64_t pending_frees = 0;
+  std::uint64_t ooms = 0;
+  std::uint64_t fragmentation_ooms = 0;
+  std::uint64_t driver_errors = 0;   // driver_error seen by the caller
+  std::uint64_t faults_armed = 0;
+  std::uint64_t faults_fired = 0;
+  std::uint64_t faults_absorbed = 0;  // fired, yet the operation succeeded (retry, fallback)
+  std::uint64_t invalid_pointer_checks = 0;
+  std::uint64_t release_cached = 0;
+  std::uint64_t limit_changes = 0;
+  std::uint64_t full_checks = 0;
+  std::uint64_t bytes_checked = 0;
+  std::uint64_t unmaps = 0;          // driver unmaps / cuMemFree seen (memory really moved)
+  void add(const Counters& o);
+  std::string to_string() const;
+};
+
+class Spy;
+
+class Harness {
+ public:
+  explicit Harness(const Options& options);
+  ~Harness();
+  Harness(const Harness&) = delete;
+  Harness& operator=(const Harness&) = delete;
+
+  // One randomized operation drawn from `src`, then the checks.
+  void step(Source& src);
+  // Operations until `max_ops` ran or the source is exhausted.
+  void run(Source& src, std::size_t max_ops);
+  // Ends the run: frees everything (or, if `free_all` is false, destroys the allocator with live
+  // allocations) and checks that every driver resource went back. The harness is done afterwards.
+  void finish(bool free_all = true);
+
+  const Counters& counters() const noexcept { return counters_; }
+  const Options& options() const noexcept { return options_; }
+  expseg::Allocator& allocator() { return *alloc_; }
+
+ private:
+  friend class Spy;
+  struct Live {
+    std::uint64_t addr = 0;
+    std::size_t size = 0;
+    void* stream = nullptr;
+    std::uint64_t tag = 0;
+    std::vector<void*> uses;  // record_stream streams other than the allocation stream
+  };
+  struct Pending {
+    Live block;
+    std::uint64_t tick = 0;                // when it was freed (events recorded)
+    std::vector<void*> busy;               // the uses that were busy then
+    bool stream_busy = false;              // the allocation stream was busy then
+  };
+  struct Hazard {  // memory freed on a busy stream: may be reused only on that stream until it completes
+    std::size_t size = 0;
+    void* stream = nullptr;
+    std::uint64_t tick = 0;
+  };
+
+  // Operations.
+  void op_allocate(Source& src);
+  void op_free(Source& src);
+  void op_record_stream(Source& src);
+  void op_toggle_busy(Source& src);
+  void op_release_cached();
+  void op_set_limit(Source& src);
+  void op_fault(Source& src);
+  void op_invalid(Source& src);
+  void op_reset_stats(Source& src);
+  void full_check();
+
+  // Checks.
+  void after_op(const char* name);
+  void check_stats();
+  void resolve_pending();
+  void check_pattern(const Live& l, const char* when);
+  void write_pattern(const Live& l);
+  void check_new_block(std::uint64_t addr, std::size_t size, void* stream);
+  void on_driver_exception(const char* op, const std::exception& e);
+  void expect_unchanged_live(const char* op);
+  bool known_complete(void* stream, std::uint64_t tick) const;
+  void prune_hazards();
+  std::size_t pick_size(Source& src);
+  void* pick_stream(Source& src);
+  [[noreturn]] void fail(const std::string& what);
+  void note(const std::string& op);
+
+  // Called by the spy driver.
+  void spy_unmap(const char* call, std::uint64_t addr, std::size_t bytes, bool check_hazards);
+  void spy_error(const std::string& what);
+
+  Options options_;
+  std::shared_ptr<expseg::driver::SimDriver> sim_;
+  std::shared_ptr<Spy> spy_;
+  std::unique_ptr<expseg::Allocator> alloc_;
+  std::vector<void*> streams_;             // [0] is the default stream (nullptr)
+  std::map<void*, bool> busy_;
+  std::map<void*, std::uint64_t> complete_upto_;  // work queued on the stream up to this tick is done
+
+  std::map<std::uint64_t, Live> live_;
+  std::map<std::uint64_t, Pending> pending_;
+  std::multimap<std::uint64_t, Hazard> hazards_;
+  std::deque<std::uint64_t> freed_;         // recently freed addresses (for double frees)
+  std::size_t live_requested_ = 0;
+  std::uint64_t next_tag_ = 1;
+  std::uint64_t tick_ = 1;
+  std::int64_t ooms_seen_ = 0;
+  std::int64_t reserved_before_ = 0;
+  std::size_t limit_ = 0;
+
+  std::vector<std::pair<expseg::driver::Op, std::uint64_t>> armed_;  // (op, call number it fails)
+  bool driver_threw_ = false;               // an injected fault fired during this operation
+  std::string spy_failure_;
+  Counters counters_;
+  std::deque<std::string> history_;
+  std::string op_text_;
+  bool finished_ = false;
+};
+
+// Runs `ops` operations of preset-like `options` from `seed`, then finish(). Throws Failure whose
+// message says how to replay the run.
+Counters run_seed(const Options& options, std::uint64_t seed, std::size_t ops, const std::string& replay_hint = "");
+
+}  // namespace fuzz

@@ -1,0 +1,447 @@
+// The C API (include/expseg/expseg.h) on the simulated device: per-device state, errors as codes
+// and messages (never exceptions), OOM reports, JSON, the recorder. The C API's state is global to
+// the process, so every case starts and ends with capi::reset_for_tests() (CApiFixture).
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include "c_api_internal.hpp"
+#include "core/json.hpp"
+#include "expseg/expseg.h"
+#include "expseg/trace.hpp"
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+using expseg::core::JsonValue;
+using expseg::core::parse_json;
+
+// Clean C API state, EXPSEG_ALLOC_CONF unset, OOM reports not printed; restored afterwards.
+struct CApiFixture {
+  std::optional<std::string> saved_env;
+  CApiFixture() {
+    if (const char* v = std::getenv("EXPSEG_ALLOC_CONF")) saved_env = v;
+    ::unsetenv("EXPSEG_ALLOC_CONF");
+    expseg::capi::reset_for_tests();
+    expseg::capi::set_oom_stderr(false);
+  }
+  ~CApiFixture() {
+    expseg::capi::reset_for_tests();
+    expseg::capi::set_oom_stderr(true);
+    if (saved_env) ::setenv("EXPSEG_ALLOC_CONF", saved_env->c_str(), 1);
+  }
+  CApiFixture(const CApiFixture&) = delete;
+  CApiFixture& operator=(const CApiFixture&) = delete;
+};
+
+std::string last_error() { return expseg_last_error(); }
+
+JsonValue stats(int device) {
+  const char* s = expseg_stats_json(device);
+  REQUIRE(s != nullptr);
+  return parse_json(s);
+}
+
+std::int64_t stat(int device, const char* key) { return stats(device)[key].as_int(); }
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("expseg_test_c_api_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+const char* const kBackends[] = {"split_merge", "expandable"};
+
+}  // namespace
+
+TEST_SUITE("c_api") {
+
+TEST_CASE_FIXTURE(CApiFixture, "version and an empty error state") {
+  CHECK(std::string(expseg_version()) == EXPSEG_VERSION_STRING);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  CHECK(last_error().empty());
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "size 0 gives NULL, free(NULL) does nothing, neither creates an allocator") {
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  CHECK(expseg_malloc(0, 0, nullptr) == nullptr);
+  CHECK(expseg_cupy_malloc(nullptr, 0, 0) == nullptr);
+  expseg_free(nullptr, 0, 0, nullptr);
+  expseg_cupy_free(nullptr, nullptr, 0);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  CHECK(expseg_device_initialized(0) == 0);
+  // A negative size (ssize_t) is an error, not a huge request.
+  CHECK(expseg_malloc(-1, 0, nullptr) == nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_ARGUMENT);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "malloc/free through both pairs, on both backends; stats JSON follows") {
+  for (const char* backend : kBackends) {
+    CAPTURE(backend);
+    expseg::capi::reset_for_tests();
+    REQUIRE(expseg_configure((std::string("device:sim,sim_capacity:4GiB,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
+    CHECK(std::string(expseg_config(0)).find(std::string("backend:") + backend) != std::string::npos);
+
+    void* a = expseg_malloc(static_cast<ssize_t>(3 * MiB), 0, nullptr);
+    void* b = expseg_cupy_malloc(nullptr, 5 * MiB + 7, 0);
+    REQUIRE(a != nullptr);
+    REQUIRE(b != nullptr);
+    CHECK(a != b);
+    CHECK(expseg_device_initialized(0) == 1);
+    CHECK(stat(0, "allocation.all.current") == 2);
+    CHECK(stat(0, "requested_bytes.all.current") == static_cast<std::int64_t>(8 * MiB + 7));
+    CHECK(stat(0, "allocated_bytes.all.current") >= static_cast<std::int64_t>(8 * MiB + 7));
+    const JsonValue cupy = stats(0)["cupy"];
+    CHECK(cupy["used_bytes"].as_int() == stat(0, "allocated_bytes.all.current"));
+
+    expseg_free(a, static_cast<ssize_t>(3 * MiB), 0, nullptr);
+    expseg_cupy_free(nullptr, b, 0);
+    CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+    CHECK(stat(0, "allocation.all.current") == 0);
+    CHECK(stat(0, "allocated_bytes.all.current") == 0);
+    CHECK(stat(0, "allocated_bytes.all.peak") >= static_cast<std::int64_t>(8 * MiB));
+
+    // release_cached gives the cache back; reset_peak_stats brings peaks down to current.
+    CHECK(stat(0, "reserved_bytes.all.current") > 0);
+    CHECK(expseg_release_cached(0) == EXPSEG_SUCCESS);
+    CHECK(stat(0, "reserved_bytes.all.current") == 0);
+    CHECK(expseg_reset_peak_stats(0) == EXPSEG_SUCCESS);
+    CHECK(stat(0, "allocated_bytes.all.peak") == 0);
+  }
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "out of memory: NULL, a code, and a report retrievable from any thread") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,backend:split_merge,limit:64MiB") == EXPSEG_SUCCESS);
+  CHECK(std::string(expseg_last_oom_report(0)).empty());  // no allocator, no OOM yet
+  CHECK(std::string(expseg_last_oom_report_json(0)) == "null");
+
+  void* keep = expseg_malloc(static_cast<ssize_t>(40 * MiB), 0, nullptr);
+  REQUIRE(keep != nullptr);
+  CHECK(expseg_malloc(static_cast<ssize_t>(40 * MiB), 0, nullptr) == nullptr);  // through the PyTorch entry point
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
+  CHECK(last_error().find("expseg_malloc") != std::string::npos);
+  CHECK(last_error().find("out of memory") != std::string::npos);
+
+  const std::string text = expseg_last_oom_report(0);
+  CHECK(text.find("Tried to allocate") != std::string::npos);
+  CHECK(text.find("limit") != std::string::npos);
+  const JsonValue report = parse_json(expseg_last_oom_report_json(0));
+  CHECK(report["requested_bytes"].as_int() == static_cast<std::int64_t>(40 * MiB));
+  CHECK(report["limit_bytes"].as_int() == static_cast<std::int64_t>(64 * MiB));
+  CHECK(report["verdict"].as_string() == "limit");
+  CHECK(stat(0, "num_ooms") == 1);
+
+  // The report belongs to the device, not the thread; the error code belongs to the thread.
+  std::string other_text;
+  int other_code = -1;
+  std::thread([&] {
+    other_text = expseg_last_oom_report(0);
+    other_code = expseg_last_error_code();
+  }).join();
+  CHECK(other_text == text);
+  CHECK(other_code == EXPSEG_SUCCESS);
+
+  // The allocator keeps serving after the OOM.
+  void* small = expseg_cupy_malloc(nullptr, 8 * MiB, 0);
+  CHECK(small != nullptr);
+  expseg_cupy_free(nullptr, small, 0);
+  expseg_free(keep, 0, 0, nullptr);
+  CHECK(stat(0, "allocation.all.current") == 0);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "the 800/500/300 story: CuPy's OOM under split_merge policy:cupy, success under expandable") {
+  // What benchmarks/cupy_story.py does on the GPU through CuPy, here on the simulated device.
+  for (const char* backend : kBackends) {
+    CAPTURE(backend);
+    expseg::capi::reset_for_tests();
+    const std::string conf = std::string("device:sim,sim_capacity:141GiB,limit:2064MiB,backend:") + backend +
+                             (std::string(backend) == "split_merge" ? ",policy:cupy" : "");
+    REQUIRE(expseg_configure(conf.c_str()) == EXPSEG_SUCCESS);
+    void* big = expseg_cupy_malloc(nullptr, 2000 * MiB, 0);
+    REQUIRE(big != nullptr);
+    expseg_cupy_free(nullptr, big, 0);
+    void* a = expseg_cupy_malloc(nullptr, 800 * MiB, 0);
+    void* b = expseg_cupy_malloc(nullptr, 500 * MiB, 0);
+    void* c = expseg_cupy_malloc(nullptr, 300 * MiB, 0);
+    REQUIRE((a && b && c));
+    expseg_cupy_free(nullptr, b, 0);
+    void* d = expseg_cupy_malloc(nullptr, 800 * MiB, 0);
+    if (std::string(backend) == "expandable") {
+      CHECK(d != nullptr);
+      expseg_cupy_free(nullptr, d, 0);
+    } else {
+      CHECK(d == nullptr);
+      CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
+      const std::string text = expseg_last_oom_report(0);
+      CAPTURE(text);
+      CHECK(text.find("Out of memory allocating 838,860,800 bytes") != std::string::npos);
+      CHECK(text.find("limit set to: 2,164,260,864 bytes") != std::string::npos);
+      CHECK(parse_json(expseg_last_oom_report_json(0))["verdict"].as_string() == "fragmentation");
+    }
+    expseg_cupy_free(nullptr, a, 0);
+    expseg_cupy_free(nullptr, c, 0);
+    CHECK(expseg_last_error_code() != EXPSEG_ERROR_INVALID_POINTER);
+  }
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "a bad configuration string is an error naming the key, and changes nothing") {
+  REQUIRE(expseg_configure("device:sim,backend:expandable") == EXPSEG_SUCCESS);
+  CHECK(expseg_configure("device:sim,bogus_key:1") == EXPSEG_ERROR_CONFIG);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_CONFIG);
+  CHECK(last_error().find("bogus_key") != std::string::npos);
+  CHECK(last_error().find("expseg_configure") != std::string::npos);
+  CHECK(expseg_configure("limit:lots") == EXPSEG_ERROR_CONFIG);
+  CHECK(last_error().find("limit") != std::string::npos);
+  // The last good string still applies.
+  const std::string conf = expseg_config(0);
+  CHECK(conf.find("backend:expandable") != std::string::npos);
+  CHECK(conf.find("device:sim") != std::string::npos);
+  // NULL and "" go back to EXPSEG_ALLOC_CONF alone (unset here: the defaults).
+  CHECK(expseg_configure(nullptr) == EXPSEG_SUCCESS);
+  CHECK(std::string(expseg_config(0)).find("backend:split_merge") != std::string::npos);
+  CHECK(expseg_device_initialized(0) == 0);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "configure is refused once an allocator exists") {
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  void* p = expseg_cupy_malloc(nullptr, MiB, 1);
+  REQUIRE(p != nullptr);
+  CHECK(expseg_configure("device:sim,backend:expandable") == EXPSEG_ERROR_ALREADY_INITIALIZED);
+  CHECK(last_error().find("device(s) 1") != std::string::npos);
+  CHECK(std::string(expseg_config(1)).find("backend:split_merge") != std::string::npos);
+  expseg_cupy_free(nullptr, p, 1);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "a bad EXPSEG_ALLOC_CONF fails allocator creation with a message naming it") {
+  ::setenv("EXPSEG_ALLOC_CONF", "device:sim,nope:1", 1);
+  CHECK(expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr) == nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_CONFIG);
+  CHECK(last_error().find("EXPSEG_ALLOC_CONF") != std::string::npos);
+  CHECK(last_error().find("nope") != std::string::npos);
+  CHECK(expseg_device_initialized(0) == 0);
+  CHECK(expseg_configure("backend:expandable") == EXPSEG_ERROR_CONFIG);  // checked over the environment
+  ::setenv("EXPSEG_ALLOC_CONF", "device:sim,backend:expandable", 1);
+  CHECK(std::string(expseg_config(0)).find("backend:expandable") != std::string::npos);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  CHECK(p != nullptr);
+  expseg_free(p, 0, 0, nullptr);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "free of an unknown pointer is reported and harmless") {
+  for (const char* backend : kBackends) {
+    CAPTURE(backend);
+    expseg::capi::reset_for_tests();
+    REQUIRE(expseg_configure((std::string("device:sim,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
+    void* p = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
+    REQUIRE(p != nullptr);
+
+    // An interior pointer.
+    expseg_free(static_cast<char*>(p) + 4096, 0, 0, nullptr);
+    CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_POINTER);
+    CHECK(last_error().find("expseg_free") != std::string::npos);
+    expseg_clear_error();
+    // Garbage.
+    int on_the_stack = 0;
+    expseg_cupy_free(nullptr, &on_the_stack, 0);
+    CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_POINTER);
+    CHECK(!last_error().empty());
+    // A device that has no allocator, and an out-of-range device.
+    expseg_clear_error();
+    expseg_free(p, 0, 7, nullptr);
+    CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_POINTER);
+    CHECK(expseg_device_initialized(7) == 0);
+    expseg_free(p, 0, 64, nullptr);
+    CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_DEVICE);
+    // record_stream of an unknown pointer too.
+    CHECK(expseg_record_stream(&on_the_stack, 0, nullptr) == EXPSEG_ERROR_INVALID_POINTER);
+
+    // Nothing changed: the allocation is still live and frees normally, once.
+    CHECK(stat(0, "allocation.all.current") == 1);
+    expseg_clear_error();
+    expseg_free(p, 0, 0, nullptr);
+    CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+    CHECK(stat(0, "allocation.all.current") == 0);
+    expseg_free(p, 0, 0, nullptr);  // double free
+    CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_POINTER);
+    CHECK(last_error().find("double free") != std::string::npos);
+    void* q = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
+    CHECK(q != nullptr);
+    expseg_free(q, 0, 0, nullptr);
+  }
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "several devices' states are kept apart") {
+  // Host-backed, so that the two simulated devices hand out distinct addresses (as GPUs do).
+  REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB,sim_host_backed:true,backend:expandable") == EXPSEG_SUCCESS);
+  void* p0 = expseg_malloc(static_cast<ssize_t>(3 * MiB), 0, nullptr);
+  void* p1 = expseg_malloc(static_cast<ssize_t>(5 * MiB), 1, nullptr);
+  void* p1b = expseg_cupy_malloc(nullptr, 1 * MiB, 1);
+  REQUIRE((p0 && p1 && p1b));
+  CHECK(expseg_device_initialized(0) == 1);
+  CHECK(expseg_device_initialized(1) == 1);
+  CHECK(expseg_device_initialized(2) == 0);
+  CHECK(stat(0, "allocation.all.current") == 1);
+  CHECK(stat(1, "allocation.all.current") == 2);
+  CHECK(stat(0, "requested_bytes.all.current") == static_cast<std::int64_t>(3 * MiB));
+  CHECK(stat(1, "requested_bytes.all.current") == static_cast<std::int64_t>(6 * MiB));
+  CHECK(stat(2, "allocation.all.current") == 0);
+  CHECK(parse_json(expseg_snapshot_json(0))["device"].as_int() == 0);
+  CHECK(parse_json(expseg_snapshot_json(1))["device"].as_int() == 1);
+
+  // A pointer of device 0 freed as device 1's: reported, and neither device changes.
+  expseg_free(p0, 0, 1, nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_POINTER);
+  CHECK(stat(0, "allocation.all.current") == 1);
+  CHECK(stat(1, "allocation.all.current") == 2);
+
+  // Limits, peaks and recording are per device too.
+  CHECK(expseg_set_limit(1, 8 * MiB) == EXPSEG_SUCCESS);
+  CHECK(expseg_malloc(static_cast<ssize_t>(8 * MiB), 1, nullptr) == nullptr);
+  void* p0b = expseg_malloc(static_cast<ssize_t>(8 * MiB), 0, nullptr);
+  CHECK(p0b != nullptr);
+  CHECK(stat(0, "num_ooms") == 0);
+  CHECK(stat(1, "num_ooms") == 1);
+  CHECK(std::string(expseg_last_oom_report(0)).empty());
+  CHECK(!std::string(expseg_last_oom_report(1)).empty());
+
+  expseg_free(p0, 0, 0, nullptr);
+  expseg_free(p0b, 0, 0, nullptr);
+  expseg_free(p1, 0, 1, nullptr);
+  expseg_cupy_free(nullptr, p1b, 1);
+  CHECK(stat(0, "allocation.all.current") == 0);
+  CHECK(stat(1, "allocation.all.current") == 0);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "stats and snapshot JSON before and after the allocator exists") {
+  REQUIRE(expseg_configure("device:sim,backend:expandable") == EXPSEG_SUCCESS);
+  // Queries answer without creating the allocator.
+  CHECK(stat(0, "reserved_bytes.all.peak") == 0);
+  JsonValue snap = parse_json(expseg_snapshot_json(0));
+  CHECK(snap["backend"].as_string() == "expandable");
+  CHECK(snap["segments"].as_array().empty());
+  CHECK(expseg_device_initialized(0) == 0);
+
+  void* p = expseg_malloc(static_cast<ssize_t>(3 * MiB + 5), 0, nullptr);
+  REQUIRE(p != nullptr);
+  snap = parse_json(expseg_snapshot_json(0));
+  REQUIRE(!snap["segments"].as_array().empty());
+  bool found = false;
+  for (const JsonValue& seg : snap["segments"].as_array())
+    for (const JsonValue& b : seg["blocks"].as_array())
+      if (b["state"].as_string() == "allocated") {
+        CHECK(b["requested"].as_int() == static_cast<std::int64_t>(3 * MiB + 5));
+        found = true;
+      }
+  CHECK(found);
+  CHECK(snap["stats"]["allocation.all.current"].as_int() == 1);
+
+  // Each string-returning function has its own buffer: one call does not overwrite another's result.
+  const char* s = expseg_stats_json(0);
+  const std::string copy = s;
+  (void)expseg_snapshot_json(0);
+  (void)expseg_config(0);
+  CHECK(std::string(s) == copy);
+
+  // Invalid devices.
+  CHECK(expseg_stats_json(-1) == nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_snapshot_json(EXPSEG_MAX_DEVICES) == nullptr);
+  CHECK(expseg_malloc(16, EXPSEG_MAX_DEVICES, nullptr) == nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_device_initialized(-3) == -1);
+  expseg_free(p, 0, 0, nullptr);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "the recorder writes a trace that read_trace reads back") {
+  REQUIRE(expseg_configure("device:sim,backend:expandable") == EXPSEG_SUCCESS);
+  REQUIRE(expseg_record_start(0, 0) == EXPSEG_SUCCESS);
+  CHECK(expseg_device_initialized(0) == 1);  // record_start creates the allocator
+  std::vector<void*> ptrs;
+  for (std::size_t i = 1; i <= 5; ++i) ptrs.push_back(expseg_malloc(static_cast<ssize_t>(i * MiB + i), 0, nullptr));
+  for (void* p : ptrs) {
+    REQUIRE(p != nullptr);
+    expseg_free(p, 0, 0, nullptr);
+  }
+  REQUIRE(expseg_record_stop(0) == EXPSEG_SUCCESS);
+  void* after = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);  // not recorded
+  expseg_free(after, 0, 0, nullptr);
+
+  for (const char* suffix : {".rmm.csv", ".rmm.csv.gz"}) {
+    CAPTURE(suffix);
+    const std::string path = temp_path(std::string("trace") + suffix);
+    REQUIRE(expseg_record_write(0, path.c_str()) == EXPSEG_SUCCESS);
+    const expseg::Trace t = expseg::read_trace(path);
+    std::filesystem::remove(path);
+    std::size_t allocs = 0, frees = 0;
+    for (const expseg::TraceEvent& e : t.events) {
+      if (e.action == expseg::TraceAction::allocate) {
+        ++allocs;
+        CHECK(e.size == allocs * MiB + allocs);
+      }
+      if (e.action == expseg::TraceAction::free) ++frees;
+    }
+    CHECK(allocs == 5);
+    CHECK(frees == 5);
+    CHECK_NOTHROW(expseg::validate_trace(t));
+  }
+
+  CHECK(expseg_record_write(0, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_record_write(0, "/nonexistent-dir-of-expseg/x.rmm.csv") == EXPSEG_ERROR_IO);
+  CHECK(last_error().find("/nonexistent-dir-of-expseg/x.rmm.csv") != std::string::npos);
+  // A device with no allocator writes an empty (header-only) trace.
+  const std::string empty = temp_path("empty.rmm.csv");
+  CHECK(expseg_record_write(3, empty.c_str()) == EXPSEG_SUCCESS);
+  CHECK(expseg::read_trace(empty).events.empty());
+  std::filesystem::remove(empty);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "record_stream on a live allocation") {
+  REQUIRE(expseg_configure("device:sim,backend:split_merge") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, reinterpret_cast<expseg_stream_t>(0x10));
+  REQUIRE(p != nullptr);
+  CHECK(expseg_record_stream(p, 0, reinterpret_cast<expseg_stream_t>(0x20)) == EXPSEG_SUCCESS);
+  expseg_free(p, 0, 0, nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  CHECK(stat(0, "allocation.all.current") == 0);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "concurrent first use creates one allocator per device") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:8GiB,sim_host_backed:true,backend:expandable") == EXPSEG_SUCCESS);
+  constexpr int kThreads = 8;
+  constexpr int kDevices = 4;
+  constexpr int kRounds = 200;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kRounds; ++i) {
+        const int device = (t + i) % kDevices;
+        const std::size_t size = (static_cast<std::size_t>(i % 7) + 1) * 64 * 1024;
+        void* p = i % 2 ? expseg_malloc(static_cast<ssize_t>(size), device, nullptr) : expseg_cupy_malloc(nullptr, size, device);
+        if (p == nullptr) {
+          failures.fetch_add(1);
+          continue;
+        }
+        expseg_free(p, 0, device, nullptr);
+        if (expseg_last_error_code() != EXPSEG_SUCCESS) failures.fetch_add(1);
+      }
+    });
+  for (std::thread& th : threads) th.join();
+  CHECK(failures.load() == 0);
+  std::int64_t total = 0;
+  for (int d = 0; d < kDevices; ++d) {
+    CHECK(expseg_device_initialized(d) == 1);
+    CHECK(stat(d, "allocation.all.current") == 0);
+    total += stat(d, "allocation.all.allocated");
+  }
+  CHECK(total == kThreads * kRounds);
+}
+
+}  // TEST_SUITE

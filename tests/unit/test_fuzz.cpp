@@ -1,0 +1,80 @@
+// Model-based fuzzing, fixed seeds (tests/common/fuzz_harness.hpp): every option preset of both
+// backends runs a randomized operation sequence on the host-backed simulated device, with injected
+// driver faults, checking validate(), the model, the stats identities and every byte pattern after
+// each operation. The long runs are in the stress suite (tests/stress/test_fuzz_stress.cpp).
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "fuzz_harness.hpp"
+
+TEST_SUITE("fuzz") {
+
+TEST_CASE("fuzz: fixed seeds on every preset of both backends") {
+  fuzz::Counters total;
+  for (std::size_t i = 0; i < fuzz::preset_count(); ++i) {
+    const fuzz::Options o = fuzz::preset(i);
+    CAPTURE(o.describe());
+    for (std::uint64_t seed : {1u, 2u}) {
+      CAPTURE(seed);
+      try {
+        total.add(fuzz::run_seed(o, seed, 1500,
+                                 "EXPSEG_FUZZ_REPLAY=" + std::to_string(i) + ":" + std::to_string(seed) + ":1500 build/tests/expseg_stress -ts=fuzz"));
+      } catch (const fuzz::Failure& f) {
+        FAIL(std::string(f.what()));
+      }
+    }
+  }
+  MESSAGE("fuzz (unit): " << total.to_string());
+  // The run reached what it is meant to reach.
+  CHECK(total.allocs > 5000);
+  CHECK(total.pending_frees > 100);
+  CHECK(total.ooms > 50);
+  CHECK(total.faults_fired > 20);
+  CHECK(total.driver_errors > 5);
+  CHECK(total.unmaps > 100);
+  CHECK(total.invalid_pointer_checks > 100);
+}
+
+TEST_CASE("fuzz: destroying the allocator with live allocations after a run leaks nothing") {
+  for (std::size_t i : {0u, 3u, 4u, 6u}) {
+    fuzz::Options o = fuzz::preset(i);
+    CAPTURE(o.describe());
+    try {
+      fuzz::Harness h(o);
+      fuzz::RngSource src(42 + i);
+      h.run(src, 400);
+      h.finish(false);
+    } catch (const fuzz::Failure& f) {
+      FAIL(std::string(f.what()));
+    }
+  }
+}
+
+TEST_CASE("fuzz: the libFuzzer byte decoding drives the same harness") {
+  // A few fixed inputs through options_from/ByteSource, as tests/fuzz/fuzz_allocator.cpp reads them.
+  for (std::uint64_t seed : {7u, 8u, 9u, 10u, 11u, 12u}) {
+    std::string bytes(1500, '\0');
+    fuzz::RngSource rng(seed);
+    for (char& c : bytes) c = static_cast<char>(rng.next64());
+    CAPTURE(seed);
+    try {
+      fuzz::ByteSource src(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+      fuzz::Harness h(fuzz::options_from(src));
+      h.run(src, 2000);
+      h.finish(src.byte() % 4 != 0);
+    } catch (const fuzz::Failure& f) {
+      FAIL(std::string(f.what()));
+    }
+  }
+  // Empty and one-byte inputs are valid too.
+  for (std::size_t n : {0u, 1u, 2u}) {
+    const std::uint8_t data[2] = {0xff, 0x01};
+    fuzz::ByteSource src(data, n);
+    fuzz::Harness h(fuzz::options_from(src));
+    h.run(src, 10);
+    h.finish();
+  }
+}
+
+}  // TEST_SUITE

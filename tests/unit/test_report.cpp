@@ -1,0 +1,357 @@
+// The HTML A/B report (include/expseg/report.hpp, lib/html_report.cpp): the page is well-formed
+// XHTML-compatible markup, has one chart per group with one reserved and one allocated series per
+// backend, one OOM marker per failed allocation, a segment map per backend, fetches nothing from the
+// network, and escapes odd text.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "expseg/report.hpp"
+#include "expseg/scenarios.hpp"
+#include "expseg/trace.hpp"
+
+namespace {
+
+using namespace std::string_literals;
+
+// --- a tiny XML well-formedness checker ---------------------------------------------------------
+// Every element closed (explicitly, or self-closed), properly nested; every attribute quoted;
+// '&' only in the entities XML knows (amp, lt, gt, quot, apos, &#N;, &#xN;); no '<' in text.
+// Also an HTML rule: outside <svg>, only void elements may self-close ("<div/>" is an open tag to an
+// HTML parser).
+struct XmlCheck {
+  bool ok = true;
+  std::string error;
+  std::size_t elements = 0;
+};
+
+bool is_name_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == ':' || c == '.'; }
+
+bool check_entities(std::string_view text, std::string& error) {
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '&') continue;
+    const std::size_t semi = text.find(';', i);
+    if (semi == std::string_view::npos || semi - i > 10) {
+      error = "bare '&' near: " + std::string(text.substr(i, 20));
+      return false;
+    }
+    const std::string_view ent = text.substr(i + 1, semi - i - 1);
+    const bool named = ent == "amp" || ent == "lt" || ent == "gt" || ent == "quot" || ent == "apos";
+    bool numeric = ent.size() >= 2 && ent[0] == '#';
+    if (numeric)
+      for (std::size_t k = 1; k < ent.size(); ++k)
+        numeric = numeric && (std::isxdigit(static_cast<unsigned char>(ent[k])) || (k == 1 && ent[k] == 'x'));
+    if (!named && !numeric) {
+      error = "unknown entity &" + std::string(ent) + ";";
+      return false;
+    }
+  }
+  return true;
+}
+
+XmlCheck check_xml(std::string_view doc) {
+  static const char* const kVoid[] = {"meta", "br", "hr", "img", "input", "link", "col", "area", "base", "wbr", "source"};
+  XmlCheck r;
+  std::vector<std::string> stack;
+  auto fail = [&](const std::string& what, std::size_t at) {
+    r.ok = false;
+    r.error = what + " at offset " + std::to_string(at) + ": " + std::string(doc.substr(at, 60));
+    return r;
+  };
+  std::size_t i = 0;
+  while (i < doc.size()) {
+    const std::size_t lt = doc.find('<', i);
+    const std::string_view text = doc.substr(i, lt == std::string_view::npos ? std::string_view::npos : lt - i);
+    if (!check_entities(text, r.error)) return fail(r.error, i);
+    if (text.find('>') != std::string_view::npos && !stack.empty() && stack.back() != "script" && stack.back() != "style") {
+      // '>' is legal XML text, but we escape it everywhere except in the script and the style sheet.
+      return fail("unescaped '>' in text", i);
+    }
+    if (lt == std::string_view::npos) break;
+    i = lt;
+    if (doc.compare(i, 4, "<!--") == 0) {
+      const std::size_t end = doc.find("-->", i);
+      if (end == std::string_view::npos) return fail("unterminated comment", i);
+      i = end + 3;
+      continue;
+    }
+    if (doc.compare(i, 2, "<!") == 0) {  // <!DOCTYPE html>
+      const std::size_t end = doc.find('>', i);
+      if (end == std::string_view::npos) return fail("unterminated declaration", i);
+      i = end + 1;
+      continue;
+    }
+    if (doc.compare(i, 2, "</") == 0) {
+      std::size_t j = i + 2;
+      while (j < doc.size() && is_name_char(doc[j])) ++j;
+      const std::string name(doc.substr(i + 2, j - i - 2));
+      if (j >= doc.size() || doc[j] != '>') return fail("malformed end tag", i);
+      if (stack.empty() || stack.back() != name) return fail("end tag </" + name + "> does not match <" + (stack.empty() ? "" : stack.back()) + ">", i);
+      stack.pop_back();
+      i = j + 1;
+      continue;
+    }
+    // Start tag.
+    std::size_t j = i + 1;
+    while (j < doc.size() && is_name_char(doc[j])) ++j;
+    const std::string name(doc.substr(i + 1, j - i - 1));
+    if (name.empty()) return fail("'<' that starts no tag", i);
+    // Attributes.
+    for (;;) {
+      while (j < doc.size() && std::isspace(static_cast<unsigned char>(doc[j]))) ++j;
+      if (j >= doc.size()) return fail("unterminated tag", i);
+      if (doc[j] == '>' || doc.compare(j, 2, "/>") == 0) break;
+      const std::size_t a = j;
+      while (j < doc.size() && is_name_char(doc[j])) ++j;
+      if (j == a) return fail("bad attribute name", j);
+      if (j >= doc.size() || doc[j] != '=') return fail("attribute without a value", a);
+      ++j;
+      if (j >= doc.size() || (doc[j] != '"' && doc[j] != '\'')) return fail("unquoted attribute value", a);
+      const char q = doc[j];
+      const std::size_t end = doc.find(q, j + 1);
+      if (end == std::string_view::npos) return fail("unterminated attribute value", a);
+      const std::string_view value = doc.substr(j + 1, end - j - 1);
+      if (value.find('<') != std::string_view::npos) return fail("'<' in an attribute value", a);
+      if (!check_entities(value, r.error)) return fail(r.error, a);
+      j = end + 1;
+    }
+    ++r.elements;
+    if (doc[j] == '/') {
+      const bool in_svg = std::find(stack.begin(), stack.end(), "svg") != stack.end() || name == "svg";
+      const bool is_void = std::find(std::begin(kVoid), std::end(kVoid), name) != std::end(kVoid);
+      if (!in_svg && !is_void) return fail("<" + name + "/> self-closes outside SVG", i);
+      i = j + 2;
+      continue;
+    }
+    if (std::find(std::begin(kVoid), std::end(kVoid), name) != std::end(kVoid)) return fail("void element <" + name + "> not self-closed", i);
+    stack.push_back(name);
+    i = j + 1;
+  }
+  if (!stack.empty()) {
+    r.ok = false;
+    r.error = "unclosed <" + stack.back() + ">";
+  }
+  return r;
+}
+
+std::size_t count(std::string_view hay, std::string_view needle) {
+  std::size_t n = 0;
+  for (std::size_t at = hay.find(needle); at != std::string_view::npos; at = hay.find(needle, at + needle.size())) ++n;
+  return n;
+}
+
+// The text of each group's <section>.
+std::vector<std::string> sections(const std::string& page) {
+  std::vector<std::string> out;
+  const std::string open = "<section class=\"card group\"";
+  for (std::size_t at = page.find(open); at != std::string::npos;) {
+    const std::size_t end = page.find("</section>", at);
+    REQUIRE(end != std::string::npos);
+    out.push_back(page.substr(at, end - at));
+    at = page.find(open, end);
+  }
+  return out;
+}
+
+expseg::Config sim_config(expseg::BackendKind backend, const char* extra = "") {
+  expseg::Config c = expseg::Config::parse(std::string("device:sim,sim_capacity:80GiB,") + extra);
+  c.backend = backend;
+  return c;
+}
+
+std::vector<expseg::ScenarioResult> run_ab(const char* name) {
+  std::vector<expseg::ScenarioResult> v;
+  expseg::ScenarioOptions o;
+  o.series_points = 300;
+  o.snapshot_at_peak = true;
+  for (auto b : {expseg::BackendKind::split_merge, expseg::BackendKind::expandable}) v.push_back(expseg::run_scenario(name, sim_config(b, "oom_snapshot:true"), o));
+  return v;
+}
+
+// A small trace with an odd name: three 1 GiB blocks, one freed, then 2 GiB asked for under a
+// 3 GiB limit -> both backends fail the last request; split_merge fails the second 1.5 GiB too.
+expseg::Trace odd_trace() {
+  std::string csv = "Thread,Time,Action,Pointer,Size,Stream\n";
+  csv += "1,0,allocate,0x1000,1073741824,0x0\n";
+  csv += "1,1,allocate,0x2000,1073741824,0x0\n";
+  csv += "1,2,allocate,0x3000,1073741824,0x0\n";
+  csv += "1,3,free,0x2000,1073741824,0x0\n";
+  csv += "1,4,allocate,0x4000,2147483648,0x0\n";
+  csv += "1,5,free,0x1000,1073741824,0x0\n";
+  csv += "1,6,free,0x3000,1073741824,0x0\n";
+  return expseg::parse_trace(csv, "odd <trace> & \"name\".csv");
+}
+
+std::vector<expseg::ReplayResult> replay_ab(const expseg::Trace& t, const char* extra) {
+  std::vector<expseg::ReplayResult> v;
+  expseg::ReplayOptions o;
+  o.series_points = 100;
+  o.snapshot_at_peak = true;
+  for (auto b : {expseg::BackendKind::split_merge, expseg::BackendKind::expandable}) v.push_back(expseg::replay(t, sim_config(b, extra), o));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("report: the checker itself rejects malformed markup") {
+  CHECK(check_xml("<a><b x=\"1\"/></a>").ok == false);  // <b/> outside svg
+  CHECK(check_xml("<svg><b x=\"1\"/></svg>").ok);
+  CHECK_FALSE(check_xml("<a><b></a></b>").ok);
+  CHECK_FALSE(check_xml("<a x=1></a>").ok);
+  CHECK_FALSE(check_xml("<a>x & y</a>").ok);
+  CHECK_FALSE(check_xml("<a>&nbsp;</a>").ok);
+  CHECK_FALSE(check_xml("<div>").ok);
+  CHECK_FALSE(check_xml("<meta charset=\"utf-8\">").ok);
+  CHECK(check_xml("<!DOCTYPE html><html><head><meta charset=\"utf-8\"/></head><body>a &amp; b &#39; &#xA0;</body></html>").ok);
+}
+
+TEST_CASE("report: scenario groups — structure, series, OOM markers, segment maps") {
+  std::vector<expseg::ReportGroup> groups;
+  std::size_t expected_ooms = 0;
+  std::vector<std::size_t> ooms_per_group;
+  for (const char* name : {"split-800-500-300", "kv-cache-decode", "cupy-limit"}) {
+    const auto runs = run_ab(name);
+    std::size_t n = 0;
+    for (const auto& r : runs) n += r.ooms;
+    expected_ooms += n;
+    ooms_per_group.push_back(n);
+    groups.push_back(expseg::report_group(std::span<const expseg::ScenarioResult>(runs)));
+  }
+  REQUIRE(expected_ooms >= 3);  // split_merge fails split-800-500-300 and kv-cache-decode; both fail cupy-limit
+
+  expseg::ReportOptions opt;
+  opt.title = "test report";
+  const std::string page = expseg::render_html_report(groups, opt);
+
+  const XmlCheck x = check_xml(page);
+  INFO(x.error);
+  REQUIRE(x.ok);
+  CHECK(x.elements > 100);
+  CHECK(page.rfind("<!DOCTYPE html>", 0) == 0);
+
+  // Nothing fetched from the network: the only URLs are the SVG (and XHTML) namespaces.
+  for (const char* scheme : {"http://", "https://"}) {
+    for (std::size_t at = page.find(scheme); at != std::string::npos; at = page.find(scheme, at + 1)) {
+      const std::string ctx = page.substr(at >= 7 ? at - 7 : 0, 60);
+      INFO(ctx);
+      const bool ns = page.compare(at, 26, "http://www.w3.org/2000/svg") == 0 || page.compare(at, 28, "http://www.w3.org/1999/xhtml") == 0;
+      CHECK(ns);
+      CHECK(page.compare(at - 7, 7, "xmlns=\"") == 0);
+    }
+  }
+  CHECK(count(page, "<link") == 0);
+  CHECK(count(page, " src=") == 0);
+  CHECK(count(page, "url(") == 0);
+  CHECK(count(page, "@import") == 0);
+
+  const auto secs = sections(page);
+  REQUIRE(secs.size() == groups.size());
+  CHECK(count(page, "<svg class=\"chart\"") == groups.size());
+  CHECK(count(page, "class=\"oom\"") == expected_ooms);
+  for (std::size_t gi = 0; gi < secs.size(); ++gi) {
+    const std::string& s = secs[gi];
+    INFO(groups[gi].name);
+    CHECK(s.find("data-name=\"" + groups[gi].name + "\"") != std::string::npos);
+    CHECK(count(s, "<svg class=\"chart\"") == 1);
+    CHECK(s.find(groups[gi].title) != std::string::npos);
+    CHECK(s.find("<p class=\"desc\">") != std::string::npos);
+    CHECK(count(s, "class=\"oom\"") == ooms_per_group[gi]);
+    CHECK(count(s, "<table class=\"summary\"") == 1);
+    for (const char* b : {"split_merge", "expandable"}) {
+      const std::string be = std::string("data-backend=\"") + b + "\"";
+      CHECK(count(s, "<polyline class=\"series\" " + be + " data-kind=\"reserved\"") == 1);
+      CHECK(count(s, "<polyline class=\"series\" " + be + " data-kind=\"allocated\"") == 1);
+      CHECK(count(s, "<svg class=\"segmap\" xmlns=\"http://www.w3.org/2000/svg\" " + be + " data-moment=\"peak\"") == 1);
+      CHECK(count(s, "<tr " + be + ">") == 1);
+    }
+    // A limit line (every scenario runs under one).
+    CHECK(s.find("class=\"limit\"") != std::string::npos);
+    // OOM markers carry their verdict in a tooltip.
+    if (ooms_per_group[gi]) CHECK(s.find("<g class=\"oom\" data-backend=\"split_merge\"><title>split_merge: out of memory at step") != std::string::npos);
+  }
+  // The first OOM of split_merge in the split-800-500-300 story: fragmentation, with its map.
+  CHECK(secs[0].find("verdict: fragmentation") != std::string::npos);
+  CHECK(count(secs[0], "data-moment=\"first-oom\"") == 1);  // expandable does not fail
+  CHECK(secs[0].find("CUDA out of memory. Tried to allocate 800.00 MiB") != std::string::npos);
+  // The "at a glance" table comes first when there are several groups.
+  CHECK(page.find("At a glance") < page.find("<section class=\"card group\""));
+}
+
+TEST_CASE("report: replay groups escape odd names and mark every OOM") {
+  const expseg::Trace t = odd_trace();
+  const auto runs = replay_ab(t, "limit:3GiB");
+  std::size_t ooms = 0;
+  for (const auto& r : runs) ooms += r.ooms;
+  REQUIRE(ooms >= 1);
+  const expseg::ReportGroup g = expseg::report_group(std::span<const expseg::ReplayResult>(runs), "Trace <description> with & and 'quotes'.");
+  CHECK(g.name == t.name);
+  CHECK(g.x_label == "event");
+  CHECK(g.limit_bytes == (std::size_t{3} << 30));
+
+  expseg::ReportOptions opt;
+  opt.title = "A <title> & more";
+  opt.subtitle = "sub \"title\" <b>not bold</b>";
+  const expseg::ReportGroup groups[] = {g};
+  const std::string page = expseg::render_html_report(groups, opt);
+  const XmlCheck x = check_xml(page);
+  INFO(x.error);
+  REQUIRE(x.ok);
+
+  CHECK(page.find("<trace>") == std::string::npos);
+  CHECK(page.find("odd &lt;trace&gt; &amp; &quot;name&quot;.csv") != std::string::npos);
+  CHECK(page.find("A &lt;title&gt; &amp; more") != std::string::npos);
+  CHECK(page.find("<b>not bold</b>") == std::string::npos);
+  CHECK(page.find("Trace &lt;description&gt; with &amp; and &#39;quotes&#39;.") != std::string::npos);
+  CHECK(count(page, "class=\"oom\"") == ooms);
+  CHECK(count(page, "<svg class=\"chart\"") == 1);
+  CHECK(count(page, "<polyline class=\"series\"") == 4);
+  CHECK(count(page, "<svg class=\"segmap\"") >= 2);
+  // A single group: no "at a glance" table.
+  CHECK(page.find("At a glance") == std::string::npos);
+}
+
+TEST_CASE("report: a run without series, snapshot or OOMs still renders") {
+  expseg::ReportGroup g;
+  g.name = "bare";
+  g.runs.resize(2);
+  g.runs[0].backend = "split_merge";
+  g.runs[1].backend = "expandable";
+  g.runs[1].ooms = 2;
+  g.runs[1].oom_at = {3, 5};
+  const expseg::ReportGroup groups[] = {g};
+  const std::string page = expseg::render_html_report(groups);
+  const XmlCheck x = check_xml(page);
+  INFO(x.error);
+  CHECK(x.ok);
+  CHECK(count(page, "class=\"oom\"") == 2);
+  CHECK(count(page, "<svg class=\"chart\"") == 1);
+  CHECK(count(page, "<svg class=\"segmap\"") == 0);
+}
+
+TEST_CASE("report: write_html_report writes the page and names the path it cannot write") {
+  const auto runs = run_ab("split-800-500-300");
+  const expseg::ReportGroup groups[] = {expseg::report_group(std::span<const expseg::ScenarioResult>(runs))};
+  const std::filesystem::path path = std::filesystem::temp_directory_path() / ("expseg-report-test-" + std::to_string(::getpid()) + ".html");
+  expseg::write_html_report(path.string(), groups);
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  CHECK(ss.str() == expseg::render_html_report(groups));
+  std::filesystem::remove(path);
+
+  const std::string bad = "/nonexistent-dir-expseg/report.html";
+  try {
+    expseg::write_html_report(bad, groups);
+    FAIL("no exception");
+  } catch (const expseg::error& e) {
+    CHECK(std::string(e.what()).find(bad) != std::string::npos);
+  }
+}

@@ -1,0 +1,428 @@
+// expseg replay / scenario / study: the A/B runs, their tables, and the HTML picture.
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "expseg/allocator.hpp"
+#include "expseg/errors.hpp"
+#include "expseg/report.hpp"
+#include "expseg/scenarios.hpp"
+#include "expseg/trace.hpp"
+
+#ifndef EXPSEG_VERSION
+#define EXPSEG_VERSION "unknown"
+#endif
+
+namespace expseg::cli {
+namespace {
+
+// Resolution of the pictures' time axes.
+constexpr std::size_t kScenarioPoints = 600;
+constexpr std::size_t kReplayPoints = 800;
+
+const std::vector<OptionSpec> kRunOptions = {
+    {"--backend", true}, {"--device", true}, {"--conf", true}, {"--json", false}, {"--html", true},
+};
+
+std::vector<OptionSpec> with(std::vector<OptionSpec> base, std::initializer_list<OptionSpec> more) {
+  base.insert(base.end(), more.begin(), more.end());
+  return base;
+}
+
+// One progress line on stderr, redrawn in place; only when stderr is a terminal.
+class Progress {
+ public:
+  Progress() : on_(stderr_is_tty()) {}
+  ~Progress() { clear(); }
+  void show(const std::string& text) {
+    if (!on_) return;
+    std::fprintf(stderr, "\r\033[K  %s", text.c_str());
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  void clear() {
+    if (on_ && shown_) std::fprintf(stderr, "\r\033[K");
+    shown_ = false;
+  }
+
+ private:
+  bool on_;
+  bool shown_ = false;
+};
+
+std::string backend_list(const std::vector<BackendKind>& b) {
+  std::string s;
+  for (std::size_t i = 0; i < b.size(); ++i) s += (i ? (i + 1 == b.size() ? " and " : ", ") : "") + std::string(to_string(b[i]));
+  return s;
+}
+
+std::string now_text() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", &tm);
+  return buf;
+}
+
+std::string command_line(int argc, char** argv) {
+  std::string s = "expseg";
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.find_first_of(" \t'\"") != std::string::npos) a = "'" + a + "'";
+    s += " " + a;
+  }
+  return s;
+}
+
+// --- scenarios -----------------------------------------------------------------------------------
+
+using ScenarioGroup = std::vector<ScenarioResult>;  // one scenario, one result per backend
+
+std::vector<ScenarioGroup> run_scenarios(const std::vector<std::string>& names, const Setup& setup, bool picture, std::uint64_t seed, bool json) {
+  std::vector<ScenarioGroup> out;
+  Progress progress;
+  for (const std::string& name : names) {
+    ScenarioGroup g;
+    for (BackendKind b : setup.backends) {
+      Config c = setup.config;
+      c.backend = b;
+      ScenarioOptions o;
+      o.seed = seed;
+      if (picture) {
+        o.series_points = kScenarioPoints;
+        o.snapshot_at_peak = true;
+        c.oom_snapshot = true;  // a segment map at the first OOM
+      }
+      progress.show("scenario " + name + " on " + to_string(b) + " ...");
+      ScenarioResult r = run_scenario(name, c, o, setup.device);
+      if (json) {
+        progress.clear();
+        std::printf("%s\n", r.to_json().c_str());
+        std::fflush(stdout);
+      }
+      g.push_back(std::move(r));
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+std::string verdict_text(const std::optional<OomVerdict>& v) { return v ? to_string(*v) : "-"; }
+
+void print_scenario_table(const std::vector<ScenarioGroup>& groups) {
+  Table t({{"scenario", false},
+           {"backend", false},
+           {"outcome", false},
+           {"verdict", false},
+           {"peak allocated", true},
+           {"peak reserved", true},
+           {"limit", true},
+           {"OOMs", true},
+           {"time", true}});
+  for (const ScenarioGroup& g : groups)
+    for (const ScenarioResult& r : g)
+      t.add({r.scenario, r.backend, r.ok ? "ok" : std::to_string(r.ooms) + (r.ooms == 1 ? " OOM" : " OOMs"), verdict_text(r.verdict),
+             size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes), r.limit_bytes ? format_bytes(r.limit_bytes) : "-",
+             std::to_string(r.ooms), seconds_text(r.seconds)});
+  t.print(stdout);
+}
+
+// After the table: why each failing backend failed, in the words of its first OOM report.
+void print_scenario_failures(const std::vector<ScenarioGroup>& groups) {
+  bool header = false;
+  for (const ScenarioGroup& g : groups)
+    for (const ScenarioResult& r : g) {
+      if (!r.first_oom) continue;
+      if (!header) std::printf("\nWhy the failures happened (the first OOM report of each failing run):\n");
+      header = true;
+      std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", r.scenario.c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
+                  to_string(r.first_oom->verdict));
+      print_indented(stdout, r.first_oom->message, 4, terminal_width(1));
+    }
+}
+
+// --- replays -------------------------------------------------------------------------------------
+
+using ReplayGroup = std::vector<ReplayResult>;  // one trace, one result per backend
+
+std::vector<ReplayGroup> run_replays(const std::vector<std::string>& paths, const Setup& setup, bool picture, bool lenient, bool json) {
+  std::vector<ReplayGroup> out;
+  for (const std::string& path : paths) {
+    Trace trace = read_trace(path);  // trace_error: bad input, exit 2
+    ReplayGroup g;
+    for (BackendKind b : setup.backends) {
+      Config c = setup.config;
+      c.backend = b;
+      ReplayOptions o;
+      o.progress = true;  // drawn only when stderr is a terminal
+      o.lenient = lenient;
+      if (picture) {
+        o.series_points = kReplayPoints;
+        o.snapshot_at_peak = true;
+      }
+      ReplayResult r = replay(trace, c, o, setup.device);
+      if (json) {
+        std::printf("%s\n", r.to_json().c_str());
+        std::fflush(stdout);
+      }
+      g.push_back(std::move(r));
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+void print_replay_table(const std::vector<ReplayGroup>& groups) {
+  Table t({{"trace", false},
+           {"backend", false},
+           {"device", false},
+           {"events", true},
+           {"peak allocated", true},
+           {"peak reserved", true},
+           {"reserved/allocated", true},
+           {"OOMs", true},
+           {"seconds", true},
+           {"events/s", true}});
+  for (const ReplayGroup& g : groups)
+    for (const ReplayResult& r : g)
+      t.add({r.trace, r.backend, r.device, with_commas(r.events), size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes),
+             ratio_text(r.peak_reserved_bytes, r.peak_allocated_bytes), std::to_string(r.ooms), fixed(r.seconds, 3),
+             rate_text(r.seconds > 0 ? static_cast<double>(r.events) / r.seconds : 0.0)});
+  t.print(stdout);
+}
+
+void print_replay_failures(const std::vector<ReplayGroup>& groups) {
+  bool header = false;
+  for (const ReplayGroup& g : groups)
+    for (const ReplayResult& r : g) {
+      if (r.skipped_frees)
+        std::printf("\n  note: %s on %s skipped %zu free%s (of allocations that failed%s)\n", r.trace.c_str(), r.backend.c_str(), r.skipped_frees,
+                    r.skipped_frees == 1 ? "" : "s", " or, with --lenient, of unknown pointers");
+      if (!r.first_oom) continue;
+      if (!header) std::printf("\nWhy the failures happened (the first OOM report of each failing run):\n");
+      header = true;
+      std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", r.trace.c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
+                  to_string(r.first_oom->verdict));
+      print_indented(stdout, r.first_oom->message, 4, terminal_width(1));
+    }
+}
+
+// --- the picture ---------------------------------------------------------------------------------
+
+void write_picture(const std::string& path, const std::vector<ScenarioGroup>& scenarios, const std::vector<ReplayGroup>& replays,
+                   const std::vector<std::string>& trace_descriptions, const Setup& setup, const std::string& title, const std::string& command) {
+  std::vector<ReportGroup> groups;
+  for (const ScenarioGroup& g : scenarios) groups.push_back(report_group(std::span<const ScenarioResult>(g)));
+  for (std::size_t i = 0; i < replays.size(); ++i)
+    groups.push_back(report_group(std::span<const ReplayResult>(replays[i]), i < trace_descriptions.size() ? trace_descriptions[i] : std::string()));
+  ReportOptions o;
+  o.title = title;
+  o.subtitle = backend_list(setup.backends) + " on " + setup.device_label + " \xC2\xB7 expseg " + EXPSEG_VERSION + " \xC2\xB7 " + now_text() +
+               " \xC2\xB7 " + command;
+  write_html_report(path, groups, o);  // expseg::error when it cannot be written: exit 1
+}
+
+void print_picture_hint(const std::string& path) {
+  const std::string abs = absolute_path(path);
+  std::printf("\nThe picture: %s\n", abs.c_str());
+  std::printf("  open it with:   %s %s\n", open_command().c_str(), abs.c_str());
+  std::printf("  or in a browser: file://%s\n", abs.c_str());
+}
+
+// "sim:80GiB (the simulated device: CUDA is not usable here (...))"
+void print_device_line(const Setup& setup) { std::printf("Device: %s, %s\n\n", setup.device_label.c_str(), setup.device_note.c_str()); }
+
+const char* kShippedTraceDescription =
+    "A ResNet-50 training run with variable batch sizes, recorded as an RMM allocation log and shipped with expseg "
+    "(benchmarks/traces): activations and workspaces of changing sizes come and go every iteration, so a split pool caches "
+    "blocks of many sizes that later requests cannot reuse exactly. No limit is set: the question is how much more than the "
+    "live bytes each backend holds, and how fast it serves the requests.";
+
+}  // namespace
+
+// --- replay ----------------------------------------------------------------------------------------
+
+int cmd::replay(int argc, char** argv) {
+  const Args args = parse_args(argc, argv, 2, with(kRunOptions, {{"--lenient", false}}));
+  if (args.positional.empty()) throw UsageError("missing TRACE: give one or more RMM allocation logs (.csv or .csv.gz)");
+  const Setup setup = make_setup(args);
+  const bool json = args.has("--json");
+  const auto html = args.get("--html");
+  for (const std::string& p : args.positional) {
+    std::error_code ec;
+    if (!std::filesystem::exists(p, ec)) throw InputError(p + ": no such trace file");
+  }
+  if (!json) print_device_line(setup);
+  const std::vector<ReplayGroup> groups = run_replays(args.positional, setup, html.has_value(), args.has("--lenient"), json);
+  if (!json) {
+    print_replay_table(groups);
+    print_replay_failures(groups);
+  }
+  if (html) {
+    write_picture(*html, {}, groups, {}, setup, "expseg replay: A/B", command_line(argc, argv));
+    if (!json) print_picture_hint(*html);
+    else std::fprintf(stderr, "expseg replay: the picture is in %s\n", absolute_path(*html).c_str());
+  }
+  return kExitOk;
+}
+
+// --- scenario --------------------------------------------------------------------------------------
+
+int cmd::scenario(int argc, char** argv) {
+  const Args args = parse_args(argc, argv, 2, with(kRunOptions, {{"--all", false}, {"--list", false}, {"--seed", true}}));
+  if (args.has("--list")) {
+    if (!args.positional.empty() || args.has("--all")) throw UsageError("--list takes no scenario name and no --all");
+    bool first = true;
+    for (const ScenarioInfo& s : list_scenarios()) {
+      if (!first) std::printf("\n");
+      first = false;
+      std::printf("%s  %s%s\n", std::string(s.name).c_str(), std::string(s.title).c_str(),
+                  s.limit_bytes ? (" (limit " + format_bytes(s.limit_bytes) + ")").c_str() : "");
+      // One paragraph, wrapped at 96 columns and indented.
+      std::string d(s.description), line;
+      std::size_t pos = 0;
+      while (pos < d.size()) {
+        std::size_t end = d.find(' ', pos);
+        if (end == std::string::npos) end = d.size();
+        const std::string word = d.substr(pos, end - pos);
+        if (!line.empty() && line.size() + 1 + word.size() > 96) {
+          std::printf("    %s\n", line.c_str());
+          line.clear();
+        }
+        line += (line.empty() ? "" : " ") + word;
+        pos = end + 1;
+      }
+      if (!line.empty()) std::printf("    %s\n", line.c_str());
+    }
+    return kExitOk;
+  }
+  std::vector<std::string> names;
+  if (args.has("--all")) {
+    if (!args.positional.empty()) throw UsageError("give a scenario NAME or --all, not both (got '" + args.positional.front() + "')");
+    for (const ScenarioInfo& s : list_scenarios()) names.emplace_back(s.name);
+  } else {
+    if (args.positional.empty()) throw UsageError("missing scenario NAME (or --all, or --list to see them)");
+    for (const std::string& n : args.positional) {
+      if (find_scenario(n) == nullptr) {
+        std::string valid;
+        for (const ScenarioInfo& s : list_scenarios()) valid += (valid.empty() ? "" : ", ") + std::string(s.name);
+        throw UsageError("unknown scenario '" + n + "'; valid scenarios: " + valid);
+      }
+      names.push_back(n);
+    }
+  }
+  const std::uint64_t seed = args.get("--seed") ? parse_u64("--seed", *args.get("--seed")) : 0;
+  const Setup setup = make_setup(args);
+  const bool json = args.has("--json");
+  const auto html = args.get("--html");
+  if (!json) print_device_line(setup);
+  const std::vector<ScenarioGroup> groups = run_scenarios(names, setup, html.has_value(), seed, json);
+  if (!json) {
+    print_scenario_table(groups);
+    print_scenario_failures(groups);
+  }
+  if (html) {
+    write_picture(*html, groups, {}, {}, setup, "expseg scenario: A/B", command_line(argc, argv));
+    if (!json) print_picture_hint(*html);
+    else std::fprintf(stderr, "expseg scenario: the picture is in %s\n", absolute_path(*html).c_str());
+  }
+  return kExitOk;
+}
+
+// --- study -----------------------------------------------------------------------------------------
+
+int cmd::study(int argc, char** argv) {
+  const Args args = parse_args(argc, argv, 2, with(kRunOptions, {{"--trace", true}, {"--seed", true}}));
+  // "--trace A B C": paths after a --trace are traces too.
+  std::vector<std::string> traces = args.all("--trace");
+  if (!args.positional.empty()) {
+    if (traces.empty()) throw UsageError("unexpected argument '" + args.positional.front() + "' (traces go after --trace)");
+    traces.insert(traces.end(), args.positional.begin(), args.positional.end());
+  }
+  std::vector<std::string> descriptions;
+  std::string trace_note;
+  if (traces.empty()) {
+    const std::string shipped = shipped_trace();
+    if (!shipped.empty()) {
+      traces.push_back(shipped);
+      descriptions.push_back(kShippedTraceDescription);
+    } else {
+      trace_note = "The shipped ResNet-50 trace was not found next to the sources this binary was built from; pass --trace PATH to replay one.";
+    }
+  }
+  for (const std::string& p : traces) {
+    std::error_code ec;
+    if (!std::filesystem::exists(p, ec)) throw InputError(p + ": no such trace file");
+  }
+  const std::uint64_t seed = args.get("--seed") ? parse_u64("--seed", *args.get("--seed")) : 0;
+  const Setup setup = make_setup(args);
+  const bool json = args.has("--json");
+  const std::string html = args.get("--html").value_or("expseg-study.html");
+
+  std::vector<std::string> names;
+  for (const ScenarioInfo& s : list_scenarios()) names.emplace_back(s.name);
+
+  if (!json) {
+    std::printf("expseg study: every scenario%s, A/B on %s\n", traces.empty() ? "" : " and trace", backend_list(setup.backends).c_str());
+    print_device_line(setup);
+  }
+  const std::vector<ScenarioGroup> scenarios = run_scenarios(names, setup, true, seed, json);
+  if (!json) {
+    std::printf("Scenarios\n\n");
+    print_scenario_table(scenarios);
+    print_scenario_failures(scenarios);
+  }
+  const std::vector<ReplayGroup> replays = run_replays(traces, setup, true, false, json);
+  if (!json) {
+    if (!replays.empty()) {
+      std::printf("\nTraces\n\n");
+      print_replay_table(replays);
+      print_replay_failures(replays);
+    }
+    if (!trace_note.empty()) std::printf("\n%s\n", trace_note.c_str());
+
+    // The A/B in one line per story.
+    std::printf("\nVerdict\n\n");
+    std::vector<Table::Column> cols{{"run", false}};
+    for (std::size_t i = 0; i < setup.backends.size(); ++i) {
+      cols.push_back({"", false});
+      cols.push_back({"", false});
+    }
+    Table t(std::move(cols));
+    auto cell = [](const std::string& backend, std::size_t ooms, const std::optional<OomReport>& first, std::int64_t res, std::int64_t alloc) {
+      std::string s = backend + ": " + (ooms ? std::to_string(ooms) + (ooms == 1 ? " OOM" : " OOMs") : std::string("ok"));
+      if (first) s += " (" + std::string(to_string(first->verdict)) + ")";
+      return std::make_pair(s, "reserved " + ratio_text(res, alloc) + " allocated");
+    };
+    for (const ScenarioGroup& g : scenarios) {
+      std::vector<std::string> row{g.empty() ? "" : g.front().scenario};
+      for (const ScenarioResult& r : g) {
+        auto [a, b] = cell(r.backend, r.ooms, r.first_oom, r.peak_reserved_bytes, r.peak_allocated_bytes);
+        row.push_back(a);
+        row.push_back(b);
+      }
+      t.add(row);
+    }
+    for (const ReplayGroup& g : replays) {
+      std::vector<std::string> row{g.empty() ? "" : g.front().trace};
+      for (const ReplayResult& r : g) {
+        auto [a, b] = cell(r.backend, r.ooms, r.first_oom, r.peak_reserved_bytes, r.peak_allocated_bytes);
+        row.push_back(a);
+        row.push_back(b);
+      }
+      t.add(row);
+    }
+    t.print(stdout, 2, false);
+  }
+  write_picture(html, scenarios, replays, descriptions, setup, "expseg study: split_merge vs expandable", command_line(argc, argv));
+  if (!json) print_picture_hint(html);
+  else std::fprintf(stderr, "expseg study: the picture is in %s (open it with: %s %s)\n", absolute_path(html).c_str(), open_command().c_str(), absolute_path(html).c_str());
+  return kExitOk;
+}
+
+}  // namespace expseg::cli

@@ -1,0 +1,312 @@
+// Shared pieces of the expseg command line (see cli.hpp).
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <filesystem>
+
+#include "cli.hpp"
+#include "expseg/allocator.hpp"
+#include "expseg/errors.hpp"
+
+namespace expseg::cli {
+
+std::optional<std::string> Args::get(const std::string& name) const {
+  auto it = values.find(name);
+  if (it == values.end() || it->second.empty()) return std::nullopt;
+  return it->second.back();
+}
+
+std::vector<std::string> Args::all(const std::string& name) const {
+  auto it = values.find(name);
+  return it == values.end() ? std::vector<std::string>{} : it->second;
+}
+
+Args parse_args(int argc, char** argv, int first, const std::vector<OptionSpec>& specs) {
+  Args a;
+  bool options_done = false;
+  for (int i = first; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (options_done || arg.size() < 2 || arg[0] != '-') {
+      a.positional.push_back(arg);
+      continue;
+    }
+    if (arg == "--") {
+      options_done = true;
+      continue;
+    }
+    if (arg == "-h" || arg == "--help") {
+      a.values["--help"].push_back("");
+      continue;
+    }
+    std::string name = arg, value;
+    bool inline_value = false;
+    if (auto eq = arg.find('='); eq != std::string::npos && arg.rfind("--", 0) == 0) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+      inline_value = true;
+    }
+    const OptionSpec* spec = nullptr;
+    for (const OptionSpec& s : specs)
+      if (name == s.name) spec = &s;
+    if (spec == nullptr) throw UsageError("unknown option '" + name + "'");
+    if (spec->takes_value) {
+      if (!inline_value) {
+        if (i + 1 >= argc) throw UsageError("option '" + name + "' needs a value");
+        value = argv[++i];
+      }
+      if (value.empty()) throw UsageError("option '" + name + "' needs a non-empty value");
+    } else if (inline_value) {
+      throw UsageError("option '" + name + "' takes no value (got '" + arg + "')");
+    }
+    a.values[name].push_back(value);
+  }
+  return a;
+}
+
+std::uint64_t parse_u64(const std::string& option, const std::string& text) {
+  std::uint64_t v = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || p != text.data() + text.size())
+    throw UsageError("bad " + option + " value '" + text + "': expected a non-negative integer");
+  return v;
+}
+
+std::vector<BackendKind> parse_backends(const std::string& text) {
+  std::vector<BackendKind> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    std::size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(start, comma - start);
+    start = comma + 1;
+    if (item == "all" || item == "both") {
+      for (BackendKind k : {BackendKind::split_merge, BackendKind::expandable})
+        if (std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+      continue;
+    }
+    if (item.empty()) throw UsageError("bad --backend value '" + text + "': empty backend name; expected split_merge, expandable or both");
+    Config c;
+    try {
+      c.apply("backend:" + item);  // the library's own names and aliases (native = split_merge)
+    } catch (const config_error&) {
+      throw UsageError("bad --backend value '" + item + "': expected split_merge, expandable (or both, or a comma-separated list)");
+    }
+    if (std::find(out.begin(), out.end(), c.backend) == out.end()) out.push_back(c.backend);
+  }
+  return out;
+}
+
+std::string device_label(const Config& c, int device) {
+  if (c.device == DeviceKind::sim) {
+    // "80.00 GiB" -> "80GiB", as the replay engine labels its results.
+    std::string compact;
+    for (char ch : format_bytes(c.sim_capacity))
+      if (ch != ' ') compact += ch;
+    if (compact.size() > 6 && compact.find(".00") != std::string::npos) compact.erase(compact.find(".00"), 3);
+    return "sim:" + compact;
+  }
+  return "cuda:" + std::to_string(device);
+}
+
+Config base_config(const Args& args) {
+  Config c;
+  const char* env = std::getenv("EXPSEG_ALLOC_CONF");
+  try {
+    c = Config::from_env();
+  } catch (const config_error& e) {
+    throw InputError(std::string(e.what()) + "\n(in EXPSEG_ALLOC_CONF=" + (env ? env : "") + ")");
+  }
+  for (const std::string& text : args.all("--conf")) {
+    try {
+      c.apply(text);
+    } catch (const config_error& e) {
+      throw InputError(std::string(e.what()) + "\n(in --conf " + text + ")");
+    }
+  }
+  return c;
+}
+
+Setup make_setup(const Args& args) {
+  Setup s;
+  s.config = base_config(args);
+  s.backends = args.get("--backend") ? parse_backends(*args.get("--backend")) : std::vector<BackendKind>{BackendKind::split_merge, BackendKind::expandable};
+
+  std::string why;
+  if (auto dev = args.get("--device")) {
+    const std::string& d = *dev;
+    if (d == "sim" || d.rfind("sim:", 0) == 0) {
+      s.config.device = DeviceKind::sim;
+      if (d.size() > 4) {
+        try {
+          s.config.sim_capacity = parse_bytes(std::string_view(d).substr(4), "--device");
+        } catch (const config_error&) {
+          throw UsageError("bad --device value '" + d + "': the capacity must be bytes or a number with a unit (KiB, MiB, GiB, KB, MB, GB), e.g. sim:80GiB");
+        }
+        if (s.config.sim_capacity == 0) throw UsageError("bad --device value '" + d + "': the capacity must be more than 0");
+      }
+      s.device_note = "the simulated device (--device " + d + ")";
+    } else if (d == "cuda" || d.rfind("cuda:", 0) == 0) {
+      if (d.size() > 5) {
+        const std::uint64_t n = parse_u64("--device", d.substr(5));
+        if (n > 1024) throw UsageError("bad --device value '" + d + "': no such device index");
+        s.device = static_cast<int>(n);
+      }
+      if (!cuda_available(&why)) throw std::runtime_error("--device " + d + ": CUDA is not usable here: " + why);
+      s.config.device = DeviceKind::cuda;
+      s.device_note = "the GPU (--device " + d + ")";
+    } else {
+      throw UsageError("bad --device value '" + d + "': expected sim, sim:CAPACITY (e.g. sim:80GiB), cuda or cuda:N");
+    }
+  } else if (s.config.device == DeviceKind::sim) {
+    s.device_note = "the simulated device (device:sim in the configuration)";
+  } else if (cuda_available(&why)) {
+    s.config.device = DeviceKind::cuda;
+    s.device_note = "the GPU (CUDA is usable; --device sim for the simulator)";
+  } else {
+    s.config.device = DeviceKind::sim;
+    s.device_note = "the simulated device: CUDA is not usable here ('expseg info' says why)";
+  }
+  s.device_label = device_label(s.config, s.device);
+  return s;
+}
+
+// --- output ------------------------------------------------------------------------------------
+
+namespace {
+// Display width of UTF-8 text (every code point one column: enough for our ASCII tables).
+std::size_t width(const std::string& s) {
+  std::size_t w = 0;
+  for (unsigned char c : s)
+    if ((c & 0xC0) != 0x80) ++w;
+  return w;
+}
+}  // namespace
+
+void Table::print(std::FILE* out, int indent, bool header) const {
+  std::vector<std::size_t> w(cols_.size(), 0);
+  for (std::size_t c = 0; c < cols_.size(); ++c) w[c] = header ? width(cols_[c].title) : 0;
+  for (const auto& row : rows_)
+    for (std::size_t c = 0; c < cols_.size() && c < row.size(); ++c) w[c] = std::max(w[c], width(row[c]));
+  auto line = [&](const std::vector<std::string>& cells) {
+    std::string s(static_cast<std::size_t>(indent), ' ');
+    for (std::size_t c = 0; c < cols_.size(); ++c) {
+      const std::string cell = c < cells.size() ? cells[c] : "";
+      const std::string pad(w[c] - std::min(w[c], width(cell)), ' ');
+      if (c) s += "  ";
+      if (cols_[c].right) s += pad + cell;
+      else if (c + 1 < cols_.size()) s += cell + pad;
+      else s += cell;
+    }
+    while (!s.empty() && s.back() == ' ') s.pop_back();
+    std::fprintf(out, "%s\n", s.c_str());
+  };
+  if (header) {
+    std::vector<std::string> head;
+    for (const Column& c : cols_) head.push_back(c.title);
+    line(head);
+    std::vector<std::string> rule;
+    for (std::size_t c = 0; c < cols_.size(); ++c) rule.push_back(std::string(w[c], '-'));
+    line(rule);
+  }
+  for (const auto& row : rows_) line(row);
+}
+
+std::string with_commas(std::uint64_t n) {
+  // Built forwards (not with insert(): g++ 12 -O3 warns falsely, -Wrestrict, on that).
+  const std::string digits = std::to_string(n);
+  std::string s;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i != 0 && (digits.size() - i) % 3 == 0) s.push_back(',');
+    s.push_back(digits[i]);
+  }
+  return s;
+}
+
+std::string fixed(double v, int decimals) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed, decimals);
+  return std::string(buf, r.ptr);
+}
+
+std::string seconds_text(double s) {
+  if (s < 0.001) return fixed(s * 1e6, 0) + " us";
+  if (s < 1.0) return fixed(s * 1e3, 1) + " ms";
+  return fixed(s, 2) + " s";
+}
+
+std::string rate_text(double r) {
+  if (!(r > 0)) return "-";
+  if (r >= 1e9) return fixed(r / 1e9, 2) + "G/s";
+  if (r >= 1e6) return fixed(r / 1e6, 2) + "M/s";
+  if (r >= 1e3) return fixed(r / 1e3, 1) + "k/s";
+  return fixed(r, 0) + "/s";
+}
+
+std::string ratio_text(std::int64_t num, std::int64_t den) {
+  if (den <= 0) return "-";
+  return fixed(static_cast<double>(num) / static_cast<double>(den), 2) + "x";
+}
+
+std::string size_text(std::int64_t bytes) { return format_bytes(static_cast<std::size_t>(std::max<std::int64_t>(bytes, 0))); }
+
+void print_indented(std::FILE* out, const std::string& text, int indent, std::size_t wrap) {
+  const std::string pad(static_cast<std::size_t>(indent), ' ');
+  const std::size_t room = wrap > pad.size() + 30 ? wrap - pad.size() : 0;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    std::size_t nl = text.find('\n', start);
+    if (nl == std::string::npos) nl = text.size();
+    std::string line = text.substr(start, nl - start);
+    start = nl + 1;
+    // Word-wrap to `room` columns (0: never).
+    while (room != 0 && line.size() > room) {
+      std::size_t cut = line.rfind(' ', room);
+      if (cut == std::string::npos || cut == 0) break;
+      std::fprintf(out, "%s%s\n", pad.c_str(), line.substr(0, cut).c_str());
+      line.erase(0, cut + 1);
+    }
+    std::fprintf(out, "%s%s\n", pad.c_str(), line.c_str());
+  }
+}
+
+std::size_t terminal_width(int fd) {
+  if (::isatty(fd) != 1) return 0;
+  if (const char* c = std::getenv("COLUMNS")) {
+    const int n = std::atoi(c);
+    if (n > 20) return static_cast<std::size_t>(n);
+  }
+  winsize ws{};
+  if (::ioctl(fd, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 20) return ws.ws_col;
+  return 100;
+}
+
+bool stderr_is_tty() { return ::isatty(2) == 1; }
+bool stdout_is_tty() { return ::isatty(1) == 1; }
+
+std::string absolute_path(const std::string& path) {
+  std::error_code ec;
+  auto p = std::filesystem::absolute(path, ec);
+  if (ec) return path;
+  return p.lexically_normal().string();
+}
+
+std::string open_command() {
+#ifdef __APPLE__
+  return "open";
+#else
+  return "xdg-open";
+#endif
+}
+
+std::string shipped_trace() {
+#ifdef EXPSEG_SHIPPED_TRACE
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(EXPSEG_SHIPPED_TRACE, ec)) return EXPSEG_SHIPPED_TRACE;
+#endif
+  return {};
+}
+
+}  // namespace expseg::cli

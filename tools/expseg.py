@@ -1,0 +1,275 @@
+"""expseg from Python: PyTorch and CuPy on expseg, stats, snapshots and OOM reports (ctypes only).
+
+    import expseg                                  # this file: tools/expseg.py
+    expseg.install_torch("backend:expandable")     # first thing, before any CUDA tensor exists
+    expseg.install_cupy("backend:expandable")      # or CuPy (before its first allocation)
+    print(expseg.stats()["reserved_bytes.all.peak"], expseg.oom_report())
+
+The library is found through $EXPSEG_LIBRARY (a path to libexpseg.so), else <repo>/build/lib/libexpseg.so
+(built with `meson setup build && ninja -C build`), else the system library path. Configuration strings use
+EXPSEG_ALLOC_CONF's syntax and are applied over it. Every failure raises ExpsegError with expseg's message.
+"""
+import ctypes
+import ctypes.util
+import json
+import os
+
+__all__ = [
+    "ExpsegError", "library_path", "load", "version", "configure", "config", "install_torch", "install_cupy",
+    "stats", "snapshot", "oom_report", "oom_report_json", "release_cached", "set_limit", "reset_peak_stats",
+    "record_start", "record_stop", "record_write",
+]
+
+# expseg_status (include/expseg/expseg.h)
+SUCCESS, INVALID_ARGUMENT, INVALID_DEVICE, CONFIG, ALREADY_INITIALIZED, OUT_OF_MEMORY, INVALID_POINTER, DRIVER, IO, INTERNAL = range(10)
+_CODE_NAMES = ["SUCCESS", "INVALID_ARGUMENT", "INVALID_DEVICE", "CONFIG", "ALREADY_INITIALIZED", "OUT_OF_MEMORY",
+               "INVALID_POINTER", "DRIVER", "IO", "INTERNAL"]
+
+_lib = None
+_lib_path = None
+_torch_allocator = None  # kept alive for the life of the process (PyTorch holds only raw function pointers)
+_torch_conf = None
+_cupy_allocator = None
+_cupy_conf = None
+
+
+class ExpsegError(RuntimeError):
+    """An expseg call failed; .code is the expseg_status code (e.g. expseg.CONFIG)."""
+
+    def __init__(self, message, code=INTERNAL):
+        super().__init__(message)
+        self.code = code
+
+
+def library_path():
+    """The path of libexpseg.so that load() uses ($EXPSEG_LIBRARY, <repo>/build/lib, or the system path)."""
+    env = os.environ.get("EXPSEG_LIBRARY")
+    if env:
+        if not os.path.isfile(env):
+            raise ExpsegError("EXPSEG_LIBRARY=%r: no such file (point it at libexpseg.so)" % env, INVALID_ARGUMENT)
+        return os.path.abspath(env)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    built = os.path.join(repo, "build", "lib", "libexpseg.so")
+    if os.path.isfile(built):
+        return built
+    found = ctypes.util.find_library("expseg")  # an installed soname, e.g. "libexpseg.so.0"
+    if found:
+        return found
+    try:  # LD_LIBRARY_PATH (find_library does not always look there)
+        ctypes.CDLL("libexpseg.so")
+        return "libexpseg.so"
+    except OSError:
+        pass
+    raise ExpsegError(
+        "libexpseg.so not found: set EXPSEG_LIBRARY=/path/to/libexpseg.so, or build it next to the sources "
+        "(`meson setup build && ninja -C build` in %s gives build/lib/libexpseg.so), or install it" % repo,
+        INVALID_ARGUMENT)
+
+
+def _declare(lib):
+    c_int, c_size_t, c_ssize_t, c_void_p, c_char_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_char_p
+    sigs = {
+        "expseg_malloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
+        "expseg_free": (None, [c_void_p, c_ssize_t, c_int, c_void_p]),
+        "expseg_cupy_malloc": (c_void_p, [c_void_p, c_size_t, c_int]),
+        "expseg_cupy_free": (None, [c_void_p, c_void_p, c_int]),
+        "expseg_record_stream": (c_int, [c_void_p, c_int, c_void_p]),
+        "expseg_configure": (c_int, [c_char_p]),
+        "expseg_config": (c_char_p, [c_int]),
+        "expseg_device_initialized": (c_int, [c_int]),
+        "expseg_release_cached": (c_int, [c_int]),
+        "expseg_set_limit": (c_int, [c_int, c_size_t]),
+        "expseg_reset_peak_stats": (c_int, [c_int]),
+        "expseg_stats_json": (c_char_p, [c_int]),
+        "expseg_snapshot_json": (c_char_p, [c_int]),
+        "expseg_last_oom_report": (c_char_p, [c_int]),
+        "expseg_last_oom_report_json": (c_char_p, [c_int]),
+        "expseg_record_start": (c_int, [c_int, c_size_t]),
+        "expseg_record_stop": (c_int, [c_int]),
+        "expseg_record_write": (c_int, [c_int, c_char_p]),
+        "expseg_last_error": (c_char_p, []),
+        "expseg_last_error_code": (c_int, []),
+        "expseg_clear_error": (None, []),
+        "expseg_version": (c_char_p, []),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)  # AttributeError here: an old or foreign libexpseg.so
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def load():
+    """The ctypes handle of libexpseg.so (loaded once; the C functions are declared with their types)."""
+    global _lib, _lib_path
+    if _lib is None:
+        path = library_path()
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise ExpsegError("cannot load %s: %s" % (path, e), INVALID_ARGUMENT) from e
+        try:
+            _declare(lib)
+        except AttributeError as e:
+            raise ExpsegError("%s is not a libexpseg.so with the C API (%s)" % (path, e), INVALID_ARGUMENT) from e
+        _lib, _lib_path = lib, path
+    return _lib
+
+
+def _error(what):
+    lib = load()
+    msg = (lib.expseg_last_error() or b"").decode("utf-8", "replace")
+    return ExpsegError(msg or ("%s failed" % what), lib.expseg_last_error_code())
+
+
+def _check(rc, what):
+    if rc != SUCCESS:
+        err = _error(what)
+        err.code = rc
+        raise err
+
+
+def _text(ptr, what):
+    if ptr is None:
+        raise _error(what)
+    return ptr.decode("utf-8", "replace")
+
+
+def version():
+    """expseg's version string."""
+    return load().expseg_version().decode()
+
+
+def configure(conf=""):
+    """Sets the configuration (EXPSEG_ALLOC_CONF syntax, applied over it) of allocators not yet created."""
+    _check(load().expseg_configure((conf or "").encode()), "expseg_configure")
+
+
+def config(device=0):
+    """The configuration of the device's allocator (or the one it would get), as key:value,... text."""
+    return _text(load().expseg_config(device), "expseg_config")
+
+
+def stats(device=0):
+    """memory_stats()-style dict: "allocated_bytes.all.peak", "reserved_bytes.all.current", ..., "cupy": {...}."""
+    return json.loads(_text(load().expseg_stats_json(device), "expseg_stats_json"))
+
+
+def snapshot(device=0):
+    """The allocator's segments and blocks (addresses as hex strings) and stats, as a dict."""
+    return json.loads(_text(load().expseg_snapshot_json(device), "expseg_snapshot_json"))
+
+
+def oom_report(device=0):
+    """The text of the device's last out-of-memory report ("" when none)."""
+    return _text(load().expseg_last_oom_report(device), "expseg_last_oom_report")
+
+
+def oom_report_json(device=0):
+    """The device's last out-of-memory report as a dict (None when none)."""
+    return json.loads(_text(load().expseg_last_oom_report_json(device), "expseg_last_oom_report_json"))
+
+
+def release_cached(device=0):
+    """Gives cached, unused device memory back to the device (empty_cache())."""
+    _check(load().expseg_release_cached(device), "expseg_release_cached")
+
+
+def set_limit(nbytes, device=0):
+    """Caps the device memory the allocator may hold at nbytes (0: no limit)."""
+    _check(load().expseg_set_limit(device, int(nbytes)), "expseg_set_limit")
+
+
+def reset_peak_stats(device=0):
+    """Resets the peaks of stats() to the current values."""
+    _check(load().expseg_reset_peak_stats(device), "expseg_reset_peak_stats")
+
+
+def record_start(device=0, ring=0):
+    """Starts the event recorder afresh (ring > 0 keeps only the last `ring` events)."""
+    _check(load().expseg_record_start(device, int(ring)), "expseg_record_start")
+
+
+def record_stop(device=0):
+    """Stops the event recorder (what was recorded can still be written)."""
+    _check(load().expseg_record_stop(device), "expseg_record_stop")
+
+
+def record_write(path, device=0):
+    """Writes the recorded events as an RMM CSV trace (gzip when path ends in .gz)."""
+    _check(load().expseg_record_write(device, os.fspath(path).encode()), "expseg_record_write")
+
+
+def install_torch(conf=""):
+    """Makes expseg PyTorch's CUDA allocator (CUDAPluggableAllocator). Call before any CUDA tensor exists.
+
+    Under it torch.cuda.memory_stats() and friends raise (PyTorch's pluggable allocator has no stats):
+    use expseg.stats(). torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.
+    """
+    global _torch_allocator, _torch_conf
+    import torch
+    if _torch_allocator is not None:
+        if conf == _torch_conf:
+            return _torch_allocator
+        raise ExpsegError("expseg.install_torch: already installed with %r; the configuration cannot change "
+                          "in this process" % _torch_conf, ALREADY_INITIALIZED)
+    if torch.cuda.is_initialized():
+        raise ExpsegError(
+            "expseg.install_torch() must be called before any CUDA tensor exists: CUDA is already initialized in "
+            "this process, so PyTorch's allocator can no longer be replaced. Call it right after `import torch`, "
+            "before anything touches the GPU.", ALREADY_INITIALIZED)
+    load()
+    configure(conf)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, "expseg_malloc", "expseg_free")
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:
+        raise ExpsegError("expseg.install_torch: PyTorch refused to switch allocators (%s); it must happen before "
+                          "any CUDA tensor exists" % e, ALREADY_INITIALIZED) from e
+    _torch_allocator, _torch_conf = alloc, conf
+    return alloc
+
+
+def _cupy_out_of_memory(cupy_memory, size, device):
+    """cupy.cuda.memory.OutOfMemoryError carrying expseg's report (its text, and .expseg_report)."""
+    report = oom_report_json(device) or {}
+    err = cupy_memory.OutOfMemoryError(size, report.get("reserved_bytes", 0), report.get("limit_bytes", 0))
+    text = oom_report(device)
+    if text:
+        # Under policy:cupy the report's first line is CuPy's own message; otherwise put CuPy's first.
+        err.args = (text if text.startswith("Out of memory allocating") else "%s\n%s" % (err.args[0], text),)
+    err.expseg_report = text
+    return err
+
+
+def install_cupy(conf=""):
+    """Makes expseg CuPy's allocator (CFunctionAllocator + cupy.cuda.set_allocator); OOM raises cupy's OutOfMemoryError.
+
+    CuPy passes no stream to the allocator: expseg serves CuPy on the legacy default stream.
+    """
+    global _cupy_allocator, _cupy_conf
+    import cupy
+    from cupy.cuda import memory as cupy_memory
+    if _cupy_allocator is not None:
+        if conf == _cupy_conf:
+            return _cupy_allocator
+        raise ExpsegError("expseg.install_cupy: already installed with %r; the configuration cannot change "
+                          "in this process" % _cupy_conf, ALREADY_INITIALIZED)
+    lib = load()
+    configure(conf)
+    malloc_fn = ctypes.cast(lib.expseg_cupy_malloc, ctypes.c_void_p).value
+    free_fn = ctypes.cast(lib.expseg_cupy_free, ctypes.c_void_p).value
+    cfa = cupy_memory.CFunctionAllocator(0, malloc_fn, free_fn, lib)
+
+    def expseg_cupy_alloc(size):
+        # CuPy does not check the C function's result: NULL must become an exception here.
+        mem = cfa.malloc(size)
+        if size and not mem.ptr:
+            device = cupy.cuda.runtime.getDevice()
+            if lib.expseg_last_error_code() == OUT_OF_MEMORY:
+                raise _cupy_out_of_memory(cupy_memory, size, device)
+            raise _error("expseg_cupy_malloc")
+        return mem
+
+    cupy.cuda.set_allocator(expseg_cupy_alloc)
+    _cupy_allocator, _cupy_conf = expseg_cupy_alloc, conf
+    return expseg_cupy_alloc

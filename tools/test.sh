@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs expseg's tests:
+#   1. the unit suite (simulated device) and the gpu suite (the real device; it reports SKIP when no
+#      GPU is usable, it never passes without one);
+#   2. the unit suite again, built with AddressSanitizer + UndefinedBehaviorSanitizer.
+# `tools/test.sh --quick` stops after step 1. The stress suite and ThreadSanitizer runs are in
+# tests/SANITIZERS.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh
+tools/build.sh build
+meson test -C build --suite unit --suite gpu --print-errorlogs
+if [ "${1:-}" = "--quick" ]; then exit 0; fi
+tools/build.sh build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized -Dbenchmarks=false
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  meson test -C build-asan --suite unit --print-errorlogs
