@@ -1,1 +1,11 @@
+// expseg: the whole C++ API in one include.
 #pragma once
+
+#include "expseg/allocator.hpp"
+#include "expseg/config.hpp"
+#include "expseg/errors.hpp"
+#include "expseg/report.hpp"
+#include "expseg/scenarios.hpp"
+#include "expseg/snapshot.hpp"
+#include "expseg/stats.hpp"
+#include "expseg/trace.hpp"

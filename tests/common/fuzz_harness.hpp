@@ -194,7 +194,7 @@ class Harness {
   void after_op(const char* name);
   void check_stats();
   void resolve_pending();
-  void check_pattern(const Live& l, const char* when);
+  void check_pattern(const Live& l, const char* when, bool light = false);
   void write_pattern(const Live& l);
   void check_new_block(std::uint64_t addr, std::size_t size, void* stream);
   void on_driver_exception(const char* op, const std::exception& e);

@@ -4,14 +4,20 @@
 // Environment:
 //   EXPSEG_STRESS_SEED=N     base seed (default: from the clock; printed either way)
 //   EXPSEG_STRESS_OPS=N      total operations (default 2,000,000)
+//   EXPSEG_STRESS_THREADS=N  runs in parallel, each on its own allocator (default 2)
+//   EXPSEG_FUZZ_MULTI_FAULTS=1  arm several faults at once (finds double-failure bugs; see tests/repro)
 //   EXPSEG_FUZZ_REPLAY=P:S:N replay one run: preset P, seed S, N operations (as a failure prints)
 //   EXPSEG_FUZZ_VERBOSE=1    with EXPSEG_FUZZ_REPLAY: print every operation
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "fuzz_harness.hpp"
 
@@ -23,9 +29,17 @@ std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
   return std::strtoull(v, nullptr, 0);
 }
 
+bool multi_faults() { return env_u64("EXPSEG_FUZZ_MULTI_FAULTS", 0) != 0; }
+
 std::string replay_hint(std::size_t preset, std::uint64_t seed, std::size_t ops) {
-  return "EXPSEG_FUZZ_REPLAY=" + std::to_string(preset) + ":" + std::to_string(seed) + ":" + std::to_string(ops) +
-         " EXPSEG_FUZZ_VERBOSE=1 build/tests/expseg_stress -ts=fuzz";
+  return std::string(multi_faults() ? "EXPSEG_FUZZ_MULTI_FAULTS=1 " : "") + "EXPSEG_FUZZ_REPLAY=" + std::to_string(preset) + ":" +
+         std::to_string(seed) + ":" + std::to_string(ops) + " EXPSEG_FUZZ_VERBOSE=1 build/tests/expseg_stress -ts=fuzz";
+}
+
+fuzz::Options stress_preset(std::size_t i) {
+  fuzz::Options o = fuzz::preset(i);
+  o.multi_faults = multi_faults();
+  return o;
 }
 
 }  // namespace
@@ -36,7 +50,7 @@ TEST_CASE("fuzz: millions of randomized operations on both backends") {
   if (const char* replay = std::getenv("EXPSEG_FUZZ_REPLAY"); replay && *replay) {
     unsigned long long preset = 0, seed = 0, ops = 0;
     REQUIRE_MESSAGE(std::sscanf(replay, "%llu:%llu:%llu", &preset, &seed, &ops) == 3, "EXPSEG_FUZZ_REPLAY=PRESET:SEED:OPS");
-    fuzz::Options o = fuzz::preset(preset);
+    fuzz::Options o = stress_preset(preset);
     o.verbose = env_u64("EXPSEG_FUZZ_VERBOSE", 0) != 0;
     std::printf("replaying preset %llu (%s), seed %llu, %llu operations\n", preset, o.describe().c_str(), seed, ops);
     try {
@@ -56,20 +70,38 @@ TEST_CASE("fuzz: millions of randomized operations on both backends") {
               static_cast<unsigned long long>(base), static_cast<unsigned long long>(base), static_cast<unsigned long long>(total_ops));
   std::fflush(stdout);
   const auto t0 = std::chrono::steady_clock::now();
+  const auto threads = static_cast<unsigned>(std::max<std::uint64_t>(env_u64("EXPSEG_STRESS_THREADS", 2), 1));
+  std::atomic<std::uint64_t> next_run{0};
+  std::atomic<std::uint64_t> ops_started{0};
+  std::atomic<bool> stop{false};
+  std::mutex mu;
   fuzz::Counters total;
-  std::size_t runs = 0;
-  while (total.ops < total_ops) {
-    const std::size_t preset = runs % fuzz::preset_count();
-    const std::uint64_t seed = base * 1000 + runs;
-    const std::size_t ops = static_cast<std::size_t>(std::min<std::uint64_t>(kOpsPerRun, total_ops - total.ops));
-    try {
-      total.add(fuzz::run_seed(fuzz::preset(preset), seed, ops, replay_hint(preset, seed, ops)));
-    } catch (const fuzz::Failure& f) {
-      FAIL(std::string(f.what()));
-      break;
-    }
-    ++runs;
+  std::string failure;
+  std::vector<std::thread> workers;
+  for (unsigned t = 0; t < threads; ++t) {
+    workers.emplace_back([&] {
+      while (!stop.load()) {
+        const std::uint64_t started = ops_started.fetch_add(kOpsPerRun);
+        if (started >= total_ops) break;
+        const std::uint64_t run = next_run.fetch_add(1);
+        const std::size_t preset = run % fuzz::preset_count();
+        const std::uint64_t seed = base * 1000 + run;
+        const auto ops = static_cast<std::size_t>(std::min<std::uint64_t>(kOpsPerRun, total_ops - started));
+        try {
+          const fuzz::Counters c = fuzz::run_seed(stress_preset(preset), seed, ops, replay_hint(preset, seed, ops));
+          std::lock_guard lock(mu);
+          total.add(c);
+        } catch (const std::exception& f) {
+          std::lock_guard lock(mu);
+          if (failure.empty()) failure = f.what();
+          stop = true;
+        }
+      }
+    });
   }
+  for (auto& w : workers) w.join();
+  if (!failure.empty()) FAIL(failure);
+  const std::size_t runs = next_run.load();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("fuzz stress: %zu runs, %.1f s, %.0f ops/s\n  %s\n", runs, secs, static_cast<double>(total.ops) / secs,
               total.to_string().c_str());

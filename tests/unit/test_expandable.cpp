@@ -128,12 +128,28 @@ TEST_CASE("expandable: other size mixes never OOM while the pages live blocks to
 }
 
 TEST_CASE("expandable: small requests pack into shared frames") {
-  Allocator a = make();
-  std::vector<void*> v;
-  for (int i = 0; i < 4000; ++i) v.push_back(a.allocate(512));
-  CHECK(reserved(a) == static_cast<std::int64_t>(2 * MiB));  // 4000 x 512 B fit in one 2 MiB frame
-  for (void* p : v) a.deallocate(p);
-  a.validate();
+  {
+    // Under a limit every mapped byte counts: 4000 x 512 B share one 2 MiB frame.
+    Allocator a = make("limit:1GiB");
+    std::vector<void*> v;
+    for (int i = 0; i < 4000; ++i) v.push_back(a.allocate(512));
+    CHECK(reserved(a) == static_cast<std::int64_t>(2 * MiB));
+    for (void* p : v) a.deallocate(p);
+    a.validate();
+  }
+  {
+    // Plentiful memory: the tail grows by one 20 MiB granule, the request's frame a handle of its
+    // own and the rest another, so the rest can be given back while the small blocks live.
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable));
+    std::vector<void*> v;
+    for (int i = 0; i < 4000; ++i) v.push_back(sa->allocate(512));
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(20 * MiB));
+    CHECK(sa.sim->calls(expseg::driver::Op::create) == 2);
+    sa->release_cached();
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(2 * MiB));
+    for (void* p : v) sa->deallocate(p);
+    sa->validate();
+  }
 }
 
 TEST_CASE("expandable: a fresh 1 GiB allocation maps one physical handle") {

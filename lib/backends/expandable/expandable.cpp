@@ -71,6 +71,15 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     leaves no idle handle partly used;
 //   - expandable_max_handle overrides the size.
 // ---------------------------------------------------------------------------------------------
+// Tail growth maps at least this much (see allocate_slow): 20 MiB like PyTorch's large pages, at
+// most 1/64 of the limit; one frame when memory is tight, where every mapped byte counts.
+std::size_t ExpandableBackend::growth_granule() const noexcept {
+  const std::size_t limit = ctx_.effective_limit();
+  if (ctx_.limit != 0 || reserved_ > limit / 2) return frame_;
+  const std::size_t g = std::min<std::size_t>(std::size_t{20} << 20, limit / 64) / frame_ * frame_;
+  return std::max(g, frame_);
+}
+
 std::size_t ExpandableBackend::max_handle_bytes() const noexcept {
   std::size_t bytes = ctx_.config.max_handle_size;
   if (bytes == 0) {
@@ -367,8 +376,22 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
     if (seg == nullptr) return nullptr;
     pl = Placement{seg, nullptr, seg->base, frames_needed(*seg, seg->base, seg->base + size)};
   }
-  if (!make_room(pl.new_frames * frame_, Exclusion{pl.seg, pl.start, pl.start + size})) return nullptr;
-  if (!map_range(*pl.seg, pl.start, pl.start + size, pl.anchor)) return nullptr;
+  // A small request growing into a segment's untouched tail maps up to a whole growth granule, as
+  // PyTorch maps 20 MiB pages, so that a run of small requests costs one growth instead of one each.
+  std::uint64_t map_hi = pl.start + size;
+  if (const std::size_t granule = growth_granule(); granule > frame_ && size < granule) {
+    Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
+    while (b->end() < map_hi) b = b->next;
+    if (b->next == nullptr && b->is_free() && !b->mapped) {
+      const std::uint64_t rounded = pl.seg->base + round_up(map_hi - pl.seg->base, granule);
+      map_hi = std::min<std::uint64_t>(rounded, pl.seg->base + pl.seg->va_bytes);
+    }
+  }
+  if (map_hi > pl.start + size &&
+      !make_room(frames_needed(*pl.seg, pl.start, map_hi) * frame_, Exclusion{pl.seg, pl.start, map_hi}))
+    map_hi = pl.start + size;  // no room for the extra: map just what the request needs
+  if (!make_room(frames_needed(*pl.seg, pl.start, map_hi) * frame_, Exclusion{pl.seg, pl.start, map_hi})) return nullptr;
+  if (!map_range(*pl.seg, pl.start, pl.start + size, map_hi, pl.anchor)) return nullptr;
   // [start, start + size) now lies in one free mapped block (adjacent mapped free blocks merge).
   Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
   while (b->end() <= pl.start) b = b->next;
@@ -383,21 +406,27 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
   return carve(arena, b, size, requested, false);
 }
 
-bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, Block* anchor) {
-  const Exclusion ex{&seg, lo, hi};
-  const std::size_t last = frame_of(seg, hi - 1);
-  const bool last_partial = (hi - seg.base) % frame_ != 0;
+// Maps every unmapped frame of [lo, map_hi). [lo, hi) is the block being allocated: the frame it
+// covers only partly at its end gets a handle of its own, and the frames beyond it (growth
+// granule) get their own handles, so that neither keeps the block's handles mapped or vice versa.
+bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, Block* anchor) {
+  const Exclusion ex{&seg, lo, map_hi};
   const std::size_t max_frames = max_handle_bytes() / frame_;
-  for (std::size_t f = frame_of(seg, lo); f <= last;) {
+  const std::size_t block_end = frame_of(seg, hi - 1) + 1;  // frames [.., block_end) hold the block
+  const std::size_t map_end = frame_of(seg, map_hi - 1) + 1;
+  const bool last_partial = (hi - seg.base) % frame_ != 0;
+  for (std::size_t f = frame_of(seg, lo); f < map_end;) {
     if (seg.frames[f] != nullptr) {
       ++f;
       continue;
     }
+    // A run of unmapped frames, cut where the block ends.
+    const std::size_t limit = f < block_end ? block_end : map_end;
     std::size_t run_end = f;
-    while (run_end <= last && seg.frames[run_end] == nullptr) ++run_end;
+    while (run_end < limit && seg.frames[run_end] == nullptr) ++run_end;
     while (f < run_end) {
       std::size_t n = std::min(run_end - f, max_frames);
-      if (last_partial && run_end == last + 1 && f + n == run_end && n > 1) --n;
+      if (last_partial && run_end == block_end && f + n == run_end && n > 1) --n;
       if (!map_one(seg, f, n, anchor, ex)) return false;
       f += n;
     }

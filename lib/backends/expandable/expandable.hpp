@@ -96,6 +96,7 @@ class ExpandableBackend final : public Backend {
 
   // The largest physical handle growth creates (the handle policy, see expandable.cpp).
   std::size_t max_handle_bytes() const noexcept;
+  std::size_t growth_granule() const noexcept;
 
  private:
   struct Placement {
@@ -117,7 +118,7 @@ class ExpandableBackend final : public Backend {
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
-  bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, core::Block* anchor);
+  bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor);
   bool map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
   void register_mapping(ExpSegment& seg, ExpHandle* h, core::Block* anchor);
   bool make_room(std::size_t bytes, const Exclusion& ex);

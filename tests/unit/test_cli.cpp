@@ -1,0 +1,301 @@
+// The expseg command line, run as a process (the built binary; tests/meson.build passes its path):
+// scenario --list / a scenario as JSON / replay of the shipped trace / usage errors (exit 2, naming
+// the bad argument) / a malformed trace (exit 2, file:line) / study writing its picture.
+// Runs on the simulated device (--device sim) so it passes on machines with and without a GPU.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/json.hpp"
+#include "expseg/allocator.hpp"
+#include "expseg/scenarios.hpp"
+
+#ifndef EXPSEG_CLI
+#error "EXPSEG_CLI must name the built expseg binary (tests/meson.build passes it)"
+#endif
+#ifndef EXPSEG_SOURCE_DIR
+#error "EXPSEG_SOURCE_DIR must name the source tree (tests/meson.build passes it)"
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Run {
+  int status = -1;
+  std::string out;  // stdout
+  std::string err;  // stderr
+};
+
+std::string read_file(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+fs::path temp_path(const std::string& name) {
+  return fs::temp_directory_path() / ("expseg-cli-test-" + std::to_string(::getpid()) + "-" + name);
+}
+
+// Runs `expseg ARGS` with EXPSEG_ALLOC_CONF unset (unless env is given), capturing both streams.
+Run run_cli(const std::string& args, const std::string& env = "") {
+  const fs::path err_file = temp_path("stderr.txt");
+  const std::string cmd = "env -u EXPSEG_ALLOC_CONF " + env + " '" EXPSEG_CLI "' " + args + " 2>'" + err_file.string() + "'";
+  Run r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+  r.err = read_file(err_file);
+  fs::remove(err_file);
+  return r;
+}
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> v;
+  std::stringstream ss(text);
+  for (std::string l; std::getline(ss, l);)
+    if (!l.empty()) v.push_back(l);
+  return v;
+}
+
+std::size_t count(const std::string& hay, const std::string& needle) {
+  std::size_t n = 0;
+  for (std::size_t at = hay.find(needle); at != std::string::npos; at = hay.find(needle, at + needle.size())) ++n;
+  return n;
+}
+
+const std::string kTrace = EXPSEG_SOURCE_DIR "/benchmarks/traces/resnet50-train-varsize.rmm.csv.gz";
+
+}  // namespace
+
+TEST_CASE("cli: --help, COMMAND --help, --version") {
+  Run r = run_cli("--help");
+  CHECK(r.status == 0);
+  for (const char* c : {"info", "config", "replay", "scenario", "study"}) CHECK(r.out.find(c) != std::string::npos);
+  for (const char* c : {"info", "config", "replay", "scenario", "study"}) {
+    Run h = run_cli(std::string(c) + " --help");
+    INFO(c);
+    CHECK(h.status == 0);
+    CHECK(h.out.find(std::string("Usage: expseg ") + c) != std::string::npos);
+  }
+  r = run_cli("--version");
+  CHECK(r.status == 0);
+  CHECK(r.out.rfind("expseg ", 0) == 0);
+  r = run_cli("");
+  CHECK(r.status == 2);
+}
+
+TEST_CASE("cli: scenario --list lists the six scenarios") {
+  const Run r = run_cli("scenario --list");
+  REQUIRE(r.status == 0);
+  const auto all = expseg::list_scenarios();
+  CHECK(all.size() == 6);
+  for (const expseg::ScenarioInfo& s : all) {
+    INFO(s.name);
+    // Each at the start of a line, with its title and (the start of) its description.
+    const std::size_t at = r.out.find(std::string(s.name) + "  " + std::string(s.title));
+    REQUIRE(at != std::string::npos);
+    CHECK((at == 0 || r.out[at - 1] == '\n'));
+    CHECK(r.out.find(std::string(s.description.substr(0, 30))) != std::string::npos);
+  }
+  for (const char* n : {"split-800-500-300", "cupy-limit", "growing-buffer", "random-churn", "kv-cache-decode", "mixed-lifetimes"})
+    CHECK(r.out.find(n) != std::string::npos);
+}
+
+TEST_CASE("cli: scenario split-800-500-300 --device sim --json: split_merge fragments, expandable succeeds") {
+  const Run r = run_cli("scenario split-800-500-300 --device sim --json");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  const auto ls = lines(r.out);
+  REQUIRE(ls.size() == 2);
+  const auto a = expseg::core::parse_json(ls[0]);
+  const auto b = expseg::core::parse_json(ls[1]);
+  CHECK(a["scenario"].as_string() == "split-800-500-300");
+  CHECK(a["backend"].as_string() == "split_merge");
+  CHECK(a["verdict"].as_string() == "fragmentation");
+  CHECK(a["ok"].as_bool() == false);
+  CHECK(a["ooms"].as_int() == 1);
+  CHECK(b["backend"].as_string() == "expandable");
+  CHECK(b["verdict"].is_null());
+  CHECK(b["ok"].as_bool() == true);
+  CHECK(b["ooms"].as_int() == 0);
+  CHECK(a["peak_reserved_bytes"].as_int() > 0);
+}
+
+TEST_CASE("cli: scenario table explains the failure with the first OOM report") {
+  const Run r = run_cli("scenario split-800-500-300 --device sim");
+  REQUIRE(r.status == 0);
+  for (const char* col : {"scenario", "backend", "outcome", "verdict", "peak allocated", "peak reserved", "OOMs", "time"}) CHECK(r.out.find(col) != std::string::npos);
+  CHECK(r.out.find("1 OOM") != std::string::npos);
+  CHECK(r.out.find("fragmentation") != std::string::npos);
+  // The OOM report, indented under the table.
+  CHECK(r.out.find("\n    CUDA out of memory. Tried to allocate 800.00 MiB") != std::string::npos);
+}
+
+TEST_CASE("cli: replay of the shipped trace as JSON") {
+  const Run r = run_cli("replay '" + kTrace + "' --device sim:80GiB --backend split_merge --json");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  const auto ls = lines(r.out);
+  REQUIRE(ls.size() == 1);
+  const auto j = expseg::core::parse_json(ls[0]);
+  CHECK(j["trace"].as_string() == "resnet50-train-varsize.rmm.csv.gz");
+  CHECK(j["backend"].as_string() == "split_merge");
+  CHECK(j["device"].as_string() == "sim:80GiB");
+  CHECK(j["events"].as_int() > 40000);
+  CHECK(j["peak_allocated_bytes"].as_int() > 0);
+  CHECK(j["peak_reserved_bytes"].as_int() >= j["peak_allocated_bytes"].as_int());
+  CHECK(j["ooms"].as_int() == 0);
+  CHECK(j["seconds"].as_number() > 0);
+}
+
+TEST_CASE("cli: replay defaults to an A/B table with human sizes") {
+  const Run r = run_cli("replay '" + kTrace + "' --device sim:80GiB");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  for (const char* col : {"trace", "backend", "device", "events", "peak allocated", "peak reserved", "reserved/allocated", "OOMs", "seconds", "events/s"})
+    CHECK(r.out.find(col) != std::string::npos);
+  CHECK(count(r.out, "resnet50-train-varsize.rmm.csv.gz") == 2);
+  CHECK(r.out.find("split_merge") != std::string::npos);
+  CHECK(r.out.find("expandable") != std::string::npos);
+  CHECK(r.out.find("GiB") != std::string::npos);
+  CHECK(r.out.find("41,787") != std::string::npos);
+}
+
+TEST_CASE("cli: usage errors exit 2 and name the bad argument") {
+  struct Case {
+    const char* args;
+    const char* named;
+  };
+  const Case cases[] = {
+      {"frobnicate", "frobnicate"},
+      {"replay", "TRACE"},
+      {"replay x.csv --frobnicate", "--frobnicate"},
+      {"replay x.csv --backend", "--backend"},
+      {"scenario split-800-500-300 --backend fast", "fast"},
+      {"scenario split-800-500-300 --device tpu", "--device"},
+      {"scenario split-800-500-300 --device sim:lots", "sim:lots"},
+      {"scenario split-800-500-300 --seed abc", "--seed"},
+      {"scenario no-such-story", "no-such-story"},
+      {"scenario", "NAME"},
+      {"info extra", "extra"},
+      {"study stray", "stray"},
+      {"scenario --json=yes split-800-500-300", "--json"},
+  };
+  for (const Case& c : cases) {
+    const Run r = run_cli(c.args);
+    INFO(c.args, " -> ", r.err);
+    CHECK(r.status == 2);
+    CHECK(r.err.find(c.named) != std::string::npos);
+    CHECK(r.err.find("sage") != std::string::npos);  // "Usage: ..."
+    CHECK(r.out.empty());
+  }
+}
+
+TEST_CASE("cli: bad configuration exits 2 naming the key") {
+  Run r = run_cli("scenario split-800-500-300 --device sim --conf bogus_key:1");
+  CHECK(r.status == 2);
+  CHECK(r.err.find("bogus_key") != std::string::npos);
+  r = run_cli("config", "EXPSEG_ALLOC_CONF=limit:lots");
+  CHECK(r.status == 2);
+  CHECK(r.err.find("limit") != std::string::npos);
+  CHECK(r.err.find("EXPSEG_ALLOC_CONF") != std::string::npos);
+}
+
+TEST_CASE("cli: a malformed trace exits 2 with file:line") {
+  const fs::path p = temp_path("bad.csv");
+  {
+    std::ofstream f(p);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n";
+    f << "1,0,allocate,0x1000,4096,0x0\n";
+    f << "1,1,allocate,0x2000,not-a-size,0x0\n";
+  }
+  Run r = run_cli("replay '" + p.string() + "' --device sim --json");
+  CHECK(r.status == 2);
+  INFO(r.err);
+  CHECK(r.err.find(p.filename().string() + ":3") != std::string::npos);
+  CHECK(r.out.empty());
+
+  // A free of a pointer that is not live: also bad input, with its line; --lenient skips it.
+  {
+    std::ofstream f(p);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n";
+    f << "1,0,allocate,0x1000,4096,0x0\n";
+    f << "1,1,free,0x9999,4096,0x0\n";
+  }
+  r = run_cli("replay '" + p.string() + "' --device sim --json");
+  CHECK(r.status == 2);
+  CHECK(r.err.find(":3") != std::string::npos);
+  r = run_cli("replay '" + p.string() + "' --device sim --json --lenient");
+  CHECK(r.status == 0);
+  CHECK(lines(r.out).size() == 2);
+
+  r = run_cli("replay /nonexistent/trace.csv --device sim");
+  CHECK(r.status == 2);
+  CHECK(r.err.find("/nonexistent/trace.csv") != std::string::npos);
+  fs::remove(p);
+}
+
+TEST_CASE("cli: info and config") {
+  Run r = run_cli("info");
+  CHECK(r.status == 0);
+  CHECK(r.out.find("CUDA:") != std::string::npos);
+  CHECK(r.out.find("sim:80GiB") != std::string::npos);
+  CHECK(r.out.find("granularity") != std::string::npos);
+  CHECK(r.out.find("EXPSEG_ALLOC_CONF") != std::string::npos);
+  std::string why;
+  if (!expseg::cuda_available(&why)) CHECK(r.out.find("not usable") != std::string::npos);
+
+  r = run_cli("config --conf backend:expandable");
+  CHECK(r.status == 0);
+  for (const char* k : {"backend", "limit", "sim_capacity", "expandable_segments", "max_split_size_mb"}) CHECK(r.out.find(k) != std::string::npos);
+  CHECK(r.out.find("backend:expandable") != std::string::npos);
+}
+
+TEST_CASE("cli: --device cuda where CUDA is not usable is a runtime failure (exit 1)") {
+  std::string why;
+  if (expseg::cuda_available(&why)) return;  // a GPU machine: nothing to check here
+  const Run r = run_cli("scenario split-800-500-300 --device cuda --json");
+  CHECK(r.status == 1);
+  CHECK(r.err.find("CUDA is not usable") != std::string::npos);
+}
+
+TEST_CASE("cli: scenario --html writes the picture") {
+  const fs::path html = temp_path("scenario.html");
+  const Run r = run_cli("scenario split-800-500-300 --device sim --json --html '" + html.string() + "'");
+  REQUIRE(r.status == 0);
+  CHECK(lines(r.out).size() == 2);
+  const std::string page = read_file(html);
+  CHECK(count(page, "<svg class=\"chart\"") == 1);
+  CHECK(count(page, "class=\"oom\"") == 1);
+  fs::remove(html);
+}
+
+TEST_CASE("cli: study --device sim --html FILE writes the picture and says where it is") {
+  const fs::path html = temp_path("study.html");
+  const Run r = run_cli("study --device sim --html '" + html.string() + "'");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  REQUIRE(fs::exists(html));
+  const std::string page = read_file(html);
+  // Six scenarios and the shipped trace: seven groups, one chart each.
+  CHECK(count(page, "<svg class=\"chart\"") == 7);
+  CHECK(count(page, "<section class=\"card group\"") == 7);
+  CHECK(page.find("resnet50-train-varsize.rmm.csv.gz") != std::string::npos);
+  CHECK(r.out.find(html.string()) != std::string::npos);
+  CHECK(r.out.find("xdg-open") != std::string::npos);
+  CHECK(r.out.find("Verdict") != std::string::npos);
+  fs::remove(html);
+}
