@@ -170,7 +170,11 @@ void bm_churn(benchmark::State& st, const std::string& key, const Make<S>& make,
   guarded(st, [&] {
     bool fresh = false;
     S& s = Holder::instance().subject<S>(key, make, &fresh);
-    auto& churn = Holder::instance().state<Churn<S>>(s, single_stream(s), 1);
+    // Lvalue arguments only: g++ 13's -Wdangling-reference flags a reference returned by a call
+    // that was passed temporaries.
+    const stream_t stream = single_stream(s);
+    const std::uint64_t seed = 1;
+    Churn<S>& churn = Holder::instance().state<Churn<S>>(s, stream, seed);
     if (fresh)
       for (std::size_t i = 0; i < warm; ++i) churn.step();
     for (auto _ : st) churn.step();

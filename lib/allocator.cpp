@@ -31,7 +31,9 @@ std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
     o.host_backed = config.sim_host_backed;
     o.latency_model = config.sim_latency;
     o.device = device;
-    o.device_count = std::max(device + 1, 1);
+    // A simulated host of (at least) 8 devices, like an HGX board: allocators of different device
+    // indices are separate devices with disjoint addresses, and any two may be granted peer access.
+    o.device_count = std::max(device + 1, 8);
     o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
     return std::make_unique<driver::SimDriver>(o);
   }
@@ -282,11 +284,27 @@ std::vector<TraceEvent> Allocator::recorded() const {
 
 void Allocator::enable_peer_access(int peer) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
-  if (peer == impl_->driver->device()) return;
-  if (!impl_->driver->can_access_peer(peer))
-    throw error("expseg: device " + std::to_string(impl_->driver->device()) + " cannot grant access to device " +
-                std::to_string(peer) + " (no peer access between them)");
-  if (impl_->driver->add_access_device(peer)) impl_->backend->on_peer_added(peer);
+  driver::Driver& d = *impl_->driver;
+  const int self = d.device();
+  if (peer == self) return;
+  const std::string what = "expseg: enable_peer_access(" + std::to_string(peer) + ") on device " + std::to_string(self) + ": ";
+  const int count = d.device_count();
+  if (peer < 0 || peer >= count)
+    throw error(what + "no device " + std::to_string(peer) + " (" + std::to_string(count) + " " + d.kind() +
+                " devices visible)");
+  if (!d.can_access_peer(peer))
+    throw error(what + "device " + std::to_string(peer) + " cannot access memory of device " + std::to_string(self) +
+                " (cuDeviceCanAccessPeer: no peer-to-peer path between them, e.g. no NVLink/PCIe P2P, or P2P "
+                "disabled by the platform)");
+  // The driver's access list gains the peer (and, on CUDA, the peer's context enables access to this
+  // device's cuMemAlloc memory); then the backend extends it to what is already mapped. If that fails
+  // halfway, the peer is not recorded as granted and a later call grants everything again.
+  (void)d.add_access_device(peer);
+  std::vector<int>& granted = impl_->peers;
+  if (std::find(granted.begin(), granted.end(), peer) != granted.end()) return;
+  granted.reserve(granted.size() + 1);
+  impl_->backend->on_peer_added(peer);
+  granted.push_back(peer);
 }
 
 void Allocator::validate() const {
@@ -328,6 +346,9 @@ DeviceInfo Allocator::device_info() const {
   d.total_bytes = mi.total;
   d.free_bytes = mi.free;
   d.granularity = impl_->driver->granularity();
+  d.ipc_handle = static_cast<IpcHandle>(impl_->driver->shareable_handle_type());
+  d.ipc_fallback_reason = impl_->driver->shareable_fallback_reason();
+  d.access_devices = impl_->driver->access_devices();
   return d;
 }
 

@@ -63,6 +63,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
 
   Recorder recorder;
   std::shared_ptr<const OomReport> last_oom;
+  std::vector<int> peers;  // devices granted access to everything mapped (enable_peer_access completed)
 };
 
 namespace detail {

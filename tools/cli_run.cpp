@@ -200,15 +200,19 @@ void print_replay_failures(const std::vector<ReplayGroup>& groups) {
   bool header = false;
   for (const ReplayGroup& g : groups)
     for (const ReplayResult& r : g) {
-      if (r.skipped_frees)
-        std::printf("\n  note: %s on %s skipped %zu free%s (of allocations that failed%s)\n", r.trace.c_str(), r.backend.c_str(), r.skipped_frees,
-                    r.skipped_frees == 1 ? "" : "s", " or, with --lenient, of unknown pointers");
-      if (!r.first_oom) continue;
+      if (!r.first_oom && !r.skipped_frees) continue;
       if (!header) std::printf("\nWhy the failures happened (the first OOM report of each failing run):\n");
       header = true;
-      std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", r.trace.c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
-                  to_string(r.first_oom->verdict));
-      print_indented(stdout, r.first_oom->message, 4, terminal_width(1));
+      if (r.first_oom) {
+        std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", r.trace.c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
+                    to_string(r.first_oom->verdict));
+        print_indented(stdout, r.first_oom->message, 4, terminal_width(1));
+      } else {
+        std::printf("\n  %s on %s:\n", r.trace.c_str(), r.backend.c_str());
+      }
+      if (r.skipped_frees)
+        std::printf("    (%zu free%s skipped: of allocations that failed here, or of pointers the trace never allocated)\n", r.skipped_frees,
+                    r.skipped_frees == 1 ? " was" : "s were");
     }
 }
 
@@ -368,7 +372,9 @@ int cmd::study(int argc, char** argv) {
   for (const ScenarioInfo& s : list_scenarios()) names.emplace_back(s.name);
 
   if (!json) {
-    std::printf("expseg study: every scenario%s, A/B on %s\n", traces.empty() ? "" : " and trace", backend_list(setup.backends).c_str());
+    std::printf("expseg study: %zu scenarios%s, A/B on %s\n", names.size(),
+                traces.empty() ? "" : (traces.size() == 1 ? " and 1 trace" : " and " + std::to_string(traces.size()) + " traces").c_str(),
+                backend_list(setup.backends).c_str());
     print_device_line(setup);
   }
   const std::vector<ScenarioGroup> scenarios = run_scenarios(names, setup, true, seed, json);

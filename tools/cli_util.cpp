@@ -129,10 +129,34 @@ Config base_config(const Args& args) {
   return c;
 }
 
+namespace {
+// Whether a --conf string sets the backend (backend:B or PyTorch's expandable_segments:B).
+bool conf_names_backend(const Args& args) {
+  for (const std::string& text : args.all("--conf")) {
+    std::size_t start = 0;
+    while (start < text.size()) {
+      std::size_t comma = text.find(',', start);
+      if (comma == std::string::npos) comma = text.size();
+      const std::string item = text.substr(start, comma - start);
+      const std::string key = item.substr(0, item.find(':'));
+      if (key == "backend" || key == "expandable_segments") return true;
+      start = comma + 1;
+    }
+  }
+  return false;
+}
+}  // namespace
+
 Setup make_setup(const Args& args) {
   Setup s;
   s.config = base_config(args);
-  s.backends = args.get("--backend") ? parse_backends(*args.get("--backend")) : std::vector<BackendKind>{BackendKind::split_merge, BackendKind::expandable};
+  if (args.get("--backend")) {
+    s.backends = parse_backends(*args.get("--backend"));
+  } else if (conf_names_backend(args)) {
+    s.backends = {s.config.backend};  // --conf backend:B (or expandable_segments:True) picks one
+  } else {
+    s.backends = {BackendKind::split_merge, BackendKind::expandable};  // A/B
+  }
 
   std::string why;
   if (auto dev = args.get("--device")) {

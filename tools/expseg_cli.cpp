@@ -30,7 +30,8 @@ constexpr const char* kDeviceHelp =
     "                    cuda or cuda:N. Default: cuda:0 when a CUDA device is usable, else sim with\n"
     "                    the configured sim_capacity (80 GiB unless EXPSEG_ALLOC_CONF says otherwise)\n";
 constexpr const char* kBackendHelp =
-    "  --backend B[,B]   split_merge, expandable, or both (default: both, so every run is an A/B)\n";
+    "  --backend B[,B]   split_merge, expandable, or both (default: both, so every run is an A/B;\n"
+    "                    a --conf backend:B or expandable_segments:B alone picks that one)\n";
 constexpr const char* kConfHelp =
     "  --conf K:V,...    configuration applied over EXPSEG_ALLOC_CONF (see 'expseg config'); repeatable\n";
 

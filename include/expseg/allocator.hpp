@@ -27,6 +27,7 @@
 
 #include "expseg/config.hpp"
 #include "expseg/errors.hpp"
+#include "expseg/ipc.hpp"
 #include "expseg/snapshot.hpp"
 #include "expseg/stats.hpp"
 #include "expseg/trace.hpp"
@@ -47,6 +48,11 @@ struct DeviceInfo {
   std::size_t total_bytes = 0;
   std::size_t free_bytes = 0;
   std::size_t granularity = 0;
+  // The shareable handle type physical memory is created with (expandable IPC), and, when it is not
+  // the one the config's ipc_handle asked for, why (e.g. fabric handles refused in a container).
+  IpcHandle ipc_handle = IpcHandle::none;
+  std::string ipc_fallback_reason;
+  std::vector<int> access_devices;  // devices that can access this allocator's memory: itself first, then peers
 };
 
 namespace detail {
@@ -86,8 +92,21 @@ class Allocator {
   bool recording() const;
   std::vector<TraceEvent> recorded() const;
 
-  // Grants device `peer` access to everything this allocator maps, now and later.
+  // Grants device `peer` access to everything this allocator maps, now and later: expandable memory
+  // through cuMemSetAccess (once per mapped range now, and on every later growth), cuMemAlloc memory
+  // (split_merge) through cuCtxEnablePeerAccess from the peer's primary context. Enabling a peer
+  // twice, or the allocator's own device, does nothing. Throws expseg::error when `peer` is not a
+  // device or cannot reach this one (no P2P path), driver_error when the driver refuses.
   void enable_peer_access(int peer);
+
+  // IPC (expseg/ipc.hpp). export_ipc: `ptr`, the start of a live allocation, as a handle another
+  // process can import. Throws invalid_pointer when `ptr` is not one, ipc_error when this allocator
+  // cannot export (expandable with ipc_handle:none: set ipc_handle:posix_fd), driver_error.
+  IpcMemHandle export_ipc(void* ptr);
+  // Maps `handle` into this process through this allocator's device (the memory stays the
+  // exporter's; this allocator's stats do not count it). On the simulated device, in-process
+  // round trips work through the exporting allocator itself.
+  ImportedMemory import_ipc(const IpcMemHandle& handle);
 
   // Checks every invariant of the backend and the frontend; throws expseg::error naming the first
   // broken one. Walks all blocks: for tests and debugging, not for hot paths.

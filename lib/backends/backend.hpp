@@ -61,6 +61,22 @@ struct FreeSummary {
   std::size_t request_footprint = 0;
 };
 
+// What another process must import to map an allocated block (Allocator::export_ipc, lib/ipc.cpp):
+// the range [base, base + bytes) that holds the block, as one driver allocation (split_merge: the
+// cuMemAlloc segment, exported with cuIpcGetMemHandle) or as physical handles mapped back to back
+// from base (expandable: exported as shareable handles). The block starts at its addr - base.
+struct ExportPlan {
+  enum class Kind : std::uint8_t { driver_allocation, physical_handles };
+  struct Piece {
+    driver::phys_handle handle = 0;
+    std::size_t bytes = 0;
+  };
+  Kind kind = Kind::driver_allocation;
+  std::uint64_t base = 0;
+  std::size_t bytes = 0;
+  std::vector<Piece> pieces;  // physical_handles: in address order, their bytes sum to `bytes`
+};
+
 class Backend {
  public:
   explicit Backend(Context& ctx) : ctx_(ctx) {}
@@ -86,6 +102,8 @@ class Backend {
   virtual void on_limit_changed() { }
   // A peer device was granted access: extend it to everything already mapped.
   virtual void on_peer_added(int peer) = 0;
+  // What to export so another process can map `block` (allocated or pending; see ExportPlan).
+  virtual ExportPlan export_plan(const core::Block& block) const = 0;
   // Throws expseg::error naming the first broken invariant.
   virtual void validate() const = 0;
   virtual void snapshot(std::vector<SegmentInfo>& out) const = 0;

@@ -15,6 +15,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
@@ -44,6 +45,7 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
   X(cuDeviceGetCount, 2000) X(cuDeviceGetName, 2000) X(cuDeviceGetAttribute, 2000)                    \
   X(cuDeviceCanAccessPeer, 4000) X(cuDevicePrimaryCtxRetain, 7000) X(cuDevicePrimaryCtxRelease, 11000) \
   X(cuCtxGetCurrent, 4000) X(cuCtxPushCurrent, 4000) X(cuCtxPopCurrent, 4000)                         \
+  X(cuCtxEnablePeerAccess, 4000)                                                                        \
   X(cuCtxSynchronize, 2000) X(cuMemGetInfo, 3020) X(cuMemGetAllocationGranularity, 10020)             \
   X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)                      \
   X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020) X(cuMemSetAccess, 10020)             \
@@ -359,21 +361,58 @@ class CudaDriver final : public Driver {
     check(api_, api_.cuDeviceCanAccessPeer(&can, peer_dev, dev_), "cuDeviceCanAccessPeer");
     return can != 0;
   }
+  // Grants `peer` access to this device's memory, both kinds of it:
+  //   - VMM memory (expandable): the access descriptor list that set_access() passes to cuMemSetAccess
+  //     gains `peer` (the backend re-grants what is already mapped);
+  //   - cuMemAlloc memory (split_merge, cuIpcOpenMemHandle'd memory): reached through contexts, so
+  //     the peer's primary context enables peer access to this device's primary context
+  //     (cuCtxEnablePeerAccess, made from the peer's context). The peer's primary context is retained
+  //     for this driver's lifetime: releasing it could destroy it, and the peer access with it.
   bool add_access_device(int peer) override {
     for (int d : devices_)
       if (d == peer) return false;
+    const int count = device_count();
+    if (peer < 0 || peer >= count)
+      throw driver_error("cuDeviceGet", CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE",
+                         "no device " + std::to_string(peer) + " to grant access to (" + std::to_string(count) +
+                             " visible; CUDA_VISIBLE_DEVICES renumbers them)");
     if (!can_access_peer(peer))
       throw driver_error("cuDeviceCanAccessPeer", CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
                          "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
                          "device " + std::to_string(peer) + " cannot access memory of device " +
-                             std::to_string(ordinal_));
-    CUmemAccessDesc desc{};
-    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    desc.location.id = peer;
-    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    access_.reserve(access_.size() + 1);  // both pushes below then cannot throw halfway
-    devices_.push_back(peer);
-    access_.push_back(desc);
+                             std::to_string(ordinal_) +
+                             " (no peer-to-peer path between them: no NVLink or PCIe P2P, or P2P disabled by the "
+                             "platform, e.g. IOMMU/ACS settings or a virtualised GPU)");
+    CUdevice peer_dev = 0;
+    check(api_, api_.cuDeviceGet(&peer_dev, peer), "cuDeviceGet");
+    CUcontext peer_ctx = nullptr;
+    check(api_, api_.cuDevicePrimaryCtxRetain(&peer_ctx, peer_dev), "cuDevicePrimaryCtxRetain");
+    try {
+      CUmemAccessDesc desc{};
+      desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      desc.location.id = peer;
+      desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      // Reserve first: the pushes below then cannot throw halfway.
+      access_.reserve(access_.size() + 1);
+      devices_.reserve(devices_.size() + 1);
+      peer_devs_.reserve(peer_devs_.size() + 1);
+
+      check(api_, api_.cuCtxPushCurrent(peer_ctx), "cuCtxPushCurrent");
+      const CUresult r = api_.cuCtxEnablePeerAccess(ctx_, 0);
+      CUcontext popped = nullptr;
+      (void)api_.cuCtxPopCurrent(&popped);  // cannot fail: pushed above on this thread
+      if (r != CUDA_SUCCESS && r != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+        throw driver_error("cuCtxEnablePeerAccess", static_cast<int>(r), error_name(api_, r),
+                           error_string(api_, r) + " (enabling access from device " + std::to_string(peer) +
+                               "'s primary context to device " + std::to_string(ordinal_) +
+                               "'s, for its cuMemAlloc memory)");
+      devices_.push_back(peer);
+      access_.push_back(desc);
+      peer_devs_.push_back(peer_dev);
+    } catch (...) {
+      (void)api_.cuDevicePrimaryCtxRelease(peer_dev);
+      throw;
+    }
     return true;
   }
   std::vector<int> access_devices() const override { return devices_; }
@@ -486,7 +525,8 @@ class CudaDriver final : public Driver {
     return std::string(call) + " failed: " + error_name(api_, r) + " (" + std::to_string(static_cast<int>(r)) +
            "): " + error_string(api_, r);
   }
-  // Empty when physical memory of this type can be created here; otherwise why not. Needs ctx_ current.
+  // Empty when physical memory of this type can be created, exported and imported back here; otherwise
+  // why not. Needs ctx_ current.
   std::string probe_shareable(ShareableHandle type);
 
   const Api& api_;
@@ -500,6 +540,7 @@ class CudaDriver final : public Driver {
   std::string fallback_reason_;
   std::vector<int> devices_;             // this device first; devices_[i] is access_[i]'s location
   std::vector<CUmemAccessDesc> access_;  // READWRITE for each of devices_
+  std::vector<CUdevice> peer_devs_;      // peers whose primary context this driver retains
 };
 
 CudaDriver::CudaDriver(const Api& api, int device, const CudaOptions& options) : api_(api), ordinal_(device) {
@@ -540,6 +581,7 @@ CudaDriver::CudaDriver(const Api& api, int device, const CudaOptions& options) :
 
 CudaDriver::~CudaDriver() {
   // Errors are ignored: at process exit the driver may already be shutting down.
+  for (CUdevice peer : peer_devs_) (void)api_.cuDevicePrimaryCtxRelease(peer);
   (void)api_.cuDevicePrimaryCtxRelease(dev_);
 }
 
@@ -564,8 +606,27 @@ std::string CudaDriver::probe_shareable(ShareableHandle type) {
   CUmemGenericAllocationHandle h = 0;
   if (CUresult r = api_.cuMemCreate(&h, gran, &prop, 0); r != CUDA_SUCCESS)
     return "a probe " + cuda_failure("cuMemCreate", r);
+  // Creating can succeed where sharing is still refused (fabric without an IMEX channel): export the
+  // probe, and import it back, as IPC will.
+  std::string problem;
+  const CUmemAllocationHandleType cu_type = to_cu(type);
+  int fd = -1;
+  CUmemFabricHandle fabric{};
+  void* exported = type == ShareableHandle::fabric ? static_cast<void*>(&fabric) : static_cast<void*>(&fd);
+  if (CUresult r = api_.cuMemExportToShareableHandle(exported, h, cu_type, 0); r != CUDA_SUCCESS) {
+    problem = "a probe " + cuda_failure("cuMemExportToShareableHandle", r);
+  } else {
+    void* os_handle = type == ShareableHandle::fabric ? static_cast<void*>(&fabric)
+                                                      : reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd));
+    CUmemGenericAllocationHandle imported = 0;
+    if (CUresult r = api_.cuMemImportFromShareableHandle(&imported, os_handle, cu_type); r != CUDA_SUCCESS)
+      problem = "a probe " + cuda_failure("cuMemImportFromShareableHandle", r);
+    else
+      (void)api_.cuMemRelease(imported);
+    if (fd >= 0) ::close(fd);
+  }
   check(api_, api_.cuMemRelease(h), "cuMemRelease");
-  return {};
+  return problem;
 }
 
 }  // namespace

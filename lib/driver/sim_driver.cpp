@@ -30,6 +30,11 @@ constexpr int kOutOfMemory = 2;
 constexpr int kInvalidDevice = 101;
 constexpr int kUnknown = 999;
 constexpr dev_ptr kFirstFakeAddress = 0x100000000000;
+// Bookkeeping mode: device d hands out addresses from its own span [kFirstFakeAddress + d * kDeviceSpan,
+// + kDeviceSpan), so pointers of two simulated devices never coincide (as under CUDA's unified
+// addressing) and a pointer of device 0 is foreign to device 1. 64 PiB per device; 255 devices fit.
+constexpr dev_ptr kDeviceSpan = dev_ptr{1} << 56;
+constexpr int kMaxDevices = 255;
 constexpr int kFakeFdBase = 1 << 30;  // above any real fd limit: close() on it is a harmless EBADF
 constexpr std::uint32_t kHandleMagic = 0x45534831;  // "ESH1": an exported physical handle
 constexpr std::uint32_t kIpcMagic = 0x45534931;     // "ESI1": an exported cuMemAlloc pointer
@@ -111,6 +116,7 @@ struct SimDriver::Impl {
     std::size_t size = 0;
     std::uint64_t phys = 0;
     std::vector<bool> access;
+    std::vector<int> granted;  // devices any set_access over (part of) it granted, in grant order
   };
   struct Alloc {
     std::size_t size = 0;       // as requested (counted in `physical`)
@@ -123,7 +129,10 @@ struct SimDriver::Impl {
     std::uint64_t seq = 0;  // order of recording, across streams
   };
 
-  explicit Impl(const SimOptions& o) : opt(o), instance(g_next_instance.fetch_add(1)) {}
+  explicit Impl(const SimOptions& o)
+      : opt(o), instance(g_next_instance.fetch_add(1)),
+        next_address(kFirstFakeAddress + static_cast<dev_ptr>(o.device) * kDeviceSpan),
+        address_end(next_address + kDeviceSpan) {}
 
   const SimOptions opt;
   const std::uint64_t instance;
@@ -134,7 +143,8 @@ struct SimDriver::Impl {
   double seconds = 0;
 
   std::uint64_t next_id = 1;  // handles, physical allocations, events and streams: never reused
-  dev_ptr next_address = kFirstFakeAddress;
+  dev_ptr next_address;  // bookkeeping mode: the next free address of this device's span
+  const dev_ptr address_end;
   std::size_t foreign = 0;
   std::size_t physical = 0;  // bytes of live Phys + live Allocs
 
@@ -152,6 +162,18 @@ struct SimDriver::Impl {
   std::vector<int> peers;
 
   std::size_t gran() const noexcept { return opt.granularity; }
+
+  // Bookkeeping mode: the next `bytes` of this device's address span, granularity-aligned and
+  // followed by a one-granule guard gap (no two ranges touch; addresses are never reused).
+  dev_ptr take_addresses(const char* call, std::size_t bytes) {
+    const std::size_t g = gran();
+    const dev_ptr base = (next_address + g - 1) & ~static_cast<dev_ptr>(g - 1);
+    const std::size_t span = bytes / g * g + (bytes % g ? g : 0);
+    if (base >= address_end || span > address_end - base || address_end - base - span < g)
+      out_of_memory(call, "the address space of simulated device " + std::to_string(opt.device) + " is exhausted");
+    next_address = base + span + g;
+    return base;
+  }
 
   // Counts the call; throws the injected fault if this is the call it was aimed at.
   void enter(Op op, const char* call) {
@@ -296,6 +318,9 @@ SimDriver::SimDriver(const SimOptions& options) : options_(options) {
   if (options.device_count < 1) throw std::invalid_argument("SimOptions::device_count must be >= 1");
   if (options.device < 0 || options.device >= options.device_count)
     throw std::invalid_argument("SimOptions::device must be in [0, device_count)");
+  if (options.device >= kMaxDevices)
+    throw std::invalid_argument("SimOptions::device must be below " + std::to_string(kMaxDevices) +
+                                " (each simulated device has its own address span)");
   impl_ = std::make_unique<Impl>(options);
 }
 
@@ -342,10 +367,14 @@ dev_ptr SimDriver::reserve(std::size_t bytes) {
       throw;
     }
   } else {
-    base = (s.next_address + g - 1) & ~static_cast<dev_ptr>(g - 1);
-    if (bytes > std::numeric_limits<dev_ptr>::max() - base - g) out_of_memory(call, "simulated address space exhausted");
-    s.reservations.emplace(base, bytes);
-    s.next_address = base + bytes + g;  // a guard gap: no two reservations touch
+    const dev_ptr saved = s.next_address;
+    base = s.take_addresses(call, bytes);
+    try {
+      s.reservations.emplace(base, bytes);
+    } catch (...) {
+      s.next_address = saved;
+      throw;
+    }
   }
   s.charge(kReserveUs);
   return base;
@@ -434,7 +463,7 @@ void SimDriver::map(dev_ptr ptr, std::size_t bytes, phys_handle handle) {
     if (prev->first + prev->second.size > ptr)
       invalid(call, "range " + range(ptr, bytes) + " overlaps the mapping " + range(prev->first, prev->second.size));
   }
-  Impl::Mapping m{bytes, h->second, std::vector<bool>(bytes / s.gran(), false)};
+  Impl::Mapping m{bytes, h->second, std::vector<bool>(bytes / s.gran(), false), {}};
   void* at = reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr));
   if (options_.host_backed && ::mmap(at, bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, p.fd, 0) == MAP_FAILED)
     host_failure(call, "mmap", errno);
@@ -487,6 +516,11 @@ void SimDriver::set_access(dev_ptr ptr, std::size_t bytes) {
     Impl::Mapping& m = it->second;
     const dev_ptr from = std::max(ptr, it->first), to = std::min<dev_ptr>(end, it->first + m.size);
     for (dev_ptr a = from; a < to; a += s.gran()) m.access[(a - it->first) / s.gran()] = true;
+    auto grant = [&m](int d) {
+      if (std::find(m.granted.begin(), m.granted.end(), d) == m.granted.end()) m.granted.push_back(d);
+    };
+    grant(options_.device);
+    for (int peer : s.peers) grant(peer);
     s.charge(interpolate_us(kTableSizes, kSetAccessUs, m.size));  // cost follows handles, not bytes
   }
 }
@@ -500,7 +534,6 @@ dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
   s.enter(Op::mem_alloc, call);
   if (bytes == 0) invalid(call, "size is 0");
   s.check_capacity(call, bytes);
-  const std::size_t g = s.gran();
   Impl::Alloc a{bytes, 0, 0};
   dev_ptr p = 0;
   if (options_.host_backed) {
@@ -516,10 +549,14 @@ dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
       throw;
     }
   } else {
-    p = (s.next_address + g - 1) & ~static_cast<dev_ptr>(g - 1);
-    const std::size_t span = (bytes + g - 1) / g * g;
-    s.allocs.emplace(p, a);
-    s.next_address = p + span + g;
+    const dev_ptr saved = s.next_address;
+    p = s.take_addresses(call, bytes);
+    try {
+      s.allocs.emplace(p, a);
+    } catch (...) {
+      s.next_address = saved;
+      throw;
+    }
   }
   s.physical += bytes;
   s.charge(interpolate_us(kAllocSizes, kMemAllocUs, bytes));
@@ -808,6 +845,13 @@ void SimDriver::set_stream_busy(stream_t stream, bool busy) {
 double SimDriver::simulated_seconds() const {
   std::lock_guard lock(impl_->mutex);
   return impl_->seconds;
+}
+
+std::vector<int> SimDriver::granted_devices(dev_ptr addr) const {
+  std::lock_guard lock(impl_->mutex);
+  auto it = impl_->mapping_at(addr);
+  if (it == impl_->mappings.end()) return {};
+  return it->second.granted;
 }
 
 bool SimDriver::is_accessible(dev_ptr ptr, std::size_t bytes) const {

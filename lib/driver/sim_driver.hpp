@@ -117,6 +117,9 @@ class SimDriver final : public Driver {
 
   // Access checks used by tests: whether [ptr, ptr+bytes) is mapped and accessible.
   bool is_accessible(dev_ptr ptr, std::size_t bytes) const;
+  // The devices set_access() granted on the mapping holding `addr` (this device, then the peers it
+  // had at the time; empty when unmapped or never granted): what a peer may reach on a real device.
+  std::vector<int> granted_devices(dev_ptr addr) const;
 
  private:
   struct Impl;

@@ -299,3 +299,18 @@ TEST_CASE("cli: study --device sim --html FILE writes the picture and says where
   CHECK(r.out.find("Verdict") != std::string::npos);
   fs::remove(html);
 }
+
+TEST_CASE("cli: --backend picks the backends; a --conf backend alone picks that one") {
+  Run r = run_cli("scenario split-800-500-300 --device sim --json --backend expandable");
+  REQUIRE(r.status == 0);
+  REQUIRE(lines(r.out).size() == 1);
+  CHECK(expseg::core::parse_json(lines(r.out)[0])["backend"].as_string() == "expandable");
+  r = run_cli("scenario split-800-500-300 --device sim --json --conf expandable_segments:True");
+  REQUIRE(r.status == 0);
+  REQUIRE(lines(r.out).size() == 1);
+  CHECK(expseg::core::parse_json(lines(r.out)[0])["backend"].as_string() == "expandable");
+  // EXPSEG_ALLOC_CONF's backend does not narrow the A/B.
+  r = run_cli("scenario split-800-500-300 --device sim --json", "EXPSEG_ALLOC_CONF=backend:expandable");
+  REQUIRE(r.status == 0);
+  CHECK(lines(r.out).size() == 2);
+}

@@ -327,8 +327,8 @@ TEST_CASE("faults: every call of every driver operation fails once, on both back
   std::set<std::string> reached;  // "variant op" pairs that some scenario reached
   for (const Variant& v : kVariants) {
     for (const Scenario& sc : kScenarios) {
-      CAPTURE(v.name);
-      CAPTURE(sc.name);
+      INFO("variant: " << std::string(v.name));
+      INFO("scenario: " << std::string(sc.name));
       // A clean run first: it must pass, and it says how often each operation is called.
       std::map<Op, std::uint64_t> counts;
       {
@@ -348,7 +348,7 @@ TEST_CASE("faults: every call of every driver operation fails once, on both back
             CAPTURE(i);
             CAPTURE(n);
             const char* fault_name = fault == Fault::out_of_memory ? "OOM" : "error";
-            CAPTURE(fault_name);
+            INFO("fault: " << std::string(fault_name));
             Runner r(v, sc.config, op, i, fault);
             sc.run(r);
             INFO("steps:\n" << r.log());
@@ -369,20 +369,20 @@ TEST_CASE("faults: every call of every driver operation fails once, on both back
                               << total.ooms << " OOMs");
   // Every operation each backend uses was reached by some scenario.
   for (const char* op : {"cuMemAlloc", "cuMemFree", "cuEventRecord", "cuEventQuery", "cuStreamSynchronize"}) {
-    CAPTURE(op);
+    INFO("op: " << std::string(op));
     CHECK(reached.contains(std::string("split_merge ") + op));
     CHECK(reached.contains(std::string("split_merge cupy ") + op));
   }
   for (const char* op : {"cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap",
                          "cuMemSetAccess", "cuEventRecord", "cuEventQuery", "cuStreamSynchronize"}) {
-    CAPTURE(op);
+    INFO("op: " << std::string(op));
     CHECK(reached.contains(std::string("expandable ") + op));
   }
 }
 
 TEST_CASE("faults: a failing cuEventRecord leaves the block live, and the free can be retried") {
   for (const Variant& v : kVariants) {
-    CAPTURE(v.name);
+    INFO("variant: " << std::string(v.name));
     auto sa = make_sim_allocator(sim_config(v.backend, 1 * GiB, v.config));
     void* s1 = sa.sim->stream_create();
     void* p = sa->allocate(5 * MiB);
@@ -410,7 +410,7 @@ TEST_CASE("faults: a failing cuEventRecord leaves the block live, and the free c
 
 TEST_CASE("faults: a failing cuEventQuery fails the allocation, and the pending free completes later") {
   for (const Variant& v : kVariants) {
-    CAPTURE(v.name);
+    INFO("variant: " << std::string(v.name));
     auto sa = make_sim_allocator(sim_config(v.backend, 1 * GiB, v.config));
     void* s1 = sa.sim->stream_create();
     void* p = sa->allocate(5 * MiB);

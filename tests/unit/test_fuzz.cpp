@@ -18,8 +18,8 @@ TEST_CASE("fuzz: fixed seeds on every preset of both backends") {
     for (std::uint64_t seed : {1u, 2u}) {
       CAPTURE(seed);
       try {
-        total.add(fuzz::run_seed(o, seed, 1500,
-                                 "EXPSEG_FUZZ_REPLAY=" + std::to_string(i) + ":" + std::to_string(seed) + ":1500 build/tests/expseg_stress -ts=fuzz"));
+        total.add(fuzz::run_seed(o, seed, 1000,
+                                 "EXPSEG_FUZZ_REPLAY=" + std::to_string(i) + ":" + std::to_string(seed) + ":1000 build/tests/expseg_stress -ts=fuzz"));
       } catch (const fuzz::Failure& f) {
         FAIL(std::string(f.what()));
       }
@@ -74,6 +74,33 @@ TEST_CASE("fuzz: the libFuzzer byte decoding drives the same harness") {
     fuzz::Harness h(fuzz::options_from(src));
     h.run(src, 10);
     h.finish();
+  }
+}
+
+}  // TEST_SUITE
+
+#include "thread_stress.hpp"
+
+TEST_SUITE("fuzz") {
+
+TEST_CASE("fuzz: 16 threads allocate, free, record streams and read stats and snapshots at once") {
+  struct Case {
+    expseg::BackendKind backend;
+    const char* config;
+  };
+  for (const Case& c : {Case{expseg::BackendKind::split_merge, ""}, Case{expseg::BackendKind::split_merge, "policy:cupy,limit:384MiB"},
+                        Case{expseg::BackendKind::expandable, ""}, Case{expseg::BackendKind::expandable, "limit:320MiB"}}) {
+    fuzz::ThreadStressOptions o;
+    o.backend = c.backend;
+    o.extra_config = c.config;
+    o.threads = 16;
+    o.ops_per_thread = 300;
+    o.seed = 5;
+    INFO("backend: " << std::string(expseg::to_string(c.backend)));
+    INFO("config: " << std::string(c.config));
+    const fuzz::ThreadStressResult r = fuzz::run_thread_stress(o);
+    CHECK_MESSAGE(r.failure.empty(), r.failure);
+    CHECK(r.allocs > 1000);
   }
 }
 

@@ -689,6 +689,25 @@ void ExpandableBackend::on_peer_added(int) {
   }
 }
 
+ExportPlan ExpandableBackend::export_plan(const Block& block) const {
+  // A live block lies on mapped frames only, so the handles under it are mapped back to back; the
+  // importer maps the same handles, in the same order, and finds the block at the same offset.
+  const auto& seg = *static_cast<const ExpSegment*>(block.segment);
+  ExportPlan plan;
+  plan.kind = ExportPlan::Kind::physical_handles;
+  const std::size_t first = frame_of(seg, block.addr);
+  const std::size_t last = frame_of(seg, block.end() - 1);
+  for (std::size_t f = first; f <= last;) {
+    const ExpHandle* h = seg.frames[f];
+    if (h == nullptr) broken("block at " + hex(block.addr) + " lies on an unmapped frame");
+    if (plan.pieces.empty()) plan.base = frame_addr(seg, h->first_frame);
+    plan.pieces.push_back({h->handle, h->bytes});
+    plan.bytes += h->bytes;
+    f = h->first_frame + h->nframes;
+  }
+  return plan;
+}
+
 void ExpandableBackend::validate() const {
   std::int64_t allocated[kStatPools] = {};
   std::int64_t active[kStatPools] = {};

@@ -86,6 +86,7 @@ class ExpandableBackend final : public Backend {
   void release_cached() override;
   void on_limit_changed() override;
   void on_peer_added(int peer) override;
+  ExportPlan export_plan(const core::Block& block) const override;  // the handles under the block
   void validate() const override;
   void snapshot(std::vector<SegmentInfo>& out) const override;
   FreeSummary free_summary(std::size_t request = 0) const override;

@@ -455,6 +455,17 @@ bool SplitMergeBackend::contains(std::uint64_t addr) const noexcept {
   return false;
 }
 
+ExportPlan SplitMergeBackend::export_plan(const Block& block) const {
+  // The whole driver allocation: cuIpcGetMemHandle names a cuMemAlloc allocation by its base, and
+  // the importer adds the block's offset to what cuIpcOpenMemHandle maps.
+  const auto& seg = *static_cast<const SmSegment*>(block.segment);
+  ExportPlan plan;
+  plan.kind = ExportPlan::Kind::driver_allocation;
+  plan.base = seg.base;
+  plan.bytes = seg.size;
+  return plan;
+}
+
 std::unique_ptr<Backend> make_split_merge(Context& ctx) { return std::make_unique<SplitMergeBackend>(ctx); }
 
 }  // namespace expseg::backends

@@ -45,6 +45,7 @@ class SplitMergeBackend final : public Backend {
   void release_cached() override;
   void on_limit_changed() override;
   void on_peer_added(int) override {}  // cuMemAlloc memory: peers are enabled per context by the driver
+  ExportPlan export_plan(const core::Block& block) const override;  // the segment holding the block
   void validate() const override;
   void snapshot(std::vector<SegmentInfo>& out) const override;
   FreeSummary free_summary(std::size_t request = 0) const override;
