@@ -8,7 +8,7 @@
 // GPU benchmarks are not registered at all when expseg::driver::cuda_usable() is false (or when
 // EXPSEG_BENCH_NO_CUDA is set), so the suite runs cleanly on a machine without a GPU.
 //
-// Workloads (benchmark name -> what the counters mean):
+// Workloads (benchmark name -> what the counters mean; times are wall-clock: UseRealTime or manual):
 //   pair/<target>/<size>                 cached allocate+free of one size; ns_per_pair
 //   churn64/<target>                     torch_anchor.py's 64-slot random churn; ns_per_step
 //   churn_mt/<target>/<streams>/t<N>     N threads, each with its own 64 slots, on its own stream
@@ -18,7 +18,8 @@
 //   growth/<target>/<size>               first allocation on a fresh allocator, only the allocate
 //                                        call timed; median of repetitions (…_median), in µs
 //   scenario/<name>/<target>             the library's scenario wall time (growing-buffer,
-//                                        random-churn), median of repetitions, in ms
+//                                        random-churn), median of repetitions, in ms; on the
+//                                        simulator also modelled_driver_ms / estimated_h200_ms
 //   replay/<target>/<trace>              replay of benchmarks/traces/*.rmm.csv.gz on the simulator;
 //                                        events_per_second
 #include <benchmark/benchmark.h>

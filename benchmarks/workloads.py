@@ -225,7 +225,8 @@ def child(workload, variant, steps, out_dir, record, snapshot_path):
         res.update(step_ms=round(statistics.median(times2) * 1e3, 3), mean_step_ms=round(statistics.mean(times2) * 1e3, 3),
                    step_times_ms=[round(t * 1e3, 3) for t in times2])
         s2 = allocator_stats()
-        res.update(peak_reserved_after_pass2=s2["reserved_bytes.all.peak"], retries_after_pass2=s2.get("num_alloc_retries"))
+        res.update(peak_reserved_after_pass2=s2["reserved_bytes.all.peak"], retries_after_pass2=s2.get("num_alloc_retries"),
+                   device_allocs_after_pass2=s2.get("num_device_alloc"), device_frees_after_pass2=s2.get("num_device_free"))
         values = values1 + values2
     if kind == "loss":
         res["final_loss"] = values[-1]

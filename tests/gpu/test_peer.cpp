@@ -4,7 +4,9 @@
 // device 1 to device 0; and IPC to a process that imports on the other GPU.
 #include <doctest/doctest.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "ipc_parent.hpp"
 

@@ -2,7 +2,7 @@
 // and check patterns, record_stream + free, stats and snapshot reads, validate(), release_cached and
 // limit changes, all at once. Meant to run under ThreadSanitizer too (tests/SANITIZERS.md).
 //
-// Environment: EXPSEG_STRESS_THREAD_OPS=N operations per thread (default 20000),
+// Environment: EXPSEG_STRESS_THREAD_OPS=N operations per thread (default 6000),
 //              EXPSEG_STRESS_SEED=N (default 1).
 #include <doctest/doctest.h>
 
@@ -33,7 +33,7 @@ TEST_CASE("threads: 16 threads on each backend keep every invariant and every by
     o.backend = c.backend;
     o.extra_config = c.config;
     o.threads = 16;
-    o.ops_per_thread = env_or("EXPSEG_STRESS_THREAD_OPS", 20000);
+    o.ops_per_thread = env_or("EXPSEG_STRESS_THREAD_OPS", 6000);
     o.seed = env_or("EXPSEG_STRESS_SEED", 1);
     INFO("backend: " << std::string(expseg::to_string(c.backend)));
     INFO("config: " << std::string(c.config));

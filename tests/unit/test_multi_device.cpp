@@ -2,15 +2,18 @@
 // peer-access bookkeeping, IPC export/import round trips (in-process, host-backed), the handle's
 // wire format, descriptor passing (SCM_RIGHTS, pidfd_getfd) and the error cases.
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
-#include <fcntl.h>
 #include <filesystem>
+#include <string>
 #include <thread>
 #include <vector>
 

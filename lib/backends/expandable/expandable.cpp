@@ -303,7 +303,7 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
 std::size_t ExpandableBackend::frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept {
   std::size_t n = 0;
   for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last; ++f)
-    if (seg.frames[f] == nullptr) ++n;
+    if (frame_handle(seg, f) == nullptr) ++n;
   return n;
 }
 
@@ -347,7 +347,7 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
   }
   auto seg = std::make_unique<ExpSegment>();
   try {
-    seg->frames.assign(va / frame_, nullptr);
+    seg->frames.reserve(64);  // grows with the mapped high-water mark, not with the reservation
     arena.segments.reserve(arena.segments.size() + 1);
   } catch (...) {
     ctx_.driver.free_reserve(base, va);
@@ -416,14 +416,14 @@ bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64
   const std::size_t map_end = frame_of(seg, map_hi - 1) + 1;
   const bool last_partial = (hi - seg.base) % frame_ != 0;
   for (std::size_t f = frame_of(seg, lo); f < map_end;) {
-    if (seg.frames[f] != nullptr) {
+    if (frame_handle(seg, f) != nullptr) {
       ++f;
       continue;
     }
     // A run of unmapped frames, cut where the block ends.
     const std::size_t limit = f < block_end ? block_end : map_end;
     std::size_t run_end = f;
-    while (run_end < limit && seg.frames[run_end] == nullptr) ++run_end;
+    while (run_end < limit && frame_handle(seg, run_end) == nullptr) ++run_end;
     while (f < run_end) {
       std::size_t n = std::min(run_end - f, max_frames);
       if (last_partial && run_end == block_end && f + n == run_end && n > 1) --n;
@@ -503,6 +503,7 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   h->seg = &seg;
   h->mapped = true;
   h->live_bytes = 0;
+  if (seg.frames.size() < h->first_frame + h->nframes) seg.frames.resize(h->first_frame + h->nframes, nullptr);
   for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = h;
   seg.mapped_bytes += h->bytes;
   seg.high_water = std::max(seg.high_water, (h->first_frame + h->nframes) * frame_);
@@ -722,7 +723,7 @@ void ExpandableBackend::validate() const {
     for (const ExpSegment* seg : arena->segments) {
       ++segments;
       if (seg->arena != arena) broken("segment points to another arena");
-      if (seg->frames.size() * frame_ != seg->va_bytes) broken("frame table does not cover the segment");
+      if (seg->frames.size() * frame_ > seg->va_bytes) broken("frame table is larger than the segment");
       // Handles: frames -> handle consistency, live bytes recomputed below.
       std::size_t mapped = 0;
       std::vector<std::size_t> live(seg->frames.size(), 0);  // live bytes per handle, by first frame
@@ -767,12 +768,12 @@ void ExpandableBackend::validate() const {
         }
         if (b->mapped) {
           for (std::size_t f = f0; f <= f1; ++f)
-            if (seg->frames[f] == nullptr) broken("block at " + hex(b->addr) + " lies on an unmapped frame");
+            if (frame_handle(*seg, f) == nullptr) broken("block at " + hex(b->addr) + " lies on an unmapped frame");
         } else {
           if ((b->addr - seg->base) % frame_ != 0 || ((b->end() - seg->base) % frame_ != 0 && b->end() != seg->base + seg->va_bytes))
             broken("unmapped block at " + hex(b->addr) + " is not frame aligned");
           for (std::size_t f = f0; f <= f1; ++f)
-            if (seg->frames[f] != nullptr) broken("unmapped block at " + hex(b->addr) + " covers a mapped frame");
+            if (frame_handle(*seg, f) != nullptr) broken("unmapped block at " + hex(b->addr) + " covers a mapped frame");
         }
         if (!b->is_free()) {
           if (!b->mapped) broken("allocated block is not mapped");

@@ -54,7 +54,7 @@ struct ExpHandle {
 struct ExpSegment {
   driver::dev_ptr base = 0;
   std::size_t va_bytes = 0;
-  std::vector<ExpHandle*> frames;  // frame -> handle mapped there, or nullptr
+  std::vector<ExpHandle*> frames;  // frame -> handle mapped there, or nullptr; frames past the end are unmapped
   core::Block* first = nullptr;
   ExpArena* arena = nullptr;
   std::size_t mapped_bytes = 0;
@@ -132,6 +132,7 @@ class ExpandableBackend final : public Backend {
   void insert_free(ExpArena& arena, core::Block* b) noexcept;
   void erase_free(ExpArena& arena, core::Block* b) noexcept;
   core::Block* merge_free(ExpArena& arena, core::Block* b) noexcept;
+  static ExpHandle* frame_handle(const ExpSegment& seg, std::size_t f) noexcept { return f < seg.frames.size() ? seg.frames[f] : nullptr; }
   std::uint64_t frame_addr(const ExpSegment& seg, std::size_t f) const noexcept { return seg.base + (f << frame_shift_); }
   std::size_t frame_of(const ExpSegment& seg, std::uint64_t addr) const noexcept { return (addr - seg.base) >> frame_shift_; }
 

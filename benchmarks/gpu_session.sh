@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything expseg proves on a GPU machine, in phases, with logs under $OUT (default ./gpu-out).
+#
+#   benchmarks/gpu_session.sh                 # build gpu scenarios bench (the core proof)
+#   benchmarks/gpu_session.sh build memcheck  # any subset, in order
+#
+# Phases:
+#   build      meson release build (tests + benchmarks) in build-gpu/
+#   gpu        the gpu suite: driver contract, both backends on the device, data integrity, stress, IPC
+#   memcheck   the gpu suite under compute-sanitizer --tool memcheck
+#   scenarios  expseg scenario --all and the shipped trace on cuda:0 (JSON + HTML)
+#   bench      the Google Benchmark suite (JSON)
+#   compare    benchmarks/compare.py: PyTorch's caching allocator vs expseg, same workloads
+#   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators
+#   cupy       benchmarks/cupy_story.py
+#   multi      tests/gpu/run_multi_gpu.sh (two GPUs)
+# Each phase prints one summary line; the last lines of the output are the summary table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+B=build-gpu
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(build gpu scenarios bench)
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+run_phase() {  # name, timeout seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  note "$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-150)")"
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+for p in "${phases[@]}"; do
+  case "$p" in
+    build)
+      run_phase build 400 bash -c "meson setup $B -Dbuildtype=release >/dev/null && ninja -C $B" || { printf '%s\n' "${summary[@]}"; exit 1; } ;;
+    gpu)
+      run_phase gpu 300 "$B/tests/expseg_gpu" --duration=true ;;
+    memcheck)
+      run_phase memcheck 400 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 3 "$B/tests/expseg_gpu" -tce='*stress*' ;;
+    scenarios)
+      run_phase scenarios 200 bash -c "$B/tools/expseg scenario --all --device cuda:0 --json > $OUT/scenarios.jsonl && $B/tools/expseg scenario --all --device cuda:0 && $B/tools/expseg replay benchmarks/traces/resnet50-train-varsize.rmm.csv.gz --device cuda:0 --json | tee $OUT/replay.jsonl && $B/tools/expseg study --device cuda:0 --html $OUT/study-h200.html | tail -n 12" ;;
+    bench)
+      run_phase bench 300 "$B/benchmarks/expseg_bench" --benchmark_format=console --benchmark_out="$OUT/bench.json" --benchmark_out_format=json --benchmark_min_time=0.2 ;;
+    compare)
+      run_phase compare 500 python3 benchmarks/compare.py --bench "$B/benchmarks/expseg_bench" --cli "$B/tools/expseg" --out "$OUT/compare" ;;
+    workloads)
+      run_phase workloads 560 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" PYTHONUNBUFFERED=1 python3 benchmarks/workloads.py --out "$OUT/workloads" ;;
+    cupy)
+      run_phase cupy 200 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" python3 benchmarks/cupy_story.py ;;
+    multi)
+      run_phase multi 500 env EXPSEG_BUILD="$PWD/$B" tests/gpu/run_multi_gpu.sh ;;
+    *) echo "unknown phase $p" >&2; exit 2 ;;
+  esac
+done
+echo
+echo "== summary ($(cat "$OUT/gpu.txt"))"
+printf '%s\n' "${summary[@]}"
