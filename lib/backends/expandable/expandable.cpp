@@ -55,37 +55,44 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 // ~8 us per handle whatever its size), so growth wants few, large handles: 1 GiB in one handle maps
 // in ~0.1 ms, in 2 MiB handles in ~23 ms. But a handle can only be unmapped whole: once a block
 // smaller than the handle reuses part of it, the rest cannot be given back while that block lives
-// ("pinned" free memory), and when memory is tight, pinned memory is exactly what turns into a
-// fragmentation OOM. The policy:
-//   - when memory is plentiful (no limit configured and less than half the device held), handles
-//     are up to 1/32 of the device, at most 1 GiB: a fresh 1 GiB tensor maps as one handle;
-//   - under a configured limit, or with more than half the device held, handles are at most 1/1536
-//     of the limit (or device), at least one frame: 2 MiB under a 3 GiB limit, 64 MiB on a 141 GB
-//     card. Pinned memory then stays below a thousandth of the limit per handle, and any request
-//     succeeds while the frames touched by live blocks plus the request fit. The price is paid only
-//     when memory moves: a request that needs new frames while others are cached in holes maps
-//     (and unmaps) one handle per frame it moves;
+// ("pinned" free memory), and pinned memory is what keeps reserved above allocated and, under a
+// limit, what turns into a fragmentation OOM. The policy ties the handle size to what is at stake:
+//   - without a limit, a handle is at most 1/64 of the memory already held (so what one handle can
+//     pin stays within ~1.5% of the working set), except that a request larger than everything held
+//     gets handles of its own size: a fresh 1 GiB tensor maps as one 1 GiB handle;
+//   - under a configured limit, handles are at most 1/1536 of the limit (2 MiB under 3 GiB, 64 MiB
+//     under 100 GB): pinned memory stays below a thousandth of the limit per handle, and a request
+//     fails only when the frames that live blocks touch plus the request exceed the limit. The price
+//     is paid when memory moves between places: one map/unmap per handle moved;
+//   - never more than 1 GiB;
 //   - the frame a new block covers only partly at its end gets a handle of its own, so neighbours
 //     that later pack into that frame never keep a bulk handle mapped;
 //   - allocations from cached memory prefer, among the few best-fitting free blocks, the place that
 //     leaves no idle handle partly used;
 //   - expandable_max_handle overrides the size.
+// Reclaim (see allocate_slow and make_room) gives back idle handles: under a limit when a request
+// needs room, and without one when memory would grow past its highest mark while idle memory sits
+// elsewhere.
 // ---------------------------------------------------------------------------------------------
 // Tail growth maps at least this much (see allocate_slow): 20 MiB like PyTorch's large pages, at
-// most 1/64 of the limit; one frame when memory is tight, where every mapped byte counts.
+// most 1/64 of the device; one frame under a limit or when memory is short, where every mapped byte
+// counts.
 std::size_t ExpandableBackend::growth_granule() const noexcept {
   const std::size_t limit = ctx_.effective_limit();
-  if (ctx_.limit != 0 || reserved_ > limit / 2) return frame_;
+  if (ctx_.limit != 0 || reserved_ > limit / 16) return frame_;
   const std::size_t g = std::min<std::size_t>(std::size_t{20} << 20, limit / 64) / frame_ * frame_;
   return std::max(g, frame_);
 }
 
-std::size_t ExpandableBackend::max_handle_bytes() const noexcept {
+std::size_t ExpandableBackend::max_handle_bytes(std::size_t request) const noexcept {
   std::size_t bytes = ctx_.config.max_handle_size;
   if (bytes == 0) {
-    const std::size_t limit = ctx_.effective_limit();
-    const bool tight = ctx_.limit != 0 || reserved_ > limit / 2;
-    bytes = std::bit_floor(std::max<std::size_t>(tight ? limit / 1536 : limit / 32, 1));
+    if (ctx_.limit != 0) {
+      bytes = std::bit_floor(std::max<std::size_t>(ctx_.limit / 1536, 1));
+    } else {
+      bytes = std::bit_floor(std::max<std::size_t>(reserved_ / 64, 1));
+      if (reserved_ < request) bytes = std::max(bytes, std::bit_floor(request));
+    }
     bytes = std::min<std::size_t>(bytes, std::size_t{1} << 30);
   }
   bytes = bytes / frame_ * frame_;
@@ -387,6 +394,19 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
       map_hi = std::min<std::uint64_t>(rounded, pl.seg->base + pl.seg->va_bytes);
     }
   }
+  // Without a limit, keep the peak of what is held close to what is in use: before growing past
+  // the highest reservation so far, give back idle memory beyond a small slack over the live bytes
+  // (best effort). It costs a stream synchronization and driver calls, so it only runs when a new
+  // peak would be set — rarely, once a workload has warmed up. Under a limit, make_room below
+  // reclaims when the limit requires it.
+  if (ctx_.limit == 0 && !idle_.empty()) {
+    const std::size_t need = frames_needed(*pl.seg, pl.start, map_hi) * frame_;
+    if (reserved_ + need > high_water_) {
+      const auto in_use = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current) + size;
+      const std::size_t soft = std::max(high_water_, in_use + in_use / 64 + growth_granule());
+      if (reserved_ + need > soft) reclaim_idle(reserved_ + need - soft, Exclusion{pl.seg, pl.start, map_hi});
+    }
+  }
   if (map_hi > pl.start + size &&
       !make_room(frames_needed(*pl.seg, pl.start, map_hi) * frame_, Exclusion{pl.seg, pl.start, map_hi}))
     map_hi = pl.start + size;  // no room for the extra: map just what the request needs
@@ -411,7 +431,7 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
 // granule) get their own handles, so that neither keeps the block's handles mapped or vice versa.
 bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, Block* anchor) {
   const Exclusion ex{&seg, lo, map_hi};
-  const std::size_t max_frames = max_handle_bytes() / frame_;
+  const std::size_t max_frames = max_handle_bytes(hi - lo) / frame_;
   const std::size_t block_end = frame_of(seg, hi - 1) + 1;  // frames [.., block_end) hold the block
   const std::size_t map_end = frame_of(seg, map_hi - 1) + 1;
   const bool last_partial = (hi - seg.base) % frame_ != 0;
@@ -508,6 +528,7 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   seg.mapped_bytes += h->bytes;
   seg.high_water = std::max(seg.high_water, (h->first_frame + h->nframes) * frame_);
   reserved_ += h->bytes;
+  high_water_ = std::max(high_water_, reserved_);
   ++handles_;
   account_reserved(kLargePool, static_cast<std::int64_t>(h->bytes));
   ctx_.stats.physical_handles.increase(1);

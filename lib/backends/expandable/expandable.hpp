@@ -96,7 +96,7 @@ class ExpandableBackend final : public Backend {
   static constexpr std::size_t kSmallSize = std::size_t{1} << 20;
 
   // The largest physical handle growth creates (the handle policy, see expandable.cpp).
-  std::size_t max_handle_bytes() const noexcept;
+  std::size_t max_handle_bytes(std::size_t request = 0) const noexcept;
   std::size_t growth_granule() const noexcept;
 
  private:
@@ -149,6 +149,7 @@ class ExpandableBackend final : public Backend {
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
   std::size_t pinned_free_ = 0;  // free bytes inside handles that live blocks keep mapped
+  std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
 };
 
 }  // namespace expseg::backends
