@@ -18,7 +18,6 @@ namespace fuzz {
 namespace {
 
 constexpr std::size_t KiB = std::size_t{1} << 10;
-constexpr std::size_t MiB = std::size_t{1} << 20;
 
 std::uint64_t word(std::uint64_t tag, std::size_t i) noexcept {
   std::uint64_t z = tag * 0x9E3779B97F4A7C15ULL + i;

@@ -108,8 +108,7 @@ bool SplitMergeBackend::get_free_block(Params& p) {
     // ...and round oversize requests up by at most max_non_split_rounding.
     if (p.size >= max_split && b->size >= p.size + ctx_.config.max_non_split_rounding) return false;
   }
-  pool.blocks.erase(pool.blocks.iterator_to(*b));
-  p.block = b;
+  p.block = b;  // still in the index: alloc_found_block reuses its node when it can
   return true;
 }
 
@@ -240,11 +239,27 @@ void SplitMergeBackend::garbage_collect_cached_blocks() {
   }
 }
 
+// Puts `b`, whose key changed while it stayed linked in `pool`, where it belongs. The cached path
+// usually changes a key without changing its rank (the remainder of a split is smaller but still
+// larger than its predecessor; a merged block takes its absorbed neighbour's place): then the node
+// stays and the tree is not touched.
+void SplitMergeBackend::reposition(Pool& pool, Block* b) noexcept {
+  auto it = pool.blocks.iterator_to(*b);
+  const core::BlockSizeOrder less;
+  const bool after_prev = it == pool.blocks.begin() || less(*std::prev(it), *b);
+  const bool before_next = std::next(it) == pool.blocks.end() || less(*b, *std::next(it));
+  b->gc_base = pool.get_free_blocks_calls;
+  if (after_prev && before_next) return;
+  pool.blocks.erase(it);
+  pool.blocks.insert(*b);
+}
+
 Block* SplitMergeBackend::alloc_found_block(Params& p, std::size_t requested) {
   Block* block = p.block;
   Pool& pool = *p.pool;
   const int sp = pool.stat_pool;
   const bool already_split = block->is_split();
+  const bool indexed = block->free_hook.is_linked();  // found in the pool, not a new segment
   if (should_split(*block, p.size)) {
     // The allocation takes the front; the remainder stays free behind it.
     Block* remaining = block;
@@ -261,17 +276,18 @@ Block* SplitMergeBackend::alloc_found_block(Params& p, std::size_t requested) {
     remaining->prev = block;
     remaining->addr += p.size;
     remaining->size -= p.size;
-    insert_free(pool, remaining);
+    if (indexed) reposition(pool, remaining);
+    else insert_free(pool, remaining);
     ctx_.stats.num_free_blocks += 1;
     if (already_split) {
       account_inactive(sp, 0, -static_cast<std::int64_t>(p.size));  // a split free block shrank
     } else {
       account_inactive(sp, 1, static_cast<std::int64_t>(remaining->size));  // a new split remainder
     }
-  } else if (already_split) {
-    account_inactive(sp, -1, -static_cast<std::int64_t>(block->size));  // a split block becomes active
+  } else {
+    if (indexed) pool.blocks.erase(pool.blocks.iterator_to(*block));
+    if (already_split) account_inactive(sp, -1, -static_cast<std::int64_t>(block->size));  // a split block becomes active
   }
-  // The block left the free index (found) or was never in it (new segment).
   block->status = BlockStatus::allocated;
   block->requested = requested;
   account_allocated(*block);
@@ -303,7 +319,9 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   return alloc_found_block(p, requested);
 }
 
-std::size_t SplitMergeBackend::try_merge_blocks(Block* dst, Block* src, Pool& pool) noexcept {
+// Merges free neighbour `src` into `dst` (the list links only; `src` stays in the index for the
+// caller, who may hand its node to `dst`). Returns the bytes subsumed, 0 when `src` is not free.
+std::size_t SplitMergeBackend::try_merge_blocks(Block* dst, Block* src) noexcept {
   if (src == nullptr || !src->is_free()) return 0;
   if (dst->prev == src) {
     dst->addr = src->addr;
@@ -314,12 +332,8 @@ std::size_t SplitMergeBackend::try_merge_blocks(Block* dst, Block* src, Pool& po
     dst->next = src->next;
     if (dst->next) dst->next->prev = dst;
   }
-  const std::size_t subsumed = src->size;
-  dst->size += subsumed;
-  pool.blocks.erase(pool.blocks.iterator_to(*src));
-  ctx_.stats.num_free_blocks -= 1;
-  blocks_.recycle(src);
-  return subsumed;
+  dst->size += src->size;
+  return src->size;
 }
 
 void SplitMergeBackend::free(Block* block) {
@@ -327,15 +341,32 @@ void SplitMergeBackend::free(Block* block) {
   Pool& pool = pool_of(*block);
   std::int64_t inactive_blocks = 0;
   std::int64_t inactive_bytes = 0;
+  Block* absorbed[2] = {nullptr, nullptr};
+  int n = 0;
   for (Block* candidate : {block->prev, block->next}) {
-    const std::size_t subsumed = try_merge_blocks(block, candidate, pool);
+    const std::size_t subsumed = try_merge_blocks(block, candidate);
     if (subsumed > 0) {
+      absorbed[n++] = candidate;
       inactive_blocks -= 1;
       inactive_bytes -= static_cast<std::int64_t>(subsumed);
     }
   }
-  insert_free(pool, block);
-  ctx_.stats.num_free_blocks += 1;
+  // The merged block takes the index node of a neighbour it absorbed (no rebalancing when the
+  // order allows), else it is inserted.
+  if (n == 0) {
+    insert_free(pool, block);
+    ctx_.stats.num_free_blocks += 1;
+  } else {
+    if (n == 2) {
+      pool.blocks.erase(pool.blocks.iterator_to(*absorbed[0]));
+      ctx_.stats.num_free_blocks -= 1;
+      blocks_.recycle(absorbed[0]);
+    }
+    Block* last = absorbed[n - 1];
+    pool.blocks.replace_node(pool.blocks.iterator_to(*last), *block);
+    blocks_.recycle(last);
+    reposition(pool, block);
+  }
   if (block->is_split()) {
     inactive_blocks += 1;
     inactive_bytes += static_cast<std::int64_t>(block->size);

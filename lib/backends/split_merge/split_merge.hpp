@@ -85,7 +85,8 @@ class SplitMergeBackend final : public Backend {
   void release_block(core::Block* block);
   void garbage_collect_cached_blocks();
   core::Block* alloc_found_block(Params& p, std::size_t requested);
-  std::size_t try_merge_blocks(core::Block* dst, core::Block* src, Pool& pool) noexcept;
+  std::size_t try_merge_blocks(core::Block* dst, core::Block* src) noexcept;
+  void reposition(Pool& pool, core::Block* b) noexcept;
   void insert_free(Pool& pool, core::Block* block) noexcept;
   Pool& pool_of(const core::Block& b) noexcept { return b.pool == kSmallPool && !cupy() ? small_ : large_; }
   const Pool& pool_of(const core::Block& b) const noexcept { return b.pool == kSmallPool && !cupy() ? small_ : large_; }
