@@ -43,8 +43,8 @@ for p in "${phases[@]}"; do
   case "$p" in
     build)
       # Only what the GPU phases run (the unit suite is for the CPU machines).
-      targets="lib/libexpseg.so tools/expseg tests/expseg_gpu tests/expseg_gpu_multi tests/expseg_ipc_child benchmarks/expseg_bench"
-      if ! run_phase build 400 bash -c "meson setup $B -Dbuildtype=release >/dev/null && ninja -C $B $targets"; then
+      targets="lib/libexpseg.so.0.1.0 tools/expseg tests/expseg_gpu tests/expseg_gpu_multi tests/expseg_ipc_child"
+      if ! run_phase build 400 bash -c "meson setup $B -Dbuildtype=release ${MESON_ARGS:-} && ninja -C $B $targets"; then
         tail -n 40 "$OUT/build.log"; tar czf "$DEST/gpu-session.tgz" -C "$OUT" .; exit 1
       fi ;;
     gpu)
@@ -55,7 +55,7 @@ for p in "${phases[@]}"; do
     scenarios)
       run_phase scenarios 200 bash -c "$B/tools/expseg scenario --all --device cuda:0 --json > $OUT/scenarios.jsonl && $B/tools/expseg scenario --all --device cuda:0 && $B/tools/expseg replay benchmarks/traces/resnet50-train-varsize.rmm.csv.gz --device cuda:0 --json | tee $OUT/replay.jsonl && $B/tools/expseg study --device cuda:0 --html $OUT/study-h200.html | tail -n 12" ;;
     bench)
-      run_phase bench 300 "$B/benchmarks/expseg_bench" --benchmark_format=console --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
+      run_phase bench 300 bash -c "ninja -C $B benchmarks/expseg_bench >/dev/null && exec $B/benchmarks/expseg_bench \"\$@\"" bench --benchmark_format=console --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
         --benchmark_min_time="${BENCH_MIN_TIME:-0.2}" ${BENCH_FILTER:+--benchmark_filter="$BENCH_FILTER"} ;;
     compare)
       bj=(); [ -f "$OUT/bench.json" ] && bj=(--bench-json "$OUT/bench.json")
@@ -65,7 +65,7 @@ for p in "${phases[@]}"; do
     cupy)
       run_phase cupy 200 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" python3 benchmarks/cupy_story.py ;;
     multi)
-      run_phase multi 500 env BUILD_DIR="$B" tests/gpu/run_multi_gpu.sh ;;
+      run_phase multi 500 env BUILD_DIR="$B" EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" tests/gpu/run_multi_gpu.sh ;;
     *) echo "unknown phase $p" >&2; exit 2 ;;
   esac
 done
