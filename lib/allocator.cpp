@@ -91,7 +91,7 @@ void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
 void Allocator::Impl::throw_invalid_pointer(const char* op, std::uint64_t addr) const {
   std::ostringstream os;
   os << "expseg: " << op << " of pointer " << hex(addr) << ": ";
-  const bool recently_freed = std::find(recent_frees.begin(), recent_frees.end(), addr) != recent_frees.end();
+  const bool recently_freed = addr != 0 && std::find(recent_frees.begin(), recent_frees.end(), addr) != recent_frees.end();
   if (recently_freed) {
     os << "double free (this allocation was already freed)";
   } else if (backend->contains(addr)) {
@@ -150,6 +150,7 @@ void Allocator::Impl::deallocate(void* ptr) {
 }
 
 void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
+  if (ptr == nullptr) return;  // as deallocate(nullptr): PyTorch records streams of empty tensors
   const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
   std::lock_guard<core::Mutex> lock(mu);
   Block* b = live.find(addr);
@@ -242,8 +243,14 @@ void Allocator::reset_accumulated_stats() {
 
 void Allocator::set_limit(std::size_t bytes) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
+  const std::size_t old = impl_->ctx.limit;
   impl_->ctx.limit = bytes;
-  impl_->backend->on_limit_changed();
+  try {
+    impl_->backend->on_limit_changed();
+  } catch (...) {
+    impl_->ctx.limit = old;  // a failed give-back leaves the old limit in force
+    throw;
+  }
 }
 
 std::size_t Allocator::limit() const {

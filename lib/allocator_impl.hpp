@@ -58,7 +58,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   std::size_t pending_count = 0;
   std::vector<driver::event_t> spare_events;
 
-  std::array<std::uint64_t, 64> recent_frees{};  // to tell a double free from a foreign pointer
+  // Recently freed addresses, to tell a double free from a foreign pointer (0 = empty slot).
+  std::array<std::uint64_t, 64> recent_frees{};
   unsigned recent_next = 0;
 
   Recorder recorder;

@@ -142,6 +142,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
     }
     std::vector<void*> ptr(prog.slots, nullptr);
     std::vector<std::uint64_t> size(prog.slots, 0);
+    std::vector<bool> zero(prog.slots, false);  // slots holding a size-0 allocation
     std::int64_t live_requested = 0;
     const auto t0 = std::chrono::steady_clock::now();
     for (std::size_t i = 0; i < stop; ++i) {
@@ -149,6 +150,10 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
       switch (op.kind) {
         case OpKind::alloc:
           if (first_pass) ++r.allocations;
+          if (op.size == 0) {  // allocate(0) is nullptr by contract: not a failure, its free is a no-op
+            zero[op.slot] = true;
+            break;
+          }
           try {
             ptr[op.slot] = a.allocate(op.size, streams[op.stream]);
             size[op.slot] = op.size;
@@ -164,7 +169,10 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
           }
           break;
         case OpKind::free:
-          if (ptr[op.slot] != nullptr) {
+          if (zero[op.slot]) {
+            zero[op.slot] = false;
+            if (first_pass) ++r.frees;
+          } else if (ptr[op.slot] != nullptr) {
             a.deallocate(ptr[op.slot]);
             ptr[op.slot] = nullptr;
             live_requested -= static_cast<std::int64_t>(size[op.slot]);

@@ -107,13 +107,25 @@ ExpandableBackend::ExpandableBackend(Context& ctx)
 }
 
 ExpandableBackend::~ExpandableBackend() {
-  // Give everything back; errors cannot be reported from a destructor.
+  // Give everything back; errors cannot be reported from a destructor, so a failing call is tried
+  // once more (a transient failure then leaks nothing) and otherwise left to process exit.
   auto quietly = [](auto&& f) {
-    try {
-      f();
-    } catch (...) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      try {
+        f();
+        return;
+      } catch (...) {
+      }
     }
   };
+  // Orphans first: one may still be mapped inside a reservation freed below.
+  while (!orphans_.empty()) {
+    ExpHandle* h = &orphans_.front();
+    orphans_.pop_front();
+    if (h->mapped) quietly([&] { ctx_.driver.unmap(h->orphan_addr, h->bytes); });
+    quietly([&] { ctx_.driver.release(h->handle); });
+    delete h;
+  }
   for (ExpArena* arena : arenas_) {
     arena->mapped_free.clear();
     arena->unmapped.clear();
@@ -134,12 +146,6 @@ ExpandableBackend::~ExpandableBackend() {
       delete seg;
     }
     delete arena;
-  }
-  while (!orphans_.empty()) {
-    ExpHandle* h = &orphans_.front();
-    orphans_.pop_front();
-    quietly([&] { ctx_.driver.release(h->handle); });
-    delete h;
   }
 }
 
@@ -377,12 +383,46 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
 }
 
 Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested) {
+  // A request that could not fit even in an empty allocator fails before anything is reserved.
+  if (round_up(size, frame_) > ctx_.effective_limit()) return nullptr;
+  // Handles whose cleanup failed earlier may sit on frames we are about to use: retry them first.
+  if (!orphans_.empty()) retry_orphans();
   Placement pl;
+  ExpSegment* fresh = nullptr;  // a segment reserved for this request, given back if it fails
   if (!find_placement(arena, size, pl)) {
-    ExpSegment* seg = new_segment(arena, size);
-    if (seg == nullptr) return nullptr;
-    pl = Placement{seg, nullptr, seg->base, frames_needed(*seg, seg->base, seg->base + size)};
+    fresh = new_segment(arena, size);
+    if (fresh == nullptr) return nullptr;
+    pl = Placement{fresh, nullptr, fresh->base, frames_needed(*fresh, fresh->base, fresh->base + size)};
   }
+  Block* b = nullptr;
+  try {
+    b = grow_and_carve(arena, pl, size, requested);
+  } catch (...) {
+    if (fresh != nullptr) {
+      try {
+        drop_segment(arena, fresh);
+      } catch (...) {  // the segment stays, consistent; the first error is the one to report
+      }
+    }
+    throw;
+  }
+  if (b == nullptr && fresh != nullptr) drop_segment(arena, fresh);
+  return b;
+}
+
+// Gives back the address range of an empty segment (one free unmapped block) and forgets it.
+void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg) {
+  Block* b = seg->first;
+  if (seg->mapped_bytes != 0 || b->next != nullptr || !b->is_free()) return;
+  ctx_.driver.free_reserve(seg->base, seg->va_bytes);
+  erase_free(arena, b);
+  blocks_.recycle(b);
+  arena.segments.erase(std::find(arena.segments.begin(), arena.segments.end(), seg));
+  account_segment(kLargePool, -1);
+  delete seg;
+}
+
+Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested) {
   // A small request growing into a segment's untouched tail maps up to a whole growth granule, as
   // PyTorch maps 20 MiB pages, so that a run of small requests costs one growth instead of one each.
   std::uint64_t map_hi = pl.start + size;
@@ -673,19 +713,8 @@ void ExpandableBackend::release_cached() {
   reclaim_idle(std::numeric_limits<std::size_t>::max(), Exclusion{});
   retry_orphans();
   // Give back the address space of segments that hold nothing, keeping each arena's first one.
-  for (ExpArena* arena : arenas_) {
-    for (std::size_t i = arena->segments.size(); i-- > 1;) {
-      ExpSegment* seg = arena->segments[i];
-      Block* b = seg->first;
-      if (seg->mapped_bytes != 0 || b->next != nullptr || !b->is_free()) continue;
-      ctx_.driver.free_reserve(seg->base, seg->va_bytes);
-      erase_free(*arena, b);
-      blocks_.recycle(b);
-      arena->segments.erase(arena->segments.begin() + static_cast<std::ptrdiff_t>(i));
-      account_segment(kLargePool, -1);
-      delete seg;
-    }
-  }
+  for (ExpArena* arena : arenas_)
+    for (std::size_t i = arena->segments.size(); i-- > 1;) drop_segment(*arena, arena->segments[i]);
 }
 
 void ExpandableBackend::on_limit_changed() {

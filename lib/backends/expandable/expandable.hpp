@@ -117,6 +117,8 @@ class ExpandableBackend final : public Backend {
   std::size_t new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
+  core::Block* grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested);
+  void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
   bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor);

@@ -52,10 +52,14 @@ SplitMergeBackend::~SplitMergeBackend() {
   while (!segments_.empty()) {
     SmSegment& seg = segments_.front();
     segments_.pop_front();
-    try {
-      ctx_.driver.mem_free(seg.base);
-    } catch (...) {
-      // Nothing can be done in a destructor; the device reclaims the memory at process exit.
+    // Errors cannot be reported from a destructor: a failing call is tried once more (a transient
+    // failure then leaks nothing) and otherwise left to the device's cleanup at process exit.
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      try {
+        ctx_.driver.mem_free(seg.base);
+        break;
+      } catch (...) {
+      }
     }
     delete &seg;
   }

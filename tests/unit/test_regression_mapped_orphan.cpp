@@ -1,16 +1,6 @@
-// REPRODUCER (failing; found by the fuzz harness, tests/common/fuzz_harness.hpp, preset 7 seed 2).
-//
-// expandable: when cuMemSetAccess fails while growing, map_one() undoes the new handle; if that
-// cuMemUnmap fails too, the handle becomes an orphan that is still MAPPED at its frames, but the
-// segment's frame table marks those frames unmapped and the block over them stays an unmapped free
-// block. The next allocation that needs those frames maps over the orphan: cuMemMap fails with
-// CUDA_ERROR_INVALID_VALUE ("overlaps the mapping"), which reaches the caller as a driver_error
-// although no fault is armed any more, and keeps doing so until release_cached() (or a make_room()
-// over the limit) retries the orphans. On a real device the same double failure leaves the range
-// unusable the same way. Expected: the allocator keeps serving (e.g. retry the orphan's unmap before
-// mapping at its frames, or keep its frames marked taken until the retry succeeds).
-//
-// Run: build/tests/expseg_repro   (suite 'repro', not part of `meson test --suite unit`)
+// Regression (issue 7, found by the fuzz harness): when cuMemSetAccess fails while growing and the
+// cuMemUnmap that undoes it fails too, the still-mapped orphan is retried before the next growth,
+// so the allocator keeps serving.
 #include <doctest/doctest.h>
 
 #include "test_util.hpp"
@@ -20,7 +10,7 @@ using expseg::BackendKind;
 using expseg::driver::Fault;
 using expseg::driver::Op;
 
-TEST_CASE("repro: expandable keeps serving after cuMemSetAccess and its cleanup cuMemUnmap both fail") {
+TEST_CASE("regression: expandable keeps serving after cuMemSetAccess and its cleanup cuMemUnmap both fail") {
   auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "limit:256MiB,expandable_max_handle:8MiB"));
   sa.sim->inject_fault(Op::set_access, 1, Fault::error);  // growth fails at cuMemSetAccess...
   sa.sim->inject_fault(Op::unmap, 1, Fault::error);       // ...and undoing the mapping fails too

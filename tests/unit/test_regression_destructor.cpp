@@ -1,12 +1,5 @@
-// REPRODUCER (failing, low priority; issue 7): a single failing driver call while an allocator is
-// destroyed leaks what that call was to give back, on both backends. ~ExpandableBackend and
-// ~SplitMergeBackend swallow each error ("nothing can be done in a destructor") and never retry:
-// a cuMemUnmap failure leaves the mapping, its handle's memory and the reservation (free_reserve
-// then fails too); a cuMemRelease, cuMemAddressFree or cuMemFree failure leaves that resource. At
-// process exit the driver reclaims everything, but an application that creates and destroys
-// allocators (per model, per test) keeps the memory. Expected: retry once (or defer to the orphan
-// list of a process-wide janitor), so that a transient failure does not leak.
-// Run: build/tests/expseg_repro
+// Regression (issue 7): a single failing driver call while an allocator is destroyed must not leak
+// what that call was to give back, on either backend: the destructors try each call once more.
 #include <doctest/doctest.h>
 
 #include "test_util.hpp"
@@ -15,7 +8,7 @@ using namespace testutil;
 using expseg::driver::Fault;
 using expseg::driver::Op;
 
-TEST_CASE("repro: one failing driver call during destruction leaks nothing") {
+TEST_CASE("regression: one failing driver call during destruction leaks nothing") {
   struct Case {
     expseg::BackendKind backend;
     Op op;
