@@ -578,20 +578,27 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   const std::uint64_t hi = lo + h->bytes;
   if (ctx_.hooks) ctx_.hooks->on_map(lo, h->bytes, arena.stream);
 
-  // The unmapped free block holding [lo, hi) becomes: unmapped [.., lo), mapped [lo, hi), unmapped [hi, ..).
-  Block* u = anchor ? anchor->next : seg.first;
-  while (u->end() <= lo) u = u->next;
-  if (!u->is_free() || u->mapped || u->addr > lo || u->end() < hi)
-    broken("frames at " + hex(lo) + " were unmapped but not inside one unmapped free block");
-  erase_free(arena, u);
-  Block* m = u;
-  if (u->addr < lo) {
-    m = split_after(blocks_, u, lo);
-    insert_free(arena, u);
+  set_range_mapped(seg, anchor ? anchor->next : seg.first, lo, hi, true);
+}
+
+// The free block holding [lo, hi) (in the other mapped state) becomes up to three: the parts
+// before lo and after hi keep their state; [lo, hi) takes `mapped` and merges with free neighbours
+// of that state. `from` is a block at or before lo.
+void ExpandableBackend::set_range_mapped(ExpSegment& seg, Block* from, std::uint64_t lo, std::uint64_t hi, bool mapped) {
+  ExpArena& arena = *seg.arena;
+  Block* b = from;
+  while (b->end() <= lo) b = b->next;
+  if (!b->is_free() || b->mapped == mapped || b->addr > lo || b->end() < hi)
+    broken("frames at " + hex(lo) + " are not inside one free " + (mapped ? "unmapped" : "mapped") + " block");
+  erase_free(arena, b);
+  Block* mid = b;
+  if (b->addr < lo) {
+    mid = split_after(blocks_, b, lo);
+    insert_free(arena, b);
   }
-  if (m->end() > hi) insert_free(arena, split_after(blocks_, m, hi));
-  m->mapped = true;
-  insert_free(arena, merge_free(arena, m));
+  if (mid->end() > hi) insert_free(arena, split_after(blocks_, mid, hi));
+  mid->mapped = mapped;
+  insert_free(arena, merge_free(arena, mid));
 }
 
 bool ExpandableBackend::make_room(std::size_t bytes, const Exclusion& ex) {
@@ -648,19 +655,7 @@ void ExpandableBackend::unmap_handle(ExpHandle* h) {
   if (ctx_.hooks) ctx_.hooks->on_unmap(lo, h->bytes, arena.stream);
 
   // An idle handle lies inside exactly one free mapped block (adjacent free mapped blocks merge).
-  Block* b = seg.first;
-  while (b->end() <= lo) b = b->next;
-  if (!b->is_free() || !b->mapped || b->addr > lo || b->end() < hi)
-    broken("idle handle at " + hex(lo) + " is not inside one free mapped block");
-  erase_free(arena, b);
-  Block* mid = b;
-  if (b->addr < lo) {
-    mid = split_after(blocks_, b, lo);
-    insert_free(arena, b);
-  }
-  if (mid->end() > hi) insert_free(arena, split_after(blocks_, mid, hi));
-  mid->mapped = false;
-  insert_free(arena, merge_free(arena, mid));
+  set_range_mapped(seg, seg.first, lo, hi, false);
 
   h->seg = nullptr;
   h->mapped = false;

@@ -124,6 +124,7 @@ class ExpandableBackend final : public Backend {
   bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor);
   bool map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
   void register_mapping(ExpSegment& seg, ExpHandle* h, core::Block* anchor);
+  void set_range_mapped(ExpSegment& seg, core::Block* from, std::uint64_t lo, std::uint64_t hi, bool mapped);
   bool make_room(std::size_t bytes, const Exclusion& ex);
   std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex);
   void unmap_handle(ExpHandle* h);
