@@ -11,7 +11,7 @@
 #   scenarios  expseg scenario --all and the shipped trace on cuda:0 (JSON + HTML)
 #   bench      the Google Benchmark suite (JSON)
 #   compare    benchmarks/compare.py: PyTorch's caching allocator vs expseg, same workloads
-#   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators
+#   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators (WORKLOADS_ARGS: its options)
 #   cupy       benchmarks/cupy_story.py
 #   multi      tests/gpu/run_multi_gpu.sh (two GPUs)
 # Each phase prints one summary line; the last lines of the output are the summary table. Logs go
@@ -61,7 +61,7 @@ for p in "${phases[@]}"; do
       bj=(); [ -f "$OUT/bench.json" ] && bj=(--bench-json "$OUT/bench.json")
       run_phase compare 500 python3 benchmarks/compare.py --bench "$B/benchmarks/expseg_bench" "${bj[@]}" --cli "$B/tools/expseg" --growth-reps 2 --out "$OUT/compare" ;;
     workloads)
-      run_phase workloads 560 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" PYTHONUNBUFFERED=1 python3 benchmarks/workloads.py --out "$OUT/workloads" ;;
+      run_phase workloads 560 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" PYTHONUNBUFFERED=1 python3 benchmarks/workloads.py --out "$OUT/workloads" ${WORKLOADS_ARGS:-} ;;
     cupy)
       run_phase cupy 200 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" python3 benchmarks/cupy_story.py ;;
     multi)

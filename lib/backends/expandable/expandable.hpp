@@ -29,6 +29,7 @@
 
 #include <boost/intrusive/list.hpp>
 #include <boost/intrusive/set.hpp>
+#include <limits>
 #include <vector>
 
 #include "backends/backend.hpp"
@@ -114,7 +115,12 @@ class ExpandableBackend final : public Backend {
 
   ExpArena& arena_for(driver::stream_t stream);
   core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back);
-  std::size_t new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
+  static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
+  // Bytes of idle handles a block at [lo, hi) would use only partly; kNoPlace when one handle
+  // would keep `cap` bytes or more pinned.
+  std::size_t new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
+                            std::size_t cap = std::numeric_limits<std::size_t>::max()) const noexcept;
+  void unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi);
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested);
