@@ -1,8 +1,13 @@
 // The allocator's lock: one per device allocator, held only for the free-index update on the
 // cached path. Uncontended lock+unlock is one compare-exchange and one exchange (a pthread mutex
-// costs ~100 instructions per pair, as much as the rest of a cached allocation). Contended, it
-// spins briefly (the critical section is tens of nanoseconds) and then sleeps in the kernel
-// through C++20 atomic wait/notify (a futex on Linux), so preempted holders do not burn cores.
+// costs ~100 instructions per pair, as much as the rest of a cached allocation).
+//
+// Contended, it spins (the critical section is a few hundred nanoseconds, so the holder is usually
+// done long before a sleep and a wake-up would be) and only then sleeps in the kernel through
+// C++20 atomic wait/notify (a futex on Linux), so preempted holders do not burn cores. Sleepers are
+// counted apart from the lock word: unlock() makes a system call only when a thread is actually
+// asleep. (A lock word that also means "somebody may sleep" makes every unlock under contention
+// pay a futex wake, and the threads then queue on the kernel instead of the lock.)
 #pragma once
 
 #include <atomic>
@@ -12,28 +17,32 @@ namespace expseg::core {
 class Mutex {
  public:
   void lock() noexcept {
-    int expected = kUnlocked;
-    if (state_.compare_exchange_strong(expected, kLocked, std::memory_order_acquire, std::memory_order_relaxed)) return;
+    int expected = 0;
+    if (locked_.compare_exchange_strong(expected, 1, std::memory_order_acquire, std::memory_order_relaxed)) return;
     lock_slow();
   }
   bool try_lock() noexcept {
-    int expected = kUnlocked;
-    return state_.compare_exchange_strong(expected, kLocked, std::memory_order_acquire, std::memory_order_relaxed);
+    int expected = 0;
+    return locked_.compare_exchange_strong(expected, 1, std::memory_order_acquire, std::memory_order_relaxed);
   }
   void unlock() noexcept {
-    if (state_.exchange(kUnlocked, std::memory_order_release) == kContended) state_.notify_one();
+    // seq_cst store, then seq_cst load: a sleeper either sees the lock free in its compare-exchange
+    // or is seen here (see lock_slow).
+    locked_.store(0, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) != 0) locked_.notify_one();
   }
 
  private:
-  static constexpr int kUnlocked = 0;
-  static constexpr int kLocked = 1;     // held, nobody sleeping
-  static constexpr int kContended = 2;  // held, somebody may be sleeping
+  // Pause iterations before sleeping (~0.5 ms on the H200 host's Xeon). Measured there, 16 threads
+  // churning on their own streams, split_merge: 128 -> 2,632 ns per step (all threads), 1024 ->
+  // 2,403, 16384 -> 1,740; the threads rarely sleep, so unlock rarely wakes anyone.
+  static constexpr int kSpinLimit = 16384;
 
   void lock_slow() noexcept {
-    for (int spin = 0; spin < 128; ++spin) {
-      if (state_.load(std::memory_order_relaxed) == kUnlocked) {
-        int expected = kUnlocked;
-        if (state_.compare_exchange_weak(expected, kLocked, std::memory_order_acquire, std::memory_order_relaxed)) return;
+    for (int spin = 0; spin < kSpinLimit; ++spin) {
+      if (locked_.load(std::memory_order_relaxed) == 0) {
+        int expected = 0;
+        if (locked_.compare_exchange_weak(expected, 1, std::memory_order_acquire, std::memory_order_relaxed)) return;
       }
 #if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
@@ -41,11 +50,17 @@ class Mutex {
       asm volatile("yield");
 #endif
     }
-    // Announce a sleeper; whoever unlocks sees kContended and wakes one.
-    while (state_.exchange(kContended, std::memory_order_acquire) != kUnlocked) state_.wait(kContended, std::memory_order_relaxed);
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    for (;;) {
+      int expected = 0;
+      if (locked_.compare_exchange_strong(expected, 1, std::memory_order_seq_cst, std::memory_order_relaxed)) break;
+      locked_.wait(1, std::memory_order_relaxed);  // returns at once if the lock word is no longer 1
+    }
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
   }
 
-  std::atomic<int> state_{kUnlocked};
+  std::atomic<int> locked_{0};
+  std::atomic<int> sleepers_{0};
 };
 
 }  // namespace expseg::core

@@ -479,7 +479,10 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
     if (reserved_ + need > high_water_) {
       const auto in_use = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current) + size;
       const std::size_t soft = std::max(high_water_, in_use + in_use / 256);
-      if (reserved_ + need > soft) reclaim_idle(reserved_ + need - soft, Exclusion{pl.seg, pl.start, map_hi});
+      // Only this stream's idle memory: taking another stream's would make streams that churn side
+      // by side hand memory back and forth (an unmap, a map and a synchronization each time),
+      // where each stream's cache would settle at its own working set.
+      if (reserved_ + need > soft) reclaim_idle(reserved_ + need - soft, Exclusion{pl.seg, pl.start, map_hi}, &arena);
     }
   }
   if (ctx_.limit != 0) unmap_bulk_handles_under(*pl.seg, pl.start, pl.start + size);
@@ -650,8 +653,8 @@ bool ExpandableBackend::make_room(std::size_t bytes, const Exclusion& ex) {
 }
 
 // Unmaps idle handles, least recently idle first, until at least `bytes` are given back (or none
-// is left outside the exclusion). Returns the bytes given back.
-std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& ex) {
+// is left outside the exclusion; `only`: of that arena alone). Returns the bytes given back.
+std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only) {
   std::size_t freed = 0;
   driver::stream_t synced[8];
   std::size_t nsynced = 0;
@@ -659,6 +662,7 @@ std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& 
   for (auto it = idle_.begin(); it != idle_.end() && freed < bytes;) {
     ExpHandle* h = &*it;
     ++it;
+    if (only != nullptr && h->seg->arena != only) continue;
     if (h->seg == ex.seg) {
       const std::uint64_t lo = frame_addr(*h->seg, h->first_frame);
       if (lo < ex.hi && lo + h->bytes > ex.lo) continue;

@@ -132,7 +132,7 @@ class ExpandableBackend final : public Backend {
   void register_mapping(ExpSegment& seg, ExpHandle* h, core::Block* anchor);
   void set_range_mapped(ExpSegment& seg, core::Block* from, std::uint64_t lo, std::uint64_t hi, bool mapped);
   bool make_room(std::size_t bytes, const Exclusion& ex);
-  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex);
+  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr);
   void unmap_handle(ExpHandle* h);
   void retry_orphans();
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
