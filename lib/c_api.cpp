@@ -16,6 +16,7 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -211,6 +212,26 @@ void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) noexcept {
     return nullptr;
   }
   return allocate(static_cast<std::size_t>(size), device, stream, "expseg_malloc", true);
+}
+
+void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
+  constexpr const char* fn = "expseg_torch_malloc";
+  if (size < 0) {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "negative size");
+    throw std::invalid_argument(std::string(fn) + ": negative size");
+  }
+  if (size == 0) return nullptr;
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) throw std::runtime_error(expseg_last_error());
+  try {
+    return a->allocate(static_cast<std::size_t>(size), stream);
+  } catch (const out_of_memory& e) {
+    set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
+    throw;
+  } catch (...) {
+    fail_current(fn);
+    throw std::runtime_error(expseg_last_error());
+  }
 }
 
 void expseg_free(void* ptr, ssize_t /*size*/, int device, expseg_stream_t /*stream*/) noexcept {

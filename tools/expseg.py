@@ -199,8 +199,12 @@ def record_write(path, device=0):
     _check(load().expseg_record_write(device, os.fspath(path).encode()), "expseg_record_write")
 
 
-def install_torch(conf=""):
+def install_torch(conf="", raise_on_oom=False):
     """Makes expseg PyTorch's CUDA allocator (CUDAPluggableAllocator). Call before any CUDA tensor exists.
+
+    PyTorch's pluggable allocator does not check for NULL: by default (expseg_malloc) an OOM prints
+    expseg's report on stderr and the next kernel fails on the NULL tensor. raise_on_oom=True uses
+    expseg_torch_malloc instead, which throws, and PyTorch raises RuntimeError carrying the report.
 
     Under it torch.cuda.memory_stats() and friends raise (PyTorch's pluggable allocator has no stats):
     use expseg.stats(). torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.
@@ -219,7 +223,8 @@ def install_torch(conf=""):
             "before anything touches the GPU.", ALREADY_INITIALIZED)
     load()
     configure(conf)
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, "expseg_malloc", "expseg_free")
+    malloc_name = "expseg_torch_malloc" if raise_on_oom else "expseg_malloc"
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, malloc_name, "expseg_free")
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as e:

@@ -85,6 +85,17 @@ enum expseg_status {
 EXPSEG_API void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 EXPSEG_API void expseg_free(void* ptr, ssize_t size, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 
+#ifdef __cplusplus
+/* For PyTorch's CUDAPluggableAllocator only (a C++ caller; never call it from C): expseg_malloc
+ * that throws instead of returning NULL. Out of memory throws expseg::out_of_memory (a
+ * std::bad_alloc whose what() is the OOM report), other failures std::runtime_error or
+ * std::invalid_argument; PyTorch turns them into a Python RuntimeError carrying the message, as it
+ * documents for pluggable allocators, instead of handing out a tensor at address 0. The report and
+ * the error code stay retrievable as after expseg_malloc. tools/expseg.py:
+ * install_torch(conf, raise_on_oom=True) installs it. */
+EXPSEG_API void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream);
+#endif
+
 /* Allocation: CuPy's CFunctionAllocator pair. `param` is ignored (pass 0). CuPy passes no stream:
  * these allocate for, and reuse freed blocks in the order of, the legacy default stream (NULL).
  * Out of memory returns NULL silently (tools/expseg.py turns it into cupy's OutOfMemoryError). */

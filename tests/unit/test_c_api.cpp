@@ -15,6 +15,7 @@
 
 #include "c_api_internal.hpp"
 #include "core/json.hpp"
+#include "expseg/errors.hpp"
 #include "expseg/expseg.h"
 #include "expseg/trace.hpp"
 
@@ -115,6 +116,30 @@ TEST_CASE_FIXTURE(CApiFixture, "malloc/free through both pairs, on both backends
     CHECK(expseg_reset_peak_stats(0) == EXPSEG_SUCCESS);
     CHECK(stat(0, "allocated_bytes.all.peak") == 0);
   }
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "expseg_torch_malloc throws out_of_memory with the report, and the allocator keeps serving") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB") == EXPSEG_SUCCESS);
+  void* keep = expseg_torch_malloc(static_cast<ssize_t>(40 * MiB), 0, nullptr);
+  REQUIRE(keep != nullptr);
+  CHECK(expseg_torch_malloc(0, 0, nullptr) == nullptr);
+  std::string what;
+  try {
+    (void)expseg_torch_malloc(static_cast<ssize_t>(40 * MiB), 0, nullptr);
+  } catch (const expseg::out_of_memory& e) {
+    what = e.what();
+  }
+  CHECK(what.find("Tried to allocate 40.00 MiB") != std::string::npos);
+  CHECK(what.find("expseg verdict: limit") != std::string::npos);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
+  CHECK(std::string(expseg_last_oom_report(0)) == what);
+  CHECK_THROWS_WITH_AS(expseg_torch_malloc(-1, 0, nullptr), "expseg_torch_malloc: negative size", std::invalid_argument);
+  CHECK_THROWS_AS(expseg_torch_malloc(64, 99999, nullptr), std::runtime_error);
+  void* small = expseg_torch_malloc(static_cast<ssize_t>(8 * MiB), 0, nullptr);
+  CHECK(small != nullptr);
+  expseg_free(small, 0, 0, nullptr);
+  expseg_free(keep, 0, 0, nullptr);
+  CHECK(stat(0, "allocation.all.current") == 0);
 }
 
 TEST_CASE_FIXTURE(CApiFixture, "out of memory: NULL, a code, and a report retrievable from any thread") {
