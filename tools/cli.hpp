@@ -104,8 +104,13 @@ bool stdout_is_tty();
 std::string absolute_path(const std::string& path);
 std::string open_command();  // "xdg-open" or "open"
 
-// Where the shipped ResNet-50 trace lies (compile-time source path), or "" when it is not there.
-std::string shipped_trace();
+// The traces shipped in benchmarks/traces (compile-time source path) that are there, with what each
+// shows, in the order `expseg study` replays them.
+struct ShippedTrace {
+  std::string path;
+  const char* description;
+};
+std::vector<ShippedTrace> shipped_traces();
 
 }  // namespace expseg::cli
 

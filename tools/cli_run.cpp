@@ -241,11 +241,6 @@ void print_picture_hint(const std::string& path) {
 // "sim:80GiB (the simulated device: CUDA is not usable here (...))"
 void print_device_line(const Setup& setup) { std::printf("Device: %s, %s\n\n", setup.device_label.c_str(), setup.device_note.c_str()); }
 
-const char* kShippedTraceDescription =
-    "A ResNet-50 training run with variable batch sizes, recorded as an RMM allocation log and shipped with expseg "
-    "(benchmarks/traces): activations and workspaces of changing sizes come and go every iteration, so a split pool caches "
-    "blocks of many sizes that later requests cannot reuse exactly. No limit is set: the question is how much more than the "
-    "live bytes each backend holds, and how fast it serves the requests.";
 
 }  // namespace
 
@@ -351,13 +346,12 @@ int cmd::study(int argc, char** argv) {
   std::vector<std::string> descriptions;
   std::string trace_note;
   if (traces.empty()) {
-    const std::string shipped = shipped_trace();
-    if (!shipped.empty()) {
-      traces.push_back(shipped);
-      descriptions.push_back(kShippedTraceDescription);
-    } else {
-      trace_note = "The shipped ResNet-50 trace was not found next to the sources this binary was built from; pass --trace PATH to replay one.";
+    for (const ShippedTrace& t : shipped_traces()) {
+      traces.push_back(t.path);
+      descriptions.push_back(t.description);
     }
+    if (traces.empty())
+      trace_note = "The shipped traces were not found next to the sources this binary was built from; pass --trace PATH to replay one.";
   }
   for (const std::string& p : traces) {
     std::error_code ec;

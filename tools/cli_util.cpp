@@ -325,12 +325,27 @@ std::string open_command() {
 #endif
 }
 
-std::string shipped_trace() {
-#ifdef EXPSEG_SHIPPED_TRACE
-  std::error_code ec;
-  if (std::filesystem::is_regular_file(EXPSEG_SHIPPED_TRACE, ec)) return EXPSEG_SHIPPED_TRACE;
+std::vector<ShippedTrace> shipped_traces() {
+  std::vector<ShippedTrace> out;
+#ifdef EXPSEG_SHIPPED_TRACES_DIR
+  static const ShippedTrace kTraces[] = {
+      {"resnet50-train-varsize.rmm.csv.gz",
+       "A ResNet-50 training run with variable batch sizes, recorded from PyTorch's caching allocator as an RMM "
+       "allocation log on an H200 (benchmarks/traces): activations and workspaces of changing sizes come and go every "
+       "iteration, so a split pool caches blocks of many sizes that later requests cannot reuse exactly. No limit is "
+       "set: the question is how much more than the live bytes each backend holds, and how fast it serves the requests."},
+      {"gpt2-train-varlen.rmm.csv.gz",
+       "GPT-2 small training with random batch sizes and sequence lengths, recorded by expseg's own event recorder "
+       "under PyTorch on an H200 (benchmarks/workloads.py --record): 14 GB of activations whose sizes change with every "
+       "batch. No limit is set: PyTorch's classic allocator held 19.3 GB for it, its expandable segments 15.1 GB."},
+  };
+  for (const ShippedTrace& t : kTraces) {
+    const std::string path = std::string(EXPSEG_SHIPPED_TRACES_DIR) + "/" + t.path;
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(path, ec)) out.push_back({path, t.description});
+  }
 #endif
-  return {};
+  return out;
 }
 
 }  // namespace expseg::cli

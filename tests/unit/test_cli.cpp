@@ -290,10 +290,12 @@ TEST_CASE("cli: study --device sim --html FILE writes the picture and says where
   REQUIRE(r.status == 0);
   REQUIRE(fs::exists(html));
   const std::string page = read_file(html);
-  // Six scenarios and the shipped trace: seven groups, one chart each.
-  CHECK(count(page, "<svg class=\"chart\"") == 7);
-  CHECK(count(page, "<section class=\"card group\"") == 7);
+  // Six scenarios and the two shipped traces: eight groups, one chart each.
+  CHECK(count(page, "<svg class=\"chart\"") == 8);
+  CHECK(count(page, "<section class=\"card group\"") == 8);
   CHECK(page.find("resnet50-train-varsize.rmm.csv.gz") != std::string::npos);
+  CHECK(page.find("gpt2-train-varlen.rmm.csv.gz") != std::string::npos);
+  CHECK(page.find("own event recorder under PyTorch") != std::string::npos);
   CHECK(r.out.find(html.string()) != std::string::npos);
   CHECK(r.out.find("xdg-open") != std::string::npos);
   CHECK(r.out.find("Verdict") != std::string::npos);
