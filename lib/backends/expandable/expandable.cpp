@@ -261,7 +261,8 @@ void ExpandableBackend::remove_live(const Block& b) noexcept {
 
 // Bytes of idle handles that a block at [lo, hi) would use only partly: memory that could not be
 // given back while the block lives.
-std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t cap) const noexcept {
+std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
+                                             std::size_t max_shared_frames) const noexcept {
   std::size_t pinned = 0;
   for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last;) {
     const ExpHandle* h = seg.frames[f];
@@ -269,7 +270,7 @@ std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_
       const std::uint64_t hlo = frame_addr(seg, h->first_frame);
       const std::uint64_t hhi = hlo + h->bytes;
       const std::size_t pin = h->bytes - (std::min(hhi, hi) - std::max(hlo, lo));
-      if (pin != 0 && h->nframes > cap) return kNoPlace;
+      if (pin != 0 && h->nframes > max_shared_frames) return kNoPlace;
       pinned += pin;
     }
     f = h->first_frame + h->nframes;
@@ -277,8 +278,8 @@ std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_
   return pinned;
 }
 
-// Under a limit: unmaps the idle handles that a block at [lo, hi) would leave a whole frame or
-// more unused, so that the block maps frames of its own there instead of pinning them.
+// Under a limit: unmaps the idle bulk (multi-frame) handles that a block at [lo, hi) would cover
+// only partly, so that the block maps frames of its own there instead of sharing them.
 void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) {
   bool synced = false;
   for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last;) {
@@ -330,12 +331,12 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
   Block* best = nullptr;
   bool best_back = false;
   std::size_t best_pin = std::numeric_limits<std::size_t>::max();
-  const std::size_t pin_cap = ctx_.limit != 0 ? 1 : std::numeric_limits<std::size_t>::max();
+  const std::size_t max_shared_frames = ctx_.limit != 0 ? 1 : std::numeric_limits<std::size_t>::max();
   for (int k = 0; it != arena.mapped_free.end() && k < kPlacementCandidates; ++it, ++k) {
     Block* b = &*it;
     const auto& seg = *static_cast<const ExpSegment*>(b->segment);
-    const std::size_t front = new_pin_bytes(seg, b->addr, b->addr + size, pin_cap);
-    const std::size_t back = b->size > size && front != 0 ? new_pin_bytes(seg, b->end() - size, b->end(), pin_cap) : front;
+    const std::size_t front = new_pin_bytes(seg, b->addr, b->addr + size, max_shared_frames);
+    const std::size_t back = b->size > size && front != 0 ? new_pin_bytes(seg, b->end() - size, b->end(), max_shared_frames) : front;
     if (front < best_pin || back < best_pin) {
       best = b;
       best_back = back < front;
@@ -472,8 +473,8 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   // the highest reservation so far, give back idle memory beyond a small slack over the live bytes
   // (best effort; the slack is 1/256 of the live bytes, without the growth granule: an extension
   // mapped past a block is for later, not part of the working set). It costs a stream
-  // synchronization and driver calls, so it only runs when a new peak would be set — rarely, once a workload has warmed up. Under a limit, make_room below
-  // reclaims when the limit requires it.
+  // synchronization and driver calls, so it only runs when a new peak would be set — rarely, once
+  // a workload has warmed up. Under a limit, make_room below reclaims when the limit requires it.
   if (ctx_.limit == 0 && !idle_.empty()) {
     const std::size_t need = frames_needed(*pl.seg, pl.start, map_hi) * frame_;
     if (reserved_ + need > high_water_) {

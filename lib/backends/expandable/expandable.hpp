@@ -116,10 +116,11 @@ class ExpandableBackend final : public Backend {
   ExpArena& arena_for(driver::stream_t stream);
   core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back);
   static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
-  // Bytes of idle handles a block at [lo, hi) would use only partly; kNoPlace when one handle
-  // would keep `cap` bytes or more pinned.
+  // Bytes of idle handles a block at [lo, hi) would use only partly; kNoPlace when it would use
+  // only part of an idle handle of more than `max_shared_frames` frames (under a limit: 1, so that
+  // bulk handles serve one block at a time).
   std::size_t new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
-                            std::size_t cap = std::numeric_limits<std::size_t>::max()) const noexcept;
+                            std::size_t max_shared_frames = std::numeric_limits<std::size_t>::max()) const noexcept;
   void unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi);
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
