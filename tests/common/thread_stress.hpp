@@ -23,6 +23,18 @@ struct ThreadStressOptions {
   std::size_t capacity = std::size_t{512} << 20;
 };
 
+// The backend configurations both thread-stress tests (unit: short, stress: long) run.
+struct ThreadStressCase {
+  expseg::BackendKind backend;
+  const char* config;
+};
+inline constexpr ThreadStressCase kThreadStressCases[] = {
+    {expseg::BackendKind::split_merge, ""},
+    {expseg::BackendKind::split_merge, "policy:cupy,limit:384MiB"},
+    {expseg::BackendKind::expandable, ""},
+    {expseg::BackendKind::expandable, "limit:320MiB"},
+};
+
 struct ThreadStressResult {
   std::uint64_t allocs = 0, frees = 0, ooms = 0, cross_stream = 0, stats_reads = 0, snapshots = 0, validations = 0;
   std::uint64_t release_cached = 0, limit_changes = 0;

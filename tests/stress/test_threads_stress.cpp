@@ -23,12 +23,7 @@ std::uint64_t env_or(const char* name, std::uint64_t fallback) {
 TEST_SUITE("threads") {
 
 TEST_CASE("threads: 16 threads on each backend keep every invariant and every byte") {
-  struct Case {
-    expseg::BackendKind backend;
-    const char* config;
-  };
-  for (const Case& c : {Case{expseg::BackendKind::split_merge, ""}, Case{expseg::BackendKind::split_merge, "policy:cupy,limit:384MiB"},
-                        Case{expseg::BackendKind::expandable, ""}, Case{expseg::BackendKind::expandable, "limit:320MiB"}}) {
+  for (const fuzz::ThreadStressCase& c : fuzz::kThreadStressCases) {
     fuzz::ThreadStressOptions o;
     o.backend = c.backend;
     o.extra_config = c.config;

@@ -84,12 +84,7 @@ TEST_CASE("fuzz: the libFuzzer byte decoding drives the same harness") {
 TEST_SUITE("fuzz") {
 
 TEST_CASE("fuzz: 16 threads allocate, free, record streams and read stats and snapshots at once") {
-  struct Case {
-    expseg::BackendKind backend;
-    const char* config;
-  };
-  for (const Case& c : {Case{expseg::BackendKind::split_merge, ""}, Case{expseg::BackendKind::split_merge, "policy:cupy,limit:384MiB"},
-                        Case{expseg::BackendKind::expandable, ""}, Case{expseg::BackendKind::expandable, "limit:320MiB"}}) {
+  for (const fuzz::ThreadStressCase& c : fuzz::kThreadStressCases) {
     fuzz::ThreadStressOptions o;
     o.backend = c.backend;
     o.extra_config = c.config;
