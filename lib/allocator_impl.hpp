@@ -44,7 +44,9 @@ struct Allocator::Impl final : backends::FrontendHooks {
   backends::Context ctx;
   std::unique_ptr<backends::Backend> backend;
   core::LiveMap live;
-  mutable core::Mutex mu;
+  // On a cache line of its own: waiters spin on it, and a neighbour written on every call (the live
+  // map's size) would send the line back and forth between them and the holder.
+  alignas(64) mutable core::Mutex mu;
 
   struct PendingFree {
     driver::event_t event;
@@ -54,7 +56,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
     driver::stream_t stream;
     std::deque<PendingFree> queue;
   };
-  std::vector<StreamEvents> pending;  // per stream, in record order
+  alignas(64) std::vector<StreamEvents> pending;  // per stream, in record order
   std::size_t pending_count = 0;
   std::vector<driver::event_t> spare_events;
 

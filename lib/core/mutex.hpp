@@ -37,18 +37,34 @@ class Mutex {
   // churning on their own streams, split_merge: 128 -> 2,632 ns per step (all threads), 1024 ->
   // 2,403, 16384 -> 1,740; the threads rarely sleep, so unlock rarely wakes anyone.
   static constexpr int kSpinLimit = 16384;
+  // The longest wait between two looks at the lock (~40 us on the H200 host). Measured there, 16
+  // threads on their own streams, all threads' ns per churn step (split_merge / expandable): one
+  // pause between looks 1,644 / 1,650; backoff up to 64 pauses 1,154 / 1,245; 256: 1,106 / 1,063;
+  // 1,024: 1,010 / 1,030, and with the lock and the live map's size on lines of their own 804 / 782.
+  // Waiting threads see a longer tail, as with a sleeping mutex's wake-up latency.
+  static constexpr int kMaxBackoff = 1024;
+
+  static void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
 
   void lock_slow() noexcept {
-    for (int spin = 0; spin < kSpinLimit; ++spin) {
+    // Test-and-test-and-set with exponential backoff: after each failed look, wait twice as long
+    // (up to kMaxBackoff pauses) before looking again, so that a released lock is not stormed by
+    // every waiter at once and its last holder often takes it again with the data still in its
+    // cache.
+    int backoff = 1;
+    for (int spin = 0; spin < kSpinLimit; spin += backoff) {
       if (locked_.load(std::memory_order_relaxed) == 0) {
         int expected = 0;
         if (locked_.compare_exchange_weak(expected, 1, std::memory_order_acquire, std::memory_order_relaxed)) return;
       }
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#elif defined(__aarch64__)
-      asm volatile("yield");
-#endif
+      for (int i = 0; i < backoff; ++i) cpu_relax();
+      if (backoff < kMaxBackoff) backoff *= 2;
     }
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     for (;;) {

@@ -164,22 +164,24 @@ std::size_t ExpandableBackend::round_size(std::size_t size) const noexcept {
 }
 
 ExpArena& ExpandableBackend::arena_for(driver::stream_t stream) {
-  if (last_arena_ != nullptr && last_arena_->stream == stream) return *last_arena_;
-  for (ExpArena* a : arenas_) {
-    if (a->stream == stream) {
-      last_arena_ = a;
-      return *a;
-    }
-  }
+  // A read-only scan (streams are few): threads on different streams then share no written line
+  // here, where a "last arena" cache would be rewritten on every switch.
+  for (const ArenaEntry& e : arena_index_)
+    if (e.stream == stream) return *e.arena;
   auto* a = new ExpArena;
   a->stream = stream;
   try {
     arenas_.push_back(a);
+    try {
+      arena_index_.push_back(ArenaEntry{stream, a});
+    } catch (...) {
+      arenas_.pop_back();
+      throw;
+    }
   } catch (...) {
     delete a;
     throw;
   }
-  last_arena_ = a;
   return *a;
 }
 
@@ -210,7 +212,7 @@ Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
     p->size += b->size;
     p->next = b->next;
     if (b->next) b->next->prev = p;
-    blocks_.recycle(b);
+    arena.blocks.recycle(b);
     b = p;
   }
   if (Block* n = b->next; n && n->is_free() && n->mapped == b->mapped) {
@@ -218,7 +220,7 @@ Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
     b->size += n->size;
     b->next = n->next;
     if (n->next) n->next->prev = b;
-    blocks_.recycle(n);
+    arena.blocks.recycle(n);
   }
   return b;
 }
@@ -307,10 +309,10 @@ Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std
   Block* c = b;
   if (b->size > size) {
     if (back) {
-      c = split_after(blocks_, b, b->end() - size);
+      c = split_after(arena.blocks, b, b->end() - size);
       insert_free(arena, b);
     } else {
-      insert_free(arena, split_after(blocks_, b, b->addr + size));
+      insert_free(arena, split_after(arena.blocks, b, b->addr + size));
     }
   }
   c->status = BlockStatus::allocated;
@@ -404,7 +406,7 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
   seg->base = base;
   seg->va_bytes = va;
   seg->arena = &arena;
-  Block* b = blocks_.make();
+  Block* b = arena.blocks.make();
   b->addr = base;
   b->size = va;
   b->stream = arena.stream;
@@ -451,7 +453,7 @@ void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg) {
   if (seg->mapped_bytes != 0 || b->next != nullptr || !b->is_free()) return;
   ctx_.driver.free_reserve(seg->base, seg->va_bytes);
   erase_free(arena, b);
-  blocks_.recycle(b);
+  arena.blocks.recycle(b);
   arena.segments.erase(std::find(arena.segments.begin(), arena.segments.end(), seg));
   account_segment(kLargePool, -1);
   delete seg;
@@ -498,7 +500,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   if (!b->is_free() || !b->mapped || b->end() < pl.start + size) broken("mapped run at " + hex(pl.start) + " is not one free block");
   if (b->addr < pl.start) {
     erase_free(arena, b);
-    Block* upper = split_after(blocks_, b, pl.start);
+    Block* upper = split_after(arena.blocks, b, pl.start);
     insert_free(arena, b);
     insert_free(arena, upper);
     b = upper;
@@ -636,10 +638,10 @@ void ExpandableBackend::set_range_mapped(ExpSegment& seg, Block* from, std::uint
   erase_free(arena, b);
   Block* mid = b;
   if (b->addr < lo) {
-    mid = split_after(blocks_, b, lo);
+    mid = split_after(arena.blocks, b, lo);
     insert_free(arena, b);
   }
-  if (mid->end() > hi) insert_free(arena, split_after(blocks_, mid, hi));
+  if (mid->end() > hi) insert_free(arena, split_after(arena.blocks, mid, hi));
   mid->mapped = mapped;
   insert_free(arena, merge_free(arena, mid));
 }

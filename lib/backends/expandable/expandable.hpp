@@ -69,6 +69,7 @@ using UnmappedIndex = core::bi::set<core::Block, core::bi::member_hook<core::Blo
                                     core::bi::compare<BlockAddressOrder>, core::bi::constant_time_size<true>>;
 
 struct ExpArena {
+  core::BlockPool blocks;       // this arena's Block objects (per stream: threads share no free list)
   driver::stream_t stream = nullptr;
   core::FreeIndex mapped_free;  // free blocks backed by memory: best fit by size
   UnmappedIndex unmapped;       // free address ranges without memory: first fit by address
@@ -152,8 +153,11 @@ class ExpandableBackend final : public Backend {
   unsigned frame_shift_;     // log2(frame_)
   std::size_t va_bytes_;
   std::vector<ExpArena*> arenas_;
-  ExpArena* last_arena_ = nullptr;
-  core::BlockPool blocks_;
+  struct ArenaEntry {
+    driver::stream_t stream;
+    ExpArena* arena;
+  };
+  std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
   HandleList idle_;     // mapped handles without live bytes, least recently idle first
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
