@@ -199,12 +199,13 @@ def record_write(path, device=0):
     _check(load().expseg_record_write(device, os.fspath(path).encode()), "expseg_record_write")
 
 
-def install_torch(conf="", raise_on_oom=False):
+def install_torch(conf="", raise_on_oom=True):
     """Makes expseg PyTorch's CUDA allocator (CUDAPluggableAllocator). Call before any CUDA tensor exists.
 
-    PyTorch's pluggable allocator does not check for NULL: by default (expseg_malloc) an OOM prints
-    expseg's report on stderr and the next kernel fails on the NULL tensor. raise_on_oom=True uses
-    expseg_torch_malloc instead, which throws, and PyTorch raises RuntimeError carrying the report.
+    An OOM raises RuntimeError carrying expseg's report (expseg_torch_malloc throws; PyTorch turns the
+    exception into a Python error), and the program can catch it and go on. PyTorch's pluggable
+    allocator does not check for NULL: raise_on_oom=False installs expseg_malloc, which returns NULL
+    and prints the report on stderr, and the next kernel then fails on the NULL tensor.
 
     Under it torch.cuda.memory_stats() and friends raise (PyTorch's pluggable allocator has no stats):
     use expseg.stats(). torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.

@@ -91,8 +91,8 @@ EXPSEG_API void expseg_free(void* ptr, ssize_t size, int device, expseg_stream_t
  * std::bad_alloc whose what() is the OOM report), other failures std::runtime_error or
  * std::invalid_argument; PyTorch turns them into a Python RuntimeError carrying the message, as it
  * documents for pluggable allocators, instead of handing out a tensor at address 0. The report and
- * the error code stay retrievable as after expseg_malloc. tools/expseg.py:
- * install_torch(conf, raise_on_oom=True) installs it. */
+ * the error code stay retrievable as after expseg_malloc. tools/expseg.py: install_torch(conf)
+ * installs it (raise_on_oom=False: expseg_malloc). */
 EXPSEG_API void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream);
 #endif
 
