@@ -95,6 +95,20 @@ inline Block* best_fit(FreeIndex& index, driver::stream_t stream, std::size_t si
   return &*it;
 }
 
+// Puts `b`, whose key changed while it stayed linked in `index`, where it belongs. A cached
+// allocation or free usually changes a key without changing its rank (a split remainder is smaller
+// but still larger than its predecessor; a merged block takes its neighbour's place): then the node
+// stays and the tree is not touched.
+inline void reposition(FreeIndex& index, Block* b) noexcept {
+  auto it = index.iterator_to(*b);
+  const BlockSizeOrder less;
+  const bool after_prev = it == index.begin() || less(*std::prev(it), *b);
+  const bool before_next = std::next(it) == index.end() || less(*b, *std::next(it));
+  if (after_prev && before_next) return;
+  index.erase(it);
+  index.insert(*b);
+}
+
 // Recycles Block objects so the cached allocation path never touches the heap: blocks come from
 // chunks that are only allocated when the number of blocks alive reaches a new high-water mark.
 class BlockPool {

@@ -179,6 +179,7 @@ struct SimDriver::Impl {
   void enter(Op op, const char* call) {
     const auto index = static_cast<std::size_t>(op);
     const std::uint64_t n = ++calls[index];
+    if (faults.empty()) return;
     auto it = faults.find({index, n});
     if (it == faults.end()) return;
     const Fault fault = it->second;
@@ -189,6 +190,12 @@ struct SimDriver::Impl {
   }
   void charge(double us) noexcept {
     if (opt.latency_model) seconds += us * 1e-6;
+  }
+  // charge() of a latency table's figure for `bytes`; the interpolation (three logarithms) runs
+  // only when the model is on.
+  template <std::size_t N>
+  void charge_table(const std::array<double, N>& sizes, const std::array<double, N>& us, std::size_t bytes) noexcept {
+    if (opt.latency_model) seconds += interpolate_us(sizes, us, bytes) * 1e-6;
   }
 
   void check_granular(const char* call, const char* what, std::uint64_t value) const {
@@ -425,7 +432,7 @@ phys_handle SimDriver::create(std::size_t bytes) {
     throw;
   }
   s.physical += bytes;
-  s.charge(interpolate_us(kTableSizes, kCreateUs, bytes));
+  s.charge_table(kTableSizes, kCreateUs, bytes);
   return h;
 }
 
@@ -437,7 +444,7 @@ void SimDriver::release(phys_handle handle) {
   auto it = s.handles.find(handle);
   if (it == s.handles.end()) invalid(call, "unknown physical handle " + hex(handle));
   const std::uint64_t id = it->second;
-  s.charge(interpolate_us(kTableSizes, kReleaseUs, s.phys.at(id).size));
+  s.charge_table(kTableSizes, kReleaseUs, s.phys.at(id).size);
   s.handles.erase(it);
   s.unref(id);
 }
@@ -475,7 +482,7 @@ void SimDriver::map(dev_ptr ptr, std::size_t bytes, phys_handle handle) {
     throw;
   }
   ++p.refs;
-  s.charge(interpolate_us(kTableSizes, kMapUs, bytes));
+  s.charge_table(kTableSizes, kMapUs, bytes);
 }
 
 void SimDriver::unmap(dev_ptr ptr, std::size_t bytes) {
@@ -495,7 +502,7 @@ void SimDriver::unmap(dev_ptr ptr, std::size_t bytes) {
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
     host_failure(call, "mmap", errno);
   for (auto m = first; m != it; ++m) {
-    s.charge(interpolate_us(kTableSizes, kUnmapUs, m->second.size));
+    s.charge_table(kTableSizes, kUnmapUs, m->second.size);
     s.unref(m->second.phys);
   }
   s.mappings.erase(first, it);
@@ -521,7 +528,7 @@ void SimDriver::set_access(dev_ptr ptr, std::size_t bytes) {
     };
     grant(options_.device);
     for (int peer : s.peers) grant(peer);
-    s.charge(interpolate_us(kTableSizes, kSetAccessUs, m.size));  // cost follows handles, not bytes
+    s.charge_table(kTableSizes, kSetAccessUs, m.size);  // cost follows handles, not bytes
   }
 }
 
@@ -559,7 +566,7 @@ dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
     }
   }
   s.physical += bytes;
-  s.charge(interpolate_us(kAllocSizes, kMemAllocUs, bytes));
+  s.charge_table(kAllocSizes, kMemAllocUs, bytes);
   return p;
 }
 
@@ -573,7 +580,7 @@ void SimDriver::mem_free(dev_ptr ptr) {
   if (options_.host_backed && ::munmap(reinterpret_cast<void*>(ptr), it->second.host_size) != 0)
     host_failure(call, "munmap", errno);
   s.physical -= it->second.size;
-  s.charge(interpolate_us(kAllocSizes, kMemFreeUs, it->second.size));
+  s.charge_table(kAllocSizes, kMemFreeUs, it->second.size);
   s.allocs.erase(it);
 }
 

@@ -303,17 +303,36 @@ void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t 
   }
 }
 
-// Hands out `size` bytes of free mapped block `b`, at its front or (back) at its end.
+// Hands out `size` bytes of free mapped block `b`, at its front or (back) at its end. The
+// remainder keeps b's index node (repositioned only when its new size changes its rank), so a
+// cached allocation usually costs no tree rebalancing.
 Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std::size_t requested, bool back) {
-  erase_free(arena, b);
   Block* c = b;
-  if (b->size > size) {
-    if (back) {
-      c = split_after(arena.blocks, b, b->end() - size);
-      insert_free(arena, b);
-    } else {
-      insert_free(arena, split_after(arena.blocks, b, b->addr + size));
+  if (b->size == size) {
+    erase_free(arena, b);
+  } else {
+    c = arena.blocks.make();
+    c->size = size;
+    c->stream = b->stream;
+    c->segment = b->segment;
+    c->mapped = true;
+    if (back) {  // c = [end - size, end) after b
+      c->addr = b->end() - size;
+      c->prev = b;
+      c->next = b->next;
+      if (b->next) b->next->prev = c;
+      b->next = c;
+    } else {  // c = [addr, addr + size) before b
+      c->addr = b->addr;
+      c->prev = b->prev;
+      c->next = b;
+      if (b->prev) b->prev->next = c;
+      else static_cast<ExpSegment*>(b->segment)->first = c;
+      b->prev = c;
+      b->addr += size;
     }
+    b->size -= size;
+    core::reposition(arena.mapped_free, b);
   }
   c->status = BlockStatus::allocated;
   c->requested = requested;
@@ -746,7 +765,37 @@ void ExpandableBackend::free(Block* b) {
   remove_live(*b);
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   ExpArena& arena = *seg.arena;
-  insert_free(arena, merge_free(arena, b));
+  // An allocated block is mapped: it merges with mapped free neighbours, and the merged block takes
+  // the index node of a neighbour it absorbs (no rebalancing when the rank allows).
+  Block* p = b->prev;
+  Block* n = b->next;
+  const bool merge_prev = p && p->is_free() && p->mapped;
+  const bool merge_next = n && n->is_free() && n->mapped;
+  if (!merge_prev && !merge_next) {
+    insert_free(arena, b);
+    return;
+  }
+  b->status = BlockStatus::free;
+  Block* keep = b;
+  if (merge_next) {  // b absorbs n, and takes n's node
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    arena.mapped_free.replace_node(arena.mapped_free.iterator_to(*n), *b);
+    arena.blocks.recycle(n);
+  }
+  if (merge_prev) {  // p absorbs b (and n): p keeps its node
+    p->size += b->size;
+    p->next = b->next;
+    if (b->next) b->next->prev = p;
+    if (merge_next) {
+      arena.mapped_free.erase(arena.mapped_free.iterator_to(*b));
+      ctx_.stats.num_free_blocks -= 1;
+    }
+    arena.blocks.recycle(b);
+    keep = p;
+  }
+  core::reposition(arena.mapped_free, keep);
 }
 
 void ExpandableBackend::release_cached() {
