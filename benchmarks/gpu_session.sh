@@ -14,6 +14,7 @@
 #   compare    benchmarks/compare.py: PyTorch's caching allocator vs expseg, same workloads
 #   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators (WORKLOADS_ARGS: its options)
 #   cupy       benchmarks/cupy_story.py
+#   torch      tests/gpu/torch_oom.py: an OOM inside PyTorch raises RuntimeError with the report
 #   multi      tests/gpu/run_multi_gpu.sh (two GPUs)
 # Each phase prints one summary line; the last lines of the output are the summary table. Logs go
 # to a work folder and are packed into $OUT/gpu-session.tgz at the end (one file to fetch).
@@ -64,6 +65,8 @@ for p in "${phases[@]}"; do
       run_phase compare 500 python3 benchmarks/compare.py --bench "$B/benchmarks/expseg_bench" "${bj[@]}" --cli "$B/tools/expseg" --growth-reps 2 --out "$OUT/compare" ;;
     workloads)
       run_phase workloads 560 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" PYTHONUNBUFFERED=1 python3 benchmarks/workloads.py --out "$OUT/workloads" ${WORKLOADS_ARGS:-} ;;
+    torch)
+      run_phase torch 300 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" python3 tests/gpu/torch_oom.py ;;
     cupy)
       run_phase cupy 200 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" python3 benchmarks/cupy_story.py ;;
     multi)
