@@ -948,10 +948,20 @@ void ExpandableBackend::validate() const {
   for (const ExpArena* arena : arenas_) {
     indexed_mapped += arena->mapped_free.size();
     indexed_unmapped += arena->unmapped.size();
-    for (const Block& b : arena->mapped_free)
-      if (!b.mapped || b.stream != arena->stream) broken("mapped index holds a foreign block");
-    for (const Block& b : arena->unmapped)
+    // In order: a key changed in place (carve, free) and not repositioned would break best fit.
+    const core::BlockSizeOrder size_order;
+    const Block* prev = nullptr;
+    for (const Block& b : arena->mapped_free) {
+      if (!b.mapped || b.stream != arena->stream || !b.is_free()) broken("mapped index holds a foreign block");
+      if (prev && !size_order(*prev, b)) broken("mapped index out of (size, address) order at " + hex(b.addr));
+      prev = &b;
+    }
+    prev = nullptr;
+    for (const Block& b : arena->unmapped) {
       if (b.mapped) broken("unmapped index holds a mapped block");
+      if (prev && prev->addr >= b.addr) broken("unmapped index out of address order at " + hex(b.addr));
+      prev = &b;
+    }
   }
   if (indexed_mapped != mapped_free_blocks || indexed_unmapped != unmapped_blocks) broken("free indexes hold blocks not in any segment");
   if (idle != idle_.size()) broken("idle list holds handles that are not idle");

@@ -425,6 +425,15 @@ void SplitMergeBackend::validate() const {
   }
   if (total != total_allocated_memory_) broken("total_allocated_memory differs from the sum of segments");
   if (free_blocks != small_.blocks.size() + large_.blocks.size()) broken("free index holds blocks not in any segment");
+  // In (stream, size, address) order: keys change in place on the cached path (reposition).
+  const core::BlockSizeOrder order;
+  for (const Pool* pool : {&small_, &large_}) {
+    const Block* prev = nullptr;
+    for (const Block& b : pool->blocks) {
+      if (prev && !order(*prev, b)) broken("free index out of (stream, size, address) order");
+      prev = &b;
+    }
+  }
   if (static_cast<std::int64_t>(free_blocks) != ctx_.stats.num_free_blocks) broken("num_free_blocks stat is wrong");
   const Stats& s = ctx_.stats;
   for (int pool : {kSmallPool, kLargePool}) {
