@@ -45,6 +45,7 @@ struct Block {
   BlockStatus status = BlockStatus::free;
   bool mapped = true;         // expandable: backed by physical memory; split_merge: always true
   std::uint8_t pool = 2;      // StatPool: kSmallPool (1) or kLargePool (2)
+  std::uint16_t bin = 0;      // size class while in a SizeIndex (core/size_index.hpp)
   std::uint32_t pending_events = 0;         // events still to complete before a pending free ends
   std::uint64_t gc_base = 0;                // split_merge garbage collection: call count at insertion
   std::vector<driver::stream_t> stream_uses;  // record_stream(); empty on the hot path (no heap)
@@ -55,59 +56,6 @@ struct Block {
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
   std::uint64_t end() const noexcept { return addr + size; }
 };
-
-// Free-block index ordered by (stream, size, address): best fit for a stream is one lower_bound.
-// This is PyTorch's BlockComparatorSize; a per-stream index simply has one stream.
-struct BlockSizeOrder {
-  bool operator()(const Block& a, const Block& b) const noexcept {
-    if (a.stream != b.stream) return reinterpret_cast<std::uintptr_t>(a.stream) < reinterpret_cast<std::uintptr_t>(b.stream);
-    if (a.size != b.size) return a.size < b.size;
-    return a.addr < b.addr;
-  }
-};
-using FreeIndex = bi::set<Block, bi::member_hook<Block, FreeHook, &Block::free_hook>, bi::compare<BlockSizeOrder>,
-                          bi::constant_time_size<true>>;
-
-// Search key for FreeIndex::lower_bound without constructing a Block.
-struct FreeKey {
-  driver::stream_t stream;
-  std::size_t size;
-  std::uint64_t addr;
-};
-struct FreeKeyOrder {
-  static std::uintptr_t s(driver::stream_t p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
-  bool operator()(const FreeKey& k, const Block& b) const noexcept {
-    if (k.stream != b.stream) return s(k.stream) < s(b.stream);
-    if (k.size != b.size) return k.size < b.size;
-    return k.addr < b.addr;
-  }
-  bool operator()(const Block& b, const FreeKey& k) const noexcept {
-    if (b.stream != k.stream) return s(b.stream) < s(k.stream);
-    if (b.size != k.size) return b.size < k.size;
-    return b.addr < k.addr;
-  }
-};
-
-// Smallest free block of `stream` with size >= `size`, or nullptr.
-inline Block* best_fit(FreeIndex& index, driver::stream_t stream, std::size_t size) noexcept {
-  auto it = index.lower_bound(FreeKey{stream, size, 0}, FreeKeyOrder{});
-  if (it == index.end() || it->stream != stream) return nullptr;
-  return &*it;
-}
-
-// Puts `b`, whose key changed while it stayed linked in `index`, where it belongs. A cached
-// allocation or free usually changes a key without changing its rank (a split remainder is smaller
-// but still larger than its predecessor; a merged block takes its neighbour's place): then the node
-// stays and the tree is not touched.
-inline void reposition(FreeIndex& index, Block* b) noexcept {
-  auto it = index.iterator_to(*b);
-  const BlockSizeOrder less;
-  const bool after_prev = it == index.begin() || less(*std::prev(it), *b);
-  const bool before_next = std::next(it) == index.end() || less(*b, *std::next(it));
-  if (after_prev && before_next) return;
-  index.erase(it);
-  index.insert(*b);
-}
 
 // Recycles Block objects so the cached allocation path never touches the heap: blocks come from
 // chunks that are only allocated when the number of blocks alive reaches a new high-water mark.

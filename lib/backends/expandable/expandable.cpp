@@ -197,7 +197,7 @@ void ExpandableBackend::insert_free(ExpArena& arena, Block* b) noexcept {
 
 void ExpandableBackend::erase_free(ExpArena& arena, Block* b) noexcept {
   if (b->mapped) {
-    arena.mapped_free.erase(arena.mapped_free.iterator_to(*b));
+    arena.mapped_free.erase(*b);
     ctx_.stats.num_free_blocks -= 1;
   } else {
     arena.unmapped.erase(arena.unmapped.iterator_to(*b));
@@ -332,7 +332,7 @@ Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std
       b->addr += size;
     }
     b->size -= size;
-    core::reposition(arena.mapped_free, b);
+    arena.mapped_free.reposition(*b);
   }
   c->status = BlockStatus::allocated;
   c->requested = requested;
@@ -348,13 +348,12 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
   ExpArena& arena = arena_for(stream);
   // Best fit among mapped free blocks; among the few smallest that fit, prefer a place that does
   // not leave an idle handle partly used (it could not be given back while the block lives).
-  auto it = arena.mapped_free.lower_bound(core::FreeKey{stream, size, 0}, core::FreeKeyOrder{});
   Block* best = nullptr;
   bool best_back = false;
   std::size_t best_pin = std::numeric_limits<std::size_t>::max();
   const std::size_t max_shared_frames = ctx_.limit != 0 ? 1 : std::numeric_limits<std::size_t>::max();
-  for (int k = 0; it != arena.mapped_free.end() && k < kPlacementCandidates; ++it, ++k) {
-    Block* b = &*it;
+  Block* b = arena.mapped_free.lower_bound(size);
+  for (int k = 0; b != nullptr && k < kPlacementCandidates; b = arena.mapped_free.next(*b), ++k) {
     const auto& seg = *static_cast<const ExpSegment*>(b->segment);
     const std::size_t front = new_pin_bytes(seg, b->addr, b->addr + size, max_shared_frames);
     const std::size_t back = b->size > size && front != 0 ? new_pin_bytes(seg, b->end() - size, b->end(), max_shared_frames) : front;
@@ -781,7 +780,7 @@ void ExpandableBackend::free(Block* b) {
     b->size += n->size;
     b->next = n->next;
     if (n->next) n->next->prev = b;
-    arena.mapped_free.replace_node(arena.mapped_free.iterator_to(*n), *b);
+    arena.mapped_free.replace(*n, *b);
     arena.blocks.recycle(n);
   }
   if (merge_prev) {  // p absorbs b (and n): p keeps its node
@@ -789,13 +788,13 @@ void ExpandableBackend::free(Block* b) {
     p->next = b->next;
     if (b->next) b->next->prev = p;
     if (merge_next) {
-      arena.mapped_free.erase(arena.mapped_free.iterator_to(*b));
+      arena.mapped_free.erase(*b);
       ctx_.stats.num_free_blocks -= 1;
     }
     arena.blocks.recycle(b);
     keep = p;
   }
-  core::reposition(arena.mapped_free, keep);
+  arena.mapped_free.reposition(*keep);
 }
 
 void ExpandableBackend::release_cached() {
@@ -949,14 +948,11 @@ void ExpandableBackend::validate() const {
     indexed_mapped += arena->mapped_free.size();
     indexed_unmapped += arena->unmapped.size();
     // In order: a key changed in place (carve, free) and not repositioned would break best fit.
-    const core::BlockSizeOrder size_order;
-    const Block* prev = nullptr;
-    for (const Block& b : arena->mapped_free) {
+    if (const char* why = arena->mapped_free.check()) broken(why);
+    arena->mapped_free.for_each([&](const Block& b) {
       if (!b.mapped || b.stream != arena->stream || !b.is_free()) broken("mapped index holds a foreign block");
-      if (prev && !size_order(*prev, b)) broken("mapped index out of (size, address) order at " + hex(b.addr));
-      prev = &b;
-    }
-    prev = nullptr;
+    });
+    const Block* prev = nullptr;
     for (const Block& b : arena->unmapped) {
       if (b.mapped) broken("unmapped index holds a mapped block");
       if (prev && prev->addr >= b.addr) broken("unmapped index out of address order at " + hex(b.addr));
@@ -1045,10 +1041,10 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
     }
   }
   for (const ExpArena* arena : arenas_) {
-    for (const Block& b : arena->mapped_free) {
+    arena->mapped_free.for_each([&](const Block& b) {
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
-    }
+    });
   }
   for (const ExpHandle& h : idle_) s.releasable_bytes += h.bytes;
   return s;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "backends/backend.hpp"
+#include "core/size_index.hpp"
 
 namespace expseg::backends {
 
@@ -71,7 +72,7 @@ using UnmappedIndex = core::bi::set<core::Block, core::bi::member_hook<core::Blo
 struct ExpArena {
   core::BlockPool blocks;       // this arena's Block objects (per stream: threads share no free list)
   driver::stream_t stream = nullptr;
-  core::FreeIndex mapped_free;  // free blocks backed by memory: best fit by size
+  core::SizeIndex mapped_free;  // free blocks backed by memory: best fit by (size, address)
   UnmappedIndex unmapped;       // free address ranges without memory: first fit by address
   std::vector<ExpSegment*> segments;
 };

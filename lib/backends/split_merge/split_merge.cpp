@@ -94,16 +94,16 @@ bool SplitMergeBackend::should_split(const Block& block, std::size_t size) const
   return size < ctx_.config.max_split_size && remaining > kSmallSize;
 }
 
-void SplitMergeBackend::insert_free(Pool& pool, Block* block) noexcept {
+void SplitMergeBackend::insert_free(const Pool& pool, core::SizeIndex& index, Block* block) noexcept {
   block->gc_base = pool.get_free_blocks_calls;
-  pool.blocks.insert(*block);
+  index.insert(*block);
 }
 
 bool SplitMergeBackend::get_free_block(Params& p) {
   Pool& pool = *p.pool;
   const bool gc_enabled = ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0;
   if (gc_enabled) ++pool.get_free_blocks_calls;
-  Block* b = core::best_fit(pool.blocks, p.stream, p.size);
+  Block* b = p.index->lower_bound(p.size);
   if (b == nullptr) return false;
   if (!cupy()) {
     const std::size_t max_split = ctx_.config.max_split_size;
@@ -134,6 +134,7 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
   seg->size = size;
   seg->stream = p.stream;
   seg->pool = p.pool->stat_pool;
+  seg->index = p.index;
   seg->first = b;
   segments_.push_back(*seg);
   b->addr = ptr;
@@ -155,8 +156,7 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
 void SplitMergeBackend::release_block(Block* block) {
   auto* seg = static_cast<SmSegment*>(block->segment);
   ctx_.driver.mem_free(seg->base);  // throws before any state changes
-  Pool& pool = pool_of(*block);
-  pool.blocks.erase(pool.blocks.iterator_to(*block));
+  index_of(*block).erase(*block);
   ctx_.stats.num_free_blocks -= 1;
   total_allocated_memory_ -= seg->size;
   account_segment(seg->pool, -1);
@@ -173,26 +173,22 @@ void SplitMergeBackend::release_block(Block* block) {
 bool SplitMergeBackend::release_available_cached_blocks(const Params& p) {
   const std::size_t max_split = ctx_.config.max_split_size;
   if (cupy() || max_split == SIZE_MAX) return false;
-  Pool& pool = *p.pool;
+  core::SizeIndex& index = *p.index;
   const std::size_t key_size = p.size < max_split ? max_split : p.size;
-  auto it = pool.blocks.lower_bound(core::FreeKey{p.stream, key_size, 0}, core::FreeKeyOrder{});
-  if (it == pool.blocks.end() || it->stream != p.stream) {
+  Block* b = index.lower_bound(key_size);
+  if (b == nullptr) {
     // No single block is large enough: free oversize blocks of this stream, largest first.
-    if (it == pool.blocks.begin()) return false;
     std::size_t released = 0;
-    --it;
-    while (released < key_size && it->size >= max_split && it->stream == p.stream) {
-      auto cur = it;
-      const bool is_first = cur == pool.blocks.begin();
-      if (!is_first) --it;
+    for (Block* cur = index.last(); cur != nullptr && released < key_size && cur->size >= max_split;) {
+      Block* below = index.prev(*cur);
       const std::size_t size = cur->size;
-      release_block(&*cur);
+      release_block(cur);
       released += size;
-      if (is_first) break;
+      cur = below;
     }
     if (released < key_size) return false;
   } else {
-    release_block(&*it);
+    release_block(b);
   }
   return true;
 }
@@ -200,11 +196,11 @@ bool SplitMergeBackend::release_available_cached_blocks(const Params& p) {
 bool SplitMergeBackend::release_cached_blocks() {
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   for (Pool* pool : {&large_, &small_}) {
-    for (auto it = pool->blocks.begin(); it != pool->blocks.end();) {
-      Block* b = &*it;
-      ++it;
-      if (!b->is_split()) release_block(b);
-    }
+    pool->blocks.for_each_index([&](core::SizeIndex& index, driver::stream_t) {
+      index.for_each([&](Block& b) {
+        if (!b.is_split()) release_block(&b);
+      });
+    });
   }
   return true;
 }
@@ -218,44 +214,38 @@ void SplitMergeBackend::garbage_collect_cached_blocks() {
   auto age = [&](const Block& b) { return large_.get_free_blocks_calls - b.gc_base; };
   std::uint64_t total_age = 0;
   std::int64_t freeable = 0;
-  for (const Block& b : large_.blocks) {
-    if (!b.is_split()) {
-      total_age += age(b);
-      ++freeable;
-    }
-  }
+  large_.blocks.for_each_index([&](const core::SizeIndex& index, driver::stream_t) {
+    index.for_each([&](const Block& b) {
+      if (!b.is_split()) {
+        total_age += age(b);
+        ++freeable;
+      }
+    });
+  });
   if (freeable == 0) return;
   bool block_freed = true;
   while (gc_reclaimed < target_size && block_freed && freeable > 0) {
     const double age_threshold = static_cast<double>(total_age) / static_cast<double>(freeable);
     block_freed = false;
-    for (auto it = large_.blocks.begin(); it != large_.blocks.end();) {
-      Block* b = &*it;
-      ++it;
-      if (!b->is_split() && static_cast<double>(age(*b)) >= age_threshold) {
-        block_freed = true;
-        gc_reclaimed += b->size;
-        total_age -= age(*b);
-        --freeable;
-        release_block(b);
-      }
-    }
+    large_.blocks.for_each_index([&](core::SizeIndex& index, driver::stream_t) {
+      index.for_each([&](Block& b) {
+        if (!b.is_split() && static_cast<double>(age(b)) >= age_threshold) {
+          block_freed = true;
+          gc_reclaimed += b.size;
+          total_age -= age(b);
+          --freeable;
+          release_block(&b);
+        }
+      });
+    });
   }
 }
 
-// Puts `b`, whose key changed while it stayed linked in `pool`, where it belongs. The cached path
-// usually changes a key without changing its rank (the remainder of a split is smaller but still
-// larger than its predecessor; a merged block takes its absorbed neighbour's place): then the node
-// stays and the tree is not touched.
-void SplitMergeBackend::reposition(Pool& pool, Block* b) noexcept {
-  auto it = pool.blocks.iterator_to(*b);
-  const core::BlockSizeOrder less;
-  const bool after_prev = it == pool.blocks.begin() || less(*std::prev(it), *b);
-  const bool before_next = std::next(it) == pool.blocks.end() || less(*b, *std::next(it));
+// Puts `b`, whose key changed while it stayed linked in `index`, where it belongs (see
+// SizeIndex::reposition), and restarts its garbage-collection age as PyTorch's re-insertion does.
+void SplitMergeBackend::reposition(const Pool& pool, core::SizeIndex& index, Block* b) noexcept {
   b->gc_base = pool.get_free_blocks_calls;
-  if (after_prev && before_next) return;
-  pool.blocks.erase(it);
-  pool.blocks.insert(*b);
+  index.reposition(*b);
 }
 
 Block* SplitMergeBackend::alloc_found_block(Params& p, std::size_t requested) {
@@ -280,8 +270,8 @@ Block* SplitMergeBackend::alloc_found_block(Params& p, std::size_t requested) {
     remaining->prev = block;
     remaining->addr += p.size;
     remaining->size -= p.size;
-    if (indexed) reposition(pool, remaining);
-    else insert_free(pool, remaining);
+    if (indexed) reposition(pool, *p.index, remaining);
+    else insert_free(pool, *p.index, remaining);
     ctx_.stats.num_free_blocks += 1;
     if (already_split) {
       account_inactive(sp, 0, -static_cast<std::int64_t>(p.size));  // a split free block shrank
@@ -289,7 +279,7 @@ Block* SplitMergeBackend::alloc_found_block(Params& p, std::size_t requested) {
       account_inactive(sp, 1, static_cast<std::int64_t>(remaining->size));  // a new split remainder
     }
   } else {
-    if (indexed) pool.blocks.erase(pool.blocks.iterator_to(*block));
+    if (indexed) p.index->erase(*block);
     if (already_split) account_inactive(sp, -1, -static_cast<std::int64_t>(block->size));  // a split block becomes active
   }
   block->status = BlockStatus::allocated;
@@ -303,6 +293,7 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   p.size = round_size(requested);
   if (p.size > std::numeric_limits<std::size_t>::max() / 2) return nullptr;
   p.pool = &pool_for(p.size);
+  p.index = &p.pool->blocks.of(stream);  // created on a stream's first allocation (may throw; nothing changed yet)
   p.alloc_size = allocation_size(p.size);
   p.stream = stream;
 
@@ -343,6 +334,7 @@ std::size_t SplitMergeBackend::try_merge_blocks(Block* dst, Block* src) noexcept
 void SplitMergeBackend::free(Block* block) {
   leave_active(*block);
   Pool& pool = pool_of(*block);
+  core::SizeIndex& index = index_of(*block);
   std::int64_t inactive_blocks = 0;
   std::int64_t inactive_bytes = 0;
   Block* absorbed[2] = {nullptr, nullptr};
@@ -358,18 +350,18 @@ void SplitMergeBackend::free(Block* block) {
   // The merged block takes the index node of a neighbour it absorbed (no rebalancing when the
   // order allows), else it is inserted.
   if (n == 0) {
-    insert_free(pool, block);
+    insert_free(pool, index, block);
     ctx_.stats.num_free_blocks += 1;
   } else {
     if (n == 2) {
-      pool.blocks.erase(pool.blocks.iterator_to(*absorbed[0]));
+      index.erase(*absorbed[0]);
       ctx_.stats.num_free_blocks -= 1;
       blocks_.recycle(absorbed[0]);
     }
     Block* last = absorbed[n - 1];
-    pool.blocks.replace_node(pool.blocks.iterator_to(*last), *block);
+    index.replace(*last, *block);
     blocks_.recycle(last);
-    reposition(pool, block);
+    reposition(pool, index, block);
   }
   if (block->is_split()) {
     inactive_blocks += 1;
@@ -425,14 +417,16 @@ void SplitMergeBackend::validate() const {
   }
   if (total != total_allocated_memory_) broken("total_allocated_memory differs from the sum of segments");
   if (free_blocks != small_.blocks.size() + large_.blocks.size()) broken("free index holds blocks not in any segment");
-  // In (stream, size, address) order: keys change in place on the cached path (reposition).
-  const core::BlockSizeOrder order;
+  // Each stream's index holds that stream's blocks in (size, address) order (keys change in place
+  // on the cached path: reposition).
   for (const Pool* pool : {&small_, &large_}) {
-    const Block* prev = nullptr;
-    for (const Block& b : pool->blocks) {
-      if (prev && !order(*prev, b)) broken("free index out of (stream, size, address) order");
-      prev = &b;
-    }
+    pool->blocks.for_each_index([&](const core::SizeIndex& index, driver::stream_t stream) {
+      if (const char* why = index.check()) broken(why);
+      index.for_each([&](const Block& b) {
+        if (b.stream != stream) broken("free block indexed under another stream");
+        if (&pool_of(b) != pool) broken("free block indexed in another pool");
+      });
+    });
   }
   if (static_cast<std::int64_t>(free_blocks) != ctx_.stats.num_free_blocks) broken("num_free_blocks stat is wrong");
   const Stats& s = ctx_.stats;
@@ -484,11 +478,13 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request) const {
   s.live_footprint = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current);
   s.request_footprint = request;
   for (const Pool* pool : {&small_, &large_}) {
-    for (const Block& b : pool->blocks) {
-      s.free_blocks += 1;
-      if (b.size > s.largest_free_block) s.largest_free_block = b.size;
-      if (!b.is_split()) s.releasable_bytes += b.size;
-    }
+    pool->blocks.for_each_index([&](const core::SizeIndex& index, driver::stream_t) {
+      index.for_each([&](const Block& b) {
+        s.free_blocks += 1;
+        if (b.size > s.largest_free_block) s.largest_free_block = b.size;
+        if (!b.is_split()) s.releasable_bytes += b.size;
+      });
+    });
   }
   return s;
 }

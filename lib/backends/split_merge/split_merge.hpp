@@ -20,6 +20,7 @@
 #include <boost/intrusive/list.hpp>
 
 #include "backends/backend.hpp"
+#include "core/size_index.hpp"
 
 namespace expseg::backends {
 
@@ -29,6 +30,7 @@ struct SmSegment {
   std::size_t size = 0;
   driver::stream_t stream = nullptr;
   std::uint8_t pool = kLargePool;
+  core::SizeIndex* index = nullptr;  // the free index of this segment's pool and stream
   core::Block* first = nullptr;
   core::bi::list_member_hook<> hook;
 };
@@ -61,7 +63,7 @@ class SplitMergeBackend final : public Backend {
 
  private:
   struct Pool {
-    core::FreeIndex blocks;
+    core::StreamIndexes blocks;  // free blocks: a best-fit index per stream
     bool is_small = false;
     std::uint8_t stat_pool = kLargePool;
     std::uint64_t get_free_blocks_calls = 0;  // garbage collection ages blocks by this count
@@ -71,6 +73,7 @@ class SplitMergeBackend final : public Backend {
     std::size_t alloc_size = 0;  // segment size if a new one is needed
     driver::stream_t stream = nullptr;
     Pool* pool = nullptr;
+    core::SizeIndex* index = nullptr;  // the pool's index for `stream`
     core::Block* block = nullptr;
   };
 
@@ -86,8 +89,9 @@ class SplitMergeBackend final : public Backend {
   void garbage_collect_cached_blocks();
   core::Block* alloc_found_block(Params& p, std::size_t requested);
   std::size_t try_merge_blocks(core::Block* dst, core::Block* src) noexcept;
-  void reposition(Pool& pool, core::Block* b) noexcept;
-  void insert_free(Pool& pool, core::Block* block) noexcept;
+  void reposition(const Pool& pool, core::SizeIndex& index, core::Block* b) noexcept;
+  void insert_free(const Pool& pool, core::SizeIndex& index, core::Block* block) noexcept;
+  static core::SizeIndex& index_of(const core::Block& b) noexcept { return *static_cast<SmSegment*>(b.segment)->index; }
   Pool& pool_of(const core::Block& b) noexcept { return b.pool == kSmallPool && !cupy() ? small_ : large_; }
   const Pool& pool_of(const core::Block& b) const noexcept { return b.pool == kSmallPool && !cupy() ? small_ : large_; }
 

@@ -1,0 +1,213 @@
+// core::SizeIndex, the binned best-fit index both backends use: checked against a std::set in
+// (size, address) order under random inserts, erases, in-place key changes and node hand-overs.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <random>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "core/size_index.hpp"
+
+using expseg::core::Block;
+using expseg::core::SizeIndex;
+using expseg::core::StreamIndexes;
+
+namespace {
+
+using Key = std::pair<std::size_t, std::uint64_t>;  // (size, address)
+
+struct Model {
+  SizeIndex index;
+  std::set<Key> keys;
+
+  void check() const {
+    const char* why = index.check();
+    REQUIRE_MESSAGE(why == nullptr, (why ? why : ""));
+    REQUIRE(index.size() == keys.size());
+    std::vector<Key> walked;
+    for (const Block* b = index.first(); b != nullptr; b = index.next(*b)) walked.emplace_back(b->size, b->addr);
+    REQUIRE(walked == std::vector<Key>(keys.begin(), keys.end()));
+  }
+  const Block* expected_fit(std::size_t size) const {
+    auto it = keys.lower_bound(Key{size, 0});
+    return it == keys.end() ? nullptr : reinterpret_cast<const Block*>(it->second);  // address = Block*
+  }
+};
+
+}  // namespace
+
+TEST_SUITE("core") {
+
+TEST_CASE("size index: size classes are monotonic, 8 per power of two, and a whole 2^k shares the class below it") {
+  unsigned prev = 0;
+  for (std::size_t s = 1; s < 100000; ++s) {
+    const unsigned b = SizeIndex::bin_of(s);
+    CHECK(b >= prev);
+    prev = b;
+  }
+  for (unsigned k = 4; k < 63; ++k) {
+    const std::size_t p = std::size_t{1} << k;
+    CHECK(SizeIndex::bin_of(p) == SizeIndex::bin_of(p - p / 16 + 1));  // (15/16 * 2^k, 2^k] is one class
+    CHECK(SizeIndex::bin_of(p - p / 16) == SizeIndex::bin_of(p) - 1);
+    CHECK(SizeIndex::bin_of(p + 1) == SizeIndex::bin_of(p) + 1);
+  }
+  CHECK(SizeIndex::bin_of(~std::size_t{0}) == SizeIndex::kBins - 1);
+}
+
+TEST_CASE("size index: best fit, order and neighbours match a sorted set under random operations") {
+  // Addresses are the Block objects' own addresses, so the model can name the block it expects.
+  std::deque<Block> storage(3000);
+  std::vector<Block*> in, out;
+  for (Block& b : storage) out.push_back(&b);
+  Model m;
+  std::mt19937_64 rng(7);
+  auto random_size = [&] {
+    switch (rng() % 4) {
+      case 0: return std::size_t{512} * (1 + rng() % 8);                   // a few equal small sizes
+      case 1: return std::size_t{2} << 20;                                 // whole 2 MiB segments
+      case 2: return (std::size_t{1} << (9 + rng() % 25)) + rng() % 4096;  // anywhere up to 16 GiB
+      default: return std::size_t{1} + rng() % 5000;                       // tiny, unaligned
+    }
+  };
+  auto take = [&](std::vector<Block*>& from) {
+    const std::size_t k = rng() % from.size();
+    Block* b = from[k];
+    from[k] = from.back();
+    from.pop_back();
+    return b;
+  };
+  for (int step = 0; step < 40000; ++step) {
+    const unsigned op = static_cast<unsigned>(rng() % 10);
+    if (op < 4 && !out.empty()) {  // insert
+      Block* b = take(out);
+      b->size = random_size();
+      b->addr = reinterpret_cast<std::uint64_t>(b);
+      m.index.insert(*b);
+      m.keys.insert({b->size, b->addr});
+      in.push_back(b);
+    } else if (op < 6 && !in.empty()) {  // erase
+      Block* b = take(in);
+      m.index.erase(*b);
+      m.keys.erase({b->size, b->addr});
+      CHECK_FALSE(b->free_hook.is_linked());
+      out.push_back(b);
+    } else if (op < 8 && !in.empty()) {  // key changes in place (a split remainder, a merge)
+      Block* b = in[rng() % in.size()];
+      m.keys.erase({b->size, b->addr});
+      b->size = rng() % 2 ? std::max<std::size_t>(1, b->size - std::min(b->size - 1, random_size())) : b->size + random_size();
+      m.keys.insert({b->size, b->addr});
+      m.index.reposition(*b);
+    } else if (op < 9 && !in.empty() && !out.empty()) {  // a new block takes a linked block's node
+      Block* old = take(in);
+      Block* b = take(out);
+      m.keys.erase({old->size, old->addr});
+      b->size = old->size + random_size();
+      b->addr = reinterpret_cast<std::uint64_t>(b);
+      m.index.replace(*old, *b);
+      m.index.reposition(*b);
+      m.keys.insert({b->size, b->addr});
+      CHECK_FALSE(old->free_hook.is_linked());
+      in.push_back(b);
+      out.push_back(old);
+    } else {  // lookups
+      const std::size_t want = random_size();
+      REQUIRE(m.index.lower_bound(want) == m.expected_fit(want));
+      if (!in.empty()) {
+        Block* b = in[rng() % in.size()];
+        auto it = m.keys.find({b->size, b->addr});
+        const Block* after = std::next(it) == m.keys.end() ? nullptr : reinterpret_cast<const Block*>(std::next(it)->second);
+        const Block* before = it == m.keys.begin() ? nullptr : reinterpret_cast<const Block*>(std::prev(it)->second);
+        REQUIRE(m.index.next(*b) == after);
+        REQUIRE(m.index.prev(*b) == before);
+      }
+    }
+    if (step % 1000 == 0) m.check();
+  }
+  m.check();
+  REQUIRE(m.index.first() == (m.keys.empty() ? nullptr : reinterpret_cast<Block*>(m.keys.begin()->second)));
+  REQUIRE(m.index.last() == (m.keys.empty() ? nullptr : reinterpret_cast<Block*>(m.keys.rbegin()->second)));
+  m.index.clear();
+  for (Block* b : in) CHECK_FALSE(b->free_hook.is_linked());
+  CHECK(m.index.empty());
+  CHECK(m.index.first() == nullptr);
+  CHECK(m.index.check() == nullptr);
+}
+
+TEST_CASE("size index: a lone block moving between empty classes keeps a valid tree (the cached pair's path)") {
+  SizeIndex index;
+  Block seg, other;
+  seg.addr = 0x1000;
+  seg.size = std::size_t{2} << 20;
+  index.insert(seg);
+  for (int i = 0; i < 3; ++i) {
+    seg.size = std::size_t{1} << 20;  // a 1 MiB allocation left a 1 MiB remainder
+    index.reposition(seg);
+    CHECK(index.check() == nullptr);
+    CHECK(index.lower_bound(std::size_t{1} << 20) == &seg);
+    CHECK(index.lower_bound((std::size_t{1} << 20) + 1) == nullptr);
+    seg.size = std::size_t{2} << 20;  // merged back
+    index.reposition(seg);
+    CHECK(index.check() == nullptr);
+    CHECK(index.lower_bound((std::size_t{1} << 20) + 1) == &seg);
+  }
+  other.addr = 0x100000000;
+  other.size = 3 << 20;
+  index.insert(other);  // an insert after the lone moves still builds a proper tree
+  CHECK(index.check() == nullptr);
+  CHECK(index.next(seg) == &other);
+  CHECK(index.prev(other) == &seg);
+  index.erase(seg);
+  CHECK_FALSE(seg.free_hook.is_linked());
+  CHECK(index.first() == &other);
+  CHECK(index.check() == nullptr);
+  index.erase(other);
+  CHECK(index.empty());
+  CHECK(index.check() == nullptr);
+}
+
+TEST_CASE("size index: check() reports a key changed in place without reposition") {
+  SizeIndex index;
+  Block a, b;
+  a.addr = 0x1000;
+  a.size = 4096;
+  b.addr = 0x2000;
+  b.size = 1 << 20;
+  index.insert(a);
+  index.insert(b);
+  REQUIRE(index.check() == nullptr);
+  a.size = 2 << 20;  // changed class, not repositioned
+  CHECK(index.check() != nullptr);
+  index.reposition(a);
+  CHECK(index.check() == nullptr);
+  CHECK(index.first() == &b);
+  index.clear();
+}
+
+TEST_CASE("stream indexes: one index per stream, iterated in stream order") {
+  StreamIndexes s;
+  auto* s2 = reinterpret_cast<expseg::driver::stream_t>(0x200);
+  auto* s1 = reinterpret_cast<expseg::driver::stream_t>(0x100);
+  CHECK(s.find(s1) == nullptr);
+  SizeIndex& i2 = s.of(s2);
+  SizeIndex& i1 = s.of(s1);
+  CHECK(&s.of(s2) == &i2);
+  CHECK(s.find(s1) == &i1);
+  Block a, b;
+  a.size = b.size = 512;
+  a.addr = 1;
+  b.addr = 2;
+  i2.insert(a);
+  i1.insert(b);
+  CHECK(s.size() == 2);
+  std::vector<expseg::driver::stream_t> order;
+  s.for_each_index([&](SizeIndex&, expseg::driver::stream_t st) { order.push_back(st); });
+  CHECK(order == std::vector<expseg::driver::stream_t>{s1, s2});
+  s.clear();
+  CHECK(s.size() == 0);
+}
+
+}  // TEST_SUITE
