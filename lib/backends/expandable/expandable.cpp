@@ -163,11 +163,7 @@ std::size_t ExpandableBackend::round_size(std::size_t size) const noexcept {
   return round_up(size, kMinBlockSize);
 }
 
-ExpArena& ExpandableBackend::arena_for(driver::stream_t stream) {
-  // A read-only scan (streams are few): threads on different streams then share no written line
-  // here, where a "last arena" cache would be rewritten on every switch.
-  for (const ArenaEntry& e : arena_index_)
-    if (e.stream == stream) return *e.arena;
+ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
   auto* a = new ExpArena;
   a->stream = stream;
   try {
@@ -225,7 +221,7 @@ Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
   return b;
 }
 
-void ExpandableBackend::add_live(const Block& b) noexcept {
+inline void ExpandableBackend::add_live(const Block& b) noexcept {
   const auto& seg = *static_cast<const ExpSegment*>(b.segment);
   for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
     ExpHandle* h = seg.frames[f];
@@ -243,7 +239,7 @@ void ExpandableBackend::add_live(const Block& b) noexcept {
   }
 }
 
-void ExpandableBackend::remove_live(const Block& b) noexcept {
+inline void ExpandableBackend::remove_live(const Block& b) noexcept {
   const auto& seg = *static_cast<const ExpSegment*>(b.segment);
   for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
     ExpHandle* h = seg.frames[f];
@@ -263,8 +259,8 @@ void ExpandableBackend::remove_live(const Block& b) noexcept {
 
 // Bytes of idle handles that a block at [lo, hi) would use only partly: memory that could not be
 // given back while the block lives.
-std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
-                                             std::size_t max_shared_frames) const noexcept {
+inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
+                                                    std::size_t max_shared_frames) const noexcept {
   std::size_t pinned = 0;
   for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last;) {
     const ExpHandle* h = seg.frames[f];

@@ -115,7 +115,14 @@ class ExpandableBackend final : public Backend {
     std::uint64_t hi = 0;
   };
 
-  ExpArena& arena_for(driver::stream_t stream);
+  ExpArena& arena_for(driver::stream_t stream) {
+    // A read-only scan (streams are few): threads on different streams then share no written line
+    // here, where a "last arena" cache would be rewritten on every switch.
+    for (const ArenaEntry& e : arena_index_)
+      if (e.stream == stream) return *e.arena;
+    return new_arena(stream);
+  }
+  [[gnu::noinline]] ExpArena& new_arena(driver::stream_t stream);
   core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back);
   static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
   // Bytes of idle handles a block at [lo, hi) would use only partly; kNoPlace when it would use
