@@ -178,8 +178,14 @@ void bm_churn(benchmark::State& st, const std::string& key, const Make<S>& make,
     Churn<S>& churn = Holder::instance().state<Churn<S>>(s, stream, seed);
     if (fresh)
       for (std::size_t i = 0; i < warm; ++i) churn.step();
+    std::int64_t maps_before = 0;
+    if constexpr (std::is_same_v<S, ExpsegSubject>) maps_before = s.allocator().stats().num_device_alloc;
     for (auto _ : st) churn.step();
     st.counters["ns_per_step"] = ns_per(1);
+    // Driver allocations (handles or segments) inside the timed steps: on a GPU each costs tens
+    // of microseconds, so a few per million steps show in ns_per_step.
+    if constexpr (std::is_same_v<S, ExpsegSubject>)
+      st.counters["device_allocs"] = static_cast<double>(s.allocator().stats().num_device_alloc - maps_before);
   });
 }
 

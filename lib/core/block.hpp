@@ -34,14 +34,17 @@ enum class BlockStatus : std::uint8_t {
 using FreeHook = bi::set_member_hook<bi::link_mode<bi::safe_link>>;
 using PendingHook = bi::list_member_hook<bi::link_mode<bi::safe_link>>;
 
-struct Block {
+// Laid out for the cached paths: everything they read or write sits in the first two cache lines
+// of a 64-byte aligned block; record_stream's list and the pending-free hook come after.
+struct alignas(64) Block {
   std::uint64_t addr = 0;
   std::size_t size = 0;
-  std::size_t requested = 0;  // what the caller asked for; meaningful while allocated/pending
-  driver::stream_t stream = nullptr;
   Block* prev = nullptr;      // address-ordered neighbours in the same segment
   Block* next = nullptr;
   void* segment = nullptr;    // the backend's segment record
+  driver::stream_t stream = nullptr;
+  FreeHook free_hook;
+  std::size_t requested = 0;  // what the caller asked for; meaningful while allocated/pending
   BlockStatus status = BlockStatus::free;
   bool mapped = true;         // expandable: backed by physical memory; split_merge: always true
   std::uint8_t pool = 2;      // StatPool: kSmallPool (1) or kLargePool (2)
@@ -49,13 +52,14 @@ struct Block {
   std::uint32_t pending_events = 0;         // events still to complete before a pending free ends
   std::uint64_t gc_base = 0;                // split_merge garbage collection: call count at insertion
   std::vector<driver::stream_t> stream_uses;  // record_stream(); empty on the hot path (no heap)
-  FreeHook free_hook;
   PendingHook pending_hook;
 
   bool is_free() const noexcept { return status == BlockStatus::free; }
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
   std::uint64_t end() const noexcept { return addr + size; }
 };
+
+static_assert(offsetof(Block, gc_base) + sizeof(std::uint64_t) <= 128, "the cached paths' fields span two cache lines");
 
 // Recycles Block objects so the cached allocation path never touches the heap: blocks come from
 // chunks that are only allocated when the number of blocks alive reaches a new high-water mark.

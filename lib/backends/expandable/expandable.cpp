@@ -259,21 +259,23 @@ inline void ExpandableBackend::remove_live(const Block& b) noexcept {
 
 // Bytes of idle handles that a block at [lo, hi) would use only partly: memory that could not be
 // given back while the block lives.
+// Only the handles under the first and the last byte can be covered partly: every handle between
+// them lies wholly inside [lo, hi).
 inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
                                                     std::size_t max_shared_frames) const noexcept {
-  std::size_t pinned = 0;
-  for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last;) {
-    const ExpHandle* h = seg.frames[f];
-    if (h->live_bytes == 0) {
-      const std::uint64_t hlo = frame_addr(seg, h->first_frame);
-      const std::uint64_t hhi = hlo + h->bytes;
-      const std::size_t pin = h->bytes - (std::min(hhi, hi) - std::max(hlo, lo));
-      if (pin != 0 && h->nframes > max_shared_frames) return kNoPlace;
-      pinned += pin;
-    }
-    f = h->first_frame + h->nframes;
-  }
-  return pinned;
+  auto pin_of = [&](const ExpHandle* h) -> std::size_t {
+    if (h->live_bytes != 0) return 0;
+    const std::uint64_t hlo = frame_addr(seg, h->first_frame);
+    const std::uint64_t hhi = hlo + h->bytes;
+    const std::size_t pin = h->bytes - (std::min(hhi, hi) - std::max(hlo, lo));
+    return pin != 0 && h->nframes > max_shared_frames ? kNoPlace : pin;
+  };
+  const ExpHandle* first = seg.frames[frame_of(seg, lo)];
+  const ExpHandle* last = seg.frames[frame_of(seg, hi - 1)];
+  const std::size_t a = pin_of(first);
+  if (first == last || a == kNoPlace) return a;
+  const std::size_t b = pin_of(last);
+  return b == kNoPlace ? kNoPlace : a + b;
 }
 
 // Under a limit: unmaps the idle bulk (multi-frame) handles that a block at [lo, hi) would cover
