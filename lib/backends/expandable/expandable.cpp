@@ -70,7 +70,10 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     own. So only single-frame handles are ever shared, pinned memory stays below one frame per
 //     hole, and a request fails only when the frames live blocks touch plus the request exceed the
 //     limit. Random churn of 4 KiB-512 MiB blocks under 3 GiB maps ~2,100 handles instead of
-//     ~9,700 with 2 MiB handles (H200 latency model: 0.2 s instead of 0.7 s);
+//     ~9,700 with 2 MiB handles (H200 latency model: 0.2 s instead of 0.7 s). This rule is what
+//     the guarantee costs in driver calls: letting blocks share idle bulk handles, that churn
+//     (seeds 1-3) maps 108-202 handles (10-20 ms of modelled driver time instead of 180-211 ms)
+//     but 11-16 of its 13-20 OOMs become fragmentation OOMs (first at 91-94% of the limit);
 //   - never more than 1 GiB;
 //   - the frames a new block covers only partly (at its start and end) get handles of their own,
 //     so neighbours that later pack into them never keep a bulk handle mapped;
