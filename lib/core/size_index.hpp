@@ -107,67 +107,6 @@ class SizeIndex {
     reposition_moved(b, i);
   }
 
- private:
-  [[gnu::noinline]] void reposition_moved(Block& b, unsigned i) noexcept {
-    Tree& t = bins_[b.bin];
-    auto it = t.iterator_to(b);
-    if (i == b.bin) {
-      const SizeAddrOrder less;
-      const bool after_prev = it == t.begin() || less(*std::prev(it), b);
-      const bool before_next = std::next(it) == t.end() || less(b, *std::next(it));
-      if (after_prev && before_next) return;
-      t.erase(it);
-      t.insert_equal(b);
-      return;
-    }
-    unlink(b);
-    link(b, i);
-  }
-  // A class usually holds 0-2 blocks: the lone block is taken out without the general erase, and
-  // an empty class's tree gets its root without a search.
-  void link(Block& b, unsigned i) noexcept {
-    b.bin = static_cast<std::uint16_t>(i);
-    Tree& t = bins_[i];
-    if (t.empty()) {
-      make_root(t, b);
-      set_bit(i);
-    } else {
-      t.insert_equal(b);
-    }
-  }
-  void unlink(Block& b) noexcept {
-    Tree& t = bins_[b.bin];
-    if (alone(t, b)) {
-      make_empty(t);
-      bi::rbtree_algorithms<NT>::init(Tree::value_traits::to_node_ptr(b));  // unlinked, as the safe-mode hook expects
-      clear_bit(b.bin);
-    } else {
-      t.erase(t.iterator_to(b));
-    }
-  }
-  // Direct header surgery for the one-node tree (boost::intrusive's layout: the header's parent is
-  // the root, its left and right the leftmost and rightmost nodes; an empty tree's header points
-  // left and right at itself).
-  static bool alone(Tree& t, const Block& b) noexcept { return &*t.begin() == &b && &*t.rbegin() == &b; }
-  static void make_empty(Tree& t) noexcept {
-    const auto h = t.end().pointed_node();
-    NT::set_parent(h, nullptr);
-    NT::set_left(h, h);
-    NT::set_right(h, h);
-  }
-  static void make_root(Tree& t, Block& b) noexcept {  // t is empty
-    const auto h = t.end().pointed_node();
-    const auto n = Tree::value_traits::to_node_ptr(b);
-    NT::set_parent(h, n);
-    NT::set_left(h, n);
-    NT::set_right(h, n);
-    NT::set_parent(n, h);
-    NT::set_left(n, nullptr);
-    NT::set_right(n, nullptr);
-    NT::set_color(n, NT::black());
-  }
-
- public:
   // The smallest block (by size, then address) with size >= `size`, or nullptr: best fit.
   Block* lower_bound(std::size_t size) noexcept {
     const unsigned i = bin_of(size);
@@ -247,6 +186,65 @@ class SizeIndex {
   }
 
  private:
+  [[gnu::noinline]] void reposition_moved(Block& b, unsigned i) noexcept {
+    Tree& t = bins_[b.bin];
+    auto it = t.iterator_to(b);
+    if (i == b.bin) {
+      const SizeAddrOrder less;
+      const bool after_prev = it == t.begin() || less(*std::prev(it), b);
+      const bool before_next = std::next(it) == t.end() || less(b, *std::next(it));
+      if (after_prev && before_next) return;
+      t.erase(it);
+      t.insert_equal(b);
+      return;
+    }
+    unlink(b);
+    link(b, i);
+  }
+  // A class usually holds 0-2 blocks: the lone block is taken out without the general erase, and
+  // an empty class's tree gets its root without a search.
+  void link(Block& b, unsigned i) noexcept {
+    b.bin = static_cast<std::uint16_t>(i);
+    Tree& t = bins_[i];
+    if (t.empty()) {
+      make_root(t, b);
+      set_bit(i);
+    } else {
+      t.insert_equal(b);
+    }
+  }
+  void unlink(Block& b) noexcept {
+    Tree& t = bins_[b.bin];
+    if (alone(t, b)) {
+      make_empty(t);
+      bi::rbtree_algorithms<NT>::init(Tree::value_traits::to_node_ptr(b));  // unlinked, as the safe-mode hook expects
+      clear_bit(b.bin);
+    } else {
+      t.erase(t.iterator_to(b));
+    }
+  }
+  // Direct header surgery for the one-node tree (boost::intrusive's layout: the header's parent is
+  // the root, its left and right the leftmost and rightmost nodes; an empty tree's header points
+  // left and right at itself).
+  static bool alone(Tree& t, const Block& b) noexcept { return &*t.begin() == &b && &*t.rbegin() == &b; }
+  static void make_empty(Tree& t) noexcept {
+    const auto h = t.end().pointed_node();
+    NT::set_parent(h, nullptr);
+    NT::set_left(h, h);
+    NT::set_right(h, h);
+  }
+  static void make_root(Tree& t, Block& b) noexcept {  // t is empty
+    const auto h = t.end().pointed_node();
+    const auto n = Tree::value_traits::to_node_ptr(b);
+    NT::set_parent(h, n);
+    NT::set_left(h, n);
+    NT::set_right(h, n);
+    NT::set_parent(n, h);
+    NT::set_left(n, nullptr);
+    NT::set_right(n, nullptr);
+    NT::set_color(n, NT::black());
+  }
+
   bool has_bit(unsigned i) const noexcept { return (bits_[i >> 6] >> (i & 63)) & 1u; }
   void set_bit(unsigned i) noexcept {
     bits_[i >> 6] |= std::uint64_t{1} << (i & 63);
