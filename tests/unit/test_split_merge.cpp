@@ -216,6 +216,31 @@ TEST_CASE("split_merge: with max_split_size, cached oversize blocks are released
   a.validate();
 }
 
+TEST_CASE("split_merge: oversize blocks are released largest first, only the request's stream's, only as many as needed") {
+  Allocator a = make("max_split_size_mb:64,limit:400MiB");
+  void* s1 = stream_id(0x1000);
+  void* s2 = stream_id(0x2000);
+  void* o70 = a.allocate(70 * MiB, s1);
+  void* o80 = a.allocate(80 * MiB, s1);
+  void* o100 = a.allocate(100 * MiB, s1);
+  void* o90 = a.allocate(90 * MiB, s2);
+  for (void* p : {o70, o80, o100, o90}) a.deallocate(p);
+  // 340 MiB cached; 150 MiB more on s1 exceeds the 400 MiB limit. No s1 block is >= 150 MiB, so
+  // s1's oversize blocks go, largest first, until 150 MiB are released: 100, then 80. The 70 MiB
+  // block and s2's 90 MiB block stay cached.
+  void* big = a.allocate(150 * MiB, s1);
+  CHECK(big != nullptr);
+  auto s = a.stats();
+  CHECK(s.num_device_free == 2);
+  CHECK(s.num_alloc_retries == 0);
+  CHECK(s.reserved_bytes[kAllPools].current == static_cast<std::int64_t>((70 + 90 + 150) * MiB));
+  a.validate();
+  CHECK(a.allocate(70 * MiB, s1) == o70);
+  CHECK(a.allocate(90 * MiB, s2) == o90);
+  CHECK(a.stats().num_device_alloc == s.num_device_alloc);  // both came from the cache
+  a.validate();
+}
+
 TEST_CASE("split_merge: roundup_power2_divisions rounds to power-of-two divisions") {
   Allocator a = make("roundup_power2_divisions:4");
   void* p = a.allocate(1 * MiB + 100 * KiB);  // [1 MiB, 2 MiB) in 4 steps -> 1.25 MiB
