@@ -312,6 +312,16 @@ class StreamIndexes {
   void for_each_index(F&& f) const {
     for (const Entry& e : entries_) f(static_cast<const SizeIndex&>(*e.index), e.stream);
   }
+  // Calls f(Block&) for every block, stream by stream, each in (size, address) order; f may erase
+  // the block it is given.
+  template <class F>
+  void for_each_block(F&& f) {
+    for (Entry& e : entries_) e.index->for_each(f);
+  }
+  template <class F>
+  void for_each_block(F&& f) const {
+    for (const Entry& e : entries_) static_cast<const SizeIndex&>(*e.index).for_each(f);
+  }
   void clear() noexcept {
     for (Entry& e : entries_) e.index->clear();
   }

@@ -3,6 +3,7 @@
 #include <bit>
 #include <limits>
 #include <sstream>
+#include <utility>
 
 #include "expseg/errors.hpp"
 
@@ -196,10 +197,8 @@ bool SplitMergeBackend::release_available_cached_blocks(const Params& p) {
 bool SplitMergeBackend::release_cached_blocks() {
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   for (Pool* pool : {&large_, &small_}) {
-    pool->blocks.for_each_index([&](core::SizeIndex& index, driver::stream_t) {
-      index.for_each([&](Block& b) {
-        if (!b.is_split()) release_block(&b);
-      });
+    pool->blocks.for_each_block([&](Block& b) {
+      if (!b.is_split()) release_block(&b);
     });
   }
   return true;
@@ -214,29 +213,25 @@ void SplitMergeBackend::garbage_collect_cached_blocks() {
   auto age = [&](const Block& b) { return large_.get_free_blocks_calls - b.gc_base; };
   std::uint64_t total_age = 0;
   std::int64_t freeable = 0;
-  large_.blocks.for_each_index([&](const core::SizeIndex& index, driver::stream_t) {
-    index.for_each([&](const Block& b) {
-      if (!b.is_split()) {
-        total_age += age(b);
-        ++freeable;
-      }
-    });
+  std::as_const(large_.blocks).for_each_block([&](const Block& b) {
+    if (!b.is_split()) {
+      total_age += age(b);
+      ++freeable;
+    }
   });
   if (freeable == 0) return;
   bool block_freed = true;
   while (gc_reclaimed < target_size && block_freed && freeable > 0) {
     const double age_threshold = static_cast<double>(total_age) / static_cast<double>(freeable);
     block_freed = false;
-    large_.blocks.for_each_index([&](core::SizeIndex& index, driver::stream_t) {
-      index.for_each([&](Block& b) {
-        if (!b.is_split() && static_cast<double>(age(b)) >= age_threshold) {
-          block_freed = true;
-          gc_reclaimed += b.size;
-          total_age -= age(b);
-          --freeable;
-          release_block(&b);
-        }
-      });
+    large_.blocks.for_each_block([&](Block& b) {
+      if (!b.is_split() && static_cast<double>(age(b)) >= age_threshold) {
+        block_freed = true;
+        gc_reclaimed += b.size;
+        total_age -= age(b);
+        --freeable;
+        release_block(&b);
+      }
     });
   }
 }
@@ -478,12 +473,10 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request) const {
   s.live_footprint = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current);
   s.request_footprint = request;
   for (const Pool* pool : {&small_, &large_}) {
-    pool->blocks.for_each_index([&](const core::SizeIndex& index, driver::stream_t) {
-      index.for_each([&](const Block& b) {
-        s.free_blocks += 1;
-        if (b.size > s.largest_free_block) s.largest_free_block = b.size;
-        if (!b.is_split()) s.releasable_bytes += b.size;
-      });
+    pool->blocks.for_each_block([&](const Block& b) {
+      s.free_blocks += 1;
+      if (b.size > s.largest_free_block) s.largest_free_block = b.size;
+      if (!b.is_split()) s.releasable_bytes += b.size;
     });
   }
   return s;
