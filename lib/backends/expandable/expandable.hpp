@@ -108,6 +108,7 @@ class ExpandableBackend final : public Backend {
     core::Block* anchor = nullptr;  // the block just before the run (not free), or nullptr
     std::uint64_t start = 0;
     std::size_t new_frames = 0;
+    std::size_t calls = 0;  // under a limit: handles to map and idle bulk handles to unmap first
   };
   struct Exclusion {  // a range whose idle handles reclaim must not take (the one being allocated)
     const ExpSegment* seg = nullptr;
@@ -137,12 +138,13 @@ class ExpandableBackend final : public Backend {
   void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
+  std::size_t placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t& frames, std::size_t bound) const noexcept;
   bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor);
   bool map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
   void register_mapping(ExpSegment& seg, ExpHandle* h, core::Block* anchor);
   void set_range_mapped(ExpSegment& seg, core::Block* from, std::uint64_t lo, std::uint64_t hi, bool mapped);
   bool make_room(std::size_t bytes, const Exclusion& ex);
-  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr);
+  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr, bool largest_first = false);
   void unmap_handle(ExpHandle* h);
   void retry_orphans();
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
