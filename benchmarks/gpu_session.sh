@@ -10,7 +10,9 @@
 #   memcheck   the gpu suite under compute-sanitizer --tool memcheck
 #   scenarios  expseg scenario --all and the shipped trace on cuda:0 (JSON + HTML)
 #   bench      the Google Benchmark suite (JSON; BENCH_FILTER, BENCH_MIN_TIME, and BENCH_REPS=N for
-#              the median of N repetitions, which compare.py then reads)
+#              the median of N repetitions, which compare.py then reads; the repetitions of all
+#              benchmarks run in random order, so a slow stretch of a shared host spreads over
+#              all of them instead of falling on a few)
 #   compare    benchmarks/compare.py: PyTorch's caching allocator vs expseg, same workloads
 #   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators (WORKLOADS_ARGS: its options)
 #   cupy       benchmarks/cupy_story.py
@@ -59,7 +61,7 @@ for p in "${phases[@]}"; do
     bench)
       run_phase bench 300 bash -c "ninja -C $B benchmarks/expseg_bench >/dev/null && exec $B/benchmarks/expseg_bench \"\$@\"" bench --benchmark_format=console --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
         --benchmark_min_time="${BENCH_MIN_TIME:-0.2}" ${BENCH_FILTER:+--benchmark_filter="$BENCH_FILTER"} \
-        ${BENCH_REPS:+--benchmark_repetitions=$BENCH_REPS --benchmark_report_aggregates_only=true} ;;
+        ${BENCH_REPS:+--benchmark_repetitions=$BENCH_REPS --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true} ;;
     compare)
       bj=(); [ -f "$OUT/bench.json" ] && bj=(--bench-json "$OUT/bench.json")
       run_phase compare 500 python3 benchmarks/compare.py --bench "$B/benchmarks/expseg_bench" "${bj[@]}" --cli "$B/tools/expseg" --growth-reps 2 --out "$OUT/compare" ;;
