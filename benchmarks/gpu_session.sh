@@ -9,6 +9,7 @@
 #   gpu        the gpu suite: driver contract, both backends on the device, data integrity, stress, IPC
 #   memcheck   the gpu suite under compute-sanitizer --tool memcheck
 #   scenarios  expseg scenario --all and the shipped trace on cuda:0 (JSON + HTML)
+#   mixes      random-churn with other size mixes (--sizes), seeds 1-3, on cuda:0 (JSON lines)
 #   bench      the Google Benchmark suite (JSON; BENCH_FILTER, BENCH_MIN_TIME, and BENCH_REPS=N for
 #              the median of N repetitions, which compare.py then reads; the repetitions of all
 #              benchmarks run in random order, so a slow stretch of a shared host spreads over
@@ -58,6 +59,12 @@ for p in "${phases[@]}"; do
       run_phase memcheck 400 compute-sanitizer --tool memcheck --report-api-errors no --leak-check full --error-exitcode 3 "$B/tests/expseg_gpu" --test-suite-exclude=ipc ;;
     scenarios)
       run_phase scenarios 200 bash -c "$B/tools/expseg scenario --all --device cuda:0 --json > $OUT/scenarios.jsonl && $B/tools/expseg scenario --all --device cuda:0 && $B/tools/expseg replay benchmarks/traces/resnet50-train-varsize.rmm.csv.gz --device cuda:0 --json | tee $OUT/replay.jsonl && $B/tools/expseg study --device cuda:0 --html $OUT/study-h200.html | tail -n 12" ;;
+    mixes)
+      # The mixes of the unit test "other size mixes" through the CLI; the lowest fill column is
+      # the least (live + request) / limit at which a request failed.
+      run_phase mixes 200 bash -c "for m in 1MiB-64MiB:3GiB 1MiB-32MiB:3GiB 2MiB-16MiB:3GiB 1MiB-4MiB:1GiB 4KiB-1MiB:64MiB; do
+          for s in 1 2 3; do $B/tools/expseg scenario random-churn --device cuda:0 --sizes \${m%%:*} --conf limit:\${m##*:} --seed \$s --json || exit 1; done
+        done > $OUT/mixes.jsonl && python3 benchmarks/mixes_table.py $OUT/mixes.jsonl" ;;
     bench)
       run_phase bench 300 bash -c "ninja -C $B benchmarks/expseg_bench >/dev/null && exec $B/benchmarks/expseg_bench \"\$@\"" bench --benchmark_format=console --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
         --benchmark_min_time="${BENCH_MIN_TIME:-0.2}" ${BENCH_FILTER:+--benchmark_filter="$BENCH_FILTER"} \

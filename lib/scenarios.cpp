@@ -20,6 +20,7 @@ namespace {
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t GiB = std::size_t{1} << 30;
+constexpr std::size_t kMaxChurnSize = std::size_t{1} << 40;  // 1 TiB: a range past any device is a typo
 
 struct StopRun {};  // unwinds a story once the snapshot step is reached
 
@@ -66,6 +67,7 @@ class Runner {
     step();
   }
   std::size_t live_requested() const { return live_requested_; }
+  const ScenarioOptions& options() const { return o_; }
   ScenarioRng rng;
 
  private:
@@ -75,11 +77,14 @@ class Runner {
     r_.oom_steps.push_back(r_.steps);
     if (rep.verdict == OomVerdict::fragmentation) ++r_.fragmentation_ooms;
     if (r_.limit_bytes != 0 && static_cast<double>(live_requested_ + bytes) <= 0.98 * static_cast<double>(r_.limit_bytes)) ++r_.ooms_below_98;
+    const double fill = r_.limit_bytes != 0 ? static_cast<double>(live_requested_ + bytes) / static_cast<double>(r_.limit_bytes) : 0.0;
     if (!r_.verdict) {
       r_.verdict = rep.verdict;
       r_.first_oom = rep;
-      if (r_.limit_bytes != 0) r_.first_oom_fill = static_cast<double>(live_requested_ + bytes) / static_cast<double>(r_.limit_bytes);
+      r_.first_oom_fill = fill;
+      r_.lowest_oom_fill = fill;
     }
+    r_.lowest_oom_fill = std::min(r_.lowest_oom_fill, fill);
   }
   void step() {
     ++r_.steps;
@@ -150,6 +155,12 @@ void growing_buffer(Runner& r) {
 // The anchors' random trace: 6000 steps, 45% free a random live block, sizes log-uniform
 // 4 KiB..512 MiB; after an OOM a random half of the live blocks is freed.
 void random_churn(Runner& r) {
+  // Sizes 2^uniform(lo, hi): 4 KiB-512 MiB, or the caller's range (clamped: exp2 of log2 may round).
+  const ScenarioOptions& o = r.options();
+  const std::size_t min_size = o.min_size ? o.min_size : std::size_t{1} << 12;
+  const std::size_t max_size = o.max_size ? o.max_size : std::size_t{1} << 29;
+  const double lo = o.min_size ? std::log2(static_cast<double>(min_size)) : 12;
+  const double hi = o.max_size ? std::log2(static_cast<double>(max_size)) : 29;
   std::vector<int> live;
   for (int step = 0; step < 6000; ++step) {
     if (!live.empty() && r.rng.uniform() < 0.45) {
@@ -158,7 +169,7 @@ void random_churn(Runner& r) {
       live.erase(live.begin() + static_cast<std::ptrdiff_t>(j));
       continue;
     }
-    const std::size_t size = r.rng.log_uniform(12, 29);
+    const std::size_t size = std::clamp(r.rng.log_uniform(lo, hi), min_size, max_size);
     const int s = r.alloc(size);
     if (s >= 0) {
       live.push_back(s);
@@ -360,6 +371,15 @@ ScenarioResult run_scenario(std::string_view name, const Config& config, const S
   for (const Story& s : kStories)
     if (s.info.name == name) story = &s;
   if (story == nullptr) throw error(unknown_scenario(name));
+  if (options.min_size != 0 || options.max_size != 0) {
+    if (name != "random-churn")
+      throw error("expseg: scenario '" + std::string(name) + "' has its own sizes; a size range applies to random-churn only");
+    if (options.min_size == 0 || options.max_size == 0 || options.min_size > options.max_size)
+      throw error("expseg: the size range needs 0 < min <= max (got " + std::to_string(options.min_size) + "-" +
+                  std::to_string(options.max_size) + " bytes)");
+    if (options.max_size > kMaxChurnSize)
+      throw error("expseg: random-churn sizes go up to 1 TiB (got " + std::to_string(options.max_size) + " bytes)");
+  }
   Config c = config;
   if (!c.limit.is_set()) c.limit = Limit{story->info.limit_bytes, 0.0};
   const std::uint64_t seed = options.seed ? options.seed : story->seed;
@@ -370,6 +390,10 @@ ScenarioResult run_scenario(std::string_view name, const Config& config, const S
     r.backend = to_string(c.backend);
     r.device = std::string(to_string(c.device)) + ":" + std::to_string(device);
     r.limit_bytes = a.limit();
+    if (name == "random-churn") {
+      r.min_size = options.min_size ? options.min_size : std::size_t{1} << 12;
+      r.max_size = options.max_size ? options.max_size : std::size_t{1} << 29;
+    }
     Runner runner(a, r, options, seed, stop_at);
     const auto t0 = std::chrono::steady_clock::now();
     try {
@@ -424,7 +448,8 @@ std::string ScenarioResult::to_json() const {
   w.field("ooms", static_cast<std::uint64_t>(ooms));
   w.field("fragmentation_ooms", static_cast<std::uint64_t>(fragmentation_ooms));
   w.field("ooms_below_98pct", static_cast<std::uint64_t>(ooms_below_98));
-  w.field("first_oom_fill", first_oom_fill);
+  w.field("first_oom_fill", first_oom_fill).field("lowest_oom_fill", lowest_oom_fill);
+  if (max_size != 0) w.field("min_size", static_cast<std::uint64_t>(min_size)).field("max_size", static_cast<std::uint64_t>(max_size));
   w.field("peak_allocated_bytes", peak_allocated_bytes).field("peak_reserved_bytes", peak_reserved_bytes);
   w.field("peak_requested_bytes", peak_requested_bytes);
   w.field("limit_bytes", static_cast<std::uint64_t>(limit_bytes));

@@ -83,7 +83,7 @@ std::string command_line(int argc, char** argv) {
 
 using ScenarioGroup = std::vector<ScenarioResult>;  // one scenario, one result per backend
 
-std::vector<ScenarioGroup> run_scenarios(const std::vector<std::string>& names, const Setup& setup, bool picture, std::uint64_t seed, bool json) {
+std::vector<ScenarioGroup> run_scenarios(const std::vector<std::string>& names, const Setup& setup, bool picture, const ScenarioOptions& options, bool json) {
   std::vector<ScenarioGroup> out;
   Progress progress;
   for (const std::string& name : names) {
@@ -91,8 +91,7 @@ std::vector<ScenarioGroup> run_scenarios(const std::vector<std::string>& names, 
     for (BackendKind b : setup.backends) {
       Config c = setup.config;
       c.backend = b;
-      ScenarioOptions o;
-      o.seed = seed;
+      ScenarioOptions o = options;
       if (picture) {
         o.series_points = kScenarioPoints;
         o.snapshot_at_peak = true;
@@ -123,12 +122,21 @@ void print_scenario_table(const std::vector<ScenarioGroup>& groups) {
            {"peak reserved", true},
            {"limit", true},
            {"OOMs", true},
+           {"lowest fill", true},
            {"time", true}});
+  // lowest fill: the least (live requested bytes + request) / limit at which a request failed; an
+  // allocator that fails only for the limit keeps it near 100%.
+  auto fill_text = [](const ScenarioResult& r) {
+    if (r.ooms == 0 || r.limit_bytes == 0) return std::string("-");
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f%%", 100.0 * r.lowest_oom_fill);
+    return std::string(buf);
+  };
   for (const ScenarioGroup& g : groups)
     for (const ScenarioResult& r : g)
       t.add({r.scenario, r.backend, r.ok ? "ok" : std::to_string(r.ooms) + (r.ooms == 1 ? " OOM" : " OOMs"), verdict_text(r.verdict),
              size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes), r.limit_bytes ? format_bytes(r.limit_bytes) : "-",
-             std::to_string(r.ooms), seconds_text(r.seconds)});
+             std::to_string(r.ooms), fill_text(r), seconds_text(r.seconds)});
   t.print(stdout);
 }
 
@@ -273,7 +281,7 @@ int cmd::replay(int argc, char** argv) {
 // --- scenario --------------------------------------------------------------------------------------
 
 int cmd::scenario(int argc, char** argv) {
-  const Args args = parse_args(argc, argv, 2, with(kRunOptions, {{"--all", false}, {"--list", false}, {"--seed", true}}));
+  const Args args = parse_args(argc, argv, 2, with(kRunOptions, {{"--all", false}, {"--list", false}, {"--seed", true}, {"--sizes", true}}));
   if (args.has("--list")) {
     if (!args.positional.empty() || args.has("--all")) throw UsageError("--list takes no scenario name and no --all");
     bool first = true;
@@ -315,12 +323,24 @@ int cmd::scenario(int argc, char** argv) {
       names.push_back(n);
     }
   }
-  const std::uint64_t seed = args.get("--seed") ? parse_u64("--seed", *args.get("--seed")) : 0;
+  ScenarioOptions options;
+  options.seed = args.get("--seed") ? parse_u64("--seed", *args.get("--seed")) : 0;
+  if (const auto sizes = args.get("--sizes")) {
+    for (const std::string& n : names)
+      if (n != "random-churn") throw UsageError("--sizes applies to random-churn only (got scenario '" + n + "')");
+    const std::size_t dash = sizes->find('-');
+    if (dash == std::string::npos) throw UsageError("--sizes takes MIN-MAX, e.g. 1MiB-64MiB (got '" + *sizes + "')");
+    options.min_size = parse_bytes(sizes->substr(0, dash), "--sizes");
+    options.max_size = parse_bytes(sizes->substr(dash + 1), "--sizes");
+    if (options.min_size == 0 || options.min_size > options.max_size)
+      throw UsageError("--sizes needs 0 < MIN <= MAX (got '" + *sizes + "')");
+    if (options.max_size > (std::size_t{1} << 40)) throw UsageError("--sizes goes up to 1TiB (got '" + *sizes + "')");
+  }
   const Setup setup = make_setup(args);
   const bool json = args.has("--json");
   const auto html = args.get("--html");
   if (!json) print_device_line(setup);
-  const std::vector<ScenarioGroup> groups = run_scenarios(names, setup, html.has_value(), seed, json);
+  const std::vector<ScenarioGroup> groups = run_scenarios(names, setup, html.has_value(), options, json);
   if (!json) {
     print_scenario_table(groups);
     print_scenario_failures(groups);
@@ -371,7 +391,9 @@ int cmd::study(int argc, char** argv) {
                 backend_list(setup.backends).c_str());
     print_device_line(setup);
   }
-  const std::vector<ScenarioGroup> scenarios = run_scenarios(names, setup, true, seed, json);
+  ScenarioOptions options;
+  options.seed = seed;
+  const std::vector<ScenarioGroup> scenarios = run_scenarios(names, setup, true, options, json);
   if (!json) {
     std::printf("Scenarios\n\n");
     print_scenario_table(scenarios);

@@ -63,7 +63,8 @@ const CommandHelp* find_help(std::string_view name) {
            "  --lenient         skip frees of unknown pointers instead of failing\n\n"
            "Example:\n  expseg replay benchmarks/traces/resnet50-train-varsize.rmm.csv.gz --device sim:80GiB\n"},
       {"scenario", "run the OOM scenarios A/B on both backends",
-       "expseg scenario NAME|--all|--list [--backend B[,B]] [--device D] [--conf K:V,...] [--json] [--html FILE] [--seed N]",
+       "expseg scenario NAME|--all|--list [--backend B[,B]] [--device D] [--conf K:V,...] [--json] [--html FILE] [--seed N]\n"
+       "                       [--sizes MIN-MAX]",
        std::string("Runs a named, deterministic allocation story that reproduces an OOM users hit, on each backend, and\n"
                    "says which backend failed and why (the first OOM report is printed after the table).\n\n"
                    "Options:\n"
@@ -72,8 +73,11 @@ const CommandHelp* find_help(std::string_view name) {
            kBackendHelp + kDeviceHelp + kConfHelp +
            "  --json            one JSON object per (scenario, backend) per line, instead of the table\n"
            "  --html FILE       also write the A/B picture (a self-contained HTML page) to FILE\n"
-           "  --seed N          seed of the random stories (default: each scenario's own)\n\n"
-           "Example:\n  expseg scenario split-800-500-300 --device sim\n"},
+           "  --seed N          seed of the random stories (default: each scenario's own)\n"
+           "  --sizes MIN-MAX   random-churn only: draw sizes log-uniform in MIN-MAX instead of 4KiB-512MiB,\n"
+           "                    e.g. 1MiB-64MiB (with --conf limit:SIZE for another limit than 3 GiB)\n\n"
+           "Examples:\n  expseg scenario split-800-500-300 --device sim\n"
+           "  expseg scenario random-churn --sizes 2MiB-16MiB --seed 2\n"},
       {"study", "every scenario and the shipped trace, A/B, with an HTML picture",
        "expseg study [--device D] [--html FILE] [--trace PATH...] [--backend B[,B]] [--conf K:V,...] [--json]",
        std::string("The main job of expseg: runs every scenario and the shipped ResNet-50 trace on both backends, prints\n"

@@ -33,6 +33,10 @@ struct ScenarioOptions {
   bool snapshot_at_peak = false;  // snapshot at the moment of peak reserved (runs the story twice)
   std::uint64_t seed = 0;         // 0: the scenario's own seed
   bool validate_each_step = false;  // tests: Allocator::validate() after every operation
+  // random-churn only: draw sizes log-uniform in [min_size, max_size] instead of 4 KiB-512 MiB,
+  // to see whether a result holds for other size mixes (both 0: the scenario's own range).
+  std::size_t min_size = 0;
+  std::size_t max_size = 0;
 };
 
 struct ScenarioResult {
@@ -47,6 +51,9 @@ struct ScenarioResult {
   std::size_t ooms_below_98 = 0;       // OOMs while live requested bytes + request <= 98% of the limit
   std::optional<OomVerdict> verdict;   // of the first OOM
   double first_oom_fill = 0.0;         // (live requested + request) / limit at the first OOM
+  double lowest_oom_fill = 0.0;        // the same, lowest over all OOMs (0 when none)
+  std::size_t min_size = 0;            // random-churn: the size range drawn from (ScenarioOptions)
+  std::size_t max_size = 0;
   std::optional<OomReport> first_oom;
   std::int64_t peak_allocated_bytes = 0;
   std::int64_t peak_reserved_bytes = 0;

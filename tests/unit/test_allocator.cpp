@@ -353,6 +353,41 @@ TEST_CASE("allocator: every scenario's verdict on the simulated device") {
   }
 }
 
+TEST_CASE("allocator: random-churn draws from the size range it is given, and rejects a bad one") {
+  // One size, 3 MiB, under a 30 MiB limit: the run fails once ten blocks live, asking for 3 MiB.
+  expseg::ScenarioOptions o;
+  o.min_size = 3 * MiB;
+  o.max_size = 3 * MiB;
+  for (BackendKind b : kBackends) {
+    CAPTURE(name(b));
+    const auto r = expseg::run_scenario("random-churn", sim_config(b, 80 * GiB, "limit:30MiB"), o);
+    CHECK(r.min_size == 3 * MiB);
+    CHECK(r.max_size == 3 * MiB);
+    REQUIRE(r.first_oom.has_value());
+    CHECK(r.first_oom->requested_bytes == 3 * MiB);
+    CHECK(r.peak_requested_bytes % static_cast<std::int64_t>(3 * MiB) == 0);
+    CHECK(r.peak_requested_bytes <= static_cast<std::int64_t>(30 * MiB));
+    CHECK(r.lowest_oom_fill <= r.first_oom_fill);
+    CHECK(r.lowest_oom_fill > 0.0);
+    const auto j = expseg::core::parse_json(r.to_json());
+    CHECK(j["min_size"].as_int() == static_cast<std::int64_t>(3 * MiB));
+  }
+  // The default range is the scenario's own, 4 KiB-512 MiB.
+  const auto d = expseg::run_scenario("random-churn", sim_config(BackendKind::expandable));
+  CHECK(d.min_size == 4 * KiB);
+  CHECK(d.max_size == 512 * MiB);
+  auto rejects = [](const char* scenario, std::size_t lo, std::size_t hi) {
+    expseg::ScenarioOptions bad;
+    bad.min_size = lo;
+    bad.max_size = hi;
+    CHECK_THROWS_AS(expseg::run_scenario(scenario, sim_config(BackendKind::expandable), bad), expseg::error);
+  };
+  rejects("growing-buffer", 1 * MiB, 2 * MiB);  // a story with its own sizes
+  rejects("random-churn", 4 * MiB, 1 * MiB);
+  rejects("random-churn", 0, 1 * MiB);
+  rejects("random-churn", std::size_t{1} << 20, std::size_t{1} << 41);
+}
+
 TEST_CASE("allocator: stats identities hold after every step of randomized scenarios") {
   for (BackendKind b : kBackends) {
     for (const char* s : {"random-churn", "kv-cache-decode", "mixed-lifetimes"}) {

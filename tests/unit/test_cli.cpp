@@ -134,10 +134,29 @@ TEST_CASE("cli: scenario split-800-500-300 --device sim --json: split_merge frag
   CHECK(a["peak_reserved_bytes"].as_int() > 0);
 }
 
+TEST_CASE("cli: scenario random-churn --sizes runs another size mix") {
+  const Run r = run_cli("scenario random-churn --device sim --json --seed 2 --sizes 2MiB-16MiB");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  const auto ls = lines(r.out);
+  REQUIRE(ls.size() == 2);
+  const auto sm = expseg::core::parse_json(ls[0]);
+  const auto ex = expseg::core::parse_json(ls[1]);
+  for (const auto* j : {&sm, &ex}) {
+    CHECK((*j)["min_size"].as_int() == 2 * 1024 * 1024);
+    CHECK((*j)["max_size"].as_int() == 16 * 1024 * 1024);
+    CHECK((*j)["ooms"].as_int() > 0);
+  }
+  CHECK(sm["backend"].as_string() == "split_merge");
+  CHECK(ex["fragmentation_ooms"].as_int() == 0);
+  CHECK(ex["lowest_oom_fill"].as_number() > sm["lowest_oom_fill"].as_number());
+}
+
 TEST_CASE("cli: scenario table explains the failure with the first OOM report") {
   const Run r = run_cli("scenario split-800-500-300 --device sim");
   REQUIRE(r.status == 0);
-  for (const char* col : {"scenario", "backend", "outcome", "verdict", "peak allocated", "peak reserved", "OOMs", "time"}) CHECK(r.out.find(col) != std::string::npos);
+  for (const char* col : {"scenario", "backend", "outcome", "verdict", "peak allocated", "peak reserved", "OOMs", "lowest fill", "time"})
+    CHECK(r.out.find(col) != std::string::npos);
   CHECK(r.out.find("1 OOM") != std::string::npos);
   CHECK(r.out.find("fragmentation") != std::string::npos);
   // The OOM report, indented under the table.
@@ -193,6 +212,9 @@ TEST_CASE("cli: usage errors exit 2 and name the bad argument") {
       {"info extra", "extra"},
       {"study stray", "stray"},
       {"scenario --json=yes split-800-500-300", "--json"},
+      {"scenario random-churn --sizes 4MiB", "--sizes"},
+      {"scenario random-churn --sizes 4MiB-1MiB", "--sizes"},
+      {"scenario split-800-500-300 --sizes 1MiB-2MiB", "random-churn"},
   };
   for (const Case& c : cases) {
     const Run r = run_cli(c.args);

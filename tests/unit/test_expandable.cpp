@@ -74,56 +74,89 @@ TEST_CASE("expandable: random churn stays free of fragmentation OOMs below 98% o
 TEST_CASE("expandable: other size mixes never OOM while the pages live blocks touch leave room") {
   // The guarantee, for any mix: a request fails only when the whole pages touched by live blocks
   // plus the request exceed the limit (verdict 'limit'), never because free memory is scattered
-  // (verdict 'fragmentation'). With many mid-sized blocks the partly used pages at the edges of
-  // holes cost up to ~3.3% of a 3 GiB limit, so the fill at an OOM is reported, not asserted.
+  // (verdict 'fragmentation'); so never while the live sizes, each rounded up to whole pages, plus
+  // the request fit. With many mid-sized blocks the holes between live blocks keep partly used
+  // pages at their edges (slivers under a page no block of the mix fits), up to ~6% of the limit
+  // for 1-4 MiB blocks, so the fill at an OOM is compared with split_merge's, not asserted >= 98%.
   struct Mix {
     const char* name;
     double lo, hi;
     double big_share;  // share of draws from 256-512 MiB
+    std::size_t limit;
+    bool page_sized;  // blocks of about a page or more: what the split pool cannot reuse, expandable remaps
   };
-  for (Mix mix : {Mix{"1-64MiB", 20, 26, 0.0}, Mix{"1-32MiB", 20, 25, 0.0}, Mix{"4KiB-1MiB", 12, 20, 0.0}, Mix{"bimodal", 12, 22, 0.1}}) {
-    const std::string mix_name = mix.name;
-    CAPTURE(mix_name);
-    double min_fill = 1.0;
+  struct Outcome {
     std::size_t ooms = 0;
-    for (std::uint64_t seed : {1u, 2u, 3u}) {
-      CAPTURE(seed);
-      Allocator a = make("limit:3GiB");
-      expseg::ScenarioRng rng(seed);
-      std::vector<std::pair<void*, std::size_t>> live;
-      std::size_t live_bytes = 0;
-      for (int step = 0; step < 6000; ++step) {
-        if (!live.empty() && rng.uniform() < 0.45) {
-          std::size_t j = rng.below(live.size());
-          a.deallocate(live[j].first);
-          live_bytes -= live[j].second;
-          live.erase(live.begin() + static_cast<std::ptrdiff_t>(j));
-          continue;
-        }
-        std::size_t size = rng.uniform() < mix.big_share ? rng.log_uniform(28, 29) : rng.log_uniform(mix.lo, mix.hi);
-        try {
-          live.push_back({a.allocate(size), size});
-          live_bytes += size;
-        } catch (const expseg::out_of_memory& e) {
-          ++ooms;
+    double min_fill = 1.0;
+  };
+  constexpr std::size_t kPage = 2 * MiB;  // the simulated device's granularity
+  auto pages = [](std::size_t n) { return (n + kPage - 1) / kPage * kPage; };
+  auto run_mix = [&](BackendKind backend, const Mix& mix, std::uint64_t seed) {
+    Outcome out;
+    Allocator a(sim_config(backend, 80 * GiB, "limit:" + std::to_string(mix.limit)));
+    expseg::ScenarioRng rng(seed);
+    std::vector<std::pair<void*, std::size_t>> live;
+    std::size_t live_bytes = 0;
+    for (int step = 0; step < 6000; ++step) {
+      if (!live.empty() && rng.uniform() < 0.45) {
+        std::size_t j = rng.below(live.size());
+        a.deallocate(live[j].first);
+        live_bytes -= live[j].second;
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(j));
+        continue;
+      }
+      std::size_t size = rng.uniform() < mix.big_share ? rng.log_uniform(28, 29) : rng.log_uniform(mix.lo, mix.hi);
+      try {
+        live.push_back({a.allocate(size), size});
+        live_bytes += size;
+      } catch (const expseg::out_of_memory& e) {
+        ++out.ooms;
+        out.min_fill = std::min(out.min_fill, static_cast<double>(live_bytes + size) / static_cast<double>(mix.limit));
+        if (backend == BackendKind::expandable) {
           const expseg::OomReport& r = e.report();
           CHECK(r.verdict == expseg::OomVerdict::limit);
-          CHECK(r.live_footprint_bytes + (size + 2 * MiB - 1) / (2 * MiB) * (2 * MiB) > 3 * GiB);
-          min_fill = std::min(min_fill, static_cast<double>(live_bytes + size) / static_cast<double>(3 * GiB));
-          for (std::size_t i = live.size(); i > 1; --i) std::swap(live[i - 1], live[rng.below(i)]);
-          std::size_t keep = live.size() / 2;
-          for (std::size_t i = keep; i < live.size(); ++i) {
-            a.deallocate(live[i].first);
-            live_bytes -= live[i].second;
-          }
-          live.resize(keep);
+          CHECK(r.live_footprint_bytes + pages(size) > mix.limit);
+          std::size_t rounded = pages(size);
+          for (const auto& [p, n] : live) rounded += pages(n);
+          CHECK(rounded > mix.limit);
         }
+        for (std::size_t i = live.size(); i > 1; --i) std::swap(live[i - 1], live[rng.below(i)]);
+        std::size_t keep = live.size() / 2;
+        for (std::size_t i = keep; i < live.size(); ++i) {
+          a.deallocate(live[i].first);
+          live_bytes -= live[i].second;
+        }
+        live.resize(keep);
       }
-      a.validate();
-      for (auto& [p, n] : live) a.deallocate(p);
-      a.validate();
     }
-    MESSAGE("mix " << mix_name << ": " << ooms << " OOMs, lowest fill at an OOM " << min_fill * 100 << "% of the limit");
+    a.validate();
+    for (auto& [p, n] : live) a.deallocate(p);
+    a.validate();
+    return out;
+  };
+  // 4KiB-1MiB fills 64 MiB (it never reaches more in 6000 steps): small blocks share pages on both
+  // backends, and a request fails when no gap inside the touched pages fits it, at ~86% of the limit
+  // on both (gaps inside pages cannot be unmapped; only moving data would close them).
+  for (Mix mix : {Mix{"1-64MiB", 20, 26, 0.0, 3 * GiB, true}, Mix{"1-32MiB", 20, 25, 0.0, 3 * GiB, true},
+                  Mix{"2-16MiB", 21, 24, 0.0, 3 * GiB, true}, Mix{"1-4MiB", 20, 22, 0.0, 1 * GiB, true},
+                  Mix{"4KiB-1MiB", 12, 20, 0.0, 64 * MiB, false}, Mix{"bimodal", 12, 22, 0.1, 3 * GiB, true}}) {
+    const std::string mix_name = mix.name;
+    CAPTURE(mix_name);
+    Outcome exp, sm;
+    for (std::uint64_t seed : {1u, 2u, 3u}) {
+      CAPTURE(seed);
+      const Outcome e = run_mix(BackendKind::expandable, mix, seed);
+      const Outcome s = run_mix(BackendKind::split_merge, mix, seed);
+      exp.ooms += e.ooms;
+      exp.min_fill = std::min(exp.min_fill, e.min_fill);
+      sm.ooms += s.ooms;
+      sm.min_fill = std::min(sm.min_fill, s.min_fill);
+    }
+    MESSAGE("mix " << mix_name << ": expandable " << exp.ooms << " OOMs, lowest fill at an OOM " << exp.min_fill * 100 << "% of the limit; split_merge "
+                   << sm.ooms << " OOMs, lowest fill " << sm.min_fill * 100 << "%");
+    CHECK(exp.ooms > 0);  // each mix reaches its limit: the checks above ran
+    // With blocks of a page or more, expandable fails later than the split pool (at a higher fill).
+    if (mix.page_sized) CHECK(exp.min_fill > sm.min_fill);
   }
 }
 
