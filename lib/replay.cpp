@@ -144,6 +144,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
     std::vector<std::uint64_t> size(prog.slots, 0);
     std::vector<bool> zero(prog.slots, false);  // slots holding a size-0 allocation
     std::int64_t live_requested = 0;
+    const driver::CallStats calls_before = drv.call_stats();
     const auto t0 = std::chrono::steady_clock::now();
     for (std::size_t i = 0; i < stop; ++i) {
       const Op& op = prog.ops[i];
@@ -211,7 +212,9 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
       r.stats = a.stats();
       r.peak_allocated_bytes = r.stats.allocated_bytes[kAllPools].peak;
       r.peak_reserved_bytes = r.stats.reserved_bytes[kAllPools].peak;
-      if (auto* sim = dynamic_cast<driver::SimDriver*>(&drv)) r.driver_seconds = sim->simulated_seconds();
+      const driver::CallStats calls = drv.call_stats().since(calls_before);
+      r.driver_seconds = calls.total_seconds();
+      r.driver_calls = calls.by_call();
       if (progress) std::fprintf(stderr, "\r  replay %s on %s: done \n", trace.name.c_str(), r.backend.c_str());
     } else {
       snap = a.snapshot();
@@ -248,6 +251,7 @@ std::string ReplayResult::to_json() const {
   w.field("peak_requested_bytes", peak_requested_bytes);
   w.field("reserved_over_allocated", peak_allocated_bytes ? static_cast<double>(peak_reserved_bytes) / static_cast<double>(peak_allocated_bytes) : 0.0);
   w.field("seconds", seconds).field("driver_seconds", driver_seconds);
+  w.key("driver_calls").raw(driver_calls_json(driver_calls));
   w.field("events_per_second", seconds > 0 ? static_cast<double>(events) / seconds : 0.0);
   w.field("num_device_alloc", stats.num_device_alloc).field("num_device_free", stats.num_device_free);
   w.field("num_alloc_retries", stats.num_alloc_retries);

@@ -395,18 +395,22 @@ ScenarioResult run_scenario(std::string_view name, const Config& config, const S
       r.max_size = options.max_size ? options.max_size : std::size_t{1} << 29;
     }
     Runner runner(a, r, options, seed, stop_at);
+    const driver::Driver& drv = detail::AllocatorAccess::driver(a);
+    const driver::CallStats calls_before = drv.call_stats();
     const auto t0 = std::chrono::steady_clock::now();
     try {
       story->run(runner);
     } catch (const StopRun&) {
     }
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const driver::CallStats calls = drv.call_stats().since(calls_before);
+    r.driver_seconds = calls.total_seconds();
+    r.driver_calls = calls.by_call();
     const Stats s = a.stats();
     r.peak_allocated_bytes = s.allocated_bytes[kAllPools].peak;
     r.peak_reserved_bytes = s.reserved_bytes[kAllPools].peak;
     r.device_allocs = s.num_device_alloc;
     r.alloc_retries = s.num_alloc_retries;
-    if (auto* sim = dynamic_cast<driver::SimDriver*>(&detail::AllocatorAccess::driver(a))) r.driver_seconds = sim->simulated_seconds();
     if (samples) *samples = std::move(runner.samples_);
   };
 
@@ -456,6 +460,7 @@ std::string ScenarioResult::to_json() const {
   w.field("steps", static_cast<std::uint64_t>(steps)).field("allocations", static_cast<std::uint64_t>(allocations));
   w.field("device_allocs", device_allocs).field("alloc_retries", alloc_retries);
   w.field("seconds", seconds).field("driver_seconds", driver_seconds);
+  w.key("driver_calls").raw(driver_calls_json(driver_calls));
   w.end_object();
   return w.take();
 }

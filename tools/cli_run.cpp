@@ -123,9 +123,11 @@ void print_scenario_table(const std::vector<ScenarioGroup>& groups) {
            {"limit", true},
            {"OOMs", true},
            {"lowest fill", true},
-           {"time", true}});
+           {"time", true},
+           {"in driver", true}});
   // lowest fill: the least (live requested bytes + request) / limit at which a request failed; an
-  // allocator that fails only for the limit keeps it near 100%.
+  // allocator that fails only for the limit keeps it near 100%. in driver: the part of the time
+  // spent in driver calls (on the simulated device the latency model's, with sim_latency:true).
   auto fill_text = [](const ScenarioResult& r) {
     if (r.ooms == 0 || r.limit_bytes == 0) return std::string("-");
     char buf[32];
@@ -136,7 +138,7 @@ void print_scenario_table(const std::vector<ScenarioGroup>& groups) {
     for (const ScenarioResult& r : g)
       t.add({r.scenario, r.backend, r.ok ? "ok" : std::to_string(r.ooms) + (r.ooms == 1 ? " OOM" : " OOMs"), verdict_text(r.verdict),
              size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes), r.limit_bytes ? format_bytes(r.limit_bytes) : "-",
-             std::to_string(r.ooms), fill_text(r), seconds_text(r.seconds)});
+             std::to_string(r.ooms), fill_text(r), seconds_text(r.seconds), r.driver_seconds > 0 ? seconds_text(r.driver_seconds) : "-"});
   t.print(stdout);
 }
 
@@ -195,12 +197,13 @@ void print_replay_table(const std::vector<ReplayGroup>& groups) {
            {"reserved/allocated", true},
            {"OOMs", true},
            {"seconds", true},
+           {"in driver", true},
            {"events/s", true}});
   for (const ReplayGroup& g : groups)
     for (const ReplayResult& r : g)
       t.add({r.trace, r.backend, r.device, with_commas(r.events), size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes),
              ratio_text(r.peak_reserved_bytes, r.peak_allocated_bytes), std::to_string(r.ooms), fixed(r.seconds, 3),
-             rate_text(r.seconds > 0 ? static_cast<double>(r.events) / r.seconds : 0.0)});
+             r.driver_seconds > 0 ? fixed(r.driver_seconds, 3) : "-", rate_text(r.seconds > 0 ? static_cast<double>(r.events) / r.seconds : 0.0)});
   t.print(stdout);
 }
 

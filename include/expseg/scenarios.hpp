@@ -62,7 +62,9 @@ struct ScenarioResult {
   std::int64_t device_allocs = 0;      // num_device_alloc at the end
   std::int64_t alloc_retries = 0;      // num_alloc_retries at the end
   double seconds = 0.0;                // wall time of the story
-  double driver_seconds = 0.0;         // sim with sim_latency:true: modelled driver time
+  double driver_seconds = 0.0;  // in driver calls during the run: measured on a GPU, modelled on the
+                                // simulated device with sim_latency:true (0 without)
+  std::vector<DriverCallTime> driver_calls;  // the same, per kind of call
   std::vector<SeriesPoint> series;     // event = step index
   std::vector<std::uint64_t> oom_steps;
   std::optional<Snapshot> peak_snapshot;

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace expseg {
 
@@ -89,5 +90,15 @@ struct Stats {
   // "cupy" object {used_bytes, total_bytes, free_bytes, n_free_blocks}.
   std::string to_json() const;
 };
+
+// Time spent in one kind of driver call during a run (scenario, replay): measured around each call
+// on a GPU, the latency model's figure on the simulated device (0 without sim_latency:true).
+struct DriverCallTime {
+  std::string call;  // "cuMemCreate", ...; "cuStreamSynchronize" also counts event and context syncs
+  std::uint64_t calls = 0;
+  double seconds = 0.0;
+};
+// {"cuMemCreate":{"calls":N,"seconds":S},...}: the driver_calls field of scenario and replay JSON.
+std::string driver_calls_json(const std::vector<DriverCallTime>& calls);
 
 }  // namespace expseg

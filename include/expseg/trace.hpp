@@ -90,7 +90,9 @@ struct ReplayResult {
   std::int64_t peak_reserved_bytes = 0;
   std::int64_t peak_requested_bytes = 0;  // peak of live requested bytes
   double seconds = 0.0;           // wall time of the replay loop (parsing excluded)
-  double driver_seconds = 0.0;    // sim with sim_latency:true: modelled driver time
+  double driver_seconds = 0.0;  // in driver calls during the run: measured on a GPU, modelled on the
+                                // simulated device with sim_latency:true (0 without)
+  std::vector<DriverCallTime> driver_calls;  // the same, per kind of call
   Stats stats;                    // at the end of the replay, before the allocator is destroyed
   std::vector<SeriesPoint> series;
   std::vector<std::uint64_t> oom_events;  // event indexes of the failed allocations

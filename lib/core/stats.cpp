@@ -87,4 +87,15 @@ std::string Stats::to_json() const {
   return w.take();
 }
 
+std::string driver_calls_json(const std::vector<DriverCallTime>& calls) {
+  core::JsonWriter w;
+  w.begin_object();
+  for (const DriverCallTime& c : calls) {
+    w.key(c.call);
+    w.begin_object().field("calls", c.calls).field("seconds", c.seconds).end_object();
+  }
+  w.end_object();
+  return w.take();
+}
+
 }  // namespace expseg

@@ -17,6 +17,9 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -235,45 +238,54 @@ class CudaDriver final : public Driver {
   }
 
   dev_ptr reserve(std::size_t bytes) override {
+    const Timed timed(*this, Op::reserve);
     CtxScope scope(*this);
     CUdeviceptr p = 0;
     check(api_, api_.cuMemAddressReserve(&p, bytes, granularity_, 0, 0), "cuMemAddressReserve");
     return p;
   }
   void free_reserve(dev_ptr base, std::size_t bytes) override {
+    const Timed timed(*this, Op::free_reserve);
     CtxScope scope(*this);
     check(api_, api_.cuMemAddressFree(to_cu(base), bytes), "cuMemAddressFree");
   }
   phys_handle create(std::size_t bytes) override {
+    const Timed timed(*this, Op::create);
     CtxScope scope(*this);
     CUmemGenericAllocationHandle h = 0;
     check(api_, api_.cuMemCreate(&h, bytes, &prop_, 0), "cuMemCreate");
     return h;
   }
   void release(phys_handle handle) override {
+    const Timed timed(*this, Op::release);
     CtxScope scope(*this);
     check(api_, api_.cuMemRelease(handle), "cuMemRelease");
   }
   void map(dev_ptr ptr, std::size_t bytes, phys_handle handle) override {
+    const Timed timed(*this, Op::map);
     CtxScope scope(*this);
     check(api_, api_.cuMemMap(to_cu(ptr), bytes, 0, handle, 0), "cuMemMap");
   }
   void unmap(dev_ptr ptr, std::size_t bytes) override {
+    const Timed timed(*this, Op::unmap);
     CtxScope scope(*this);
     check(api_, api_.cuMemUnmap(to_cu(ptr), bytes), "cuMemUnmap");
   }
   void set_access(dev_ptr ptr, std::size_t bytes) override {
+    const Timed timed(*this, Op::set_access);
     CtxScope scope(*this);
     check(api_, api_.cuMemSetAccess(to_cu(ptr), bytes, access_.data(), access_.size()), "cuMemSetAccess");
   }
 
   dev_ptr mem_alloc(std::size_t bytes) override {
+    const Timed timed(*this, Op::mem_alloc);
     CtxScope scope(*this);
     CUdeviceptr p = 0;
     check(api_, api_.cuMemAlloc(&p, bytes), "cuMemAlloc");
     return p;
   }
   void mem_free(dev_ptr ptr) override {
+    const Timed timed(*this, Op::mem_free);
     CtxScope scope(*this);
     check(api_, api_.cuMemFree(to_cu(ptr)), "cuMemFree");
   }
@@ -310,10 +322,12 @@ class CudaDriver final : public Driver {
     check(api_, api_.cuEventDestroy(to_cu_event(event)), "cuEventDestroy");
   }
   void event_record(event_t event, stream_t stream) override {
+    const Timed timed(*this, Op::event_record);
     CtxScope scope(*this);
     check(api_, api_.cuEventRecord(to_cu_event(event), to_cu(stream)), "cuEventRecord");
   }
   bool event_query(event_t event) override {
+    const Timed timed(*this, Op::event_query);
     CtxScope scope(*this);
     const CUresult r = api_.cuEventQuery(to_cu_event(event));
     if (r == CUDA_ERROR_NOT_READY) return false;
@@ -321,14 +335,17 @@ class CudaDriver final : public Driver {
     return true;
   }
   void event_synchronize(event_t event) override {
+    const Timed timed(*this, Op::stream_sync);
     CtxScope scope(*this);
     check(api_, api_.cuEventSynchronize(to_cu_event(event)), "cuEventSynchronize");
   }
   void stream_synchronize(stream_t stream) override {
+    const Timed timed(*this, Op::stream_sync);
     CtxScope scope(*this);
     check(api_, api_.cuStreamSynchronize(to_cu(stream)), "cuStreamSynchronize");
   }
   void device_synchronize() override {
+    const Timed timed(*this, Op::stream_sync);
     CtxScope scope(*this);
     check(api_, api_.cuCtxSynchronize(), "cuCtxSynchronize");
   }
@@ -421,6 +438,7 @@ class CudaDriver final : public Driver {
   std::string shareable_fallback_reason() const override { return fallback_reason_; }
 
   ExportedHandle export_handle(phys_handle handle) override {
+    const Timed timed(*this, Op::export_handle);
     ExportedHandle out;
     out.type = shareable_;
     if (shareable_ == ShareableHandle::none)
@@ -442,6 +460,7 @@ class CudaDriver final : public Driver {
     return out;
   }
   phys_handle import_handle(const ExportedHandle& exported) override {
+    const Timed timed(*this, Op::import_handle);
     CUmemGenericAllocationHandle h = 0;
     switch (exported.type) {
       case ShareableHandle::posix_fd: {
@@ -465,6 +484,7 @@ class CudaDriver final : public Driver {
     throw_invalid("cuMemImportFromShareableHandle", "the exported handle has no shareable type");
   }
   ExportedHandle ipc_export(dev_ptr mem_alloc_ptr) override {
+    const Timed timed(*this, Op::export_handle);
     CtxScope scope(*this);
     CUipcMemHandle h{};
     check(api_, api_.cuIpcGetMemHandle(&h, to_cu(mem_alloc_ptr)), "cuIpcGetMemHandle");
@@ -473,6 +493,7 @@ class CudaDriver final : public Driver {
     return out;
   }
   dev_ptr ipc_open(const ExportedHandle& exported) override {
+    const Timed timed(*this, Op::import_handle);
     CtxScope scope(*this);
     CUipcMemHandle h{};
     std::memcpy(&h, exported.bytes.data(), sizeof h);
@@ -485,7 +506,38 @@ class CudaDriver final : public Driver {
     check(api_, api_.cuIpcCloseMemHandle(to_cu(ptr)), "cuIpcCloseMemHandle");
   }
 
+ public:
+  CallStats call_stats() const override {
+    CallStats c;
+    for (std::size_t i = 0; i < kOpCount; ++i) {
+      c.calls[i] = op_calls_[i].load(std::memory_order_relaxed);
+      c.seconds[i] = static_cast<double>(op_ns_[i].load(std::memory_order_relaxed)) * 1e-9;
+    }
+    return c;
+  }
+
  private:
+  // Counts one call of `op` and the time until the scope ends (the call, its context switch and
+  // its error check; a failed call counts too). Relaxed atomics: a few ns against µs-long calls.
+  class Timed {
+   public:
+    Timed(CudaDriver& d, Op op) noexcept : d_(d), op_(static_cast<std::size_t>(op)), t0_(std::chrono::steady_clock::now()) {}
+    ~Timed() {
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_).count();
+      d_.op_calls_[op_].fetch_add(1, std::memory_order_relaxed);
+      d_.op_ns_[op_].fetch_add(static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
+    }
+    Timed(const Timed&) = delete;
+    Timed& operator=(const Timed&) = delete;
+
+   private:
+    CudaDriver& d_;
+    std::size_t op_;
+    std::chrono::steady_clock::time_point t0_;
+  };
+  std::array<std::atomic<std::uint64_t>, kOpCount> op_calls_{};
+  std::array<std::atomic<std::uint64_t>, kOpCount> op_ns_{};
+
   // Makes the device's primary context current for one call: pushes it only when another (or no)
   // context is current, and pops it at scope exit, so callers' own contexts stay as they were, on
   // any thread.

@@ -24,6 +24,13 @@ const char* op_name(Op op) noexcept {
   return "unknown";
 }
 
+std::vector<DriverCallTime> CallStats::by_call() const {
+  std::vector<DriverCallTime> out;
+  for (std::size_t i = 0; i < kOpCount; ++i)
+    if (calls[i] != 0) out.push_back({op_name(static_cast<Op>(i)), calls[i], seconds[i]});
+  return out;
+}
+
 dev_ptr Driver::mem_alloc_async(std::size_t, stream_t) {
   throw driver_error("cuMemAllocAsync", 801, "CUDA_ERROR_NOT_SUPPORTED", std::string("not provided by the ") + kind() + " driver");
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "expseg/errors.hpp"
+#include "expseg/stats.hpp"
 
 namespace expseg::driver {
 
@@ -52,6 +53,30 @@ enum class Op : std::uint8_t {
 inline constexpr std::size_t kOpCount = static_cast<std::size_t>(Op::count_);
 const char* op_name(Op op) noexcept;
 
+// Driver calls made so far and the time spent in them, per operation (failed calls included). A
+// GPU measures the time around each call; the simulated device reports its latency model's figures
+// (zero without sim_latency).
+struct CallStats {
+  std::array<std::uint64_t, kOpCount> calls{};
+  std::array<double, kOpCount> seconds{};
+  double total_seconds() const noexcept {
+    double t = 0.0;
+    for (double s : seconds) t += s;
+    return t;
+  }
+  // What happened since `before` (a run's share of a driver that may outlive it).
+  CallStats since(const CallStats& before) const noexcept {
+    CallStats d;
+    for (std::size_t i = 0; i < kOpCount; ++i) {
+      d.calls[i] = calls[i] - before.calls[i];
+      d.seconds[i] = seconds[i] - before.seconds[i];
+    }
+    return d;
+  }
+  // The operations that were called, by name, for results and reports.
+  std::vector<DriverCallTime> by_call() const;
+};
+
 struct MemInfo {
   std::size_t free = 0;
   std::size_t total = 0;
@@ -77,6 +102,8 @@ class Driver {
   // Allocation granularity of physical memory (cuMemGetAllocationGranularity, recommended).
   virtual std::size_t granularity() const noexcept = 0;
   virtual MemInfo mem_info() = 0;
+  // Thread-safe (a stats reader need not hold the allocator's lock).
+  virtual CallStats call_stats() const = 0;
 
   // --- virtual memory management ---
   // Reserve `bytes` (a multiple of granularity()) of virtual address space; no memory behind it.

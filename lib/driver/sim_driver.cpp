@@ -141,6 +141,8 @@ struct SimDriver::Impl {
   std::array<std::uint64_t, kOpCount> calls{};
   std::map<std::pair<std::size_t, std::uint64_t>, Fault> faults;  // (op, absolute call number)
   double seconds = 0;
+  std::array<double, kOpCount> op_seconds{};  // the latency model's time, per operation
+  std::size_t last_op = 0;                     // the call being charged (set by enter)
 
   std::uint64_t next_id = 1;  // handles, physical allocations, events and streams: never reused
   dev_ptr next_address;  // bookkeeping mode: the next free address of this device's span
@@ -179,6 +181,7 @@ struct SimDriver::Impl {
   void enter(Op op, const char* call) {
     const auto index = static_cast<std::size_t>(op);
     const std::uint64_t n = ++calls[index];
+    last_op = index;
     if (faults.empty()) return;
     auto it = faults.find({index, n});
     if (it == faults.end()) return;
@@ -189,13 +192,15 @@ struct SimDriver::Impl {
     throw driver_error(call, kUnknown, "CUDA_ERROR_UNKNOWN", "fault injected by the simulated device");
   }
   void charge(double us) noexcept {
-    if (opt.latency_model) seconds += us * 1e-6;
+    if (!opt.latency_model) return;
+    seconds += us * 1e-6;
+    op_seconds[last_op] += us * 1e-6;
   }
   // charge() of a latency table's figure for `bytes`; the interpolation (three logarithms) runs
   // only when the model is on.
   template <std::size_t N>
   void charge_table(const std::array<double, N>& sizes, const std::array<double, N>& us, std::size_t bytes) noexcept {
-    if (opt.latency_model) seconds += interpolate_us(sizes, us, bytes) * 1e-6;
+    if (opt.latency_model) charge(interpolate_us(sizes, us, bytes));
   }
 
   void check_granular(const char* call, const char* what, std::uint64_t value) const {
@@ -852,6 +857,14 @@ void SimDriver::set_stream_busy(stream_t stream, bool busy) {
 double SimDriver::simulated_seconds() const {
   std::lock_guard lock(impl_->mutex);
   return impl_->seconds;
+}
+
+CallStats SimDriver::call_stats() const {
+  std::lock_guard lock(impl_->mutex);
+  CallStats c;
+  c.calls = impl_->calls;
+  c.seconds = impl_->op_seconds;
+  return c;
 }
 
 std::vector<int> SimDriver::granted_devices(dev_ptr addr) const {

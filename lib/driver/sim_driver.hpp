@@ -57,6 +57,7 @@ class SimDriver final : public Driver {
   std::string device_name() const override;
   std::size_t granularity() const noexcept override { return options_.granularity; }
   MemInfo mem_info() override;
+  CallStats call_stats() const override;  // the latency model's seconds (0 without it)
   dev_ptr reserve(std::size_t bytes) override;
   void free_reserve(dev_ptr base, std::size_t bytes) override;
   phys_handle create(std::size_t bytes) override;

@@ -66,6 +66,7 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
   CHECK_FALSE(d.can_access_peer(d.device()));
 
   // --- reserve 8 granules; map 3 handles (1, 1 and 2 granules) at granules 0, 1, 2-3 ---
+  const CallStats calls_before = d.call_stats();
   const dev_ptr base = d.reserve(8 * g);
   REQUIRE(base != 0);
   CHECK(base % g == 0);
@@ -81,6 +82,22 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
   d.map(base + g, g, h2);
   d.map(base + 2 * g, 2 * g, h3);
   d.set_access(base, 4 * g);  // one call over three handles
+  {
+    // Each call above counted once, with its time: measured on a GPU, modelled (or 0) on the simulator.
+    const CallStats c = d.call_stats().since(calls_before);
+    CHECK(c.calls[static_cast<std::size_t>(Op::reserve)] == 1);
+    CHECK(c.calls[static_cast<std::size_t>(Op::create)] == 3);
+    CHECK(c.calls[static_cast<std::size_t>(Op::map)] == 3);
+    CHECK(c.calls[static_cast<std::size_t>(Op::set_access)] == 1);
+    CHECK(c.calls[static_cast<std::size_t>(Op::unmap)] == 0);
+    for (double sec : c.seconds) CHECK(sec >= 0.0);
+    if (kind == "cuda") {
+      CHECK(c.seconds[static_cast<std::size_t>(Op::create)] > 0.0);
+      CHECK(c.seconds[static_cast<std::size_t>(Op::set_access)] > 0.0);
+    }
+    const auto named = c.by_call();
+    CHECK(std::any_of(named.begin(), named.end(), [](const expseg::DriverCallTime& t) { return t.call == "cuMemSetAccess" && t.calls == 1; }));
+  }
 
   const std::size_t words_per_granule = g / sizeof(std::uint32_t);
   if (data_checks) {

@@ -209,6 +209,7 @@ class Spy final : public expseg::driver::Driver {
   std::string device_name() const override { return sim_->device_name(); }
   std::size_t granularity() const noexcept override { return sim_->granularity(); }
   expseg::driver::MemInfo mem_info() override { return sim_->mem_info(); }
+  expseg::driver::CallStats call_stats() const override { return sim_->call_stats(); }
 
   dev_ptr reserve(std::size_t bytes) override {
     return call([&] { return sim_->reserve(bytes); });

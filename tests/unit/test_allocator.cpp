@@ -388,6 +388,47 @@ TEST_CASE("allocator: random-churn draws from the size range it is given, and re
   rejects("random-churn", std::size_t{1} << 20, std::size_t{1} << 41);
 }
 
+TEST_CASE("allocator: scenario and replay results say how much time went to which driver call") {
+  auto find = [](const std::vector<expseg::DriverCallTime>& calls, const std::string& name) -> const expseg::DriverCallTime* {
+    for (const auto& c : calls)
+      if (c.call == name) return &c;
+    return nullptr;
+  };
+  auto sum = [](const std::vector<expseg::DriverCallTime>& calls) {
+    double t = 0;
+    for (const auto& c : calls) t += c.seconds;
+    return t;
+  };
+  // Expandable's random churn, on the H200 latency model: every handle it maps is one cuMemCreate
+  // and one cuMemSetAccess; the calls add up to driver_seconds.
+  const auto r = expseg::run_scenario("random-churn", sim_config(BackendKind::expandable, 80 * GiB, "sim_latency:true"));
+  const auto* create = find(r.driver_calls, "cuMemCreate");
+  const auto* access = find(r.driver_calls, "cuMemSetAccess");
+  REQUIRE(create != nullptr);
+  REQUIRE(access != nullptr);
+  CHECK(create->calls == static_cast<std::uint64_t>(r.device_allocs));
+  CHECK(access->calls == create->calls);
+  CHECK(access->seconds > 35e-6 * static_cast<double>(access->calls));  // >= 35.9 us per handle
+  CHECK(find(r.driver_calls, "cuMemAlloc") == nullptr);
+  CHECK(r.driver_seconds == doctest::Approx(sum(r.driver_calls)));
+  const auto j = expseg::core::parse_json(r.to_json());
+  CHECK(j["driver_calls"]["cuMemCreate"]["calls"].as_int() == r.device_allocs);
+  // Without the model the calls are still counted, at no time.
+  const auto q = expseg::run_scenario("random-churn", sim_config(BackendKind::expandable));
+  REQUIRE(find(q.driver_calls, "cuMemCreate") != nullptr);
+  CHECK(find(q.driver_calls, "cuMemCreate")->calls == create->calls);
+  CHECK(q.driver_seconds == 0.0);
+  // split_merge replaying the ResNet-50 trace: cuMemAlloc only, as many as its device allocations.
+  expseg::Trace t = expseg::read_trace(EXPSEG_SOURCE_DIR "/benchmarks/traces/resnet50-train-varsize.rmm.csv.gz");
+  const auto sm = expseg::replay(t, sim_config(BackendKind::split_merge, 80 * GiB, "sim_latency:true"));
+  const auto* alloc = find(sm.driver_calls, "cuMemAlloc");
+  REQUIRE(alloc != nullptr);
+  CHECK(alloc->calls == static_cast<std::uint64_t>(sm.stats.num_device_alloc));
+  CHECK(alloc->seconds >= 33e-6 * static_cast<double>(alloc->calls));
+  CHECK(find(sm.driver_calls, "cuMemCreate") == nullptr);
+  CHECK(sm.driver_seconds == doctest::Approx(sum(sm.driver_calls)));
+}
+
 TEST_CASE("allocator: stats identities hold after every step of randomized scenarios") {
   for (BackendKind b : kBackends) {
     for (const char* s : {"random-churn", "kv-cache-decode", "mixed-lifetimes"}) {

@@ -155,7 +155,7 @@ TEST_CASE("cli: scenario random-churn --sizes runs another size mix") {
 TEST_CASE("cli: scenario table explains the failure with the first OOM report") {
   const Run r = run_cli("scenario split-800-500-300 --device sim");
   REQUIRE(r.status == 0);
-  for (const char* col : {"scenario", "backend", "outcome", "verdict", "peak allocated", "peak reserved", "OOMs", "lowest fill", "time"})
+  for (const char* col : {"scenario", "backend", "outcome", "verdict", "peak allocated", "peak reserved", "OOMs", "lowest fill", "time", "in driver"})
     CHECK(r.out.find(col) != std::string::npos);
   CHECK(r.out.find("1 OOM") != std::string::npos);
   CHECK(r.out.find("fragmentation") != std::string::npos);
