@@ -274,6 +274,21 @@ const Scenario kScenarios[] = {
        int g = r.alloc(28 * MiB);
        r.free(g);
      }},
+    {"an idle handle moves under a limit", "limit:128MiB",
+     [](Runner& r) {
+       // At the limit with 4-frame handles (limit/16): c needs four new frames, and a's idle
+       // 4-frame handle moves there (unmap, map, access) instead of being released for a new one.
+       int a = r.alloc(8 * MiB);
+       int b1 = r.alloc(118 * MiB);
+       int b2 = r.alloc(2 * MiB);
+       r.free(a);
+       r.free(b2);
+       int c = r.alloc(10 * MiB);
+       r.free(b1);
+       int d = r.alloc(8 * MiB, r.s1());  // another stream's arena: a's old place moves again
+       r.free(c);
+       r.free(d);
+     }},
     {"release_cached", "expandable_va_size:32MiB",
      [](Runner& r) {
        int a = r.alloc(4 * MiB);

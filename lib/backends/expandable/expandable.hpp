@@ -141,11 +141,16 @@ class ExpandableBackend final : public Backend {
   std::size_t placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t& frames, std::size_t bound) const noexcept;
   bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor);
   bool map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
+  std::size_t move_idle_handle(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
+  bool map_handle(ExpSegment& seg, std::size_t frame, ExpHandle* h, core::Block* anchor);
   void register_mapping(ExpSegment& seg, ExpHandle* h, core::Block* anchor);
   void set_range_mapped(ExpSegment& seg, core::Block* from, std::uint64_t lo, std::uint64_t hi, bool mapped);
   bool make_room(std::size_t bytes, const Exclusion& ex);
+  std::size_t room_after_reclaim(const Exclusion& ex) const noexcept;
   std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr, bool largest_first = false);
   void unmap_handle(ExpHandle* h);
+  void unmap_mapping(ExpHandle* h);
+  void keep_as_orphan(ExpHandle* h, bool still_mapped, std::uint64_t addr);
   void retry_orphans();
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
   void add_live(const core::Block& b) noexcept;
