@@ -404,16 +404,15 @@ std::size_t ExpandableBackend::frames_needed(const ExpSegment& seg, std::uint64_
 }
 
 // Under a limit, the driver calls that placing a block at [lo, hi) costs: the idle bulk handles it
-// covers only partly (grow_and_carve unmaps them first) and the handles map_range then maps (their
-// frames, and the unmapped ones, go to `frames`). Idle handles it covers wholly cost nothing. The
-// count stops early (frames then partial) once it exceeds `bound`.
-std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t& frames,
-                                               std::size_t bound) const noexcept {
+// covers only partly (grow_and_carve unmaps them first) and the handles map_range then maps, at most
+// `max_frames` each (their frames, and the unmapped ones, go to `frames`). Idle handles it covers
+// wholly cost nothing. The count stops early (frames then partial) once it exceeds `bound`.
+std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t max_frames,
+                                               std::size_t& frames, std::size_t bound) const noexcept {
   const std::size_t first = frame_of(seg, lo);
   const std::size_t end = frame_of(seg, hi - 1) + 1;
   const bool first_partial = (lo - seg.base) % frame_ != 0;
   const bool last_partial = (hi - seg.base) % frame_ != 0;
-  const std::size_t max_frames = max_handle_bytes(hi - lo) / frame_;
   std::size_t calls = 0;
   std::size_t run = 0;  // frames to map just before f
   auto map_run = [&](std::size_t run_end) {
@@ -423,21 +422,28 @@ std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint6
     run = 0;
   };
   frames = 0;
+  // Frames past the table's end were never mapped; unmapped stretches inside it are skipped in one
+  // tight loop (a 512 MiB candidate spans 256 frames, and the slow path tries many candidates).
+  const std::size_t table_end = std::min(end, seg.frames.size());
   for (std::size_t f = first; f < end;) {
-    const ExpHandle* h = frame_handle(seg, f);
-    std::size_t n = 1;
-    bool remap = h == nullptr;
-    if (h != nullptr) {
-      n = std::min(h->first_frame + h->nframes, end) - f;
-      const std::uint64_t hlo = frame_addr(seg, h->first_frame);
-      if (h->nframes > 1 && h->live_bytes == 0 && (hlo < lo || hlo + h->bytes > hi)) {
-        remap = true;
-        ++calls;
-      }
+    const ExpHandle* h = f < table_end ? seg.frames[f] : nullptr;
+    if (h == nullptr) {
+      std::size_t e = f + 1;
+      while (e < table_end && seg.frames[e] == nullptr) ++e;
+      if (e >= table_end) e = std::max(e, end);
+      run += e - f;
+      f = e;
+      continue;
     }
-    if (remap) run += n;
-    else if (run != 0) map_run(f);
-    if (calls > bound) return calls;  // already worse than a place found
+    const std::size_t n = std::min(h->first_frame + h->nframes, end) - f;
+    const std::uint64_t hlo = frame_addr(seg, h->first_frame);
+    if (h->nframes > 1 && h->live_bytes == 0 && (hlo < lo || hlo + h->bytes > hi)) {
+      run += n;
+      if (++calls > bound) return calls;  // already worse than a place found
+    } else if (run != 0) {
+      map_run(f);
+      if (calls > bound) return calls;
+    }
     f += n;
   }
   if (run != 0) map_run(end);
@@ -454,6 +460,7 @@ std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint6
 bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placement& out) {
   bool found = false;
   const bool limited = ctx_.limit != 0;
+  const std::size_t max_frames = max_handle_bytes(size) / frame_;  // as map_range will cut
   std::uint64_t seen_hi = 0;  // the end of the last run looked at (each run once)
   for (Block& u : arena.unmapped) {
     if (u.addr < seen_hi) continue;
@@ -483,7 +490,7 @@ bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placem
     }
     auto consider = [&](std::uint64_t start) {
       std::size_t frames = 0;
-      const std::size_t calls = placement_calls(*seg, start, start + size, frames, found ? out.calls : kNoPlace);
+      const std::size_t calls = placement_calls(*seg, start, start + size, max_frames, frames, found ? out.calls : kNoPlace);
       if (!found || calls < out.calls || (calls == out.calls && frames < out.new_frames)) {
         out = Placement{seg, first->prev, start, frames, calls};
         found = true;

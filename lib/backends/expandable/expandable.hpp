@@ -138,7 +138,8 @@ class ExpandableBackend final : public Backend {
   void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
-  std::size_t placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t& frames, std::size_t bound) const noexcept;
+  std::size_t placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t max_frames, std::size_t& frames,
+                              std::size_t bound) const noexcept;
   bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor);
   bool map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
   std::size_t move_idle_handle(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
