@@ -713,7 +713,7 @@ bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t 
 // the run does not break into many handles), unmaps it where it lies and maps it here. A move costs
 // cuMemUnmap + cuMemMap + cuMemSetAccess where giving the handle back and creating a new one costs
 // cuMemUnmap + cuMemRelease + cuMemCreate + cuMemMap + cuMemSetAccess. On the H200 the release and
-// create of the random churn's handles took 46% of its driver time; moves cut that churn's driver
+// create of the random churn's handles took 47% of its driver time; moves cut that churn's driver
 // time by 14% (seeds 1-3: 309 -> 266 ms; exact fits only: 269 ms, down to 1/2 of the frames:
 // 267 ms, to 1/4: 293 ms, where the extra handles cost more cuMemSetAccess than they save).
 // Returns the frames mapped, 0 when no idle handle fits (the caller creates one instead).
