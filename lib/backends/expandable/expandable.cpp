@@ -722,10 +722,7 @@ std::size_t ExpandableBackend::move_idle_handle(ExpSegment& seg, std::size_t fra
   ExpHandle* best = nullptr;
   for (ExpHandle& h : idle_) {
     if (h.nframes > nframes || 4 * h.nframes < 3 * nframes || (best != nullptr && h.nframes <= best->nframes)) continue;
-    if (h.seg == ex.seg) {
-      const std::uint64_t lo = frame_addr(*h.seg, h.first_frame);
-      if (lo < ex.hi && lo + h.bytes > ex.lo) continue;
-    }
+    if (excluded(h, ex)) continue;
     best = &h;
     if (best->nframes == nframes) break;
   }
@@ -823,10 +820,7 @@ std::size_t ExpandableBackend::room_after_reclaim(const Exclusion& ex) const noe
   const std::size_t limit = ctx_.effective_limit();
   std::size_t idle = 0;
   for (const ExpHandle& h : idle_) {
-    if (h.seg == ex.seg) {
-      const std::uint64_t lo = frame_addr(*h.seg, h.first_frame);
-      if (lo < ex.hi && lo + h.bytes > ex.lo) continue;
-    }
+    if (excluded(h, ex)) continue;
     idle += h.bytes;
   }
   const std::size_t held = reserved_ - idle;
@@ -854,10 +848,7 @@ std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& 
   std::vector<ExpHandle*> order;
   for (ExpHandle& h : idle_) {
     if (only != nullptr && h.seg->arena != only) continue;
-    if (h.seg == ex.seg) {
-      const std::uint64_t lo = frame_addr(*h.seg, h.first_frame);
-      if (lo < ex.hi && lo + h.bytes > ex.lo) continue;
-    }
+    if (excluded(h, ex)) continue;
     order.push_back(&h);
   }
   if (largest_first) std::stable_sort(order.begin(), order.end(), [](const ExpHandle* a, const ExpHandle* b) { return a->bytes > b->bytes; });

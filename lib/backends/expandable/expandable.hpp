@@ -115,6 +115,11 @@ class ExpandableBackend final : public Backend {
     std::uint64_t lo = 0;
     std::uint64_t hi = 0;
   };
+  bool excluded(const ExpHandle& h, const Exclusion& ex) const noexcept {
+    if (h.seg != ex.seg) return false;
+    const std::uint64_t lo = frame_addr(*h.seg, h.first_frame);
+    return lo < ex.hi && lo + h.bytes > ex.lo;
+  }
 
   ExpArena& arena_for(driver::stream_t stream) {
     // A read-only scan (streams are few): threads on different streams then share no written line
