@@ -46,6 +46,8 @@ std::string OomReport::to_json() const {
   w.field("reserved_unallocated_bytes", std::uint64_t{reserved_unallocated_bytes()});
   w.field("live_requested_bytes", std::uint64_t{live_requested_bytes});
   w.field("live_footprint_bytes", std::uint64_t{live_footprint_bytes});
+  w.field("page_slack_bytes", std::uint64_t{page_slack_bytes});
+  w.field("partial_pages", std::uint64_t{partial_pages});
   w.field("largest_free_block_bytes", std::uint64_t{largest_free_block_bytes});
   w.field("free_blocks", std::uint64_t{free_blocks});
   w.field("verdict", to_string(verdict));

@@ -92,6 +92,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   const std::size_t active = static_cast<std::size_t>(stats.active_bytes[kAllPools].current);
   const std::size_t footprint = std::max(fs.live_footprint, active);
   r->live_footprint_bytes = footprint;
+  r->page_slack_bytes = fs.live_page_slack;
+  r->partial_pages = fs.live_partial_pages;
   const bool overflow = r->rounded_bytes > SIZE_MAX / 2;
   const std::size_t need = overflow ? SIZE_MAX : footprint + std::max(fs.request_footprint, r->rounded_bytes);
   const std::size_t obtainable = mi.free + r->reserved_bytes;  // what this process could hold at most
@@ -149,6 +151,11 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       os << "The live allocations (" << format_bytes(active);
       if (footprint > active) os << ", occupying " << format_bytes(footprint) << " of whole pages";
       os << ") plus the request (" << format_bytes(r->rounded_bytes) << ") exceed the limit of " << format_bytes(ctx.limit) << ".";
+      if (r->page_slack_bytes != 0)
+        os << " Of those pages, " << format_bytes(r->page_slack_bytes) << " in " << r->partial_pages << " page"
+           << (r->partial_pages == 1 ? " is" : "s are") << " free but shared with live allocations: pages ("
+           << format_bytes(driver->granularity()) << ") are the smallest unit memory is mapped in, so only a request smaller than such a gap"
+           << " can use it; allocation sizes in multiples of " << format_bytes(driver->granularity()) << " leave no such gaps.";
       break;
     case OomVerdict::fragmentation:
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)

@@ -110,6 +110,10 @@ struct OomReport {
   std::size_t reserved_bytes = 0;    // memory held from the device, as stats().reserved_bytes
   std::size_t live_requested_bytes = 0;        // sum of the live allocations' requested sizes
   std::size_t live_footprint_bytes = 0;        // memory the live blocks occupy at the least (whole pages when expandable)
+  // expandable: the free bytes inside the pages live blocks touch (live_footprint_bytes = live
+  // blocks' bytes + this), in partly used pages: gaps that only a request smaller than them could use.
+  std::size_t page_slack_bytes = 0;
+  std::size_t partial_pages = 0;               // pages that live blocks use only partly
   std::size_t largest_free_block_bytes = 0;    // largest free contiguous block the backend holds
   std::size_t free_blocks = 0;                 // number of free blocks the backend holds
   OomVerdict verdict = OomVerdict::capacity;

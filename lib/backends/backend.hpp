@@ -57,6 +57,10 @@ struct FreeSummary {
   // Device memory the live (allocated and pending) blocks occupy at the least: their bytes in a
   // split pool; the frames they touch in expandable segments.
   std::size_t live_footprint = 0;
+  // expandable: the free bytes inside the frames live blocks touch (live_footprint = live bytes +
+  // this), and the number of such partly used frames.
+  std::size_t live_page_slack = 0;
+  std::size_t live_partial_pages = 0;
   // What the request itself needs at the least (its rounded size; whole frames when expandable).
   std::size_t request_footprint = 0;
 };

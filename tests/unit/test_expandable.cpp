@@ -117,6 +117,11 @@ TEST_CASE("expandable: other size mixes never OOM while the pages live blocks to
           const expseg::OomReport& r = e.report();
           CHECK(r.verdict == expseg::OomVerdict::limit);
           CHECK(r.live_footprint_bytes + pages(size) > mix.limit);
+          // The report accounts for every byte of the touched pages: live blocks plus the gaps in
+          // partly used pages (each such page has a gap of less than a page).
+          CHECK(r.live_footprint_bytes == r.allocated_bytes + r.page_slack_bytes);
+          CHECK(r.page_slack_bytes < r.partial_pages * kPage);
+          CHECK(r.partial_pages <= r.live_footprint_bytes / kPage);
           std::size_t rounded = pages(size);
           for (const auto& [p, n] : live) rounded += pages(n);
           CHECK(rounded > mix.limit);
@@ -159,6 +164,36 @@ TEST_CASE("expandable: other size mixes never OOM while the pages live blocks to
     // With blocks of a page or more, expandable fails later than the split pool (at a higher fill).
     if (mix.page_sized) CHECK(exp.min_fill > sm.min_fill);
   }
+}
+
+TEST_CASE("expandable: a limit OOM report counts the free gaps inside partly used pages") {
+  // limit 4 MiB = 2 pages. a = [0, 1.5 MiB), b packs after it: [1.5, 3.5 MiB). Once a is freed,
+  // page 0 holds 1.5 MiB free before b and page 1 0.5 MiB after it: 2 MiB of the 4 MiB the live
+  // 2 MiB occupy are gaps no 2.5 MiB request can use.
+  Allocator a = make("limit:4MiB");
+  void* pa = a.allocate(3 * MiB / 2);
+  void* pb = a.allocate(2 * MiB);
+  REQUIRE(addr(pb) == addr(pa) + 3 * MiB / 2);
+  a.deallocate(pa);
+  try {
+    a.allocate(5 * MiB / 2);
+    FAIL("2.5 MiB fit beside 2 MiB live in 2 pages");
+  } catch (const expseg::out_of_memory& e) {
+    const expseg::OomReport& r = e.report();
+    CHECK(r.verdict == expseg::OomVerdict::limit);
+    CHECK(r.allocated_bytes == 2 * MiB);
+    CHECK(r.live_footprint_bytes == 4 * MiB);
+    CHECK(r.page_slack_bytes == 2 * MiB);
+    CHECK(r.partial_pages == 2);
+    CHECK(r.message.find("2.00 MiB in 2 pages are free but shared with live allocations") != std::string::npos);
+  }
+  // The gap before b still serves what fits in it, without growing.
+  void* small = a.allocate(MiB);
+  CHECK(addr(small) < addr(pb));
+  a.validate();
+  a.deallocate(small);
+  a.deallocate(pb);
+  a.validate();
 }
 
 TEST_CASE("expandable: at the limit an idle handle moves to where a request needs memory, data intact") {

@@ -282,6 +282,8 @@ TEST_CASE("stats: OOM report JSON parses back with every field") {
   r.reserved_bytes = 2097152000;
   r.live_requested_bytes = 1153433000;
   r.live_footprint_bytes = 1153433600;
+  r.page_slack_bytes = 3 * 524288;
+  r.partial_pages = 2;
   r.largest_free_block_bytes = 524288000;
   r.free_blocks = 2;
   r.verdict = expseg::OomVerdict::fragmentation;
@@ -290,8 +292,10 @@ TEST_CASE("stats: OOM report JSON parses back with every field") {
   r.message = "CUDA out of memory. Tried to allocate 800.00 MiB.\n\"quoted\"";
 
   const JsonValue v = parse_json(r.to_json());
-  CHECK(v.as_object().size() == 20);
+  CHECK(v.as_object().size() == 22);
   CHECK(v["live_footprint_bytes"].as_int() == 1153433600);
+  CHECK(v["page_slack_bytes"].as_int() == 3 * 524288);
+  CHECK(v["partial_pages"].as_int() == 2);
   CHECK(v["snapshot"].is_null());
   CHECK(v["backend"].as_string() == "split_merge");
   CHECK(v["device"].as_int() == 1);

@@ -256,15 +256,8 @@ inline void ExpandableBackend::add_live(const Block& b) noexcept {
   for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
     ExpHandle* h = seg.frames[f];
     const std::uint64_t lo = frame_addr(seg, h->first_frame);
-    const std::uint64_t hi = lo + h->bytes;
-    const std::size_t overlap = std::min(hi, b.end()) - std::max(lo, b.addr);
-    if (h->live_bytes == 0) {
-      idle_.erase(idle_.iterator_to(*h));
-      pinned_free_ += h->bytes - overlap;
-    } else {
-      pinned_free_ -= overlap;
-    }
-    h->live_bytes += overlap;
+    if (h->live_bytes == 0) idle_.erase(idle_.iterator_to(*h));
+    h->live_bytes += std::min(lo + h->bytes, b.end()) - std::max(lo, b.addr);
     f = h->first_frame + h->nframes;
   }
 }
@@ -274,15 +267,8 @@ inline void ExpandableBackend::remove_live(const Block& b) noexcept {
   for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
     ExpHandle* h = seg.frames[f];
     const std::uint64_t lo = frame_addr(seg, h->first_frame);
-    const std::uint64_t hi = lo + h->bytes;
-    const std::size_t overlap = std::min(hi, b.end()) - std::max(lo, b.addr);
-    h->live_bytes -= overlap;
-    if (h->live_bytes == 0) {
-      idle_.push_back(*h);
-      pinned_free_ -= h->bytes - overlap;
-    } else {
-      pinned_free_ += overlap;
-    }
+    h->live_bytes -= std::min(lo + h->bytes, b.end()) - std::max(lo, b.addr);
+    if (h->live_bytes == 0) idle_.push_back(*h);
     f = h->first_frame + h->nframes;
   }
 }
@@ -1214,15 +1200,38 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
   s.request_footprint = round_up(request, frame_);
   for (const ExpArena* arena : arenas_) {
     for (const ExpSegment* seg : arena->segments) {
-      std::size_t last_frame = SIZE_MAX;  // frames already counted (blocks are address-ordered)
+      // Blocks are address-ordered: a frame is shared only by consecutive live blocks, so the live
+      // bytes of the frame being counted add up until a block starts past it.
+      std::size_t open_frame = SIZE_MAX;  // the last frame counted, still open to more live bytes
+      std::size_t open_used = 0;
+      auto close_frame = [&] {
+        if (open_frame != SIZE_MAX && open_used < frame_) {
+          s.live_page_slack += frame_ - open_used;
+          ++s.live_partial_pages;
+        }
+      };
       for (const Block* b = seg->first; b; b = b->next) {
         if (b->is_free()) continue;
-        std::size_t f0 = frame_of(*seg, b->addr);
+        const std::size_t f0 = frame_of(*seg, b->addr);
         const std::size_t f1 = frame_of(*seg, b->end() - 1);
-        if (last_frame != SIZE_MAX && f0 <= last_frame) f0 = last_frame + 1;
-        if (f0 <= f1) s.live_footprint += (f1 - f0 + 1) * frame_;
-        last_frame = std::max(last_frame == SIZE_MAX ? f1 : last_frame, f1);
+        if (f0 != open_frame) {
+          close_frame();
+          s.live_footprint += frame_;
+          open_frame = f0;
+          open_used = 0;
+        }
+        if (f0 == f1) {
+          open_used += b->size;
+          open_frame = f0;
+          continue;
+        }
+        open_used += frame_addr(*seg, f0 + 1) - b->addr;  // the block runs to f0's end
+        close_frame();
+        s.live_footprint += (f1 - f0) * frame_;  // frames f0+1 .. f1; those before f1 are whole
+        open_frame = f1;
+        open_used = b->end() - frame_addr(*seg, f1);
       }
+      close_frame();
     }
   }
   for (const ExpArena* arena : arenas_) {

@@ -183,7 +183,6 @@ class ExpandableBackend final : public Backend {
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
-  std::size_t pinned_free_ = 0;  // free bytes inside handles that live blocks keep mapped
   std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
 };
 
