@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Summarizes `expseg scenario random-churn --sizes ... --json` lines (gpu_session.sh's mixes phase):
 per size mix and backend, the OOMs over all seeds, the fragmentation OOMs, the OOMs while live bytes
-plus the request were <= 98% of the limit, the lowest fill at an OOM, and the wall time."""
+plus the request were <= 98% of the limit, the lowest fill at an OOM with the page slack of that OOM
+(expandable: free bytes inside pages live blocks use partly, as a share of the limit), and the wall
+time."""
 import json
 import sys
 from collections import defaultdict
@@ -18,13 +20,15 @@ def main(path):
             if line.strip():
                 r = json.loads(line)
                 rows[(r["min_size"], r["max_size"], r["limit_bytes"], r["backend"])].append(r)
-    print(f"{'sizes':<14} {'limit':>8} {'backend':<12} {'seeds':>5} {'OOMs':>5} {'frag':>5} {'<=98%':>6} {'lowest fill':>11} {'ms (each)':>20}")
+    print(f"{'sizes':<14} {'limit':>8} {'backend':<12} {'seeds':>5} {'OOMs':>5} {'frag':>5} {'<=98%':>6} {'lowest fill':>11} {'slack there':>11} {'ms (each)':>20}")
     for (lo, hi, limit, backend), rs in rows.items():
-        fills = [r["lowest_oom_fill"] for r in rs if r["ooms"]]
-        lowest = f"{100 * min(fills):.1f}%" if fills else "-"
+        failed = [r for r in rs if r["ooms"]]
+        worst = min(failed, key=lambda r: r["lowest_oom_fill"]) if failed else None
+        lowest = f"{100 * worst['lowest_oom_fill']:.1f}%" if worst else "-"
+        slack = f"{100 * worst.get('lowest_oom_page_slack_bytes', 0) / limit:.1f}%" if worst else "-"
         ms = "/".join(f"{1e3 * r['seconds']:.0f}" for r in rs)
         print(f"{mib(lo) + '-' + mib(hi):<14} {mib(limit):>8} {backend:<12} {len(rs):>5} {sum(r['ooms'] for r in rs):>5} "
-              f"{sum(r['fragmentation_ooms'] for r in rs):>5} {sum(r['ooms_below_98pct'] for r in rs):>6} {lowest:>11} {ms:>20}")
+              f"{sum(r['fragmentation_ooms'] for r in rs):>5} {sum(r['ooms_below_98pct'] for r in rs):>6} {lowest:>11} {slack:>11} {ms:>20}")
     bad = [k for k, rs in rows.items() if k[3] == "expandable" and any(r["fragmentation_ooms"] for r in rs)]
     print("expandable fragmentation OOMs: " + ("none" if not bad else ", ".join(f"{mib(k[0])}-{mib(k[1])}" for k in bad)))
     return 1 if bad else 0

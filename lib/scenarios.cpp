@@ -83,8 +83,12 @@ class Runner {
       r_.first_oom = rep;
       r_.first_oom_fill = fill;
       r_.lowest_oom_fill = fill;
+      r_.lowest_oom_page_slack = rep.page_slack_bytes;
     }
-    r_.lowest_oom_fill = std::min(r_.lowest_oom_fill, fill);
+    if (fill < r_.lowest_oom_fill) {
+      r_.lowest_oom_fill = fill;
+      r_.lowest_oom_page_slack = rep.page_slack_bytes;
+    }
   }
   void step() {
     ++r_.steps;
@@ -453,6 +457,7 @@ std::string ScenarioResult::to_json() const {
   w.field("fragmentation_ooms", static_cast<std::uint64_t>(fragmentation_ooms));
   w.field("ooms_below_98pct", static_cast<std::uint64_t>(ooms_below_98));
   w.field("first_oom_fill", first_oom_fill).field("lowest_oom_fill", lowest_oom_fill);
+  w.field("lowest_oom_page_slack_bytes", static_cast<std::uint64_t>(lowest_oom_page_slack));
   if (max_size != 0) w.field("min_size", static_cast<std::uint64_t>(min_size)).field("max_size", static_cast<std::uint64_t>(max_size));
   w.field("peak_allocated_bytes", peak_allocated_bytes).field("peak_reserved_bytes", peak_reserved_bytes);
   w.field("peak_requested_bytes", peak_requested_bytes);

@@ -52,6 +52,9 @@ struct ScenarioResult {
   std::optional<OomVerdict> verdict;   // of the first OOM
   double first_oom_fill = 0.0;         // (live requested + request) / limit at the first OOM
   double lowest_oom_fill = 0.0;        // the same, lowest over all OOMs (0 when none)
+  // The page_slack_bytes of that lowest-fill OOM's report: expandable's free bytes inside pages that
+  // live blocks use partly, most of what keeps its fill below 100% (0 for split_merge).
+  std::size_t lowest_oom_page_slack = 0;
   std::size_t min_size = 0;            // random-churn: the size range drawn from (ScenarioOptions)
   std::size_t max_size = 0;
   std::optional<OomReport> first_oom;

@@ -150,6 +150,14 @@ TEST_CASE("cli: scenario random-churn --sizes runs another size mix") {
   CHECK(sm["backend"].as_string() == "split_merge");
   CHECK(ex["fragmentation_ooms"].as_int() == 0);
   CHECK(ex["lowest_oom_fill"].as_number() > sm["lowest_oom_fill"].as_number());
+  // What expandable misses of the limit at its lowest OOM is page slack (free bytes inside partly
+  // used pages): with the request's own rounding to pages and the 512 B rounding of live blocks
+  // (under 4 MiB together), the slack covers the gap between that fill and the limit.
+  const double limit = static_cast<double>(ex["limit_bytes"].as_int());
+  const double slack = static_cast<double>(ex["lowest_oom_page_slack_bytes"].as_int());
+  CHECK(slack > 0.0);
+  CHECK(slack + 4.0 * 1024 * 1024 >= limit * (1.0 - ex["lowest_oom_fill"].as_number()));
+  CHECK(sm["lowest_oom_page_slack_bytes"].as_int() == 0);
 }
 
 TEST_CASE("cli: scenario table explains the failure with the first OOM report") {
