@@ -27,6 +27,14 @@
 
 namespace expseg::backends {
 
+// PyTorch's size rounding with roundup_power2_divisions (CUDACachingAllocator's round_size), which
+// PyTorch applies with and without expandable segments, so both backends do: a size in an interval
+// (powers of two from 1 MiB up) configured with N > 1 divisions rounds up to the next 1/N step
+// between powers of two. Returns 0 when no division applies to `size` (the backend's own 512 B
+// rounding then holds). Out of line: backends call it only when divisions are configured.
+std::size_t roundup_power2_divisions_size(const Config& c, std::size_t size, std::size_t min_block) noexcept;
+bool has_roundup_power2_divisions(const Config& c) noexcept;
+
 // What a backend tells the frontend while it works.
 class FrontendHooks {
  public:

@@ -49,6 +49,36 @@ TEST_CASE("allocator: size 0 gives nullptr and freeing nullptr does nothing") {
   }
 }
 
+TEST_CASE("allocator: roundup_power2_divisions rounds the same on both backends") {
+  // PyTorch rounds request sizes this way with and without expandable segments: switching the
+  // backend must not change the block sizes (and so allocated_bytes) a program sees.
+  struct Case {
+    const char* conf;
+    std::size_t request, block;
+  };
+  const Case cases[] = {
+      {"roundup_power2_divisions:4", 1 * MiB + 100 * KiB, 1 * MiB + 256 * KiB},  // [1, 2) MiB in 4 steps
+      {"roundup_power2_divisions:4", 33 * MiB, 40 * MiB},                        // [32, 64) MiB in 4 steps
+      {"roundup_power2_divisions:4", 1000, 1024},                                // too small to divide: 512 B steps
+      {"roundup_power2_divisions:[256:1,512:2,>:8]", 300 * MiB, 300 * MiB},      // 1 division: 512 B steps
+      {"roundup_power2_divisions:[256:1,512:2,>:8]", 600 * MiB, 768 * MiB},      // [512, 1024) MiB in 2 steps
+      {"roundup_power2_divisions:[256:1,512:2,>:8]", 1100 * MiB, 1152 * MiB},    // [1, 2) GiB in 8 steps
+  };
+  for (BackendKind b : kBackends) {
+    for (const Case& c : cases) {
+      CAPTURE(name(b));
+      CAPTURE(c.conf);
+      CAPTURE(c.request);
+      Allocator a(sim_config(b, 80 * GiB, c.conf));
+      void* p = a.allocate(c.request);
+      CHECK(a.stats().allocated_bytes[kAllPools].current == static_cast<std::int64_t>(c.block));
+      CHECK(a.stats().requested_bytes[kAllPools].current == static_cast<std::int64_t>(c.request));
+      a.validate();
+      a.deallocate(p);
+    }
+  }
+}
+
 TEST_CASE("allocator: absurd sizes fail as a capacity OOM and leave the allocator as it was") {
   for (BackendKind b : kBackends) {
     CAPTURE(name(b));

@@ -138,7 +138,10 @@ std::size_t ExpandableBackend::max_handle_bytes(std::size_t request) const noexc
 }
 
 ExpandableBackend::ExpandableBackend(Context& ctx)
-    : Backend(ctx), frame_(ctx.driver.granularity()), frame_shift_(static_cast<unsigned>(std::countr_zero(frame_))) {
+    : Backend(ctx),
+      frame_(ctx.driver.granularity()),
+      frame_shift_(static_cast<unsigned>(std::countr_zero(frame_))),
+      has_divisions_(has_roundup_power2_divisions(ctx.config)) {
   if (!std::has_single_bit(frame_)) throw expseg::error("expandable: allocation granularity is not a power of two");
   std::size_t va = ctx.config.va_size ? ctx.config.va_size : 2 * ctx.device_total;
   va_bytes_ = std::max(round_up(va, frame_), frame_);
@@ -190,6 +193,8 @@ ExpandableBackend::~ExpandableBackend() {
 std::size_t ExpandableBackend::round_size(std::size_t size) const noexcept {
   if (size < kMinBlockSize) return kMinBlockSize;
   if (size > std::numeric_limits<std::size_t>::max() / 2) return size;
+  if (has_divisions_)  // PyTorch rounds this way with expandable segments too
+    if (const std::size_t rounded = roundup_power2_divisions_size(ctx_.config, size, kMinBlockSize)) return rounded;
   return round_up(size, kMinBlockSize);
 }
 

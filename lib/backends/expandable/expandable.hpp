@@ -172,6 +172,7 @@ class ExpandableBackend final : public Backend {
 
   std::size_t frame_;        // allocation granularity, a power of two
   unsigned frame_shift_;     // log2(frame_)
+  bool has_divisions_;       // roundup_power2_divisions configured (round_size)
   std::size_t va_bytes_;
   std::vector<ExpArena*> arenas_;
   struct ArenaEntry {

@@ -14,32 +14,12 @@ using core::BlockStatus;
 
 namespace {
 
-// PyTorch's roundup_power2_next_division: split [2^k, 2^(k+1)) into `divisions` equal steps.
-std::size_t roundup_power2_next_division(std::size_t size, std::size_t divisions) noexcept {
-  if (std::has_single_bit(size)) return size;
-  const std::size_t power2_floor = std::bit_floor(size);
-  const std::size_t power2_division = power2_floor >> (std::bit_width(divisions) - 1);
-  if (power2_division == 0) return power2_floor << 1;
-  const std::size_t round_size_floor = size & ~(power2_division - 1);
-  return round_size_floor == size ? size : round_size_floor + power2_division;
-}
-
-// PyTorch's CUDAAllocatorConfig::roundup_power2_divisions(size): intervals start at 1 MiB.
-std::size_t divisions_for(const Config& c, std::size_t size) noexcept {
-  const int log_size = std::bit_width(size) - 1;
-  int index = log_size - 20;
-  if (index < 0) index = 0;
-  if (index > static_cast<int>(kRoundupIntervals) - 1) index = kRoundupIntervals - 1;
-  return c.roundup_power2_divisions[static_cast<std::size_t>(index)];
-}
-
 [[noreturn]] void broken(const std::string& what) { throw expseg::error("split_merge invariant broken: " + what); }
 
 }  // namespace
 
 SplitMergeBackend::SplitMergeBackend(Context& ctx) : Backend(ctx) {
-  for (std::size_t d : ctx_.config.roundup_power2_divisions) has_divisions_ = has_divisions_ || d > 1;
-  has_divisions_ = has_divisions_ && !cupy();
+  has_divisions_ = has_roundup_power2_divisions(ctx_.config) && !cupy();
   small_.is_small = true;
   small_.stat_pool = kSmallPool;
   large_.stat_pool = kLargePool;
@@ -69,10 +49,8 @@ SplitMergeBackend::~SplitMergeBackend() {
 std::size_t SplitMergeBackend::round_size(std::size_t size) const noexcept {
   if (size < kMinBlockSize) return kMinBlockSize;
   if (size > std::numeric_limits<std::size_t>::max() / 2) return size;  // absurd: the caller reports OOM
-  if (has_divisions_) {
-    const std::size_t divisions = divisions_for(ctx_.config, size);
-    if (divisions > 1 && size > kMinBlockSize * divisions) return roundup_power2_next_division(size, divisions);
-  }
+  if (has_divisions_)
+    if (const std::size_t rounded = roundup_power2_divisions_size(ctx_.config, size, kMinBlockSize)) return rounded;
   return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
 }
 
