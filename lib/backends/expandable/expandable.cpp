@@ -110,6 +110,13 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 // Reclaim (see allocate_slow and make_room) gives back idle handles: under a limit when a request
 // needs room (largest first), and without one when memory would grow past its highest mark while
 // idle memory sits elsewhere (least recently idle first).
+// What remains between the live bytes and the limit at an OOM is page slack: free bytes inside
+// frames that live blocks use partly (free_summary counts it; OOM reports and scenario results give
+// it). With mid-sized blocks it is 3-6% of the limit, and the fill at an OOM plus the slack is ~100%.
+// Measured and left out (benchmarks/PERFORMANCE.md): mapping a partly used frame a second time so a
+// block elsewhere uses its free part (+0.2-0.4 points of fill where it helped, -2.3 for 1-4 MiB
+// blocks, 4-31% more maps), placement by fewest frames under pressure (no change), whole frames for
+// large blocks' edges (mixed), one cuMemSetAccess per run of handles (fewer calls, same time).
 // ---------------------------------------------------------------------------------------------
 // Tail growth maps at least this much (see allocate_slow): 20 MiB like PyTorch's large pages, at
 // most 1/64 of the device; one frame under a limit or when memory is short, where every mapped byte
