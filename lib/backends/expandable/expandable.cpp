@@ -1234,7 +1234,6 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
         }
         if (f0 == f1) {
           open_used += b->size;
-          open_frame = f0;
           continue;
         }
         open_used += frame_addr(*seg, f0 + 1) - b->addr;  // the block runs to f0's end
