@@ -300,18 +300,40 @@ TEST_CASE("expandable: release_cached unmaps every idle page and the allocator s
   sa->validate();
 }
 
-TEST_CASE("expandable: blocks freed on one stream are reused on another only through unmap after sync") {
+TEST_CASE("expandable: blocks freed on one stream are reused on another only through unmap after that stream's sync") {
+  using expseg::driver::Op;
   auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:100MiB"));
-  void* s1 = stream_id(0x1000);
-  void* s2 = stream_id(0x2000);
+  void* s1 = sa.sim->stream_create();
+  void* s2 = sa.sim->stream_create();
   void* p = sa->allocate(60 * MiB, s1);
   sa->deallocate(p);
-  const auto syncs = sa.sim->calls(expseg::driver::Op::stream_sync);
-  void* q = sa->allocate(60 * MiB, s2);  // needs s1's idle pages: unmapped after s1 is synchronized
-  CHECK(sa.sim->calls(expseg::driver::Op::stream_sync) > syncs);
+  sa.sim->set_stream_busy(s1, true);  // work queued on s1 may still use p's memory
+  void* s1_done = sa.sim->event_create();
+  sa.sim->event_record(s1_done, s1);
+  const auto unmaps = sa.sim->calls(Op::unmap);
+  // 60 MiB on s2 needs s1's idle pages (the limit leaves 40 MiB). When the synchronization fails,
+  // nothing of s1's has been unmapped yet; what was mapped for s2 until then stays cached.
+  sa.sim->inject_fault(Op::stream_sync, 1, expseg::driver::Fault::error);
+  CHECK_THROWS_AS((void)sa->allocate(60 * MiB, s2), expseg::driver_error);
+  CHECK(sa.sim->calls(Op::unmap) == unmaps);
+  CHECK_FALSE(sa.sim->event_query(s1_done));
+  CHECK(sa->stats().allocated_bytes[kAllPools].current == 0);
+  CHECK(sa->stats().reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(100 * MiB));
+  sa->validate();
+  // Then s1 is the stream synchronized, once however many of its handles go, and p's pages are
+  // unmapped and serve s2.
+  const auto syncs = sa.sim->calls(Op::stream_sync);
+  void* q = sa->allocate(60 * MiB, s2);
+  CHECK(sa.sim->event_query(s1_done));
+  CHECK(sa.sim->calls(Op::stream_sync) == syncs + 1);
+  CHECK(sa.sim->calls(Op::unmap) > unmaps);
   CHECK(sa->stats().reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(100 * MiB));
   sa->deallocate(q);
   sa->validate();
+  sa.sim->event_destroy(s1_done);
+  sa.alloc.reset();
+  sa.sim->stream_destroy(s1);
+  sa.sim->stream_destroy(s2);
 }
 
 TEST_CASE("expandable: under a limit a block goes where it costs the fewest driver calls, not through an idle bulk handle") {
@@ -498,3 +520,19 @@ TEST_CASE("expandable: destroying the allocator gives every driver resource back
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("expandable: a virtual range too large to reserve is a config error naming expandable_va_size, even past the parser") {
+  // AllocatorAccess::make skips the configuration checks an Allocator runs: the backend guards itself.
+  expseg::Config c = sim_config(BackendKind::expandable, 8 * GiB);
+  c.va_size = std::numeric_limits<std::size_t>::max() - 1;  // round_up to 2 MiB would wrap to 0
+  expseg::driver::SimOptions so;
+  so.capacity = c.sim_capacity;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(so);
+  try {
+    (void)expseg::detail::AllocatorAccess::make(c, sim);
+    FAIL("an expandable allocator was made with a wrapping virtual range");
+  } catch (const expseg::config_error& e) {
+    CHECK(e.key() == "expandable_va_size");
+  }
+  CHECK(sim->live().reservations == 0);
+}

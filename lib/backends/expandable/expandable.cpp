@@ -150,7 +150,12 @@ ExpandableBackend::ExpandableBackend(Context& ctx)
       frame_shift_(static_cast<unsigned>(std::countr_zero(frame_))),
       has_divisions_(has_roundup_power2_divisions(ctx.config)) {
   if (!std::has_single_bit(frame_)) throw expseg::error("expandable: allocation granularity is not a power of two");
-  std::size_t va = ctx.config.va_size ? ctx.config.va_size : 2 * ctx.device_total;
+  // The configuration bounds expandable_va_size, but a device (or a Config built in code) may still
+  // be large enough for the default or the rounding to wrap around.
+  constexpr std::size_t kMaxVa = std::numeric_limits<std::size_t>::max() / 4;
+  if (ctx.config.va_size > kMaxVa || (ctx.config.va_size == 0 && ctx.device_total > kMaxVa / 2))
+    throw config_error("expandable_va_size", "expandable_va_size: the virtual range to reserve per segment is too large for this machine");
+  const std::size_t va = ctx.config.va_size ? ctx.config.va_size : 2 * ctx.device_total;
   va_bytes_ = std::max(round_up(va, frame_), frame_);
 }
 
@@ -309,7 +314,6 @@ inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::
 // Under a limit: unmaps the idle bulk (multi-frame) handles that a block at [lo, hi) would cover
 // only partly, so that the block maps frames of its own there instead of sharing them.
 void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) {
-  bool synced = false;
   for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last;) {
     ExpHandle* h = frame_handle(seg, f);
     if (h == nullptr) {
@@ -321,10 +325,7 @@ void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t 
     const std::uint64_t hlo = frame_addr(seg, h->first_frame);
     const std::uint64_t hhi = hlo + h->bytes;
     if (h->nframes == 1 || (hlo >= lo && hhi <= hi)) continue;
-    if (!synced) {
-      ctx_.driver.stream_synchronize(seg.arena->stream);  // work queued there may still use the memory
-      synced = true;
-    }
+    synchronize_once(seg.arena->stream);  // work queued there may still use the memory
     unmap_handle(h);
   }
 }
@@ -551,6 +552,7 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
 Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested) {
   // A request that could not fit even in an empty allocator fails before anything is reserved.
   if (round_up(size, frame_) > ctx_.effective_limit()) return nullptr;
+  begin_operation();
   // Handles whose cleanup failed earlier may sit on frames we are about to use: retry them first.
   if (!orphans_.empty()) retry_orphans();
   Placement pl;
@@ -726,7 +728,7 @@ std::size_t ExpandableBackend::move_idle_handle(ExpSegment& seg, std::size_t fra
   }
   if (best == nullptr) return 0;
   // The memory was freed on its arena's stream: work queued there may still use it.
-  ctx_.driver.stream_synchronize(best->seg->arena->stream);
+  synchronize_once(best->seg->arena->stream);
   const std::size_t moved = best->nframes;
   unmap_mapping(best);
   if (!map_handle(seg, frame, best, anchor)) return 0;
@@ -840,9 +842,6 @@ bool ExpandableBackend::make_room(std::size_t bytes, const Exclusion& ex) {
 // equals, so that the room costs the fewest unmap and release calls (see the handle policy).
 std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only, bool largest_first) {
   std::size_t freed = 0;
-  driver::stream_t synced[8];
-  std::size_t nsynced = 0;
-  bool synced_all = false;
   std::vector<ExpHandle*> order;
   for (ExpHandle& h : idle_) {
     if (only != nullptr && h.seg->arena != only) continue;
@@ -853,16 +852,7 @@ std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& 
   for (ExpHandle* h : order) {
     if (freed >= bytes) break;
     // The memory was freed on the arena's stream: work queued there may still use it.
-    const driver::stream_t stream = h->seg->arena->stream;
-    if (!synced_all && std::find(synced, synced + nsynced, stream) == synced + nsynced) {
-      if (nsynced < 8) {
-        ctx_.driver.stream_synchronize(stream);
-        synced[nsynced++] = stream;
-      } else {
-        ctx_.driver.device_synchronize();
-        synced_all = true;
-      }
-    }
+    synchronize_once(h->seg->arena->stream);
     const std::size_t hb = h->bytes;
     unmap_handle(h);
     freed += hb;
@@ -906,6 +896,18 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
   ++handles_;
   account_reserved(kLargePool, static_cast<std::int64_t>(h->bytes));
   ctx_.stats.physical_handles.increase(1);
+}
+
+void ExpandableBackend::synchronize_once(driver::stream_t stream) {
+  SyncedStreams& s = synced_;
+  if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
+  if (s.count < std::size(s.streams)) {
+    ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
+    s.streams[s.count++] = stream;
+  } else {
+    ctx_.driver.device_synchronize();
+    s.all = true;
+  }
 }
 
 void ExpandableBackend::unmap_handle(ExpHandle* h) {
@@ -982,6 +984,7 @@ void ExpandableBackend::free(Block* b) {
 
 void ExpandableBackend::release_cached() {
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
+  begin_operation();
   reclaim_idle(std::numeric_limits<std::size_t>::max(), Exclusion{});
   retry_orphans();
   // Give back the address space of segments that hold nothing, keeping each arena's first one.
@@ -991,6 +994,7 @@ void ExpandableBackend::release_cached() {
 
 void ExpandableBackend::on_limit_changed() {
   const std::size_t limit = ctx_.effective_limit();
+  begin_operation();
   if (reserved_ > limit) reclaim_idle(reserved_ - limit, Exclusion{});
 }
 

@@ -158,6 +158,12 @@ class ExpandableBackend final : public Backend {
   void unmap_mapping(ExpHandle* h);
   void keep_as_orphan(ExpHandle* h, bool still_mapped, std::uint64_t addr);
   void retry_orphans();
+  // Waits until work queued on `stream` before now is done, at most once per operation (a slow
+  // allocation, release_cached, a limit change; begin_operation starts one): idle memory freed on a
+  // stream may still be used by that work until then. Once is enough because nothing can be freed
+  // while an operation runs (the caller holds the allocator's lock).
+  void synchronize_once(driver::stream_t stream);
+  void begin_operation() noexcept { synced_ = {}; }
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
   void add_live(const core::Block& b) noexcept;
   void remove_live(const core::Block& b) noexcept;
@@ -185,6 +191,11 @@ class ExpandableBackend final : public Backend {
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
   std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
+  struct SyncedStreams {         // synchronize_once's streams in the current operation
+    driver::stream_t streams[8];
+    std::size_t count = 0;
+    bool all = false;  // more streams than fit: the whole device was synchronized
+  } synced_;
 };
 
 }  // namespace expseg::backends
