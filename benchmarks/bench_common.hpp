@@ -169,7 +169,7 @@ class Holder {
 };
 
 // ---------------------------------------------------------------------------------------------
-// The random churn of ../shared/anchors/torch_anchor.py (churn_ns), step for step: 64 slots; each
+// The random churn of the PyTorch anchor measurement (churn_ns), step for step: 64 slots; each
 // step picks a slot, frees what it holds, and allocates 256 B << (0..14) plus up to as much again
 // (256 B to 8 MiB, log-uniform-ish), from a xorshift64 generator seeded as the anchor seeds it.
 

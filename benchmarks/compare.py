@@ -8,11 +8,11 @@ What it runs, in this order (each stage is optional and a failing stage never st
   2. PyTorch's caching allocator, classic and expandable_segments:True, one subprocess each, on the
      same workloads through a small C++ extension (torch.utils.cpp_extension.load_inline, built once
      into --ext-dir and reused by both modes): raw_alloc/raw_delete for the cached pairs and the
-     64-slot churn (the exact code of ../shared/anchors/torch_anchor.py), std::threads with
+     64-slot churn (the code of the PyTorch anchor measurement the issue figures come from), std::threads with
      raw_alloc_with_stream for the multi-threaded churn, and the growing-buffer and random-churn
      scenarios ported step for step from lib/scenarios.cpp under the same 3 GiB limit.
   3. PyTorch's first allocation of 64 MiB / 1 GiB / 16 GiB, one fresh process per measurement
-     (as ../shared/anchors/growth_anchor.py), median of --growth-reps.
+     (as the PyTorch anchor measurement did), median of --growth-reps.
   4. `expseg scenario growing-buffer random-churn --json` if the CLI exists (--cli).
 Then prints one table: every workload, every allocator's figure, and ratios expseg / other
 (< 1 means expseg is faster; for events/s it is the other way round and marked so), and writes

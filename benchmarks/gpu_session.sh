@@ -8,7 +8,7 @@
 #   build      meson release build (tests + benchmarks) in build-gpu/
 #   gpu        the gpu suite: driver contract, both backends on the device, data integrity, stress, IPC
 #   memcheck   the gpu suite under compute-sanitizer --tool memcheck
-#   scenarios  expseg scenario --all and the shipped trace on cuda:0 (JSON + HTML)
+#   scenarios  expseg scenario --all and the shipped ResNet-50 trace on cuda:0 (JSON + HTML)
 #   mixes      random-churn with other size mixes (--sizes), seeds 1-3, on cuda:0 (JSON lines)
 #   bench      the Google Benchmark suite (JSON; BENCH_FILTER, BENCH_MIN_TIME, and BENCH_REPS=N for
 #              the median of N repetitions, which compare.py then reads; the repetitions of all

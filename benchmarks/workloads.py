@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Real-workload A/B on a GPU: PyTorch's caching allocator vs expseg under PyTorch (issue 5).
 
-Workloads (random weights, no downloads; the definitions of shared/anchors/real_traces.py, plus fixed seeds):
+Workloads (random weights, no downloads; the workloads PyTorch was first measured on, plus fixed seeds):
   gpt2-train-varlen       GPT-2 small training, batch 2-16, sequence 64-1024 tokens, bf16 autocast, AdamW (24 steps)
   gpt2-generate           GPT-2 small greedy generation: KV caches growing token by token, batch 1-24, prompt
                           16-400, 32-200 new tokens (10 rounds; one round = one step)

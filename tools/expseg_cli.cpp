@@ -4,7 +4,7 @@
 //   expseg config                       the options table and the current configuration
 //   expseg replay TRACE...              replay RMM allocation logs, A/B on both backends
 //   expseg scenario NAME|--all|--list   the OOM stories, A/B on both backends
-//   expseg study                        every scenario and the shipped trace, with an HTML picture
+//   expseg study                        every scenario and the shipped traces, with an HTML picture
 //
 // Exit codes: 0 ok, 1 runtime failure, 2 usage error or bad input. Uses the public API only.
 #include <cstdio>
@@ -78,15 +78,15 @@ const CommandHelp* find_help(std::string_view name) {
            "                    e.g. 1MiB-64MiB (with --conf limit:SIZE for another limit than 3 GiB)\n\n"
            "Examples:\n  expseg scenario split-800-500-300 --device sim\n"
            "  expseg scenario random-churn --sizes 2MiB-16MiB --seed 2\n"},
-      {"study", "every scenario and the shipped trace, A/B, with an HTML picture",
-       "expseg study [--device D] [--html FILE] [--trace PATH...] [--backend B[,B]] [--conf K:V,...] [--json]",
-       std::string("The main job of expseg: runs every scenario and the shipped ResNet-50 trace on both backends, prints\n"
-                   "the tables and the reasons of the failures, and writes one HTML page with a chart of allocated and\n"
-                   "reserved memory over time per backend, OOM markers, the limit, and segment maps.\n\n"
+      {"study", "every scenario and the shipped traces, A/B, with an HTML picture",
+       "expseg study [--device D] [--html FILE] [--trace PATH...] [--backend B[,B]] [--conf K:V,...] [--json] [--seed N]",
+       std::string("The main job of expseg: runs every scenario and the shipped ResNet-50 and GPT-2 traces on both\n"
+                   "backends, prints the tables and the reasons of the failures, and writes one HTML page with a chart\n"
+                   "of allocated and reserved memory over time per backend, OOM markers, the limit, and segment maps.\n\n"
                    "Options:\n") +
            kDeviceHelp +
            "  --html FILE       where to write the picture (default: expseg-study.html in the current directory)\n"
-           "  --trace PATH...   replay these traces instead of the shipped one; repeatable\n" +
+           "  --trace PATH...   replay these traces instead of the shipped ones; repeatable\n" +
            kBackendHelp + kConfHelp +
            "  --json            JSON lines instead of the tables (the picture is still written)\n"
            "  --seed N          seed of the random stories (default: each scenario's own)\n"},
@@ -108,7 +108,7 @@ void print_global_help(std::FILE* out) {
   std::fprintf(out,
                "\nRun 'expseg COMMAND --help' for the options of a command.\n\n"
                "Examples:\n"
-               "  expseg study                                   # all scenarios + the ResNet-50 trace, A/B, with a picture\n"
+               "  expseg study                                   # all scenarios + the ResNet-50 and GPT-2 traces, A/B, with a picture\n"
                "  expseg scenario --list\n"
                "  expseg scenario split-800-500-300 --device sim\n"
                "  expseg replay my-run.rmm.csv.gz --device sim:80GiB --json\n\n"

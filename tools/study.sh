@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job: sets up and builds expseg, then runs the A/B study of both backends on every
-# scenario and on the shipped ResNet-50 training trace, on the GPU when one is usable and on the
-# simulated device otherwise, and writes the picture to expseg-study.html. Arguments go to
-# `expseg study` (e.g. --device sim, --html FILE).
+# scenario and on the two shipped training traces (ResNet-50 and GPT-2), on the GPU when one is
+# usable and on the simulated device otherwise, and writes the picture to expseg-study.html.
+# Arguments go to `expseg study` (e.g. --device sim, --html FILE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh

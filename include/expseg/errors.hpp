@@ -1,6 +1,10 @@
 // expseg — errors thrown by the C++ API.
 //
-// Every error the library throws derives from one of these. The rule for all of them: when an
+// Every error the C++ API throws derives from one of these (besides std::bad_alloc when the host
+// itself runs out of memory). One exception, on purpose: expseg_torch_malloc, the entry point for
+// PyTorch's pluggable allocator (expseg.h), throws expseg::out_of_memory on out of memory but
+// std::invalid_argument (negative size) or std::runtime_error (any other failure) otherwise, which
+// PyTorch turns into a Python RuntimeError carrying the message. The rule for all of them: when an
 // operation throws, the allocator is left as it was before the call (no leaked driver resources,
 // invariants hold), and it keeps serving.
 #pragma once

@@ -8,8 +8,11 @@
 //   Pointer hex (0x...) address; only an identity for replay, never dereferenced
 //   Size    decimal bytes as requested
 //   Stream  hex (0x...) or decimal stream id; 0 is the default stream
-// `allocate failure` (an allocation that failed when recorded) and map/unmap (driver events written
-// by expseg's recorder) are kept in the trace but do not change what replay asks of the allocator.
+// `allocate failure` (an allocation that failed when recorded): replay asks the allocator for the
+// same size on the same stream again (it may change the cache, as it did then) and, if that succeeds
+// now, frees it at once; it counts in ReplayResult::allocations and, if it fails again, in ooms (with
+// its OOM report, as any failed allocation). map/unmap (driver events written by expseg's recorder)
+// are kept in the trace but ignored by replay: the replayed allocator makes its own driver calls.
 #pragma once
 
 #include <cstddef>

@@ -5,7 +5,8 @@
 //   EXPSEG_STRESS_SEED=N     base seed (default: from the clock; printed either way)
 //   EXPSEG_STRESS_OPS=N      total operations (default 2,000,000)
 //   EXPSEG_STRESS_THREADS=N  runs in parallel, each on its own allocator (default 2)
-//   EXPSEG_FUZZ_MULTI_FAULTS=1  arm several faults at once (finds double-failure bugs; see tests/repro)
+//   EXPSEG_FUZZ_MULTI_FAULTS=1  arm several faults at once (finds double-failure bugs, e.g. the one
+//                               tests/unit/test_regression_mapped_orphan.cpp keeps)
 //   EXPSEG_FUZZ_REPLAY=P:S:N replay one run: preset P, seed S, N operations (as a failure prints)
 //   EXPSEG_FUZZ_VERBOSE=1    with EXPSEG_FUZZ_REPLAY: print every operation
 #include <doctest/doctest.h>
