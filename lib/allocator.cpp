@@ -1,6 +1,10 @@
 #include <algorithm>
+#include <bit>
 #include <cstdio>
+#include <stdexcept>
 #include <sstream>
+#include <string_view>
+#include <utility>
 
 #include "allocator_impl.hpp"
 #include "driver/sim_driver.hpp"
@@ -21,10 +25,62 @@ std::string hex(std::uint64_t v) {
   return buf;
 }
 
+// Exact size text that reads back as a config value ("128TiB", "3145728").
+std::string size_value(std::size_t n) {
+  static constexpr std::pair<std::size_t, const char*> kUnits[] = {
+      {std::size_t{1} << 40, "TiB"}, {std::size_t{1} << 30, "GiB"}, {std::size_t{1} << 20, "MiB"}, {std::size_t{1} << 10, "KiB"}};
+  if (n != 0)
+    for (const auto& [factor, unit] : kUnits)
+      if (n % factor == 0) return std::to_string(n / factor) + unit;
+  return std::to_string(n);
+}
+
 }  // namespace
 
+void check_config(const Config& c) {
+  // Each key is checked alone when parsed; these are also checked here for a Config built in code.
+  // expandable_va_size as config.cpp bounds it: the expandable backend rounds it up to a page.
+  constexpr std::size_t kMaxVaSize = std::size_t{1} << 50;
+  if (c.va_size > kMaxVaSize)
+    throw config_error("expandable_va_size", "expandable_va_size: " + size_value(c.va_size) +
+                                                 " is too large; expected 0 (2x device memory) or a size of at most 1024TiB (1 PiB)");
+  if (c.device != DeviceKind::sim) return;
+  const std::size_t g = c.sim_granularity;
+  if (c.sim_capacity == 0) throw config_error("sim_capacity", "sim_capacity: must be larger than 0, e.g. 80GiB");
+  if (g < 4096 || g > driver::kSimMaxGranularity || !std::has_single_bit(g))
+    throw config_error("sim_granularity", "sim_granularity: " + size_value(g) +
+                                              " is not a power of two that is a multiple of 4KiB, at most 1TiB, e.g. 2MiB");
+  if (g > c.sim_capacity)
+    throw config_error("sim_granularity", "sim_granularity: " + size_value(g) + " is larger than sim_capacity (" +
+                                              size_value(c.sim_capacity) + "): the simulated device could not give out a "
+                                              "single page; expected sim_granularity <= sim_capacity");
+  // One range (a cuMemAlloc of all memory, an expandable segment's reservation) and its guard granule
+  // must fit the device's address span. (Host-backed ranges are host mmaps, which say ENOMEM.)
+  const std::size_t max_range = driver::kSimAddressSpan - g;
+  const std::string span = "the simulated device's address span is 64 PiB (65536TiB), of which one range takes at most all but "
+                           "one page of sim_granularity (" + size_value(g) + ")";
+  if (c.sim_capacity > max_range)
+    throw config_error("sim_capacity", "sim_capacity: " + size_value(c.sim_capacity) + " is more than the simulated device can "
+                                           "address: " + span + "; expected at most 65535TiB");
+  if (c.backend == BackendKind::expandable) {
+    // As ExpandableBackend reserves: expandable_va_size, or 2x device memory when it is 0. Both are
+    // below 2^57 here (va_size by its own check), so neither the product nor the rounding overflows.
+    const std::size_t va = c.va_size != 0 ? c.va_size : 2 * c.sim_capacity;
+    if (va > max_range) {
+      const std::string what = c.va_size != 0 ? size_value(va) : "the default, 2x sim_capacity = " + size_value(va) + ",";
+      throw config_error("expandable_va_size", "expandable_va_size: " + what + " is more than the simulated device can reserve: " +
+                                                   span + "; set expandable_va_size (e.g. 1024TiB) or a smaller sim_capacity");
+    }
+  }
+}
+
 std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
+  if (device < 0) throw error("expseg: device " + std::to_string(device) + ": device indices start at 0");
+  check_config(config);
   if (config.device == DeviceKind::sim) {
+    if (device >= driver::kSimMaxDevices)
+      throw error("expseg: device " + std::to_string(device) + ": the simulated host has devices 0 to " +
+                  std::to_string(driver::kSimMaxDevices - 1));
     driver::SimOptions o;
     o.capacity = config.sim_capacity;
     o.granularity = config.sim_granularity;
@@ -35,7 +91,12 @@ std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
     // indices are separate devices with disjoint addresses, and any two may be granted peer access.
     o.device_count = std::max(device + 1, 8);
     o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
-    return std::make_unique<driver::SimDriver>(o);
+    try {
+      return std::make_unique<driver::SimDriver>(o);
+    } catch (const std::invalid_argument& e) {
+      // What check_config cannot see (e.g. a granularity below the host's page size): still an expseg::error.
+      throw error(std::string("expseg: the simulated device cannot be built: ") + e.what());
+    }
   }
   driver::CudaOptions o;
   o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
@@ -93,7 +154,10 @@ void Allocator::Impl::throw_invalid_pointer(const char* op, std::uint64_t addr) 
   os << "expseg: " << op << " of pointer " << hex(addr) << ": ";
   const bool recently_freed = addr != 0 && std::find(recent_frees.begin(), recent_frees.end(), addr) != recent_frees.end();
   if (recently_freed) {
-    os << "double free (this allocation was already freed)";
+    // "double free" only for a free: a record_stream (or export) of freed memory is a use after free.
+    if (std::string_view(op) == "free") os << "double free";
+    else os << op << " after free";
+    os << " (this allocation was already freed)";
   } else if (backend->contains(addr)) {
     os << "not the start of a live allocation (an interior pointer, or memory already freed)";
   } else {

@@ -78,7 +78,14 @@ struct AllocatorAccess {
 };
 }  // namespace detail
 
-// Builds the driver a config asks for (SimDriver for device:sim, CudaDriver for device:cuda).
+// Throws config_error (naming the key) when the config's values cannot work together: device:sim
+// settings the simulated device cannot honour (sim_granularity > sim_capacity, a capacity or an
+// expandable reservation beyond its address span). Each key alone is checked when it is parsed;
+// the bounds that keep the backends' arithmetic from overflowing are checked again here, for a
+// Config built in code.
+void check_config(const Config& config);
+// Builds the driver a config asks for (SimDriver for device:sim, CudaDriver for device:cuda), after
+// check_config; a negative device index (or one the simulated host lacks) is an expseg::error.
 std::unique_ptr<driver::Driver> make_driver(const Config& config, int device);
 
 }  // namespace expseg

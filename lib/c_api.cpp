@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "allocator_impl.hpp"
 #include "c_api_internal.hpp"
 #include "expseg/allocator.hpp"
 #include "expseg/config.hpp"
@@ -283,6 +284,7 @@ int expseg_configure(const char* conf) noexcept {
     std::string text = conf != nullptr ? std::string(conf) : std::string();
     Config c = Config::from_env();
     c.apply(text);  // checks the string now; throws config_error naming the key
+    check_config(c);  // and the values together (device:sim), not at the first malloc
     s.conf = std::move(text);
     return EXPSEG_SUCCESS;
   } catch (...) {

@@ -62,7 +62,8 @@ std::size_t Limit::resolve(std::size_t device_total) const noexcept {
     const double total = static_cast<double>(device_total);
     const double v = std::floor(fraction * total);
     if (v >= total) return device_total;
-    return v <= 0 ? 0 : static_cast<std::size_t>(v);
+    // A fraction too small for one byte is still a limit: 0 here would mean "no limit" (at least 1).
+    return v < 1 ? std::min<std::size_t>(device_total, 1) : static_cast<std::size_t>(v);
   }
   return 0;
 }
@@ -93,14 +94,23 @@ bool iequals(std::string_view a, std::string_view b) {
   return true;
 }
 
-// User text quoted in messages: bounded, so a 1 MB hostile value gives a short message.
+// User text quoted in messages: bounded, so a 1 MB hostile value gives a short message, and
+// printable ASCII only: control and non-ASCII bytes (invalid UTF-8 included) are written \xNN, as
+// the trace parser quotes them, so a message is always valid text (a backslash is \x5c).
 std::string clip(std::string_view s) {
   constexpr std::size_t kMax = 64;
   std::string out;
   const std::size_t n = std::min(s.size(), kMax);
   for (std::size_t i = 0; i < n; ++i) {
     const auto c = static_cast<unsigned char>(s[i]);
-    out += (c < 0x20 || c == 0x7f) ? '?' : s[i];
+    if (c < 0x20 || c >= 0x7f || c == '\\') {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xf];
+    } else {
+      out += s[i];
+    }
   }
   if (s.size() > kMax) out += "... (" + std::to_string(s.size()) + " bytes)";
   return out;
@@ -308,19 +318,31 @@ void parse_backend(Config& c, Key key, std::string_view v) {
   c.backend = parse_enum(key, v, kBackendNames);
 }
 
-void parse_size_option(std::size_t& field, Key key, std::string_view v) { field = parse_bytes_impl(key, v); }
-
 void parse_sim_capacity(Config& c, Key key, std::string_view v) {
   const std::size_t n = parse_bytes_impl(key, v);
   if (n == 0) bad_value(key, v, "a size larger than 0, e.g. 80GiB");
   c.sim_capacity = n;
 }
 
+// The simulated device's largest page (driver::kSimMaxGranularity, a header config.cpp does not
+// include): its devices' address spans start on multiples of it.
+constexpr std::size_t kMaxSimGranularity = std::size_t{1} << 40;
+
 void parse_sim_granularity(Config& c, Key key, std::string_view v) {
   const std::size_t n = parse_bytes_impl(key, v);
-  if (n < 4 * kKiB || !std::has_single_bit(n))
-    bad_value(key, v, "a power of two that is a multiple of 4KiB, e.g. 2MiB");
+  if (n < 4 * kKiB || n > kMaxSimGranularity || !std::has_single_bit(n))
+    bad_value(key, v, "a power of two that is a multiple of 4KiB, at most 1TiB, e.g. 2MiB");
   c.sim_granularity = n;
+}
+
+// 1 PiB: beyond the virtual address space of any GPU, and small enough that rounding it up to any
+// granularity cannot overflow in the expandable backend.
+constexpr std::size_t kMaxVaSize = std::size_t{1} << 50;
+
+void parse_va_size(Config& c, Key key, std::string_view v) {
+  const std::size_t n = parse_bytes_impl(key, v);
+  if (n > kMaxVaSize) bad_value(key, v, "0 (2x device memory) or a size of at most 1024TiB (1 PiB), e.g. 256GiB");
+  c.va_size = n;
 }
 
 void parse_limit(Config& c, Key key, std::string_view v) {
@@ -506,7 +528,7 @@ const Entry kEntries[] = {
    [](const Config& c) -> std::string { return to_string(c.device); }},
   {{"sim_capacity", "bytes", "80GiB", "memory of the simulated device"},
    parse_sim_capacity, [](const Config& c) { return format_size_exact(c.sim_capacity); }},
-  {{"sim_granularity", "bytes", "2MiB", "allocation granularity of the simulated device (power of two, multiple of 4KiB)"},
+  {{"sim_granularity", "bytes", "2MiB", "allocation granularity of the simulated device (power of two, multiple of 4KiB, at most 1TiB and sim_capacity)"},
    parse_sim_granularity, [](const Config& c) { return format_size_exact(c.sim_granularity); }},
   {{"sim_host_backed", "bool", "false", "simulated allocations are backed by host memory (memfd) and hold real bytes"},
    [](Config& c, Key k, std::string_view v) { c.sim_host_backed = parse_bool(k, v); },
@@ -516,8 +538,8 @@ const Entry kEntries[] = {
    [](const Config& c) -> std::string { return format_bool(c.sim_latency); }},
   {{"limit", "bytes|N%", "0", "memory limit: bytes, or a percentage of device memory; 0 = none"},
    parse_limit, [](const Config& c) { return format_limit(c.limit); }},
-  {{"expandable_va_size", "bytes", "0", "virtual address range reserved per expandable segment; 0 = 2x device memory"},
-   [](Config& c, Key k, std::string_view v) { parse_size_option(c.va_size, k, v); },
+  {{"expandable_va_size", "bytes", "0", "virtual address range reserved per expandable segment (at most 1024TiB); 0 = 2x device memory"},
+   parse_va_size,
    [](const Config& c) { return format_size_exact(c.va_size); }},
   {{"expandable_max_handle", "bytes", "0", "largest physical handle of the expandable backend (multiple of 2MiB); 0 = policy default"},
    parse_max_handle, [](const Config& c) { return format_size_exact(c.max_handle_size); }},

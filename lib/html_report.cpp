@@ -7,11 +7,13 @@
 #include "expseg/report.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <string_view>
 
 #include "expseg/config.hpp"
@@ -925,11 +927,13 @@ std::string render_html_report(std::span<const ReportGroup> groups, const Report
 
 void write_html_report(const std::string& path, std::span<const ReportGroup> groups, const ReportOptions& options) {
   const std::string page = render_html_report(groups, options);
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) throw error("expseg: cannot write the report to '" + path + "'");
-  f.write(page.data(), static_cast<std::streamsize>(page.size()));
-  f.flush();
-  if (!f) throw error("expseg: cannot write the report to '" + path + "' (write failed)");
+  // stdio rather than an ofstream: errno names the reason (no such directory, permission, disk full).
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "wb"), &std::fclose);
+  if (!f) throw error("expseg: cannot write the report to '" + path + "': " + std::strerror(errno));
+  const bool ok = std::fwrite(page.data(), 1, page.size(), f.get()) == page.size();
+  const int err = ok ? 0 : errno;
+  if (std::fclose(f.release()) != 0 || !ok)
+    throw error("expseg: cannot write the report to '" + path + "': " + std::strerror(err ? err : errno));
 }
 
 }  // namespace expseg

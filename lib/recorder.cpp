@@ -3,6 +3,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace expseg {
@@ -21,10 +22,15 @@ double time_of_day() noexcept {
 }  // namespace
 
 void Recorder::start(std::size_t ring) {
+  // The buffer grows with the events (add() pushes until the ring is full), so any ring size works:
+  // reserve at most kMaxReserve up front, not `ring` (record_ring:SIZE_MAX would be bad_alloc).
+  // Built aside and swapped in: if the reservation throws, the recorder is left as it was.
+  constexpr std::size_t kMaxReserve = std::size_t{1} << 16;
+  std::vector<TraceEvent> buf;
+  if (ring > 0) buf.reserve(std::min(ring, kMaxReserve));
+  buf_.swap(buf);
   ring_ = ring;
-  buf_.clear();
   next_ = 0;
-  if (ring_ > 0) buf_.reserve(ring_);
   enabled_ = true;
 }
 

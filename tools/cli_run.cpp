@@ -1,6 +1,11 @@
 // expseg replay / scenario / study: the A/B runs, their tables, and the HTML picture.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <string>
@@ -160,30 +165,33 @@ void print_scenario_failures(const std::vector<ScenarioGroup>& groups) {
 
 using ReplayGroup = std::vector<ReplayResult>;  // one trace, one result per backend
 
+// One trace on every backend of the setup.
+ReplayGroup replay_trace(const Trace& trace, const Setup& setup, bool picture, bool lenient, bool json) {
+  ReplayGroup g;
+  for (BackendKind b : setup.backends) {
+    Config c = setup.config;
+    c.backend = b;
+    ReplayOptions o;
+    o.progress = true;  // drawn only when stderr is a terminal
+    o.lenient = lenient;
+    if (picture) {
+      o.series_points = kReplayPoints;
+      o.snapshot_at_peak = true;
+    }
+    ReplayResult r = replay(trace, c, o, setup.device);
+    if (json) {
+      std::printf("%s\n", r.to_json().c_str());
+      std::fflush(stdout);
+    }
+    g.push_back(std::move(r));
+  }
+  return g;
+}
+
+// Reads and replays the traces one at a time (only one is in memory at once).
 std::vector<ReplayGroup> run_replays(const std::vector<std::string>& paths, const Setup& setup, bool picture, bool lenient, bool json) {
   std::vector<ReplayGroup> out;
-  for (const std::string& path : paths) {
-    Trace trace = read_trace(path);  // trace_error: bad input, exit 2
-    ReplayGroup g;
-    for (BackendKind b : setup.backends) {
-      Config c = setup.config;
-      c.backend = b;
-      ReplayOptions o;
-      o.progress = true;  // drawn only when stderr is a terminal
-      o.lenient = lenient;
-      if (picture) {
-        o.series_points = kReplayPoints;
-        o.snapshot_at_peak = true;
-      }
-      ReplayResult r = replay(trace, c, o, setup.device);
-      if (json) {
-        std::printf("%s\n", r.to_json().c_str());
-        std::fflush(stdout);
-      }
-      g.push_back(std::move(r));
-    }
-    out.push_back(std::move(g));
-  }
+  for (const std::string& path : paths) out.push_back(replay_trace(read_trace(path), setup, picture, lenient, json));  // trace_error: exit 2
   return out;
 }
 
@@ -249,6 +257,18 @@ void print_picture_hint(const std::string& path) {
   std::printf("  or in a browser: file://%s\n", abs.c_str());
 }
 
+// Fails before the runs (which take a while) when the picture could not be written to `path`: the
+// same runtime failure (exit 1) write_html_report would report after them, with the system's reason.
+// Creates nothing: a file this check had to create is removed again.
+void check_picture_path(const std::string& path) {
+  std::error_code ec;
+  const bool existed = std::filesystem::exists(std::filesystem::symlink_status(path, ec));
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666);  // no O_TRUNC: a kept file stays as it is
+  if (fd < 0) throw error("cannot write the report to '" + path + "': " + std::strerror(errno));
+  ::close(fd);
+  if (!existed) ::unlink(path.c_str());
+}
+
 // "sim:80GiB (the simulated device: CUDA is not usable here (...))"
 void print_device_line(const Setup& setup) { std::printf("Device: %s, %s\n\n", setup.device_label.c_str(), setup.device_note.c_str()); }
 
@@ -267,6 +287,7 @@ int cmd::replay(int argc, char** argv) {
     std::error_code ec;
     if (!std::filesystem::exists(p, ec)) throw InputError(p + ": no such trace file");
   }
+  if (html) check_picture_path(*html);
   if (!json) print_device_line(setup);
   const std::vector<ReplayGroup> groups = run_replays(args.positional, setup, html.has_value(), args.has("--lenient"), json);
   if (!json) {
@@ -331,10 +352,22 @@ int cmd::scenario(int argc, char** argv) {
   if (const auto sizes = args.get("--sizes")) {
     for (const std::string& n : names)
       if (n != "random-churn") throw UsageError("--sizes applies to random-churn only (got scenario '" + n + "')");
+    // MIN and MAX are checked by name: split at the first '-', "-1MiB-2MiB" would give an empty MIN.
+    const std::string bad = "bad --sizes value '" + *sizes + "': ";
+    if (sizes->front() == '-') throw UsageError(bad + "sizes cannot be negative; expected MIN-MAX, e.g. 1MiB-64MiB");
     const std::size_t dash = sizes->find('-');
     if (dash == std::string::npos) throw UsageError("--sizes takes MIN-MAX, e.g. 1MiB-64MiB (got '" + *sizes + "')");
-    options.min_size = parse_bytes(sizes->substr(0, dash), "--sizes");
-    options.max_size = parse_bytes(sizes->substr(dash + 1), "--sizes");
+    auto size_of = [&bad](const std::string& part, const char* which) {
+      if (part.empty()) throw UsageError(bad + which + " is missing; expected MIN-MAX, e.g. 1MiB-64MiB");
+      if (part.front() == '-') throw UsageError(bad + "sizes cannot be negative; expected MIN-MAX, e.g. 1MiB-64MiB");
+      try {
+        return parse_bytes(part, "--sizes");
+      } catch (const config_error&) {
+        throw UsageError(bad + which + " '" + part + "' is not a size; expected bytes or a number with a unit, e.g. 1MiB-64MiB");
+      }
+    };
+    options.min_size = size_of(sizes->substr(0, dash), "MIN");
+    options.max_size = size_of(sizes->substr(dash + 1), "MAX");
     if (options.min_size == 0 || options.min_size > options.max_size)
       throw UsageError("--sizes needs 0 < MIN <= MAX (got '" + *sizes + "')");
     if (options.max_size > (std::size_t{1} << 40)) throw UsageError("--sizes goes up to 1TiB (got '" + *sizes + "')");
@@ -342,6 +375,7 @@ int cmd::scenario(int argc, char** argv) {
   const Setup setup = make_setup(args);
   const bool json = args.has("--json");
   const auto html = args.get("--html");
+  if (html) check_picture_path(*html);
   if (!json) print_device_line(setup);
   const std::vector<ScenarioGroup> groups = run_scenarios(names, setup, html.has_value(), options, json);
   if (!json) {
@@ -384,6 +418,11 @@ int cmd::study(int argc, char** argv) {
   const Setup setup = make_setup(args);
   const bool json = args.has("--json");
   const std::string html = args.get("--html").value_or("expseg-study.html");
+  check_picture_path(html);
+  // The traces are read (and so checked: trace_error, exit 2) before the scenarios run, not after.
+  std::vector<Trace> read;
+  read.reserve(traces.size());
+  for (const std::string& p : traces) read.push_back(read_trace(p));
 
   std::vector<std::string> names;
   for (const ScenarioInfo& s : list_scenarios()) names.emplace_back(s.name);
@@ -402,7 +441,8 @@ int cmd::study(int argc, char** argv) {
     print_scenario_table(scenarios);
     print_scenario_failures(scenarios);
   }
-  const std::vector<ReplayGroup> replays = run_replays(traces, setup, true, false, json);
+  std::vector<ReplayGroup> replays;
+  for (const Trace& t : read) replays.push_back(replay_trace(t, setup, true, false, json));
   if (!json) {
     if (!replays.empty()) {
       std::printf("\nTraces\n\n");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
@@ -111,19 +112,40 @@ std::string device_label(const Config& c, int device) {
   return "cuda:" + std::to_string(device);
 }
 
+namespace {
+// User text echoed in a message: control and non-ASCII bytes as \xNN (as the library's config
+// messages quote it), cut at 200 bytes.
+std::string echo(const std::string& text) {
+  constexpr std::size_t kMax = 200;
+  std::string out;
+  for (std::size_t i = 0; i < text.size() && i < kMax; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x20 || c >= 0x7f || c == '\\') {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\x%02x", c);
+      out += b;
+    } else {
+      out += text[i];
+    }
+  }
+  if (text.size() > kMax) out += "... (" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
+}  // namespace
+
 Config base_config(const Args& args) {
   Config c;
   const char* env = std::getenv("EXPSEG_ALLOC_CONF");
   try {
     c = Config::from_env();
   } catch (const config_error& e) {
-    throw InputError(std::string(e.what()) + "\n(in EXPSEG_ALLOC_CONF=" + (env ? env : "") + ")");
+    throw InputError(std::string(e.what()) + "\n(in EXPSEG_ALLOC_CONF=" + echo(env ? env : "") + ")");
   }
   for (const std::string& text : args.all("--conf")) {
     try {
       c.apply(text);
     } catch (const config_error& e) {
-      throw InputError(std::string(e.what()) + "\n(in --conf " + text + ")");
+      throw InputError(std::string(e.what()) + "\n(in --conf " + echo(text) + ")");
     }
   }
   return c;
@@ -138,7 +160,10 @@ bool conf_names_backend(const Args& args) {
       std::size_t comma = text.find(',', start);
       if (comma == std::string::npos) comma = text.size();
       const std::string item = text.substr(start, comma - start);
-      const std::string key = item.substr(0, item.find(':'));
+      // Trimmed as Config::apply trims keys: " backend:expandable" sets the backend there too.
+      std::string_view key = std::string_view(item).substr(0, item.find(':'));
+      const std::size_t first = key.find_first_not_of(" \t\n\r\f\v");
+      key = first == std::string_view::npos ? std::string_view() : key.substr(first, key.find_last_not_of(" \t\n\r\f\v") - first + 1);
       if (key == "backend" || key == "expandable_segments") return true;
       start = comma + 1;
     }

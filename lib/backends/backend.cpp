@@ -31,7 +31,10 @@ std::size_t divisions_for(const Config& c, std::size_t size) noexcept {
 
 std::size_t roundup_power2_divisions_size(const Config& c, std::size_t size, std::size_t min_block) noexcept {
   const std::size_t divisions = divisions_for(c, size);
-  if (divisions > 1 && size > min_block * divisions) return roundup_power2_next_division(size, divisions);
+  if (divisions <= 1) return 0;
+  // PyTorch's size > min_block * divisions; the division first keeps the product from overflowing
+  // (the config accepts any power of two up to 2^63, as PyTorch does).
+  if (size / divisions >= min_block && size > min_block * divisions) return roundup_power2_next_division(size, divisions);
   return 0;
 }
 

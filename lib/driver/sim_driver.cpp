@@ -33,8 +33,10 @@ constexpr dev_ptr kFirstFakeAddress = 0x100000000000;
 // Bookkeeping mode: device d hands out addresses from its own span [kFirstFakeAddress + d * kDeviceSpan,
 // + kDeviceSpan), so pointers of two simulated devices never coincide (as under CUDA's unified
 // addressing) and a pointer of device 0 is foreign to device 1. 64 PiB per device; 255 devices fit.
-constexpr dev_ptr kDeviceSpan = dev_ptr{1} << 56;
-constexpr int kMaxDevices = 255;
+constexpr dev_ptr kDeviceSpan = kSimAddressSpan;
+constexpr int kMaxDevices = kSimMaxDevices;
+static_assert(kFirstFakeAddress % kSimMaxGranularity == 0 && kDeviceSpan % kSimMaxGranularity == 0,
+              "every device's span must start on a granule");
 constexpr int kFakeFdBase = 1 << 30;  // above any real fd limit: close() on it is a harmless EBADF
 constexpr std::uint32_t kHandleMagic = 0x45534831;  // "ESH1": an exported physical handle
 constexpr std::uint32_t kIpcMagic = 0x45534931;     // "ESI1": an exported cuMemAlloc pointer
@@ -324,6 +326,9 @@ SimDriver::SimDriver(const SimOptions& options) : options_(options) {
   if (options.capacity == 0) throw std::invalid_argument("SimOptions::capacity must be > 0");
   if (g == 0 || (g & (g - 1)) != 0)
     throw std::invalid_argument("SimOptions::granularity must be a power of two (got " + std::to_string(g) + ")");
+  if (g > kSimMaxGranularity)
+    throw std::invalid_argument("SimOptions::granularity must be at most " + std::to_string(kSimMaxGranularity) + " (got " +
+                                std::to_string(g) + ")");
   if (page > 0 && g % static_cast<std::size_t>(page) != 0)
     throw std::invalid_argument("SimOptions::granularity must be a multiple of the host page size " +
                                 std::to_string(page) + " (got " + std::to_string(g) + ")");

@@ -32,9 +32,18 @@
 
 namespace expseg::driver {
 
+// Bookkeeping mode: each simulated device hands out addresses from a span of its own of this many
+// bytes (64 PiB), never reusing them, with a one-granule guard gap after every range; so one
+// reservation or cuMemAlloc takes at most kSimAddressSpan - granularity bytes.
+inline constexpr std::size_t kSimAddressSpan = std::size_t{1} << 56;
+// Largest granularity (1 TiB): every device's span starts on a multiple of it.
+inline constexpr std::size_t kSimMaxGranularity = std::size_t{1} << 40;
+// Devices 0 .. kSimMaxDevices-1 (each has its own span).
+inline constexpr int kSimMaxDevices = 255;
+
 struct SimOptions {
   std::size_t capacity = std::size_t{80} << 30;   // bytes of simulated device memory
-  std::size_t granularity = std::size_t{2} << 20;  // power of two, multiple of the host page size
+  std::size_t granularity = std::size_t{2} << 20;  // power of two, multiple of the host page size, <= kSimMaxGranularity
   bool host_backed = false;
   bool latency_model = false;  // accumulate the H200's measured driver-call latencies
   int device = 0;

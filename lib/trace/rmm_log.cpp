@@ -238,7 +238,13 @@ struct Parser {
     const std::vector<int> roles = header(line, line_no);
     const std::size_t ncols = roles.size();
 
-    t.events.reserve(std::size_t(std::count(rest.begin(), rest.end(), '\n')) + 1);
+    // Reserve for the lines that have text (a newline right after another ends a blank line), up
+    // to kMaxReserve events: a small .csv.gz of blank or whitespace lines must not reserve an event
+    // per newline. Longer traces grow the vector as they go.
+    constexpr std::size_t kMaxReserve = std::size_t{1} << 20;
+    std::size_t estimate = 1;
+    for (std::size_t i = 1; i < rest.size(); ++i) estimate += rest[i] == '\n' && rest[i - 1] != '\n';
+    t.events.reserve(std::min(estimate, kMaxReserve));
     std::array<std::string_view, c_count> f;
     while (next_line(line)) {
       if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
@@ -390,7 +396,14 @@ bool parse_time(std::string_view s, double& seconds) noexcept {
     }
     if (p != end) return false;
     // One division of exact integers: the written "HH:MM:SS.ffffff" reads back bit-identical.
-    seconds = double((h * 3600 + m * 60 + sec) * scale + frac) / double(scale);
+    // With up to 9 hour and 9 fraction digits the product can pass 2^64 (999999999:00:00.999999999):
+    // then the whole seconds and the fraction are added in double instead of wrapping around.
+    const std::uint64_t whole = h * 3600 + m * 60 + sec;  // < 2^42
+    if (whole > (UINT64_MAX - frac) / scale) {
+      seconds = double(whole) + double(frac) / double(scale);
+      return true;
+    }
+    seconds = double(whole * scale + frac) / double(scale);
     return true;
   }
   if (s.size() <= 15 && all_digits(s)) {  // indexes, the common plain case; exact in a double

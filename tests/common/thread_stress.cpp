@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -75,6 +76,31 @@ ThreadStressResult run_thread_stress(const ThreadStressOptions& o) {
     failed = true;
   };
 
+  // Every live block of every thread, by address: a new block that overlaps one is a failure
+  // whatever the patterns say (they are only sampled). Entries leave before their deallocate, so
+  // a block handed out again at once never meets its own stale entry.
+  std::map<std::uintptr_t, std::size_t> live_ranges;
+  std::mutex live_mu;
+  auto register_live = [&](const void* p, std::size_t size, unsigned t) {
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    std::lock_guard lock(live_mu);
+    auto next = live_ranges.lower_bound(addr);
+    const bool hits_next = next != live_ranges.end() && next->first < addr + size;
+    const bool hits_prev = next != live_ranges.begin() && std::prev(next)->first + std::prev(next)->second > addr;
+    if (hits_next || hits_prev) {
+      const auto& other = hits_next ? *next : *std::prev(next);
+      std::ostringstream os;
+      os << "thread " << t << ": new block " << p << "+" << size << " overlaps live block " << reinterpret_cast<void*>(other.first)
+         << "+" << other.second;
+      fail(os.str());
+    }
+    live_ranges[addr] = size;
+  };
+  auto unregister_live = [&](const void* p) {
+    std::lock_guard lock(live_mu);
+    live_ranges.erase(reinterpret_cast<std::uintptr_t>(p));
+  };
+
   auto worker = [&](unsigned t) {
     ThreadStressResult r;
     expseg::ScenarioRng rng(o.seed * 1000003 + t);
@@ -92,6 +118,7 @@ ThreadStressResult run_thread_stress(const ThreadStressOptions& o) {
     };
     auto free_one = [&](std::size_t j) {
       check(mine[j], "at free");
+      unregister_live(mine[j].p);
       alloc->deallocate(mine[j].p);
       ++r.frees;
       mine[j] = mine.back();
@@ -114,6 +141,7 @@ ThreadStressResult run_thread_stress(const ThreadStressOptions& o) {
             for (std::size_t k = mine.size() / 2; k > 0; --k) free_one(rng.below(mine.size()));
             continue;
           }
+          register_live(p, size, t);
           Block b{static_cast<std::uint64_t*>(p), size, next_tag++, stream};
           if (!sim->is_accessible(reinterpret_cast<std::uintptr_t>(p), size)) fail("a new allocation is not accessible");
           sample(size / 8, [&](std::size_t k) { b.p[k] = word(b.tag, k); });

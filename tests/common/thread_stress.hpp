@@ -1,9 +1,10 @@
 // Multi-threaded stress of one Allocator on the host-backed simulated device: N threads allocate,
 // write a pattern, record streams, free (checking the pattern), and read stats and snapshots, while
 // one of them also toggles stream work, calls release_cached() and moves the limit. Any two live
-// blocks that overlap, a pattern that changes, a stats identity that breaks, a validate() failure,
-// an unexpected exception or a leak after destruction is a failure. Run under ThreadSanitizer it
-// also checks the locking (tests/SANITIZERS.md). Used by the unit suite (short) and the stress suite.
+// blocks that overlap (checked against a registry of every live block), a pattern that changes, a
+// stats identity that breaks, a validate() failure, an unexpected exception or a leak after
+// destruction is a failure. Run under ThreadSanitizer it also checks the locking
+// (tests/SANITIZERS.md). Used by the unit suite (short) and the stress suite.
 #pragma once
 
 #include <cstddef>

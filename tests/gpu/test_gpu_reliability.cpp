@@ -1,5 +1,6 @@
 // Reliability on the real device (issue 7, and the GPU points of issues 2 and 3), both backends:
 //   - allocations written with cuMemsetD32Async on several streams and read back;
+//   - a block freed while a recorded stream still writes it is not reused until that stream is done;
 //   - the 800/500/300 story under a 2064 MiB limit (split_merge: OOM with 900 MiB reserved but
 //     unallocated; expandable: succeeds, and its blocks hold their bytes);
 //   - expandable data integrity across growth, reclaim and remapping under a limit that forces them;
@@ -153,6 +154,64 @@ TEST_CASE("gpu: both backends' blocks hold what cuMemsetD32Async wrote on severa
     check_stats(a);
     CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
     for (std::size_t i = 1; i < streams.size(); ++i) d.stream_destroy(streams[i]);
+  }
+}
+
+TEST_CASE("gpu: a block freed while a recorded stream still writes it is not handed out until that stream is done") {
+  // Stream `late` is kept busy with memsets of a filler buffer; block x is written on it after them
+  // and freed at once. A request on stream `own` right after must not get x's memory: if it did,
+  // late's queued write of x would land on the new block after own wrote it.
+  constexpr std::size_t kBlock = 64 * MiB;
+  constexpr std::uint32_t kLateTag = 0x1a7e1a7eu, kOwnTag = 0x0c0ffee0u;
+  for (BackendKind b : kBackends) {
+    const std::string backend_name = expseg::to_string(b);
+    CAPTURE(backend_name);
+    Allocator a(cuda_config(b));
+    Driver& d = driver_of(a);
+    void* own = d.stream_create();
+    void* late = d.stream_create();
+    void* filler = a.allocate(GiB, late);
+    bool late_was_busy = false;
+    for (int memsets = 64; memsets <= 1024 && !late_was_busy; memsets *= 2) {
+      for (int i = 0; i < memsets; ++i) d.memset_d32(dp(filler), static_cast<std::uint32_t>(i), GiB / 4, late);
+      void* x = a.allocate(kBlock, own);
+      a.record_stream(x, late);
+      d.memset_d32(dp(x), kLateTag, kBlock / 4, late);
+      void* done = d.event_create();
+      d.event_record(done, late);
+      a.deallocate(x);
+      const expseg::Stats pending = a.stats();
+      void* y = a.allocate(kBlock, own);
+      d.memset_d32(dp(y), kOwnTag, kBlock / 4, own);
+      late_was_busy = !d.event_query(done);  // otherwise the filler was too short to tell: longer
+      const auto xa = dp(x), ya = dp(y);
+      if (late_was_busy) {
+        CHECK(pending.active_bytes[kAllPools].current - pending.allocated_bytes[kAllPools].current >=
+              static_cast<std::int64_t>(kBlock));  // x: freed by the caller, still in use
+        CHECK((ya + kBlock <= xa || xa + kBlock <= ya));
+      }
+      d.stream_synchronize(own);
+      d.stream_synchronize(late);
+      d.event_destroy(done);
+      std::uint32_t found = 0;
+      const std::int64_t bad = read_back(d, y, kBlock, kOwnTag, &found);
+      CHECK_MESSAGE(bad < 0, "byte " << bad << " of the new block holds " << found << " (late's tag is " << kLateTag << ")");
+      a.deallocate(y);
+      check_stats(a);
+    }
+    CHECK(late_was_busy);
+    // With late done, x's memory is free again: the pending free completes on the next request.
+    void* z = a.allocate(kBlock, own);
+    const expseg::Stats s = a.stats();
+    CHECK(s.active_bytes[kAllPools].current == s.allocated_bytes[kAllPools].current);
+    a.deallocate(z);
+    a.deallocate(filler);
+    d.stream_synchronize(late);
+    a.release_cached();
+    check_stats(a);
+    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+    d.stream_destroy(own);
+    d.stream_destroy(late);
   }
 }
 

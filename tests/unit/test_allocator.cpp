@@ -5,7 +5,10 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <string_view>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/json.hpp"
@@ -25,6 +28,8 @@ using expseg::kAllPools;
 namespace {
 const BackendKind kBackends[] = {BackendKind::split_merge, BackendKind::expandable};
 const char* name(BackendKind b) { return expseg::to_string(b); }
+
+bool contains(const std::string& s, std::string_view part) { return s.find(part) != std::string::npos; }
 
 std::string what_of(auto&& f) {
   try {
@@ -477,6 +482,148 @@ TEST_CASE("allocator: stats identities hold after every step of randomized scena
         REQUIRE(p.reserved <= static_cast<std::int64_t>(r.limit_bytes));
       }
     }
+  }
+}
+
+TEST_CASE("allocator: any record_ring works, and start_recording never loses what it had on failure") {
+  for (BackendKind b : kBackends) {
+    for (const char* ring : {"18446744073709551615", "1000000000000"}) {
+      CAPTURE(std::string(name(b)));
+      CAPTURE(ring);
+      // Was a std::bad_alloc / length_error out of vector::reserve(ring) in the constructor.
+      Allocator a(sim_config(b, 80 * GiB, std::string("record:true,record_ring:") + ring));
+      CHECK(a.recording());
+      void* p = a.allocate(1 * MiB);
+      a.deallocate(p);
+      std::size_t allocs = 0, frees = 0;
+      for (const auto& e : a.recorded()) {
+        allocs += e.action == expseg::TraceAction::allocate;
+        frees += e.action == expseg::TraceAction::free;
+      }
+      CHECK(allocs == 1);
+      CHECK(frees == 1);
+      a.validate();
+    }
+    CAPTURE(std::string(name(b)));
+    Allocator a(sim_config(b));
+    a.start_recording();
+    for (int i = 0; i < 2; ++i) a.deallocate(a.allocate(4 * KiB));
+    REQUIRE(a.recorded().size() >= 4);
+    a.start_recording(SIZE_MAX);  // threw std::length_error after clearing the events
+    CHECK(a.recording());
+    CHECK(a.recorded().empty());  // starts afresh, as documented
+    void* p = a.allocate(4 * KiB);
+    CHECK(a.recorded().size() >= 1);
+    a.deallocate(p);
+    // A small ring still keeps only the last events.
+    a.start_recording(3);
+    for (int i = 0; i < 5; ++i) a.deallocate(a.allocate(4 * KiB));
+    CHECK(a.recorded().size() == 3);
+    CHECK(a.recorded().back().action == expseg::TraceAction::free);
+  }
+}
+
+TEST_CASE("allocator: a fraction limit too small for a byte still limits (was: no limit)") {
+  for (BackendKind b : kBackends) {
+    for (const char* conf : {"per_process_memory_fraction:1e-300", "limit:0.0000000001%"}) {
+      CAPTURE(std::string(name(b)));
+      CAPTURE(conf);
+      Allocator a(sim_config(b, 80 * GiB, conf));
+      CHECK(a.limit() == 1);
+      try {
+        a.allocate(512);
+        FAIL("allocate succeeded under a limit of 1 byte");
+      } catch (const expseg::out_of_memory& e) {
+        CHECK(e.report().verdict == expseg::OomVerdict::limit);
+        CHECK(e.report().limit_bytes == 1);
+      }
+      CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+      a.validate();
+    }
+  }
+}
+
+TEST_CASE("allocator: roundup_power2_divisions up to 2^63 round as PyTorch does, without overflow") {
+  // min_block (512) * divisions wrapped to 0 from 2^55 on, so 3 MiB + 4 KiB was rounded to 4 MiB;
+  // with that many divisions the size is too small to divide, as with 2^40: only 512 B rounding.
+  for (BackendKind b : kBackends) {
+    for (const char* d : {"1099511627776", "36028797018963968", "9223372036854775808"}) {
+      CAPTURE(std::string(name(b)));
+      CAPTURE(d);
+      Allocator a(sim_config(b, 80 * GiB, std::string("roundup_power2_divisions:") + d));
+      void* p = a.allocate(3 * MiB + 4 * KiB);
+      CHECK(a.stats().allocated_bytes[kAllPools].current == static_cast<std::int64_t>(3 * MiB + 4 * KiB));
+      a.deallocate(p);
+      a.validate();
+    }
+  }
+}
+
+TEST_CASE("allocator: simulated-device settings that cannot work together are config errors naming the key") {
+  auto failure = [](const expseg::Config& c) {
+    try {
+      Allocator a(c);
+    } catch (const expseg::config_error& e) {
+      return std::make_pair(e.key(), std::string(e.what()));
+    }
+    return std::make_pair(std::string("<none>"), std::string());
+  };
+  for (BackendKind b : kBackends) {
+    CAPTURE(std::string(name(b)));
+    // Every allocation failed ("capacity" with a device that has room, or "fragmentation").
+    auto [key, msg] = failure(sim_config(b, 80 * GiB, "sim_granularity:1TiB"));
+    CAPTURE(msg);
+    CHECK(key == "sim_granularity");
+    CHECK(contains(msg, "sim_granularity: 1TiB is larger than sim_capacity (80GiB)"));
+    // Set in code, past the parser's own check.
+    expseg::Config c = sim_config(b);
+    c.sim_granularity = std::size_t{1} << 63;
+    CHECK(failure(c).first == "sim_granularity");
+    c = sim_config(b, std::size_t{1} << 56);
+    std::tie(key, msg) = failure(c);
+    CAPTURE(msg);
+    CHECK(key == "sim_capacity");
+    CHECK(contains(msg, "at most 65535TiB"));
+    c = sim_config(b);
+    c.va_size = std::size_t{1} << 50;  // the most a config may say: fits the simulated device
+    CHECK(failure(c).first == "<none>");
+    c.va_size = SIZE_MAX;  // wrapped to 2 MiB in the expandable backend's rounding
+    CHECK(failure(c).first == "expandable_va_size");
+    c.device = expseg::DeviceKind::cuda;  // checked before any driver is opened
+    CHECK(failure(c).first == "expandable_va_size");
+  }
+  // 40000 TiB: the default VA of the expandable backend (2x) passes the 64 PiB address span, where a
+  // 512 B request failed as "fragmentation"; split_merge, which reserves no VA, serves it.
+  auto [key, msg] = failure(sim_config(BackendKind::expandable, 40000 * (std::size_t{1} << 40)));
+  CAPTURE(msg);
+  CHECK(key == "expandable_va_size");
+  CHECK(contains(msg, "the default, 2x sim_capacity = 80000TiB,"));
+  for (const char* conf : {"", "expandable_va_size:1024TiB"}) {
+    CAPTURE(conf);
+    const BackendKind b = *conf ? BackendKind::expandable : BackendKind::split_merge;
+    Allocator a(sim_config(b, 40000 * (std::size_t{1} << 40), conf));
+    void* p = a.allocate(512);
+    a.deallocate(p);
+    a.validate();
+  }
+}
+
+TEST_CASE("allocator: record_stream of a freed pointer names the operation; bad device indices are expseg errors") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(std::string(name(b)));
+    Allocator a(sim_config(b));
+    void* p = a.allocate(1 * MiB);
+    a.deallocate(p);
+    const std::string msg = what_of([&] { a.record_stream(p, stream_id(2)); });
+    CHECK(contains(msg, "expseg: record_stream of pointer "));
+    CHECK(contains(msg, ": record_stream after free (this allocation was already freed)"));
+    CHECK(!contains(msg, "double free"));
+    CHECK(contains(what_of([&] { a.deallocate(p); }), ": double free (this allocation was already freed)"));
+    CHECK_THROWS_AS(a.record_stream(p, stream_id(2)), expseg::invalid_pointer);
+    // A negative index (SimDriver threw std::invalid_argument), and one the simulated host lacks.
+    CHECK_THROWS_WITH_AS(Allocator(sim_config(b), -1), "expseg: device -1: device indices start at 0", expseg::error);
+    CHECK_THROWS_WITH_AS(Allocator(sim_config(b), 255), "expseg: device 255: the simulated host has devices 0 to 254", expseg::error);
+    CHECK_THROWS_AS(Allocator(sim_config(b), INT32_MAX), expseg::error);
   }
 }
 

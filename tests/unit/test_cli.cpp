@@ -286,7 +286,10 @@ TEST_CASE("cli: info and config") {
   CHECK(r.out.find("granularity") != std::string::npos);
   CHECK(r.out.find("EXPSEG_ALLOC_CONF") != std::string::npos);
   std::string why;
-  if (!expseg::cuda_available(&why)) CHECK(r.out.find("not usable") != std::string::npos);
+  CHECK((r.out.find("not usable") != std::string::npos) == !expseg::cuda_available(&why));
+  r = run_cli("info", "CUDA_VISIBLE_DEVICES=");
+  CHECK(r.status == 0);
+  CHECK(r.out.find("not usable") != std::string::npos);
 
   r = run_cli("config --conf backend:expandable");
   CHECK(r.status == 0);
@@ -295,9 +298,8 @@ TEST_CASE("cli: info and config") {
 }
 
 TEST_CASE("cli: --device cuda where CUDA is not usable is a runtime failure (exit 1)") {
-  std::string why;
-  if (expseg::cuda_available(&why)) return;  // a GPU machine: nothing to check here
-  const Run r = run_cli("scenario split-800-500-300 --device cuda --json");
+  // No device visible: what a machine without a GPU sees, also on a GPU machine.
+  const Run r = run_cli("scenario split-800-500-300 --device cuda --json", "CUDA_VISIBLE_DEVICES=");
   CHECK(r.status == 1);
   CHECK(r.err.find("CUDA is not usable") != std::string::npos);
 }
@@ -346,3 +348,76 @@ TEST_CASE("cli: --backend picks the backends; a --conf backend alone picks that 
   REQUIRE(r.status == 0);
   CHECK(lines(r.out).size() == 2);
 }
+TEST_CASE("cli: an unwritable --html fails before the runs, exit 1, with the system's reason") {
+  const std::string bad = "/nonexistent-expseg-dir/x.html";
+  const std::string runs[] = {"scenario split-800-500-300 --device sim", "replay '" + kTrace + "' --device sim", "study --device sim"};
+  for (const std::string& args : runs) {
+    const Run r = run_cli(args + " --html " + bad);
+    INFO(args, " -> ", r.err);
+    CHECK(r.status == 1);
+    CHECK(r.err.find("cannot write the report to '" + bad + "': No such file or directory") != std::string::npos);
+    CHECK(r.out.empty());  // nothing ran: no device line, no table
+  }
+  // The check leaves no file behind when the run then fails, and does not touch an existing file.
+  const fs::path html = temp_path("unwritten.html");
+  Run r = run_cli("scenario split-800-500-300 --device sim --conf sim_granularity:1TiB --html '" + html.string() + "'");
+  CHECK(r.status == 2);
+  CHECK(!fs::exists(html));
+  {
+    std::ofstream f(html);
+    f << "keep";
+  }
+  r = run_cli("scenario split-800-500-300 --device sim --conf sim_granularity:1TiB --html '" + html.string() + "'");
+  CHECK(r.status == 2);
+  CHECK(read_file(html) == "keep");
+  fs::remove(html);
+}
+
+TEST_CASE("cli: study --trace with a bad trace fails before running the scenarios") {
+  const fs::path junk = temp_path("junk.bin");
+  {
+    std::ofstream f(junk, std::ios::binary);
+    f.write("\x1f\x8bjunk\x00\x01", 8);  // gzip magic, then garbage
+  }
+  const fs::path html = temp_path("study-junk.html");
+  const Run r = run_cli("study --device sim --trace '" + junk.string() + "' --html '" + html.string() + "'");
+  INFO(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find(junk.string()) != std::string::npos);
+  CHECK(r.out.empty());  // was: every scenario's table first
+  CHECK(!fs::exists(html));
+  fs::remove(junk);
+}
+
+TEST_CASE("cli: a --conf backend key with spaces around it picks the backend, as the library reads it") {
+  for (const char* conf : {"' backend:expandable'", "'\tbackend :expandable'", "'limit:2GiB,  expandable_segments:True'"}) {
+    const Run r = run_cli(std::string("scenario split-800-500-300 --device sim --json --conf ") + conf);
+    INFO(conf, " -> ", r.err);
+    REQUIRE(r.status == 0);
+    REQUIRE(lines(r.out).size() == 1);
+    CHECK(expseg::core::parse_json(lines(r.out)[0])["backend"].as_string() == "expandable");
+  }
+}
+
+TEST_CASE("cli: --sizes with a negative size and non-ASCII --conf text give clear messages") {
+  Run r = run_cli("scenario random-churn --device sim --sizes -1MiB-2MiB");
+  INFO(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find("bad --sizes value '-1MiB-2MiB': sizes cannot be negative") != std::string::npos);
+  CHECK(r.err.find("invalid value ''") == std::string::npos);
+  r = run_cli("scenario random-churn --device sim --sizes 1MiB--2MiB");
+  CHECK(r.status == 2);
+  CHECK(r.err.find("sizes cannot be negative") != std::string::npos);
+  r = run_cli("scenario random-churn --device sim --sizes 1MiB-lots");
+  CHECK(r.status == 2);
+  CHECK(r.err.find("MAX 'lots' is not a size") != std::string::npos);
+
+  // The key and the --conf text are echoed with their bytes escaped, never raw.
+  r = run_cli("scenario split-800-500-300 --device sim --conf 'b\xff\xfe" "ackend:x'");
+  INFO(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find("unknown option 'b\\xff\\xfeackend'") != std::string::npos);
+  CHECK(r.err.find("(in --conf b\\xff\\xfeackend:x)") != std::string::npos);
+  CHECK(r.err.find('\xff') == std::string::npos);
+}
+

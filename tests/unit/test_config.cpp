@@ -522,7 +522,7 @@ TEST_CASE("config: parse(to_string()) == config for randomized configs") {
     c.policy = static_cast<PoolPolicy>(pick(2));
     c.device = static_cast<DeviceKind>(pick(2));
     c.sim_capacity = pick(2) ? (pick(1u << 20) + 1) * MiB : 1 + pick(SIZE_MAX);
-    c.sim_granularity = std::size_t{1} << (12 + pick(40));
+    c.sim_granularity = std::size_t{1} << (12 + pick(29));  // 4KiB .. 1TiB
     c.sim_host_backed = pick(2);
     c.sim_latency = pick(2);
     switch (pick(4)) {
@@ -537,8 +537,8 @@ TEST_CASE("config: parse(to_string()) == config for randomized configs") {
         c.limit = Limit{0, f};
       }
     }
-    c.va_size = pick(2) ? pick(SIZE_MAX) : pick(1024) * GiB;
-    if (pick(8) == 0) c.va_size = SIZE_MAX;
+    c.va_size = pick(2) ? pick((std::size_t{1} << 50) + 1) : pick(1024) * GiB;  // at most 1 PiB
+    if (pick(8) == 0) c.va_size = std::size_t{1} << 50;
     c.max_handle_size = pick(1u << 20) * 2 * MiB;
     c.ipc_handle = static_cast<IpcHandle>(pick(3));
     c.record = pick(2);
@@ -564,6 +564,48 @@ TEST_CASE("config: parse(to_string()) == config for randomized configs") {
     REQUIRE_NOTHROW(back = Config::parse(text));
     REQUIRE(back == c);
     REQUIRE(back.to_string() == text);
+  }
+}
+
+TEST_CASE("config: a non-zero limit too small for one byte stays a limit of 1 byte") {
+  // floor(fraction * total) is 0 for these, and a limit of 0 means "no limit".
+  CHECK(Limit{0, 1e-300}.resolve(80 * GiB) == 1);
+  CHECK(Config::parse("per_process_memory_fraction:1e-300").limit.resolve(80 * GiB) == 1);
+  CHECK(Config::parse("limit:0.0000000001%").limit.resolve(80 * GiB) == 1);
+  CHECK(Limit{0, 0.1}.resolve(9) == 1);
+  CHECK(Limit{0, 0.1}.resolve(10) == 1);
+  CHECK(Limit{0, 0.1}.resolve(20) == 2);
+  // 0 is still "no limit", however it is written.
+  CHECK(Config::parse("limit:0%").limit.resolve(80 * GiB) == 0);
+  CHECK(Config::parse("limit:0").limit.resolve(80 * GiB) == 0);
+}
+
+TEST_CASE("config: simulated-device and expandable sizes are bounded so that they cannot overflow") {
+  CHECK(Config::parse("sim_granularity:1TiB").sim_granularity == TiB);
+  check_fails("sim_granularity:2TiB", "sim_granularity", {"'2TiB'", "at most 1TiB"});
+  check_fails("sim_granularity:9223372036854775808", "sim_granularity", {"at most 1TiB"});
+  CHECK(Config::parse("expandable_va_size:1024TiB").va_size == 1024 * TiB);
+  check_fails("expandable_va_size:65536TiB", "expandable_va_size", {"'65536TiB'", "at most 1024TiB"});
+  check_fails("expandable_va_size:18446744073709551615", "expandable_va_size", {"at most 1024TiB"});
+  check_fails("expandable_va_size:1025TiB", "expandable_va_size", {"at most 1024TiB"});
+  // record_ring needs no bound: the recorder reserves lazily, any ring works (test_allocator.cpp).
+  CHECK(Config::parse("record_ring:18446744073709551615").record_ring == SIZE_MAX);
+}
+
+TEST_CASE("config: messages quote non-ASCII and control bytes as \\xNN") {
+  const Failure key = parse_failure("b\xff\xfe" "ackend:x");
+  REQUIRE(key.threw);
+  CAPTURE(key.message);
+  CHECK(contains(key.message, "unknown option 'b\\xff\\xfeackend'"));
+  CHECK(key.key == "b\\xff\\xfeackend");
+  const Failure value = parse_failure("backend:expand\xc3(able\x01\\");
+  REQUIRE(value.threw);
+  CAPTURE(value.message);
+  CHECK(contains(value.message, "'expand\\xc3(able\\x01\\x5c'"));
+  for (const Failure& f : {key, value}) {
+    std::size_t unprintable = 0;
+    for (char c : f.message) unprintable += static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f;
+    CHECK(unprintable == 0);
   }
 }
 

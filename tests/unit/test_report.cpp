@@ -358,3 +358,22 @@ TEST_CASE("report: write_html_report writes the page and names the path it canno
     CHECK(std::string(e.what()).find(bad) != std::string::npos);
   }
 }
+
+TEST_CASE("report: write_html_report says why it cannot write (the system's reason)") {
+  const auto runs = run_ab("split-800-500-300");
+  const expseg::ReportGroup groups[] = {expseg::report_group(std::span<const expseg::ScenarioResult>(runs))};
+  auto what = [&](const std::string& path) {
+    try {
+      expseg::write_html_report(path, groups);
+    } catch (const expseg::error& e) {
+      return std::string(e.what());
+    }
+    return std::string("<no exception>");
+  };
+  CHECK(what("/nonexistent-dir-expseg/report.html") ==
+        "expseg: cannot write the report to '/nonexistent-dir-expseg/report.html': No such file or directory");
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  CHECK(what(dir) == "expseg: cannot write the report to '" + dir + "': Is a directory");
+  if (std::filesystem::exists("/dev/full")) CHECK(what("/dev/full") == "expseg: cannot write the report to '/dev/full': No space left on device");
+}
+

@@ -195,6 +195,24 @@ TEST_CASE("split_merge: max_split_size_mb keeps oversize blocks whole and away f
   a.validate();
 }
 
+TEST_CASE("split_merge: max_non_split_rounding_mb sets how much larger a cached oversize block may be") {
+  for (const std::size_t rounding_mb : {std::size_t{20}, std::size_t{40}}) {
+    CAPTURE(rounding_mb);
+    Allocator a = make("max_split_size_mb:64,max_non_split_rounding_mb:" + std::to_string(rounding_mb));
+    void* big = a.allocate(100 * MiB);
+    a.deallocate(big);
+    // 100 MiB serves 70 MiB only when 100 < 70 + rounding (40: yes; 20, the least and the default: no).
+    void* p = a.allocate(70 * MiB);
+    CHECK((p == big) == (rounding_mb == 40));
+    a.deallocate(p);
+    // 100 MiB serves 97 MiB only when 100 < 97 + rounding (both).
+    void* q = a.allocate(97 * MiB);
+    CHECK(q == big);
+    a.deallocate(q);
+    a.validate();
+  }
+}
+
 TEST_CASE("split_merge: with max_split_size, cached oversize blocks are released before all cache") {
   Allocator a = make("max_split_size_mb:64,limit:300MiB");
   void* o1 = a.allocate(100 * MiB);
@@ -256,17 +274,74 @@ TEST_CASE("split_merge: roundup_power2_divisions rounds to power-of-two division
   b.validate();
 }
 
-TEST_CASE("split_merge: garbage_collection_threshold frees old cached blocks before growing") {
-  Allocator a = make("limit:1GiB,garbage_collection_threshold:0.5");
-  std::vector<void*> v;
-  for (int i = 0; i < 6; ++i) v.push_back(a.allocate(100 * MiB));
-  for (void* p : v) a.deallocate(p);  // 600 MiB cached, above the 512 MiB threshold
-  CHECK(reserved(a) == static_cast<std::int64_t>(600 * MiB));
-  void* p = a.allocate(200 * MiB);  // a miss triggers GC before the new segment
+TEST_CASE("split_merge: OOM counterfactual: not run with oom_counterfactual:false; a limit OOM says the other backend fails too") {
+  {
+    Allocator a = make("limit:2064MiB,oom_counterfactual:false");
+    a.deallocate(a.allocate(2000 * MiB));
+    void* p800 = a.allocate(800 * MiB);
+    void* p500 = a.allocate(500 * MiB);
+    void* p300 = a.allocate(300 * MiB);
+    a.deallocate(p500);
+    std::string msg;
+    CHECK_THROWS_AS((void)a.allocate(800 * MiB), expseg::out_of_memory);
+    if (a.last_oom()) msg = a.last_oom()->message;
+    REQUIRE(a.last_oom().has_value());
+    CHECK(a.last_oom()->verdict == expseg::OomVerdict::fragmentation);
+    CHECK(a.last_oom()->counterfactual == expseg::Counterfactual::not_evaluated);
+    CHECK(a.last_oom()->other_backend == "expandable");
+    CAPTURE(msg);
+    CHECK(msg.find("expseg verdict: fragmentation") != std::string::npos);
+    CHECK(msg.find("would have") == std::string::npos);  // no claim about the other backend
+    a.deallocate(p800);
+    a.deallocate(p300);
+  }
+  {
+    Allocator a = make("limit:1GiB");
+    void* p = a.allocate(800 * MiB);
+    std::string msg;
+    CHECK_THROWS_AS((void)a.allocate(300 * MiB), expseg::out_of_memory);
+    if (a.last_oom()) msg = a.last_oom()->message;
+    REQUIRE(a.last_oom().has_value());
+    CHECK(a.last_oom()->verdict == expseg::OomVerdict::limit);
+    CHECK(a.last_oom()->counterfactual == expseg::Counterfactual::would_fail);
+    CAPTURE(msg);
+    CHECK(msg.find("The expandable backend would have failed too.") != std::string::npos);
+    a.deallocate(p);
+  }
+}
+
+TEST_CASE("split_merge: garbage_collection_threshold frees the cached blocks older than the average, and only them") {
+  Allocator a = make("limit:1GiB,garbage_collection_threshold:0.5");  // GC above 512 MiB reserved
+  void* old_blocks[3];
+  for (void*& p : old_blocks) p = a.allocate(100 * MiB);
+  void* y = a.allocate(200 * MiB);
+  void* w = a.allocate(60 * MiB);
+  CHECK(reserved(a) == static_cast<std::int64_t>(560 * MiB));
+  for (void* p : old_blocks) a.deallocate(p);
+  a.deallocate(y);
+  // Age the three 100 MiB blocks: each lookup in the large pool ages every cached block by one, and
+  // a block freed again starts at age 0 (y is reused and freed ten times).
+  for (int i = 0; i < 10; ++i) {
+    void* q = a.allocate(200 * MiB);
+    CHECK(q == y);
+    a.deallocate(q);
+  }
+  a.deallocate(w);
+  CHECK(a.stats().num_device_free == 0);
+  // A miss above the threshold collects: ages are 11 (x3), 1 (y) and 1 (w), the average 7, so the
+  // three old blocks go (300 MiB >= the 48 MiB over the threshold) and y and w stay cached.
+  void* big = a.allocate(400 * MiB);
   auto s = a.stats();
-  CHECK(s.num_device_free > 0);
-  CHECK(s.reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(200 * MiB + 512 * MiB));
-  a.deallocate(p);
+  CHECK(s.num_device_free == 3);
+  CHECK(s.reserved_bytes[kAllPools].current == static_cast<std::int64_t>((200 + 60 + 400) * MiB));
+  void* y2 = a.allocate(200 * MiB);
+  void* w2 = a.allocate(60 * MiB);
+  CHECK(y2 == y);
+  CHECK(w2 == w);
+  CHECK(a.stats().num_device_alloc == s.num_device_alloc);  // both served from the cache
+  a.deallocate(y2);
+  a.deallocate(w2);
+  a.deallocate(big);
   a.validate();
 }
 

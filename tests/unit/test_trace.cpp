@@ -529,4 +529,55 @@ TEST_CASE("trace: the shipped ResNet-50 trace") {
   check_same_events(expseg::read_trace(copy).events, t.events);
 }
 
+TEST_CASE("trace: Time fields whose exact value passes 2^64 are read without wrapping around") {
+  // 9 hour and 9 fraction digits: (h * 3600 + ...) * 10^9 + frac overflowed and read as a small number.
+  double s = 0;
+  REQUIRE(expseg::trace::parse_time("999999999:00:00.999999999", s));
+  CHECK(s == 3599999996401.0);  // 3599999996400.999999999, to the nearest double
+  REQUIRE(expseg::trace::parse_time("5124095:34:33.709551616", s));  // the first product above 2^64
+  CHECK(s == doctest::Approx(18446744073.709551616).epsilon(1e-15));
+  // In a file: the event gets the same time, and its neighbours stay exact.
+  const auto t = expseg::parse_trace(std::string(kHeader) +
+                                         "1,999999999:00:00.999999999,allocate,0x10,1,0\n"
+                                         "1,01:00:00.250000,free,0x10,1,0\n",
+                                     "t.csv");
+  REQUIRE(t.events.size() == 2);
+  CHECK(t.events[0].time == 3599999996401.0);
+  CHECK(t.events[1].time == 3600.25);
+}
+
+TEST_CASE("trace: blank lines do not make the parser reserve an event per newline") {
+  // A .csv.gz of a few KB can hold 2^31 blank lines; the events reserved must follow the events.
+  const std::string one_event = std::string(kHeader) + "1,1,allocate,0x10,4096,0\n";
+  SUBCASE("empty lines") {
+    const std::string text = one_event + std::string(3'000'000, '\n') + "1,2,free,0x10,4096,0\n" + std::string(1000, '\n');
+    const auto t = expseg::parse_trace(text, "blank.csv");
+    REQUIRE(t.events.size() == 2);
+    CHECK(t.events[1].line == 3'000'003);
+    CHECK(t.events.capacity() < 16);  // was 3,001,002
+  }
+  SUBCASE("whitespace lines: the reservation is capped") {
+    std::string text = one_event;
+    for (int i = 0; i < 1'500'000; ++i) text += " \r\n";
+    const auto t = expseg::parse_trace(text, "spaces.csv");
+    REQUIRE(t.events.size() == 1);
+    CHECK(t.events.capacity() <= std::size_t{1} << 20);  // was 1,500,001
+  }
+  SUBCASE("gzip") {
+    TempDir dir;
+    const std::string path = dir.file("blank.csv.gz");
+    write_bytes(path, expseg::trace::gzip_compress(one_event + std::string(4'000'000, '\n')));
+    const auto t = expseg::read_trace(path);
+    REQUIRE(t.events.size() == 1);
+    CHECK(t.events.capacity() < 16);
+  }
+  SUBCASE("traces without blank lines still get their whole reservation up front") {
+    std::string text(kHeader);
+    for (int i = 0; i < 1000; ++i) text += "1," + std::to_string(i) + ",allocate,0x" + std::to_string(i + 1) + "0,512,0\n";
+    const auto t = expseg::parse_trace(text, "dense.csv");
+    REQUIRE(t.events.size() == 1000);
+    CHECK(t.events.capacity() <= 1001);
+  }
+}
+
 }  // TEST_SUITE
