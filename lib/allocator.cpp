@@ -40,8 +40,7 @@ std::string size_value(std::size_t n) {
 void check_config(const Config& c) {
   // Each key is checked alone when parsed; these are also checked here for a Config built in code.
   // expandable_va_size as config.cpp bounds it: the expandable backend rounds it up to a page.
-  constexpr std::size_t kMaxVaSize = std::size_t{1} << 50;
-  if (c.va_size > kMaxVaSize)
+  if (c.va_size > kMaxExpandableVaSize)
     throw config_error("expandable_va_size", "expandable_va_size: " + size_value(c.va_size) +
                                                  " is too large; expected 0 (2x device memory) or a size of at most 1024TiB (1 PiB)");
   if (c.device != DeviceKind::sim) return;
@@ -134,19 +133,23 @@ Allocator::Impl::~Impl() {
 
 void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   if (bytes == 0) return nullptr;
-  std::lock_guard<core::Mutex> lock(mu);
+  std::unique_lock<core::Mutex> lock(mu);
   if (pending_count != 0) process_events();
   Block* b = bytes <= kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
-  if (b == nullptr) {
-    stats.num_ooms += 1;
-    std::shared_ptr<OomReport> report = build_oom_report(bytes, stream);
-    last_oom = report;
-    if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, stream);
-    throw out_of_memory(std::move(report));
+  if (b != nullptr) {
+    live.insert(b);
+    if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, stream);
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
   }
-  live.insert(b);
-  if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, stream);
-  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
+  stats.num_ooms += 1;
+  std::shared_ptr<OomReport> report = build_oom_report(bytes, stream);
+  if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, stream);
+  if (!config.oom_dump.empty()) write_oom_dump(*report);  // under the lock: the dump is of this moment
+  last_oom = report;
+  const std::shared_ptr<const Allocator::OomObserver> observer = oom_observer;
+  lock.unlock();
+  if (observer) (*observer)(*report);
+  throw out_of_memory(std::move(report));
 }
 
 void Allocator::Impl::throw_invalid_pointer(const char* op, std::uint64_t addr) const {
@@ -327,6 +330,12 @@ Snapshot Allocator::snapshot() const {
   return impl_->snapshot_locked();
 }
 
+void Allocator::set_oom_observer(OomObserver observer) {
+  auto next = observer ? std::make_shared<const OomObserver>(std::move(observer)) : nullptr;
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  impl_->oom_observer = std::move(next);
+}
+
 std::optional<OomReport> Allocator::last_oom() const {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   if (!impl_->last_oom) return std::nullopt;
@@ -335,7 +344,7 @@ std::optional<OomReport> Allocator::last_oom() const {
 
 void Allocator::start_recording(std::size_t ring) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
-  impl_->recorder.start(ring);
+  impl_->recorder.start(ring, impl_->live.size() != 0 || impl_->pending_count != 0);
 }
 
 void Allocator::stop_recording() {

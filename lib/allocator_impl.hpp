@@ -37,6 +37,10 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // Builds the report of a failed allocation (oom_report.cpp).
   std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream);
   Snapshot snapshot_locked() const;
+  // With oom_dump: writes the report, a snapshot, the config and the recorded events of this OOM
+  // (oom_dump.cpp) and says where (or why not) in the report's message and dump_path. Never throws:
+  // a dump that cannot be written must not hide the OOM.
+  void write_oom_dump(OomReport& report) noexcept;
 
   Config config;
   std::shared_ptr<driver::Driver> driver;  // shared so tests can inspect a SimDriver after the allocator is gone
@@ -66,6 +70,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
 
   Recorder recorder;
   std::shared_ptr<const OomReport> last_oom;
+  std::shared_ptr<const Allocator::OomObserver> oom_observer;  // null: none
   std::vector<int> peers;  // devices granted access to everything mapped (enable_peer_access completed)
 };
 

@@ -48,6 +48,37 @@ Shared& shared() {
   return *s;
 }
 
+// expseg_set_oom_callback's function and argument; read on the OOM path only.
+struct OomCallback {
+  std::mutex mu;
+  expseg_oom_callback fn = nullptr;
+  void* user_data = nullptr;
+};
+OomCallback& oom_callback() {
+  static OomCallback* c = new OomCallback();  // never destroyed (see the file comment)
+  return *c;
+}
+
+// Calls the OOM callback, if one is set, with the report as JSON. Never throws: the caller is on
+// its way to report the OOM itself.
+void notify_oom(int device, const OomReport& report) noexcept {
+  expseg_oom_callback fn = nullptr;
+  void* user_data = nullptr;
+  {
+    OomCallback& c = oom_callback();
+    std::lock_guard<std::mutex> lock(c.mu);
+    fn = c.fn;
+    user_data = c.user_data;
+  }
+  if (fn == nullptr) return;
+  try {
+    const std::string json = report.to_json();
+    fn(device, json.c_str(), user_data);
+  } catch (...) {
+    // No memory for the JSON: the OOM is still reported through the status and the message.
+  }
+}
+
 // One buffer per string-returning function (see "Strings" in expseg.h).
 enum Buffer : int { kConfigBuf, kStatsBuf, kSnapshotBuf, kOomTextBuf, kOomJsonBuf, kBufferCount };
 
@@ -156,6 +187,7 @@ void* allocate(std::size_t size, int device, expseg_stream_t stream, const char*
   try {
     return a->allocate(size, stream);
   } catch (const out_of_memory& e) {
+    notify_oom(device, e.report());
     set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
     if (print_oom && g_oom_stderr.load(std::memory_order_relaxed))
       std::fprintf(stderr, "expseg: %s returns NULL (out of memory):\n%s\n", fn, e.what());
@@ -191,6 +223,7 @@ void reset_for_tests() noexcept {
   std::lock_guard<std::mutex> lock(s.mu);
   for (auto& slot : g_alloc) delete slot.exchange(nullptr, std::memory_order_acq_rel);
   s.conf.clear();
+  expseg_set_oom_callback(nullptr, nullptr);
   ThreadState& t = tls();
   t.code = EXPSEG_SUCCESS;
   t.message.clear();
@@ -227,12 +260,21 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
   try {
     return a->allocate(static_cast<std::size_t>(size), stream);
   } catch (const out_of_memory& e) {
+    notify_oom(device, e.report());
     set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
     throw;
   } catch (...) {
     fail_current(fn);
     throw std::runtime_error(expseg_last_error());
   }
+}
+
+int expseg_set_oom_callback(expseg_oom_callback callback, void* user_data) noexcept {
+  OomCallback& c = oom_callback();
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.fn = callback;
+  c.user_data = callback ? user_data : nullptr;
+  return EXPSEG_SUCCESS;
 }
 
 void expseg_free(void* ptr, ssize_t /*size*/, int device, expseg_stream_t /*stream*/) noexcept {

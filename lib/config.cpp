@@ -335,13 +335,9 @@ void parse_sim_granularity(Config& c, Key key, std::string_view v) {
   c.sim_granularity = n;
 }
 
-// 1 PiB: beyond the virtual address space of any GPU, and small enough that rounding it up to any
-// granularity cannot overflow in the expandable backend.
-constexpr std::size_t kMaxVaSize = std::size_t{1} << 50;
-
 void parse_va_size(Config& c, Key key, std::string_view v) {
   const std::size_t n = parse_bytes_impl(key, v);
-  if (n > kMaxVaSize) bad_value(key, v, "0 (2x device memory) or a size of at most 1024TiB (1 PiB), e.g. 256GiB");
+  if (n > kMaxExpandableVaSize) bad_value(key, v, "0 (2x device memory) or a size of at most 1024TiB (1 PiB), e.g. 256GiB");
   c.va_size = n;
 }
 
@@ -504,6 +500,25 @@ void parse_memory_fraction(Config& c, Key key, std::string_view v) {
   c.limit = Limit{0, f};
 }
 
+// An oom_dump path pattern: "none" turns it off; every '%' must start %p, %d, %n or %%.
+void parse_oom_dump(Config& c, Key key, std::string_view v) {
+  if (v == "none") {
+    c.oom_dump.clear();
+    return;
+  }
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (v[i] != '%') continue;
+    const char next = i + 1 < v.size() ? v[i + 1] : '\0';
+    if (next != 'p' && next != 'd' && next != 'n' && next != '%')
+      throw config_error(std::string(key), std::string(key) + ": '%" + clip(std::string_view(&next, next ? 1 : 0)) +
+                                               "' at byte " + std::to_string(i) + " of '" + clip(v) +
+                                               "'; expected a file path where % starts %p (process id), %d (device), "
+                                               "%n (the OOM's number) or %% (a '%'), or none");
+    ++i;
+  }
+  c.oom_dump.assign(v);
+}
+
 // Host-side PyTorch options: the value is checked (to catch typos) and dropped.
 void ignore_bool(Config&, Key key, std::string_view v) { (void)parse_bool(key, v); }
 void ignore_count(Config&, Key key, std::string_view v) { (void)parse_uint(key, v, "a non-negative integer"); }
@@ -558,6 +573,9 @@ const Entry kEntries[] = {
   {{"oom_counterfactual", "bool", "true", "on OOM, check whether the other backend would have succeeded"},
    [](Config& c, Key k, std::string_view v) { c.oom_counterfactual = parse_bool(k, v); },
    [](const Config& c) -> std::string { return format_bool(c.oom_counterfactual); }},
+  {{"oom_dump", "path|none", "none",
+    "at every OOM write report, snapshot, config and recorded trace to this file (%p pid, %d device, %n OOM number)"},
+   parse_oom_dump, [](const Config& c) { return c.oom_dump.empty() ? std::string("none") : c.oom_dump; }},
   // --- PyTorch's keys, with PyTorch's meaning ---
   {{"max_split_size_mb", "MiB|unlimited", "unlimited", "PyTorch: blocks this large or larger are never split (> 20)"},
    parse_max_split_size,
@@ -642,6 +660,23 @@ std::vector<std::string_view> split_items(std::string_view text) {
 }  // namespace
 
 std::size_t parse_bytes(std::string_view text, std::string_view key) { return parse_bytes_impl(key, text); }
+
+std::string expand_oom_dump_path(std::string_view pattern, long pid, int device, std::uint64_t oom_number) {
+  std::string out;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char next = i + 1 < pattern.size() ? pattern[i + 1] : '\0';
+    if (pattern[i] != '%' || (next != 'p' && next != 'd' && next != 'n' && next != '%')) {
+      out += pattern[i];
+      continue;
+    }
+    ++i;
+    if (next == 'p') out += std::to_string(pid);
+    else if (next == 'd') out += std::to_string(device);
+    else if (next == 'n') out += std::to_string(oom_number);
+    else out += '%';
+  }
+  return out;
+}
 
 std::string format_bytes(std::size_t bytes) {
   if (bytes <= 1024) return std::to_string(bytes) + " bytes";

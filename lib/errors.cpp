@@ -26,7 +26,9 @@ const char* to_string(Counterfactual c) noexcept {
   return "unknown";
 }
 
-std::string OomReport::to_json() const {
+std::string OomReport::to_json() const { return to_json(true); }
+
+std::string OomReport::to_json(bool with_snapshot) const {
   // The stream is a handle, written as hex like the snapshot's streams.
   char stream_hex[2 + 16] = {'0', 'x'};
   auto r = std::to_chars(stream_hex + 2, stream_hex + sizeof stream_hex, stream, 16);
@@ -54,8 +56,9 @@ std::string OomReport::to_json() const {
   w.field("other_backend", other_backend);
   w.field("counterfactual", to_string(counterfactual));
   w.field("message", message);
+  w.field("dump_path", dump_path);
   w.key("snapshot");
-  if (snapshot) {
+  if (snapshot && with_snapshot) {
     w.raw(snapshot->to_json());
   } else {
     w.null();

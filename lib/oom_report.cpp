@@ -49,6 +49,7 @@ Counterfactual run_counterfactual(const Config& base, BackendKind other, std::si
   c.record = false;
   c.oom_snapshot = false;
   c.oom_counterfactual = false;
+  c.oom_dump.clear();  // the check's own OOM is not the user's: no dump of it
   c.limit = Limit{limit, 0.0};
   try {
     Allocator a(c);

@@ -21,7 +21,7 @@ double time_of_day() noexcept {
 }
 }  // namespace
 
-void Recorder::start(std::size_t ring) {
+void Recorder::start(std::size_t ring, bool live_before) {
   // The buffer grows with the events (add() pushes until the ring is full), so any ring size works:
   // reserve at most kMaxReserve up front, not `ring` (record_ring:SIZE_MAX would be bad_alloc).
   // Built aside and swapped in: if the reservation throws, the recorder is left as it was.
@@ -31,6 +31,8 @@ void Recorder::start(std::size_t ring) {
   buf_.swap(buf);
   ring_ = ring;
   next_ = 0;
+  dropped_ = 0;
+  started_partial_ = live_before;
   enabled_ = true;
 }
 
@@ -47,6 +49,7 @@ void Recorder::add(TraceAction action, std::uint64_t pointer, std::uint64_t size
   } else {
     buf_[next_] = e;
     next_ = (next_ + 1) % ring_;
+    ++dropped_;
   }
 }
 

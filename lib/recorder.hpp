@@ -14,17 +14,24 @@ namespace expseg {
 
 class Recorder {
  public:
-  void start(std::size_t ring);
+  // `live_before`: allocations were live when recording started.
+  void start(std::size_t ring, bool live_before = false);
   void stop() noexcept { enabled_ = false; }
   bool enabled() const noexcept { return enabled_; }
   void add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream);
   std::vector<TraceEvent> events() const;  // oldest first
+  // True when events() does not start from an empty allocator: the recording began while
+  // allocations were live (start(ring, true)), or a ring dropped its oldest events. Replaying such a
+  // trace needs --lenient (frees of allocations it never saw) and holds less memory than the run did.
+  bool partial() const noexcept { return started_partial_ || dropped_ != 0; }
 
  private:
   bool enabled_ = false;
   std::size_t ring_ = 0;  // 0: unbounded
   std::vector<TraceEvent> buf_;
   std::size_t next_ = 0;  // ring: where the next event goes once the buffer is full
+  std::uint64_t dropped_ = 0;  // events a full ring overwrote
+  bool started_partial_ = false;
 };
 
 }  // namespace expseg

@@ -13,10 +13,11 @@ import ctypes
 import ctypes.util
 import json
 import os
+import sys
 
 __all__ = [
     "ExpsegError", "library_path", "load", "version", "configure", "config", "install_torch", "install_cupy",
-    "stats", "snapshot", "oom_report", "oom_report_json", "release_cached", "set_limit", "reset_peak_stats",
+    "stats", "snapshot", "oom_report", "oom_report_json", "on_oom", "release_cached", "set_limit", "reset_peak_stats",
     "record_start", "record_stop", "record_write",
 ]
 
@@ -66,6 +67,11 @@ def library_path():
         INVALID_ARGUMENT)
 
 
+# void (*)(int device, const char* report_json, void* user_data)
+_OOM_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_oom_callback = None  # the ctypes function object expseg holds: kept alive here
+
+
 def _declare(lib):
     c_int, c_size_t, c_ssize_t, c_void_p, c_char_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_char_p
     sigs = {
@@ -91,6 +97,7 @@ def _declare(lib):
         "expseg_last_error_code": (c_int, []),
         "expseg_clear_error": (None, []),
         "expseg_version": (c_char_p, []),
+        "expseg_set_oom_callback": (c_int, [_OOM_CALLBACK, c_void_p]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)  # AttributeError here: an old or foreign libexpseg.so
@@ -167,6 +174,34 @@ def oom_report(device=0):
 def oom_report_json(device=0):
     """The device's last out-of-memory report as a dict (None when none)."""
     return json.loads(_text(load().expseg_last_oom_report_json(device), "expseg_last_oom_report_json"))
+
+
+def on_oom(fn):
+    """Calls fn(report) at every out-of-memory of any device, report being oom_report_json()'s dict
+    (report["message"] the text, report["verdict"] capacity/limit/fragmentation, report["dump_path"] the
+    oom_dump file or ""). It runs on the thread whose allocation failed, before the OOM reaches the
+    program (PyTorch's RuntimeError, CuPy's OutOfMemoryError), and may call expseg (snapshot(), stats(),
+    release_cached()). An exception in fn is printed and dropped: it cannot cross the C library.
+    on_oom(None) removes it."""
+    global _oom_callback
+    lib = load()
+    if fn is None:
+        _check(lib.expseg_set_oom_callback(_OOM_CALLBACK(), None), "expseg_set_oom_callback")
+        _oom_callback = None
+        return
+
+    def trampoline(device, report_json, _user_data):
+        try:
+            report = json.loads(report_json.decode("utf-8", "replace"))
+            report.setdefault("device", device)
+            fn(report)
+        except BaseException:  # noqa: B036  ctypes would print and drop it anyway; say whose it was
+            import traceback
+            sys.stderr.write("expseg.on_oom: the callback raised:\n" + traceback.format_exc())
+
+    cb = _OOM_CALLBACK(trampoline)
+    _check(lib.expseg_set_oom_callback(cb, None), "expseg_set_oom_callback")
+    _oom_callback = cb
 
 
 def release_cached(device=0):

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -84,6 +85,14 @@ class Allocator {
   Snapshot snapshot() const;
   // The report of the most recent out_of_memory, if any.
   std::optional<OomReport> last_oom() const;
+  // Called at every out-of-memory with its report, on the thread whose allocation failed, after
+  // the report (and the oom_dump file, if configured) is complete and the allocator's lock is
+  // released, right before out_of_memory is thrown. The observer may call this allocator (stats(),
+  // snapshot(), release_cached(), even allocate()). If it throws, its exception propagates from
+  // allocate() instead of out_of_memory; the allocator is consistent either way. An empty function
+  // removes the observer; setting one replaces the previous one.
+  using OomObserver = std::function<void(const OomReport&)>;
+  void set_oom_observer(OomObserver observer);
 
   // Event recorder: every allocate/free (and map/unmap, allocate failure) with a timestamp. ring > 0
   // keeps only the last `ring` events. recorded() can be written with write_trace_file().

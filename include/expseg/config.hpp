@@ -44,6 +44,11 @@ struct Limit {
   bool operator==(const Limit&) const = default;
 };
 
+// The largest expandable_va_size (1 PiB): beyond the virtual address space of any GPU, and small
+// enough that rounding it up to any granularity cannot overflow. The default (2x device memory) is
+// held to it too.
+inline constexpr std::size_t kMaxExpandableVaSize = std::size_t{1} << 50;
+
 inline constexpr std::size_t kRoundupIntervals = 16;  // PyTorch's intervals: 1 MiB .. 64 GiB
 
 struct Config {
@@ -77,6 +82,10 @@ struct Config {
   std::size_t record_ring = 0;      // record_ring:N -> keep only the last N events (0 = all)
   bool oom_snapshot = false;        // oom_snapshot:true -> attach a snapshot to every OOM report
   bool oom_counterfactual = true;   // oom_counterfactual:false -> skip the other-backend check
+  // oom_dump:PATH -> at every OOM, write the report, a snapshot, the config and (when recording)
+  // the recorded trace to PATH (%p: process id, %d: device, %n: the OOM's number, %%: '%').
+  // "" (printed and parsed as none) = off. A path cannot contain ','; see expand_oom_dump_path().
+  std::string oom_dump;
 
   // Parse `text` over the defaults. Empty text gives the defaults.
   static Config parse(std::string_view text);
@@ -98,6 +107,10 @@ struct Config {
   // The options table, in the order `expseg config` prints it.
   static std::span<const Option> options();
 };
+
+// An oom_dump pattern with %p, %d, %n, %% replaced (the pattern was checked when it was parsed;
+// any other '%' sequence is copied as it is).
+std::string expand_oom_dump_path(std::string_view pattern, long pid, int device, std::uint64_t oom_number);
 
 // "80GiB", "512MiB", "2GB", "4096", "1.5GiB" -> bytes. Throws config_error(key) on bad input.
 std::size_t parse_bytes(std::string_view text, std::string_view key = "size");

@@ -125,11 +125,13 @@ struct OomReport {
   Counterfactual counterfactual = Counterfactual::not_evaluated;
   std::string message;
   std::shared_ptr<const Snapshot> snapshot;    // with oom_snapshot:true, the allocator at the OOM
+  std::string dump_path;                       // with oom_dump, the file this OOM was written to ("" if none)
 
   std::size_t reserved_unallocated_bytes() const noexcept {
     return reserved_bytes > allocated_bytes ? reserved_bytes - allocated_bytes : 0;
   }
   std::string to_json() const;
+  std::string to_json(bool with_snapshot) const;  // with_snapshot false: "snapshot" is null
 };
 
 // Thrown by Allocator::allocate when memory cannot be found. Derives from std::bad_alloc so that

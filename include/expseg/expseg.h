@@ -102,6 +102,16 @@ EXPSEG_API void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t s
 EXPSEG_API void* expseg_cupy_malloc(void* param, size_t size, int device_id) EXPSEG_NOEXCEPT;
 EXPSEG_API void expseg_cupy_free(void* param, void* ptr, int device_id) EXPSEG_NOEXCEPT;
 
+/* Out-of-memory callback, for every device: called at each OOM of expseg_malloc,
+ * expseg_torch_malloc and expseg_cupy_malloc, on the allocating thread, after the allocator's lock
+ * is released and before the call returns NULL (or throws). `report_json` is the OOM report as
+ * expseg_last_oom_report_json gives it, valid during the call only. The callback may call expseg
+ * (expseg_snapshot_json, expseg_release_cached, ...). A NULL callback removes it; each call replaces
+ * the previous one. Typical use: save a snapshot, or log the report where the job's logs go. (The
+ * oom_dump:PATH config key writes report, snapshot and recorded events to a file without code.) */
+typedef void (*expseg_oom_callback)(int device, const char* report_json, void* user_data);
+EXPSEG_API int expseg_set_oom_callback(expseg_oom_callback callback, void* user_data) EXPSEG_NOEXCEPT;
+
 /* The live allocation `ptr` of `device` is also used by work on `stream`: when it is freed, its
  * memory is reused only after the work queued on `stream` up to the free has completed. */
 EXPSEG_API int expseg_record_stream(void* ptr, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;

@@ -6,7 +6,9 @@
 For each backend, in a fresh process: tools/expseg.py install_torch("backend:<b>,limit:3GiB") before any
 CUDA tensor exists; a matmul; 800 MiB kept live; torch.empty(4 GiB) must raise RuntimeError whose message
 holds PyTorch's first sentence and expseg's verdict (limit); then allocations and a kernel must still work
-and expseg's stats must show the live tensors. (PyTorch's pluggable allocator does not check malloc's result
+and expseg's stats must show the live tensors. The OOM also goes through expseg.on_oom (the callback sees
+the report before PyTorch raises) and oom_dump with record:true (the dump file holds the report and a
+snapshot with the 800 MiB tensor; its trace ends with the failed 4 GiB request). (PyTorch's pluggable allocator does not check malloc's result
 for NULL: without the throwing expseg_torch_malloc the OOM would hand out a tensor at address 0.)
 
 Exit status: 0 passed, 1 a failure, 77 skipped (no torch, or no CUDA device). The library comes from
@@ -20,10 +22,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MiB = 1 << 20
 
 
-def child(backend):
+def child(backend, tmp):
     sys.path.insert(0, os.path.join(REPO, "tools"))
+    import json
     import expseg
-    expseg.install_torch("backend:%s,limit:3GiB" % backend)
+    expseg.install_torch("backend:%s,limit:3GiB,record:true,oom_dump:%s/oom-%%p-%%n.json" % (backend, tmp))
+    seen = []
+    expseg.on_oom(lambda rep: seen.append(rep))
     import torch
     x = torch.randn(2048, 2048, device="cuda")
     expected = float((x.double() @ x.double()).sum())
@@ -38,6 +43,18 @@ def child(backend):
         assert "expseg verdict: limit" in msg, msg[:600]
     else:
         raise AssertionError("torch.empty(4 GiB) under a 3 GiB limit did not raise")
+    assert len(seen) == 1 and seen[0]["requested_bytes"] == 4096 * MiB, [r.get("requested_bytes") for r in seen]
+    path = os.path.join(tmp, "oom-%d-1.json" % os.getpid())
+    assert seen[0]["dump_path"] == path, seen[0]["dump_path"]
+    assert "written to " + path in msg, msg[-600:]
+    with open(path) as f:
+        dump = json.load(f)
+    assert dump["report"]["verdict"] == "limit", dump["report"]["verdict"]
+    live = [b["requested"] for seg in dump["snapshot"]["segments"] for b in seg["blocks"] if b["state"] == "allocated"]
+    assert 800 * MiB in live, live
+    with open(dump["trace"]) as f:
+        last = f.read().splitlines()[-1].split(",")
+    assert last[2] == "allocate failure" and int(last[4]) == 4096 * MiB, last
     after = torch.ones(1 << 20, device="cuda")
     assert float(after.sum()) == float(1 << 20)
     s = expseg.stats()
@@ -45,13 +62,14 @@ def child(backend):
     assert s["allocated_bytes.all.current"] >= 800 * MiB + (4 << 20), s["allocated_bytes.all.current"]
     del keep, after, x
     torch.cuda.synchronize()
-    print("torch_oom %s: PASS (RuntimeError with the report; allocations and kernels work afterwards)" % backend,
+    print("torch_oom %s: PASS (RuntimeError with the report, on_oom called, oom_dump written; allocations and "
+          "kernels work afterwards)" % backend,
           flush=True)
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3])
         return 0
     try:
         import torch
@@ -62,11 +80,16 @@ def main():
         print("torch_oom: SKIPPED (no CUDA device)")
         return 77
     failed = 0
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="expseg-torch-oom-")
     for backend in ("split_merge", "expandable"):
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", backend], timeout=300)
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", backend, tmp], timeout=300)
         if r.returncode != 0:
             print("torch_oom %s: FAIL (exit %d)" % (backend, r.returncode), flush=True)
             failed += 1
+    if not failed:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)  # kept when a child failed: the dumps are the evidence
     return 1 if failed else 0
 
 

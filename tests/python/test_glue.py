@@ -4,6 +4,7 @@ meson), drives the C API on the simulated device through ctypes, and tools/torch
 a synthetic PyTorch snapshot and replays it. Run: EXPSEG_LIBRARY=build/lib/libexpseg.so python3 tests/python/test_glue.py
 """
 import gzip
+import json
 import os
 import pickle
 import subprocess
@@ -71,6 +72,46 @@ class GlueTest(unittest.TestCase):
         self.assertEqual(rep["requested_bytes"], 32 * MiB)
         self.assertEqual(rep["verdict"], "limit")
         self.assertEqual(expseg.stats()["num_ooms"], 1)
+
+    def test_on_oom_and_oom_dump(self):
+        # The callback sees the report (with the dump's path) before the caller sees NULL, and may
+        # call expseg; the dump is a JSON file with the report, the snapshot and the recorded trace.
+        with tempfile.TemporaryDirectory() as tmp:
+            pattern = os.path.join(tmp, "oom-%p-%n.json")
+            expseg.configure("device:sim,sim_capacity:4GiB,backend:split_merge,record:true,oom_dump:" + pattern)
+            seen = []
+            expseg.on_oom(lambda rep: seen.append((rep, expseg.stats()["num_ooms"], self.lib.expseg_last_error_code())))
+            try:
+                expseg.set_limit(64 * MiB)
+                p = self.lib.expseg_cupy_malloc(None, 8 * MiB, 0)
+                self.assertTrue(p)
+                self.assertFalse(self.lib.expseg_cupy_malloc(None, 64 * MiB, 0))
+                self.assertEqual(len(seen), 1)
+                rep, ooms_inside, _ = seen[0]
+                self.assertEqual(rep["requested_bytes"], 64 * MiB)
+                self.assertEqual(rep["device"], 0)
+                self.assertEqual(ooms_inside, 1)  # the callback could call into expseg
+                path = os.path.join(tmp, "oom-%d-1.json" % os.getpid())
+                self.assertEqual(rep["dump_path"], path)
+                self.assertEqual(expseg.oom_report_json()["dump_path"], path)
+                with open(path) as f:
+                    dump = json.load(f)
+                self.assertEqual(dump["format"], "expseg-oom-dump/1")
+                self.assertEqual(dump["report"]["requested_bytes"], 64 * MiB)
+                self.assertEqual(dump["pid"], os.getpid())
+                live = [b for seg in dump["snapshot"]["segments"] for b in seg["blocks"] if b["state"] == "allocated"]
+                self.assertEqual([b["requested"] for b in live], [8 * MiB])
+                with open(dump["trace"]) as f:
+                    lines = f.read().splitlines()
+                self.assertEqual(lines[0], "Thread,Time,Action,Pointer,Size,Stream")
+                self.assertEqual(lines[-1].split(",")[2:5:2], ["allocate failure", str(64 * MiB)])
+                expseg.on_oom(None)
+                self.assertFalse(self.lib.expseg_cupy_malloc(None, 64 * MiB, 0))
+                self.assertEqual(len(seen), 1)  # removed: not called again
+                self.assertTrue(os.path.exists(os.path.join(tmp, "oom-%d-2.json" % os.getpid())))
+                self.lib.expseg_cupy_free(None, p, 0)
+            finally:
+                expseg.on_oom(None)
 
     def test_errors_raise(self):
         with self.assertRaises(expseg.ExpsegError) as cm:

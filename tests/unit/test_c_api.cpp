@@ -502,3 +502,41 @@ TEST_CASE_FIXTURE(CApiFixture, "a huge record_ring works; inconsistent simulated
 }
 
 }  // TEST_SUITE
+
+namespace {
+struct OomCalls {
+  std::vector<int> devices;
+  std::vector<std::int64_t> requested;
+  std::vector<int> error_inside;  // the thread's error code while the callback runs
+  std::int64_t ooms_inside = -1;
+};
+extern "C" void record_oom(int device, const char* report_json, void* user_data) {
+  auto* calls = static_cast<OomCalls*>(user_data);
+  calls->devices.push_back(device);
+  calls->requested.push_back(parse_json(report_json)["requested_bytes"].as_int());
+  calls->error_inside.push_back(expseg_last_error_code());
+  calls->ooms_inside = stat(device, "num_ooms");  // the callback may call expseg: no lock is held
+}
+}  // namespace
+
+TEST_CASE_FIXTURE(CApiFixture, "expseg_set_oom_callback: called with the report before malloc returns NULL, on every entry point") {
+  OomCalls calls;
+  REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB") == EXPSEG_SUCCESS);
+  REQUIRE(expseg_set_oom_callback(record_oom, &calls) == EXPSEG_SUCCESS);
+  void* keep = expseg_malloc(40 * MiB, 1, nullptr);
+  REQUIRE(keep != nullptr);
+  CHECK(calls.devices.empty());  // not called when nothing fails
+  CHECK(expseg_malloc(32 * MiB, 1, nullptr) == nullptr);
+  CHECK(expseg_cupy_malloc(nullptr, 33 * MiB, 1) == nullptr);
+  CHECK_THROWS_AS(expseg_torch_malloc(34 * MiB, 1, nullptr), expseg::out_of_memory);
+  CHECK(calls.devices == std::vector<int>{1, 1, 1});
+  CHECK(calls.requested == std::vector<std::int64_t>{32 * MiB, 33 * MiB, 34 * MiB});
+  CHECK(calls.ooms_inside == 3);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);  // what the caller sees after the callback
+  // NULL removes it.
+  REQUIRE(expseg_set_oom_callback(nullptr, &calls) == EXPSEG_SUCCESS);
+  CHECK(expseg_malloc(32 * MiB, 1, nullptr) == nullptr);
+  CHECK(calls.devices.size() == 3);
+  expseg_free(keep, 0, 1, nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);  // unchanged by the successful free
+}

@@ -28,6 +28,12 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t GiB = std::size_t{1} << 30;
 constexpr std::size_t TiB = std::size_t{1} << 40;
 
+std::string_view trim_spaces(std::string_view s) {
+  while (!s.empty() && s.front() == ' ') s.remove_prefix(1);
+  while (!s.empty() && s.back() == ' ') s.remove_suffix(1);
+  return s;
+}
+
 struct Failure {
   bool threw = false;
   std::string key;
@@ -102,7 +108,7 @@ TEST_CASE("config: the options table lists every key once with its type, default
   }
   for (const char* key : {"backend", "policy", "device", "sim_capacity", "sim_granularity", "sim_host_backed",
                           "sim_latency", "limit", "expandable_va_size", "expandable_max_handle", "ipc_handle",
-                          "record", "record_ring", "oom_snapshot", "oom_counterfactual", "expandable_segments",
+                          "record", "record_ring", "oom_snapshot", "oom_counterfactual", "oom_dump", "expandable_segments",
                           "max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
                           "garbage_collection_threshold", "per_process_memory_fraction",
                           "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
@@ -111,7 +117,7 @@ TEST_CASE("config: the options table lists every key once with its type, default
     CAPTURE(key);
     CHECK(seen.count(key) == 1);
   }
-  CHECK(seen.size() == 27);
+  CHECK(seen.size() == 28);
 }
 
 TEST_CASE("config: documented defaults are the defaults of Config and of to_string") {
@@ -126,7 +132,7 @@ TEST_CASE("config: documented defaults are the defaults of Config and of to_stri
         "backend:split_merge,policy:pytorch,device:cuda,sim_capacity:80GiB,sim_granularity:2MiB,"
         "sim_host_backed:false,sim_latency:false,limit:0,expandable_va_size:0,expandable_max_handle:0,"
         "ipc_handle:none,record:false,record_ring:0,oom_snapshot:false,oom_counterfactual:true,"
-        "max_split_size_mb:unlimited,max_non_split_rounding_mb:20,roundup_power2_divisions:0,"
+        "oom_dump:none,max_split_size_mb:unlimited,max_non_split_rounding_mb:20,roundup_power2_divisions:0,"
         "garbage_collection_threshold:off");
 }
 
@@ -545,6 +551,20 @@ TEST_CASE("config: parse(to_string()) == config for randomized configs") {
     c.record_ring = pick(2) ? pick(SIZE_MAX) : pick(100);
     c.oom_snapshot = pick(2);
     c.oom_counterfactual = pick(2);
+    if (pick(2)) {  // a path of the characters a value can hold, with and without % sequences
+      static constexpr std::string_view kChars = "/._-:%pdnab 0~";
+      const std::size_t n = 1 + pick(24);
+      for (std::size_t i = 0; i < n; ++i) c.oom_dump += kChars[pick(kChars.size())];
+      c.oom_dump = std::string(trim_spaces(c.oom_dump));
+      // Make every '%' valid: a pattern that does not parse is a different test.
+      for (std::size_t i = 0; i < c.oom_dump.size(); ++i)
+        if (c.oom_dump[i] == '%') {
+          if (i + 1 == c.oom_dump.size() || std::string_view("pdn%").find(c.oom_dump[i + 1]) == std::string_view::npos)
+            c.oom_dump.insert(i + 1, 1, 'n');
+          ++i;
+        }
+      if (c.oom_dump == "none") c.oom_dump.clear();
+    }
     c.max_split_size = pick(3) == 0 ? SIZE_MAX : (21 + pick((SIZE_MAX >> 20) - 20)) * MiB;
     c.max_non_split_rounding = (20 + pick(pick(2) ? 1000 : (SIZE_MAX >> 20) - 19)) * MiB;
     if (pick(3) != 0) {
@@ -610,3 +630,26 @@ TEST_CASE("config: messages quote non-ASCII and control bytes as \\xNN") {
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("config: oom_dump takes a path pattern, none turns it off, and a bad % names the key") {
+  CHECK(Config{}.oom_dump.empty());
+  CHECK(Config::parse("oom_dump:/tmp/oom-%p-%d-%n.json").oom_dump == "/tmp/oom-%p-%d-%n.json");
+  CHECK(Config::parse("oom_dump:/tmp/a:b/100%%.json").oom_dump == "/tmp/a:b/100%%.json");  // ':' after the first is the path's
+  CHECK(Config::parse("oom_dump:/tmp/x.json,oom_dump:none").oom_dump.empty());
+  const Config c = Config::parse("oom_dump:dumps/oom-%n.json");
+  CHECK(Config::parse(c.to_string()) == c);
+  CHECK(c.to_string().find(",oom_dump:dumps/oom-%n.json,") != std::string::npos);
+  for (const char* bad : {"oom_dump:/tmp/oom-%q.json", "oom_dump:/tmp/oom-%", "oom_dump:%s"}) {
+    CAPTURE(bad);
+    try {
+      (void)Config::parse(bad);
+      FAIL("accepted");
+    } catch (const config_error& e) {
+      CHECK(e.key() == "oom_dump");
+      CHECK(std::string(e.what()).find("%p (process id), %d (device), %n (the OOM's number)") != std::string::npos);
+    }
+  }
+  CHECK(expseg::expand_oom_dump_path("/d/oom-%p-%d-%n.json", 4242, 3, 17) == "/d/oom-4242-3-17.json");
+  CHECK(expseg::expand_oom_dump_path("100%%-%n%n", 1, 0, 2) == "100%-22");
+  CHECK(expseg::expand_oom_dump_path("plain.json", 1, 0, 2) == "plain.json");
+}

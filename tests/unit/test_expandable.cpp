@@ -535,4 +535,26 @@ TEST_CASE("expandable: a virtual range too large to reserve is a config error na
     CHECK(e.key() == "expandable_va_size");
   }
   CHECK(sim->live().reservations == 0);
+  // The same bound the parser applies (1 PiB), for an explicit size and for the default (2x a
+  // device of 600 TiB), which only the backend can see.
+  for (std::size_t va : {expseg::kMaxExpandableVaSize + 1, std::size_t{0}}) {
+    CAPTURE(va);
+    expseg::Config big = c;
+    big.va_size = va;
+    expseg::driver::SimOptions bo;
+    bo.capacity = va == 0 ? 600 * (std::size_t{1} << 40) : 8 * GiB;
+    auto bsim = std::make_shared<expseg::driver::SimDriver>(bo);
+    try {
+      (void)expseg::detail::AllocatorAccess::make(big, bsim);
+      FAIL("an expandable allocator reserved more than 1 PiB");
+    } catch (const expseg::config_error& e) {
+      CHECK(e.key() == "expandable_va_size");
+      CHECK(std::string(e.what()).find(va == 0 ? "the default, 2x device memory (659706976665600 bytes)" : "at most 1024TiB") !=
+            std::string::npos);
+    }
+    CHECK(bsim->live().reservations == 0);
+  }
+  expseg::Config at_bound = c;
+  at_bound.va_size = expseg::kMaxExpandableVaSize;  // the bound itself is allowed
+  CHECK_NOTHROW((void)expseg::detail::AllocatorAccess::make(at_bound, std::make_shared<expseg::driver::SimDriver>(so)));
 }

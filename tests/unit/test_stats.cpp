@@ -290,9 +290,11 @@ TEST_CASE("stats: OOM report JSON parses back with every field") {
   r.other_backend = "expandable";
   r.counterfactual = expseg::Counterfactual::would_succeed;
   r.message = "CUDA out of memory. Tried to allocate 800.00 MiB.\n\"quoted\"";
+  r.dump_path = "/tmp/oom-1.json";
 
   const JsonValue v = parse_json(r.to_json());
-  CHECK(v.as_object().size() == 22);
+  CHECK(v.as_object().size() == 23);
+  CHECK(v["dump_path"].as_string() == "/tmp/oom-1.json");
   CHECK(v["live_footprint_bytes"].as_int() == 1153433600);
   CHECK(v["page_slack_bytes"].as_int() == 3 * 524288);
   CHECK(v["partial_pages"].as_int() == 2);

@@ -152,11 +152,13 @@ ExpandableBackend::ExpandableBackend(Context& ctx)
       frame_shift_(static_cast<unsigned>(std::countr_zero(frame_))),
       has_divisions_(has_roundup_power2_divisions(ctx.config)) {
   if (!std::has_single_bit(frame_)) throw expseg::error("expandable: allocation granularity is not a power of two");
-  // The configuration bounds expandable_va_size, but a device (or a Config built in code) may still
-  // be large enough for the default or the rounding to wrap around.
-  constexpr std::size_t kMaxVa = std::numeric_limits<std::size_t>::max() / 4;
-  if (ctx.config.va_size > kMaxVa || (ctx.config.va_size == 0 && ctx.device_total > kMaxVa / 2))
-    throw config_error("expandable_va_size", "expandable_va_size: the virtual range to reserve per segment is too large for this machine");
+  // check_config bounds an explicit expandable_va_size; the default depends on the device, so the
+  // same bound is applied to it here (and again to an explicit one, for a backend built directly).
+  if (ctx.config.va_size > kMaxExpandableVaSize)
+    throw config_error("expandable_va_size", "expandable_va_size: at most 1024TiB (1 PiB)");
+  if (ctx.config.va_size == 0 && ctx.device_total > kMaxExpandableVaSize / 2)
+    throw config_error("expandable_va_size", "expandable_va_size: the default, 2x device memory (" + std::to_string(ctx.device_total) +
+                                                 " bytes), is more than 1024TiB (1 PiB); set expandable_va_size");
   const std::size_t va = ctx.config.va_size ? ctx.config.va_size : 2 * ctx.device_total;
   va_bytes_ = std::max(round_up(va, frame_), frame_);
 }

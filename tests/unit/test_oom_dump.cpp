@@ -1,0 +1,285 @@
+// What a user gets at an OOM besides the exception: the oom_dump file (report, snapshot, config,
+// recorded trace; lib/oom_dump.cpp) and the OOM observer (Allocator::set_oom_observer).
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/json.hpp"
+#include "expseg/trace.hpp"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::Allocator;
+using expseg::BackendKind;
+using expseg::Config;
+using expseg::core::JsonValue;
+using expseg::core::parse_json;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh directory per case, removed at the end.
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const char* tag) {
+    path = fs::temp_directory_path() / ("expseg-oomdump-" + std::string(tag) + "-" + std::to_string(::getpid()));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::set<std::string> files() const {
+    std::set<std::string> out;
+    for (const auto& e : fs::directory_iterator(path)) out.insert(e.path().filename().string());
+    return out;
+  }
+};
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+// The split-pool story: 2000 MiB allocated and freed, 800/500/300 carved, the 500 freed, 800 asked.
+// On split_merge under a 2064 MiB limit the last request fails (fragmentation). Returns the OOM.
+expseg::out_of_memory run_800_500_300(Allocator& a, std::vector<void*>& live) {
+  a.deallocate(a.allocate(2000 * MiB));
+  live.push_back(a.allocate(800 * MiB));
+  void* p500 = a.allocate(500 * MiB);
+  live.push_back(a.allocate(300 * MiB));
+  a.deallocate(p500);
+  try {
+    live.push_back(a.allocate(800 * MiB));
+  } catch (const expseg::out_of_memory& e) {
+    return e;
+  }
+  FAIL("the 800 MiB request did not fail");
+  throw std::logic_error("unreachable");
+}
+
+std::size_t allocated_blocks(const JsonValue& snapshot) {
+  std::size_t n = 0;
+  for (const JsonValue& seg : snapshot["segments"].as_array())
+    for (const JsonValue& b : seg["blocks"].as_array()) n += b["state"].as_string() == "allocated";
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("oom_dump: an OOM writes report, snapshot, config and the recorded trace, and the trace replays to the same OOM") {
+  TempDir dir("full");
+  const std::string pattern = (dir.path / "oom-%d-%n.json").string();
+  const Config cfg = sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,record:true,oom_dump:" + pattern);
+  Allocator a(cfg);
+  std::vector<void*> live;
+  const expseg::out_of_memory e = run_800_500_300(a, live);
+
+  const std::string path = (dir.path / "oom-0-1.json").string();
+  const std::string trace_path = (dir.path / "oom-0-1.trace.csv").string();
+  CHECK(e.report().dump_path == path);
+  CHECK(a.last_oom()->dump_path == path);
+  CHECK(std::string(e.what()).find("were written to " + path + "; the 8 recorded events to " + trace_path) != std::string::npos);
+  CHECK(dir.files() == std::set<std::string>{"oom-0-1.json", "oom-0-1.trace.csv"});  // no temporary left behind
+
+  const JsonValue dump = parse_json(read_file(path));
+  CHECK(dump["format"].as_string() == "expseg-oom-dump/1");
+  CHECK(dump["pid"].as_int() == ::getpid());
+  CHECK(dump["device"].as_int() == 0);
+  CHECK(dump["oom_number"].as_int() == 1);
+  CHECK(dump["config"].as_string() == a.config().to_string());
+  CHECK(dump["report"]["requested_bytes"].as_int() == static_cast<std::int64_t>(800 * MiB));
+  CHECK(dump["report"]["verdict"].as_string() == "fragmentation");
+  CHECK(dump["report"]["message"].as_string() == e.report().message);
+  CHECK(dump["report"]["dump_path"].as_string() == path);
+  CHECK(dump["report"]["snapshot"].is_null());  // written once, at the top level
+  // The snapshot is the allocator at the OOM: the two live blocks, in the one 2000 MiB segment.
+  const expseg::Snapshot now = a.snapshot();
+  REQUIRE(dump["snapshot"]["segments"].as_array().size() == now.segments.size());
+  CHECK(dump["snapshot"]["segments"][0]["size"].as_int() == static_cast<std::int64_t>(2000 * MiB));
+  CHECK(allocated_blocks(dump["snapshot"]) == 2);
+  CHECK(dump["trace"].as_string() == trace_path);
+  CHECK(dump["trace_events"].as_int() == 8);
+  CHECK(dump["trace_complete"].as_bool());
+  CHECK(std::string(e.what()).find("--lenient") == std::string::npos);
+
+  const expseg::Trace trace = expseg::read_trace(trace_path);
+  REQUIRE(!trace.events.empty());
+  CHECK(trace.events.back().action == expseg::TraceAction::allocate_failure);
+  CHECK(trace.events.back().size == 800 * MiB);
+  // The loop a user closes: replayed on the simulated device, split_merge fails the same way and
+  // expandable does not.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    const expseg::ReplayResult r = expseg::replay(trace, sim_config(b, 80 * GiB, "limit:2064MiB"));
+    CHECK(r.ooms == (b == BackendKind::split_merge ? 1u : 0u));
+    if (b == BackendKind::split_merge) CHECK(r.first_oom->verdict == expseg::OomVerdict::fragmentation);
+  }
+  for (void* p : live) a.deallocate(p);
+  a.validate();
+}
+
+TEST_CASE("oom_dump: %n numbers every OOM, and without recording there is no trace") {
+  TempDir dir("numbered");
+  Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:64MiB,oom_dump:" + (dir.path / "oom-%n").string()));
+  void* p = a.allocate(40 * MiB);
+  for (int i = 0; i < 2; ++i) {
+    try {
+      (void)a.allocate(32 * MiB);
+      FAIL("no OOM");
+    } catch (const expseg::out_of_memory& e) {
+      CHECK(e.report().verdict == expseg::OomVerdict::limit);
+      CHECK(std::string(e.what()).find("(with record:true the events that led here are written beside it") != std::string::npos);
+    }
+  }
+  CHECK(dir.files() == std::set<std::string>{"oom-1", "oom-2"});
+  const JsonValue second = parse_json(read_file(dir.path / "oom-2"));
+  CHECK(second["oom_number"].as_int() == 2);
+  CHECK(second["trace"].is_null());
+  CHECK(second["trace_events"].as_int() == 0);
+  CHECK(allocated_blocks(second["snapshot"]) == 1);
+  a.deallocate(p);
+}
+
+TEST_CASE("oom_dump: a trace that does not start from an empty allocator says to replay it --lenient") {
+  TempDir dir("partial");
+  const std::string path = (dir.path / "oom.json").string();
+  for (const char* how : {"a ring that dropped events", "recording started with allocations live"}) {
+    CAPTURE(how);
+    const bool ring = std::string(how).find("ring") != std::string::npos;
+    Allocator a(sim_config(BackendKind::split_merge, 80 * GiB,
+                           std::string("limit:2064MiB,oom_dump:") + path + (ring ? ",record:true,record_ring:6" : "")));
+    std::vector<void*> live;
+    if (!ring) live.push_back(a.allocate(MiB));
+    if (!ring) a.start_recording();
+    const expseg::out_of_memory e = run_800_500_300(a, live);
+    CHECK(std::string(e.what()).find(" --lenient replays them on both backends; the recording began while allocations were live") !=
+          std::string::npos);
+    const JsonValue dump = parse_json(read_file(path));
+    CHECK_FALSE(dump["trace_complete"].as_bool());
+    const expseg::Trace trace = expseg::read_trace(dump["trace"].as_string());
+    CHECK(trace.events.size() == (ring ? 6u : 8u));  // the ring starts at the free of the 2000 MiB block
+    // What the sentence says: without --lenient the replay refuses the trace, with it the replay runs.
+    if (ring) {
+      CHECK_THROWS_AS(expseg::replay(trace, sim_config(BackendKind::split_merge)), expseg::trace_error);
+      expseg::ReplayOptions lenient;
+      lenient.lenient = true;
+      CHECK(expseg::replay(trace, sim_config(BackendKind::split_merge), lenient).skipped_frees >= 1);
+    }
+    for (void* p : live) a.deallocate(p);
+  }
+}
+
+TEST_CASE("oom_dump: a dump that cannot be written leaves an OOM that says why, no half dump, and an allocator that serves") {
+  TempDir dir("unwritable");
+  SUBCASE("a directory that does not exist") {
+    const std::string path = (dir.path / "missing" / "oom.json").string();
+    Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,record:true,oom_dump:" + path));
+    std::vector<void*> live;
+    const expseg::out_of_memory e = run_800_500_300(a, live);
+    CHECK(e.report().dump_path.empty());
+    CHECK(e.report().verdict == expseg::OomVerdict::fragmentation);  // still the OOM, with its report
+    const std::string what = e.what();
+    CHECK(what.find("CUDA out of memory. Tried to allocate 800.00 MiB") == 0);
+    CHECK(what.find("expseg: oom_dump: the dump of this OOM could not be written to " + path) != std::string::npos);
+    CHECK(what.find("No such file or directory") != std::string::npos);
+    CHECK(what.find("were written to") == std::string::npos);
+    a.validate();
+    void* q = a.allocate(100 * MiB);  // keeps serving
+    a.deallocate(q);
+    for (void* p : live) a.deallocate(p);
+    a.validate();
+  }
+  SUBCASE("the trace is written but the JSON is not: the trace is removed") {
+    fs::create_directories(dir.path / "oom.json");  // a directory where the dump should go
+    Allocator a(sim_config(BackendKind::split_merge, 80 * GiB,
+                           "limit:2064MiB,record:true,oom_dump:" + (dir.path / "oom.json").string()));
+    std::vector<void*> live;
+    const expseg::out_of_memory e = run_800_500_300(a, live);
+    CHECK(e.report().dump_path.empty());
+    CHECK(std::string(e.what()).find("could not be written to " + (dir.path / "oom.json").string() + ": cannot rename") !=
+          std::string::npos);
+    CHECK(dir.files() == std::set<std::string>{"oom.json"});  // the directory only: no trace, no temporary
+    CHECK(fs::is_empty(dir.path / "oom.json"));
+    for (void* p : live) a.deallocate(p);
+    a.validate();
+  }
+}
+
+TEST_CASE("oom_dump: the other-backend check does not write a dump of its own") {
+  TempDir dir("counterfactual");
+  // A split_merge fragmentation OOM whose check on expandable (a fresh simulated allocator with the
+  // same config) fails too (found by a search over random sequences under a 64 MiB limit). The
+  // check's own OOM is that allocator's first: were it to dump, it would overwrite oom-1.json,
+  // which holds this allocator's first OOM (a limit OOM, made first).
+  Allocator a(sim_config(BackendKind::split_merge, GiB, "limit:64MiB,oom_dump:" + (dir.path / "oom-%n.json").string()));
+  CHECK_THROWS_AS((void)a.allocate(GiB), expseg::out_of_memory);
+  constexpr std::size_t kFree = 1'000'000'000;  // kFree + i: free the i-th live allocation
+  const std::size_t ops[] = {528384,   2101248,  5771264,  kFree,    kFree,    11534336, kFree,    4198400,
+                             kFree,    8388608,  4198400,  8392704,  8388608,  11014144, kFree + 2, 5246976,
+                             9965568,  kFree + 5, 10489856, 3149824, 6291456,  kFree + 6, 2097152,  10489856,
+                             5771264};
+  std::vector<void*> live;
+  std::size_t ooms = 0;
+  for (std::size_t op : ops) {
+    if (op >= kFree) {
+      a.deallocate(live.at(op - kFree));
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(op - kFree));
+      continue;
+    }
+    try {
+      live.push_back(a.allocate(op));
+    } catch (const expseg::out_of_memory&) {
+      ++ooms;
+    }
+  }
+  REQUIRE(a.last_oom()->verdict == expseg::OomVerdict::fragmentation);
+  REQUIRE(a.last_oom()->counterfactual == expseg::Counterfactual::would_fail);
+  const JsonValue first = parse_json(read_file(dir.path / "oom-1.json"));
+  CHECK(first["report"]["backend"].as_string() == "split_merge");
+  CHECK(first["report"]["requested_bytes"].as_int() == static_cast<std::int64_t>(GiB));
+  CHECK(dir.files().size() == ooms + 1);
+  for (void* p : live) a.deallocate(p);
+}
+
+TEST_CASE("oom observer: called once per OOM with its report, after the lock is released; may use the allocator") {
+  Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:64MiB"));
+  void* p = a.allocate(40 * MiB);
+  std::vector<std::size_t> requested;
+  std::int64_t ooms_seen = -1;
+  a.set_oom_observer([&](const expseg::OomReport& r) {
+    requested.push_back(r.requested_bytes);
+    ooms_seen = a.stats().num_ooms;  // the allocator's lock is free: these would deadlock otherwise
+    CHECK(a.snapshot().segments.size() == 1);
+    void* small = a.allocate(MiB);   // what still fits does succeed from inside the observer
+    a.deallocate(small);
+  });
+  CHECK_THROWS_AS((void)a.allocate(32 * MiB), expseg::out_of_memory);
+  CHECK(requested == std::vector<std::size_t>{32 * MiB});
+  CHECK(ooms_seen == 1);
+
+  SUBCASE("an observer that throws: its exception reaches the caller, the allocator stays consistent") {
+    a.set_oom_observer([](const expseg::OomReport&) { throw std::runtime_error("observer says no"); });
+    CHECK_THROWS_WITH_AS((void)a.allocate(48 * MiB), "observer says no", std::runtime_error);
+    CHECK(a.stats().num_ooms == 2);
+    CHECK(a.last_oom()->requested_bytes == 48 * MiB);
+    a.validate();
+  }
+  SUBCASE("an empty observer removes it") {
+    a.set_oom_observer({});
+    CHECK_THROWS_AS((void)a.allocate(48 * MiB), expseg::out_of_memory);
+    CHECK(requested.size() == 1);
+  }
+  a.deallocate(p);
+  a.validate();
+}
