@@ -12,16 +12,20 @@
 // Both files are written to a temporary name and renamed, so a reader never sees half a dump.
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
 #include "allocator_impl.hpp"
 #include "core/json.hpp"
 #include "expseg/expseg.h"
+#include "expseg/oom_dump.hpp"
 #include "expseg/trace.hpp"
 
 namespace expseg {
@@ -97,17 +101,16 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     // reads like the one the caller gets; on failure both are replaced below.
     std::string sentence = "\nexpseg: this OOM's report, a snapshot of every segment and block, and the config were written to " + path;
     if (!trace_path.empty()) {
-      sentence += "; the " + std::to_string(trace_events) + " recorded events to " + trace_path + " (expseg replay " + trace_path;
-      if (ctx.limit != 0) sentence += " --conf limit:" + std::to_string(ctx.limit);
+      sentence += "; the " + std::to_string(trace_events) + " recorded events to " + trace_path + " ('expseg explain " + path +
+                  "' prints the dump and replays them on both backends";
       if (recorder.partial())
-        sentence += " --lenient replays them on both backends; the recording began while allocations were live, or its"
-                    " ring dropped the oldest events, so the replay holds less memory than this run did)";
-      else
-        sentence += " replays them on both backends)";
+        sentence += "; the recording began while allocations were live, or its ring dropped the oldest events, so the replay"
+                    " holds less memory than this run did";
+      sentence += ")";
     } else if (!trace_error.empty()) {
       sentence += "; the recorded events could not be written: " + trace_error;
     } else {
-      sentence += " (with record:true the events that led here are written beside it, for expseg replay)";
+      sentence += " (with record:true the events that led here are written beside it, and 'expseg explain' replays them)";
     }
     sentence += ".";
     report.message += sentence;
@@ -152,6 +155,193 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     } catch (...) {
       // No memory even for the message: the report stays as it was built.
     }
+  }
+}
+
+}  // namespace expseg
+
+// ---- reading a dump back -------------------------------------------------------------------------
+
+namespace expseg {
+namespace {
+
+using core::JsonValue;
+
+// Member access that says which member of which object was missing or of the wrong type.
+struct Reader {
+  std::string where;  // "report", "snapshot.segments[3]", ...
+
+  const JsonValue& at(const JsonValue& obj, const char* key) const {
+    if (!obj.is_object()) throw std::runtime_error((where.empty() ? "the document" : where) + " is not an object");
+    if (!obj.has(key)) throw std::runtime_error("member '" + name(key) + "' is missing");
+    return obj[key];
+  }
+  std::string name(const char* key) const { return where.empty() ? key : where + "." + key; }
+
+  template <class F>
+  auto typed(const JsonValue& obj, const char* key, F get) const {
+    const JsonValue& v = at(obj, key);
+    try {
+      return get(v);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("member '" + name(key) + "': " + e.what());
+    }
+  }
+  std::string str(const JsonValue& o, const char* k) const { return typed(o, k, [](const JsonValue& v) { return v.as_string(); }); }
+  bool boolean(const JsonValue& o, const char* k) const { return typed(o, k, [](const JsonValue& v) { return v.as_bool(); }); }
+  std::int64_t i64(const JsonValue& o, const char* k) const { return typed(o, k, [](const JsonValue& v) { return v.as_int(); }); }
+  std::uint64_t u64(const JsonValue& o, const char* k) const {
+    const std::int64_t n = i64(o, k);
+    if (n < 0) throw std::runtime_error("member '" + name(k) + "' is negative");
+    return static_cast<std::uint64_t>(n);
+  }
+  // "0x1f" (addresses and streams are written as hex strings).
+  std::uint64_t hex(const JsonValue& o, const char* k) const {
+    const std::string s = str(o, k);
+    std::uint64_t v = 0;
+    const auto r = s.size() > 2 && s[0] == '0' && s[1] == 'x' ? std::from_chars(s.data() + 2, s.data() + s.size(), v, 16)
+                                                              : std::from_chars_result{s.data(), std::errc::invalid_argument};
+    if (r.ec != std::errc() || r.ptr != s.data() + s.size()) throw std::runtime_error("member '" + name(k) + "' is not a hex number");
+    return v;
+  }
+  Reader in(const std::string& sub) const { return Reader{where.empty() ? sub : where + "." + sub}; }
+};
+
+template <class E, std::size_t N>
+E enum_value(const Reader& r, const JsonValue& o, const char* key, const std::array<E, N>& values, const char* (*name)(E) noexcept) {
+  const std::string s = r.str(o, key);
+  for (E e : values)
+    if (s == name(e)) return e;
+  throw std::runtime_error("member '" + r.name(key) + "' has an unknown value '" + s + "'");
+}
+
+Stat read_stat(const Reader& r, const JsonValue& o, const std::string& prefix) {
+  Stat s;
+  s.current = r.i64(o, (prefix + ".current").c_str());
+  s.peak = r.i64(o, (prefix + ".peak").c_str());
+  s.allocated = r.i64(o, (prefix + ".allocated").c_str());
+  s.freed = r.i64(o, (prefix + ".freed").c_str());
+  return s;
+}
+
+Stats read_stats(const Reader& r, const JsonValue& o) {
+  Stats s;
+#define EXPSEG_READ_POOL_STAT(name, help) \
+  for (int p = 0; p < kStatPools; ++p) s.name[p] = read_stat(r, o, std::string(#name ".") + stat_pool_name(p));
+  EXPSEG_POOL_STATS(EXPSEG_READ_POOL_STAT)
+#undef EXPSEG_READ_POOL_STAT
+  s.oversize_allocations = read_stat(r, o, "oversize_allocations");
+  s.oversize_segments = read_stat(r, o, "oversize_segments");
+#define EXPSEG_READ_COUNTER(name, help) s.name = r.i64(o, #name);
+  EXPSEG_COUNTERS(EXPSEG_READ_COUNTER)
+#undef EXPSEG_READ_COUNTER
+  s.max_split_size = r.i64(o, "max_split_size");
+  s.physical_handles = read_stat(r, o, "physical_handles");
+  s.num_free_blocks = r.i64(o, "num_free_blocks");
+  return s;
+}
+
+Snapshot read_snapshot(const Reader& r, const JsonValue& o) {
+  static constexpr std::array kStates = {BlockState::allocated, BlockState::pending_free, BlockState::free_mapped, BlockState::free_unmapped};
+  Snapshot s;
+  s.backend = r.str(o, "backend");
+  s.device = static_cast<int>(r.i64(o, "device"));
+  s.limit_bytes = r.u64(o, "limit_bytes");
+  s.device_total_bytes = r.u64(o, "device_total_bytes");
+  s.stats = read_stats(r.in("stats"), r.at(o, "stats"));
+  const JsonValue& segs = r.at(o, "segments");
+  if (!segs.is_array()) throw std::runtime_error("member '" + r.name("segments") + "' is not an array");
+  for (std::size_t i = 0; i < segs.as_array().size(); ++i) {
+    const Reader rs = r.in("segments[" + std::to_string(i) + "]");
+    const JsonValue& so = segs[i];
+    SegmentInfo seg;
+    seg.address = rs.hex(so, "address");
+    seg.size = rs.u64(so, "size");
+    seg.mapped_bytes = rs.u64(so, "mapped_bytes");
+    seg.stream = rs.hex(so, "stream");
+    const std::string pool = rs.str(so, "pool");
+    if (pool != "small" && pool != "large") throw std::runtime_error("member '" + rs.name("pool") + "' is neither small nor large");
+    seg.small_pool = pool == "small";
+    seg.physical_handles = rs.u64(so, "physical_handles");
+    const JsonValue& blocks = rs.at(so, "blocks");
+    if (!blocks.is_array()) throw std::runtime_error("member '" + rs.name("blocks") + "' is not an array");
+    for (std::size_t j = 0; j < blocks.as_array().size(); ++j) {
+      const Reader rb = rs.in("blocks[" + std::to_string(j) + "]");
+      BlockInfo b;
+      b.address = rb.hex(blocks[j], "address");
+      b.size = rb.u64(blocks[j], "size");
+      b.requested = rb.u64(blocks[j], "requested");
+      b.state = enum_value(rb, blocks[j], "state", kStates, &to_string);
+      b.stream = rb.hex(blocks[j], "stream");
+      seg.blocks.push_back(b);
+    }
+    const JsonValue& ranges = rs.at(so, "mapped_ranges");
+    if (!ranges.is_array()) throw std::runtime_error("member '" + rs.name("mapped_ranges") + "' is not an array");
+    for (std::size_t j = 0; j < ranges.as_array().size(); ++j) {
+      const Reader rm = rs.in("mapped_ranges[" + std::to_string(j) + "]");
+      seg.mapped_ranges.push_back(AddressRange{rm.hex(ranges[j], "address"), rm.u64(ranges[j], "size")});
+    }
+    s.segments.push_back(std::move(seg));
+  }
+  return s;
+}
+
+OomReport read_report(const Reader& r, const JsonValue& o) {
+  static constexpr std::array kVerdicts = {OomVerdict::capacity, OomVerdict::limit, OomVerdict::fragmentation};
+  static constexpr std::array kCounterfactuals = {Counterfactual::not_evaluated, Counterfactual::would_succeed, Counterfactual::would_fail};
+  OomReport p;
+  p.backend = r.str(o, "backend");
+  p.device = static_cast<int>(r.i64(o, "device"));
+  p.stream = r.hex(o, "stream");
+  p.requested_bytes = r.u64(o, "requested_bytes");
+  p.rounded_bytes = r.u64(o, "rounded_bytes");
+  p.device_total_bytes = r.u64(o, "device_total_bytes");
+  p.device_free_bytes = r.u64(o, "device_free_bytes");
+  p.limit_bytes = r.u64(o, "limit_bytes");
+  p.allocated_bytes = r.u64(o, "allocated_bytes");
+  p.reserved_bytes = r.u64(o, "reserved_bytes");
+  p.live_requested_bytes = r.u64(o, "live_requested_bytes");
+  p.live_footprint_bytes = r.u64(o, "live_footprint_bytes");
+  p.page_slack_bytes = r.u64(o, "page_slack_bytes");
+  p.partial_pages = r.u64(o, "partial_pages");
+  p.largest_free_block_bytes = r.u64(o, "largest_free_block_bytes");
+  p.free_blocks = r.u64(o, "free_blocks");
+  p.verdict = enum_value(r, o, "verdict", kVerdicts, &to_string);
+  p.other_backend = r.str(o, "other_backend");
+  p.counterfactual = enum_value(r, o, "counterfactual", kCounterfactuals, &to_string);
+  p.message = r.str(o, "message");
+  p.dump_path = r.str(o, "dump_path");
+  return p;
+}
+
+}  // namespace
+
+OomDump read_oom_dump(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw error(path + ": cannot open the OOM dump: " + std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw error(path + ": cannot read the OOM dump: " + std::strerror(errno));
+  try {
+    const JsonValue doc = core::parse_json(text);
+    const Reader r;
+    OomDump d;
+    d.format = r.str(doc, "format");
+    if (d.format != "expseg-oom-dump/1")
+      throw std::runtime_error("format '" + d.format + "' is not one this version reads (expseg-oom-dump/1)");
+    d.version = r.str(doc, "version");
+    d.pid = r.i64(doc, "pid");
+    d.device = static_cast<int>(r.i64(doc, "device"));
+    d.oom_number = r.u64(doc, "oom_number");
+    d.config = r.str(doc, "config");
+    d.report = read_report(r.in("report"), r.at(doc, "report"));
+    d.snapshot = read_snapshot(r.in("snapshot"), r.at(doc, "snapshot"));
+    const JsonValue& trace = r.at(doc, "trace");
+    if (!trace.is_null()) d.trace = r.str(doc, "trace");
+    d.trace_events = r.u64(doc, "trace_events");
+    d.trace_complete = r.boolean(doc, "trace_complete");
+    return d;
+  } catch (const std::exception& e) {
+    throw error(path + ": not an expseg OOM dump: " + e.what());
   }
 }
 

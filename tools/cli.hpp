@@ -120,4 +120,5 @@ int config(int argc, char** argv);
 int replay(int argc, char** argv);
 int scenario(int argc, char** argv);
 int study(int argc, char** argv);
+int explain(int argc, char** argv);
 }  // namespace expseg::cli::cmd

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "cli.hpp"
 #include "expseg/allocator.hpp"
 #include "expseg/errors.hpp"
+#include "expseg/oom_dump.hpp"
 #include "expseg/report.hpp"
 #include "expseg/scenarios.hpp"
 #include "expseg/trace.hpp"
@@ -487,6 +489,147 @@ int cmd::study(int argc, char** argv) {
   write_picture(html, scenarios, replays, descriptions, setup, "expseg study: split_merge vs expandable", command_line(argc, argv));
   if (!json) print_picture_hint(html);
   else std::fprintf(stderr, "expseg study: the picture is in %s (open it with: %s %s)\n", absolute_path(html).c_str(), open_command().c_str(), absolute_path(html).c_str());
+  return kExitOk;
+}
+
+
+// --- explain ---------------------------------------------------------------------------------------
+
+namespace {
+
+// "800.00 MiB, 300.00 MiB, 2 x 20.00 MiB" of the largest `n` sizes (equal ones counted).
+std::string largest_sizes(std::vector<std::size_t> sizes, std::size_t n) {
+  std::sort(sizes.begin(), sizes.end(), std::greater<>());
+  std::string out;
+  std::size_t shown = 0;
+  for (std::size_t i = 0; i < sizes.size() && shown < n; ++shown) {
+    std::size_t j = i;
+    while (j < sizes.size() && sizes[j] == sizes[i]) ++j;
+    if (!out.empty()) out += ", ";
+    if (j - i > 1) out += std::to_string(j - i) + " x ";
+    out += format_bytes(sizes[i]);
+    i = j;
+  }
+  if (sizes.empty()) out = "-";
+  return out;
+}
+
+void print_dump_summary(const std::string& path, const OomDump& d) {
+  const OomReport& r = d.report;
+  std::printf("%s: OOM %llu of process %lld, device %d, written by expseg %s\n", path.c_str(),
+              static_cast<unsigned long long>(d.oom_number), static_cast<long long>(d.pid), d.device, d.version.c_str());
+  std::printf("  backend %s, %s, device %s\n\nThe report:\n", r.backend.c_str(),
+              r.limit_bytes ? ("limit " + format_bytes(r.limit_bytes)).c_str() : "no limit", format_bytes(r.device_total_bytes).c_str());
+  print_indented(stdout, r.message, 4, terminal_width(1));
+
+  std::vector<std::size_t> live, pending, free_mapped;
+  std::map<std::uint64_t, std::size_t> live_by_stream;
+  std::size_t reserved = 0, mapped = 0, live_requested = 0, free_bytes = 0;
+  for (const SegmentInfo& seg : d.snapshot.segments) {
+    reserved += seg.size;
+    mapped += seg.mapped_bytes;
+    for (const BlockInfo& b : seg.blocks) {
+      switch (b.state) {
+        case BlockState::allocated:
+          live.push_back(b.requested);
+          live_requested += b.requested;
+          live_by_stream[b.stream] += b.requested;
+          break;
+        case BlockState::pending_free: pending.push_back(b.size); break;
+        case BlockState::free_mapped:
+          free_mapped.push_back(b.size);
+          free_bytes += b.size;
+          break;
+        case BlockState::free_unmapped: break;
+      }
+    }
+  }
+  std::printf("\nAt the OOM (the dump's snapshot):\n");
+  Table t({{"", false}, {"", false}});
+  const bool expandable = d.snapshot.backend == "expandable";
+  t.add({"segments", std::to_string(d.snapshot.segments.size()) + " (" + format_bytes(expandable ? mapped : reserved) + " of device memory)"});
+  t.add({"live allocations", with_commas(live.size()) + ", " + format_bytes(live_requested) + " requested; the largest: " + largest_sizes(live, 5)});
+  if (live_by_stream.size() > 1) {
+    std::string streams;
+    for (const auto& [stream, bytes] : live_by_stream) {
+      char hex[32];
+      std::snprintf(hex, sizeof hex, "0x%llx", static_cast<unsigned long long>(stream));
+      if (!streams.empty()) streams += ", ";
+      streams += std::string(hex) + ": " + format_bytes(bytes);
+    }
+    t.add({"live by stream", streams});
+  }
+  t.add({"free blocks", with_commas(free_mapped.size()) + ", " + format_bytes(free_bytes) + " backed by memory; the largest: " +
+                            largest_sizes(free_mapped, 5)});
+  if (!pending.empty()) t.add({"waiting frees", with_commas(pending.size()) + " (freed, waiting for streams that used them)"});
+  if (r.partial_pages) t.add({"partly used pages", with_commas(r.partial_pages) + ", " + format_bytes(r.page_slack_bytes) + " free inside them"});
+  t.print(stdout, 2, false);
+}
+
+}  // namespace
+
+int cmd::explain(int argc, char** argv) {
+  const Args args = parse_args(argc, argv, 2, {{"--backend", true}, {"--html", true}, {"--no-replay", false}});
+  if (args.positional.size() != 1) throw UsageError("give one OOM dump (the file oom_dump:PATH wrote)");
+  const std::string path = args.positional.front();
+  OomDump d;
+  try {
+    d = read_oom_dump(path);
+  } catch (const expseg::error& e) {
+    throw InputError(e.what());
+  }
+  const auto html = args.get("--html");
+  if (html && args.has("--no-replay")) throw UsageError("--html draws the replay: it cannot go with --no-replay");
+  if (html) check_picture_path(*html);
+  print_dump_summary(path, d);
+
+  std::printf("\n");
+  if (d.trace.empty()) {
+    std::printf("No trace: the event recorder was off. With record:true next to oom_dump, the events that led to the OOM\n"
+                "are written beside the dump, and 'expseg explain' replays them on both backends.\n");
+    return kExitOk;
+  }
+  std::error_code ec;
+  if (!std::filesystem::exists(d.trace, ec)) {
+    std::printf("The trace %s (%zu events) is not there any more.\n", d.trace.c_str(), d.trace_events);
+    return kExitOk;
+  }
+  if (args.has("--no-replay")) {
+    std::printf("The events that led here: %s (%zu events%s).\n", d.trace.c_str(), d.trace_events,
+                d.trace_complete ? "" : "; it does not start from an empty allocator");
+    return kExitOk;
+  }
+
+  // The dump's configuration on a simulated device of the dump's device size, under its limit.
+  Setup setup;
+  std::string conf_note;
+  try {
+    setup.config = Config::parse(d.config);
+  } catch (const config_error& e) {
+    conf_note = " (the dump's configuration is not one this version reads, so the defaults: " + std::string(e.what()) + ")";
+  }
+  setup.config.device = DeviceKind::sim;
+  const std::size_t g = setup.config.sim_granularity;
+  setup.config.sim_capacity = std::max(d.report.device_total_bytes / g * g, g);
+  setup.config.sim_host_backed = false;
+  setup.config.limit = Limit{d.report.limit_bytes, 0.0};
+  setup.config.record = false;
+  setup.config.oom_dump.clear();
+  setup.backends = args.get("--backend") ? parse_backends(*args.get("--backend"))
+                                         : std::vector<BackendKind>{BackendKind::split_merge, BackendKind::expandable};
+  setup.device_label = device_label(setup.config, 0);
+  std::printf("The events that led here: %s (%zu events), replayed on %s%s%s%s:\n\n", d.trace.c_str(), d.trace_events,
+              setup.device_label.c_str(), d.report.limit_bytes ? (" under the limit of " + format_bytes(d.report.limit_bytes)).c_str() : "",
+              d.trace_complete ? "" : " (leniently: the trace does not start from an empty allocator, so the replay holds less memory than the run did)",
+              conf_note.c_str());
+  const std::vector<ReplayGroup> groups = {replay_trace(read_trace(d.trace), setup, html.has_value(), !d.trace_complete, false)};
+  print_replay_table(groups);
+  print_replay_failures(groups);
+  if (html) {
+    write_picture(*html, {}, groups, {"The events that led to " + path + ", replayed on the simulated device."}, setup,
+                  "expseg explain: " + path, command_line(argc, argv));
+    print_picture_hint(*html);
+  }
   return kExitOk;
 }
 

@@ -90,6 +90,18 @@ const CommandHelp* find_help(std::string_view name) {
            kBackendHelp + kConfHelp +
            "  --json            JSON lines instead of the tables (the picture is still written)\n"
            "  --seed N          seed of the random stories (default: each scenario's own)\n"},
+      {"explain", "read an OOM dump (oom_dump:PATH) and replay the events that led to it on both backends",
+       "expseg explain DUMP.json [--backend B[,B]] [--html FILE] [--no-replay]",
+       std::string("Prints what the dump holds: the OOM report, the live allocations and free blocks at the OOM (the\n"
+                   "largest of each), then, when the recorder was on (record:true), replays the recorded events on both\n"
+                   "backends on a simulated device of the dump's device size under its limit, and says which backend fails\n"
+                   "where and why.\n\n"
+                   "Options:\n") +
+           kBackendHelp +
+           "  --html FILE       also write the replay's A/B picture (a self-contained HTML page) to FILE\n"
+           "  --no-replay       print the dump only\n\n"
+           "Example:\n  EXPSEG_ALLOC_CONF=record:true,record_ring:1000000,oom_dump:/tmp/oom-%p.json python3 train.py\n"
+           "  expseg explain /tmp/oom-12345.json --html oom.html\n"},
   };
   for (const CommandHelp& h : helps)
     if (name == h.name) return &h;
@@ -101,7 +113,7 @@ void print_global_help(std::FILE* out) {
                "expseg %s: GPU memory allocator with expandable (virtual-memory) and split/merge backends\n\n"
                "Usage: expseg COMMAND [OPTIONS]\n\nCommands:\n",
                EXPSEG_VERSION);
-  for (const char* c : {"info", "config", "replay", "scenario", "study"}) {
+  for (const char* c : {"info", "config", "replay", "scenario", "study", "explain"}) {
     const CommandHelp* h = find_help(c);
     std::fprintf(out, "  %-9s %s\n", h->name, h->summary);
   }
@@ -284,6 +296,7 @@ int main(int argc, char** argv) {
     if (command == "config") return cmd::config(argc, argv);
     if (command == "replay") return cmd::replay(argc, argv);
     if (command == "scenario") return cmd::scenario(argc, argv);
+    if (command == "explain") return cmd::explain(argc, argv);
     return cmd::study(argc, argv);
   } catch (const UsageError& e) {
     std::fflush(stdout);

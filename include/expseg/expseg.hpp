@@ -4,6 +4,7 @@
 #include "expseg/allocator.hpp"
 #include "expseg/config.hpp"
 #include "expseg/errors.hpp"
+#include "expseg/oom_dump.hpp"
 #include "expseg/report.hpp"
 #include "expseg/scenarios.hpp"
 #include "expseg/snapshot.hpp"

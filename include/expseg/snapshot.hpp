@@ -24,11 +24,13 @@ struct BlockInfo {
   std::size_t requested = 0;  // requested size of an allocated block, 0 otherwise
   BlockState state = BlockState::free_mapped;
   std::uint64_t stream = 0;
+  bool operator==(const BlockInfo&) const = default;
 };
 
 struct AddressRange {
   std::uint64_t address = 0;
   std::size_t size = 0;
+  bool operator==(const AddressRange&) const = default;
 };
 
 struct SegmentInfo {
@@ -40,6 +42,7 @@ struct SegmentInfo {
   std::size_t physical_handles = 0;
   std::vector<BlockInfo> blocks;            // address order, tiling [address, address+size)
   std::vector<AddressRange> mapped_ranges;  // expandable: maximal mapped runs
+  bool operator==(const SegmentInfo&) const = default;
 };
 
 struct Snapshot {
@@ -50,6 +53,7 @@ struct Snapshot {
   std::vector<SegmentInfo> segments;
   Stats stats;
   std::string to_json() const;
+  bool operator==(const Snapshot&) const = default;
 };
 
 }  // namespace expseg

@@ -38,6 +38,7 @@ struct Stat {
   }
   void reset_peak() noexcept { peak = current; }
   void reset_accumulated() noexcept { allocated = current; freed = 0; }
+  bool operator==(const Stat&) const = default;
 };
 
 enum StatPool : std::uint8_t { kAllPools = 0, kSmallPool = 1, kLargePool = 2, kStatPools = 3 };
@@ -89,6 +90,7 @@ struct Stats {
   // Flat JSON object with PyTorch's keys ("allocated_bytes.all.current": ...), the counters, and a
   // "cupy" object {used_bytes, total_bytes, free_bytes, n_free_blocks}.
   std::string to_json() const;
+  bool operator==(const Stats&) const = default;
 };
 
 // Time spent in one kind of driver call during a run (scenario, replay): measured around each call

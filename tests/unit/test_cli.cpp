@@ -83,8 +83,8 @@ const std::string kTrace = EXPSEG_SOURCE_DIR "/benchmarks/traces/resnet50-train-
 TEST_CASE("cli: --help, COMMAND --help, --version") {
   Run r = run_cli("--help");
   CHECK(r.status == 0);
-  for (const char* c : {"info", "config", "replay", "scenario", "study"}) CHECK(r.out.find(c) != std::string::npos);
-  for (const char* c : {"info", "config", "replay", "scenario", "study"}) {
+  for (const char* c : {"info", "config", "replay", "scenario", "study", "explain"}) CHECK(r.out.find(c) != std::string::npos);
+  for (const char* c : {"info", "config", "replay", "scenario", "study", "explain"}) {
     Run h = run_cli(std::string(c) + " --help");
     INFO(c);
     CHECK(h.status == 0);
@@ -421,3 +421,51 @@ TEST_CASE("cli: --sizes with a negative size and non-ASCII --conf text give clea
   CHECK(r.err.find('\xff') == std::string::npos);
 }
 
+
+TEST_CASE("cli: a scenario's OOM written by oom_dump, then explain: the dump and the A/B replay of the events that led to it") {
+  const fs::path dir = temp_path("explain");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string pattern = (dir / "oom-%n.json").string();
+  const Run s = run_cli("scenario split-800-500-300 --backend split_merge --device sim --conf 'record:true,oom_dump:" + pattern + "'");
+  REQUIRE(s.status == 0);
+  const std::string dump = (dir / "oom-1.json").string();
+  CHECK(s.out.find("were written to " + dump + "; the 8 recorded events to " + (dir / "oom-1.trace.csv").string()) != std::string::npos);
+
+  const std::string html = (dir / "oom.html").string();
+  const Run e = run_cli("explain '" + dump + "' --html '" + html + "'");
+  CAPTURE(e.err);
+  REQUIRE(e.status == 0);
+  CHECK(e.out.find(dump + ": OOM 1 of process ") == 0);
+  CHECK(e.out.find("backend split_merge, limit 2.02 GiB, device 80.00 GiB") != std::string::npos);
+  CHECK(e.out.find("    CUDA out of memory. Tried to allocate 800.00 MiB.") != std::string::npos);
+  CHECK(e.out.find("live allocations  2, 1.07 GiB requested; the largest: 800.00 MiB, 300.00 MiB") != std::string::npos);
+  CHECK(e.out.find("free blocks       2, 900.00 MiB backed by memory; the largest: 500.00 MiB, 400.00 MiB") != std::string::npos);
+  CHECK(e.out.find("(8 events), replayed on sim:80GiB under the limit of 2.02 GiB:") != std::string::npos);
+  // The replay reproduces the OOM on split_merge only, and says why.
+  const auto rows = lines(e.out);
+  const auto row = [&](const char* backend) {
+    for (const std::string& l : rows)
+      if (l.rfind("oom-1.trace.csv", 0) == 0 && l.find(backend) != std::string::npos) return l;
+    return std::string();
+  };
+  CHECK(row("split_merge").find(" 1  ") != std::string::npos);
+  CHECK(row("expandable").find(" 0  ") != std::string::npos);
+  CHECK(e.out.find("oom-1.trace.csv on split_merge: 1 OOM, first verdict: fragmentation") != std::string::npos);
+  CHECK(read_file(html).find("<svg class=\"chart\"") != std::string::npos);
+
+  const Run n = run_cli("explain '" + dump + "' --no-replay");
+  CHECK(n.status == 0);
+  CHECK(n.out.find("The events that led here: " + (dir / "oom-1.trace.csv").string() + " (8 events).") != std::string::npos);
+  CHECK(n.out.find("trace            backend") == std::string::npos);
+
+  // Bad input: exit 2 naming the file and the problem.
+  std::ofstream(dir / "not-a-dump.json") << "{\"format\":\"something else\"}";
+  const Run bad = run_cli("explain '" + (dir / "not-a-dump.json").string() + "'");
+  CHECK(bad.status == 2);
+  CHECK(bad.err.find("not-a-dump.json: not an expseg OOM dump: format 'something else' is not one this version reads") !=
+        std::string::npos);
+  CHECK(run_cli("explain").status == 2);
+  CHECK(run_cli("explain '" + dump + "' --html x.html --no-replay").status == 2);
+  fs::remove_all(dir);
+}

@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "core/json.hpp"
+#include "expseg/expseg.h"
+#include "expseg/oom_dump.hpp"
 #include "expseg/trace.hpp"
 #include "test_util.hpp"
 
@@ -111,7 +113,8 @@ TEST_CASE("oom_dump: an OOM writes report, snapshot, config and the recorded tra
   CHECK(dump["trace"].as_string() == trace_path);
   CHECK(dump["trace_events"].as_int() == 8);
   CHECK(dump["trace_complete"].as_bool());
-  CHECK(std::string(e.what()).find("--lenient") == std::string::npos);
+  CHECK(std::string(e.what()).find("('expseg explain " + path + "' prints the dump and replays them on both backends).") !=
+        std::string::npos);
 
   const expseg::Trace trace = expseg::read_trace(trace_path);
   REQUIRE(!trace.events.empty());
@@ -139,7 +142,8 @@ TEST_CASE("oom_dump: %n numbers every OOM, and without recording there is no tra
       FAIL("no OOM");
     } catch (const expseg::out_of_memory& e) {
       CHECK(e.report().verdict == expseg::OomVerdict::limit);
-      CHECK(std::string(e.what()).find("(with record:true the events that led here are written beside it") != std::string::npos);
+      CHECK(std::string(e.what()).find("(with record:true the events that led here are written beside it, and 'expseg explain' replays them).") !=
+            std::string::npos);
     }
   }
   CHECK(dir.files() == std::set<std::string>{"oom-1", "oom-2"});
@@ -151,7 +155,7 @@ TEST_CASE("oom_dump: %n numbers every OOM, and without recording there is no tra
   a.deallocate(p);
 }
 
-TEST_CASE("oom_dump: a trace that does not start from an empty allocator says to replay it --lenient") {
+TEST_CASE("oom_dump: a trace that does not start from an empty allocator says so, and replays only leniently") {
   TempDir dir("partial");
   const std::string path = (dir.path / "oom.json").string();
   for (const char* how : {"a ring that dropped events", "recording started with allocations live"}) {
@@ -163,7 +167,7 @@ TEST_CASE("oom_dump: a trace that does not start from an empty allocator says to
     if (!ring) live.push_back(a.allocate(MiB));
     if (!ring) a.start_recording();
     const expseg::out_of_memory e = run_800_500_300(a, live);
-    CHECK(std::string(e.what()).find(" --lenient replays them on both backends; the recording began while allocations were live") !=
+    CHECK(std::string(e.what()).find("replays them on both backends; the recording began while allocations were live") !=
           std::string::npos);
     const JsonValue dump = parse_json(read_file(path));
     CHECK_FALSE(dump["trace_complete"].as_bool());
@@ -282,4 +286,88 @@ TEST_CASE("oom observer: called once per OOM with its report, after the lock is 
   }
   a.deallocate(p);
   a.validate();
+}
+
+TEST_CASE("read_oom_dump: reads back exactly what was written, on both backends") {
+  TempDir dir("read");
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    const std::string path = (dir.path / (std::string(expseg::to_string(b)) + ".json")).string();
+    // expandable: a limit OOM with partly used pages, so page_slack_bytes and mapped ranges are set.
+    Allocator a(sim_config(b, 80 * GiB, "limit:64MiB,record:true,oom_dump:" + path));
+    std::vector<void*> live;
+    for (int i = 0; i < 5; ++i) live.push_back(a.allocate(5 * MiB + 512 * KiB));
+    a.deallocate(live[1]);
+    live.erase(live.begin() + 1);
+    expseg::OomReport report;
+    try {
+      (void)a.allocate(48 * MiB);
+      FAIL("no OOM");
+    } catch (const expseg::out_of_memory& e) {
+      report = e.report();
+    }
+    const expseg::OomDump d = expseg::read_oom_dump(path);
+    CHECK(d.format == "expseg-oom-dump/1");
+    CHECK(d.version == EXPSEG_VERSION_STRING);
+    CHECK(d.pid == ::getpid());
+    CHECK(d.device == 0);
+    CHECK(d.oom_number == 1);
+    CHECK(d.config == a.config().to_string());
+    CHECK(d.snapshot == a.snapshot());  // nothing changed since the OOM
+    CHECK(d.snapshot.segments.size() >= 1);
+    report.snapshot.reset();
+    CHECK(d.report.to_json() == report.to_json());  // every field
+    if (b == BackendKind::expandable) CHECK(d.report.page_slack_bytes > 0);
+    CHECK(d.trace == (dir.path / (std::string(expseg::to_string(b)) + ".trace.csv")).string());
+    CHECK(d.trace_events == expseg::read_trace(d.trace).events.size());
+    CHECK(d.trace_complete);
+    for (void* p : live) a.deallocate(p);
+  }
+}
+
+TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file and what is wrong") {
+  TempDir dir("bad");
+  // A real dump to corrupt.
+  const std::string good_path = (dir.path / "good.json").string();
+  {
+    Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:8MiB,oom_dump:" + good_path));
+    CHECK_THROWS_AS((void)a.allocate(16 * MiB), expseg::out_of_memory);
+  }
+  const std::string good = read_file(good_path);
+  auto replace = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    const std::size_t at = s.find(from);
+    REQUIRE(at != std::string::npos);
+    return s.replace(at, from.size(), to);
+  };
+  const struct {
+    std::string text;
+    const char* expected;
+  } cases[] = {
+      {"", "not an expseg OOM dump: "},
+      {"{\"format\":", "not an expseg OOM dump: "},
+      {"[1,2]", "the document is not an object"},
+      {replace("expseg-oom-dump/1", "expseg-oom-dump/9"), "format 'expseg-oom-dump/9' is not one this version reads"},
+      {replace("\"pid\":", "\"pid_\":"), "member 'pid' is missing"},
+      {replace("\"requested_bytes\":16777216", "\"requested_bytes\":\"16\""), "member 'report.requested_bytes': "},
+      {replace("\"requested_bytes\":16777216", "\"requested_bytes\":-16"), "member 'report.requested_bytes' is negative"},
+      {replace("\"verdict\":\"limit\"", "\"verdict\":\"bad luck\""), "member 'report.verdict' has an unknown value 'bad luck'"},
+      {replace("\"stream\":\"0x0\"", "\"stream\":\"zero\""), "member 'report.stream' is not a hex number"},
+      {replace("\"allocated_bytes.all.current\"", "\"allocated_bytes.all.now\""),
+       "member 'snapshot.stats.allocated_bytes.all.current' is missing"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.expected);
+    const fs::path p = dir.path / "bad.json";
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << c.text;
+    try {
+      (void)expseg::read_oom_dump(p.string());
+      FAIL("accepted");
+    } catch (const expseg::error& e) {
+      CHECK(std::string(e.what()).find(p.string() + ": not an expseg OOM dump: ") == 0);
+      CHECK(std::string(e.what()).find(c.expected) != std::string::npos);
+    }
+  }
+  CHECK_THROWS_WITH_AS(expseg::read_oom_dump((dir.path / "missing.json").string()),
+                       doctest::Contains("cannot open the OOM dump: No such file or directory"), expseg::error);
 }

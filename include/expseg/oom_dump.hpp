@@ -1,0 +1,37 @@
+// expseg OOM dumps: what the oom_dump:PATH config key writes at every out-of-memory, read back.
+//
+// A dump is one JSON document (format "expseg-oom-dump/1"): the OOM report, a snapshot of every
+// segment and block at that moment (with the stats), the configuration, the process and device,
+// and, when the event recorder was on, the path of the recorded events (an RMM CSV trace that
+// `expseg replay` and read_trace() read; it ends with the failed allocation). `expseg explain
+// DUMP.json` prints a dump and replays its trace on both backends.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "expseg/errors.hpp"
+#include "expseg/snapshot.hpp"
+
+namespace expseg {
+
+struct OomDump {
+  std::string format;        // "expseg-oom-dump/1"
+  std::string version;       // expseg's version that wrote it
+  std::int64_t pid = 0;
+  int device = 0;
+  std::uint64_t oom_number = 0;  // the allocator's num_ooms at this OOM
+  std::string config;        // the allocator's configuration, canonical key:value form
+  OomReport report;          // report.snapshot is left empty: the snapshot is below
+  Snapshot snapshot;         // the allocator at the OOM
+  std::string trace;         // the recorded events' file ("" when the recorder was off)
+  std::size_t trace_events = 0;
+  bool trace_complete = false;  // the trace starts from an empty allocator (else replay it leniently)
+};
+
+// Reads a dump. Throws expseg::error naming the file and what is wrong: unreadable, not JSON, not a
+// dump of a format this version reads, a member missing or of the wrong type.
+OomDump read_oom_dump(const std::string& path);
+
+}  // namespace expseg
