@@ -3,12 +3,14 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/json.hpp"
@@ -370,4 +372,43 @@ TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file 
   }
   CHECK_THROWS_WITH_AS(expseg::read_oom_dump((dir.path / "missing.json").string()),
                        doctest::Contains("cannot open the OOM dump: No such file or directory"), expseg::error);
+}
+
+TEST_CASE("oom_dump and observer under threads: one dump and one observer call per OOM, each dump whole") {
+  TempDir dir("threads");
+  Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:256MiB,oom_dump:" + (dir.path / "oom-%n.json").string()));
+  std::atomic<int> calls{0};
+  a.set_oom_observer([&](const expseg::OomReport& r) {
+    CHECK(!r.dump_path.empty());
+    calls.fetch_add(1, std::memory_order_relaxed);
+  });
+  std::vector<std::thread> threads;
+  std::atomic<int> thrown{0};
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&, t] {
+      std::vector<void*> mine;
+      for (int i = 0; i < 40; ++i) {
+        try {
+          mine.push_back(a.allocate((8 + (t + i) % 24) * MiB));
+        } catch (const expseg::out_of_memory&) {
+          thrown.fetch_add(1, std::memory_order_relaxed);
+          for (void* p : mine) a.deallocate(p);
+          mine.clear();
+        }
+      }
+      for (void* p : mine) a.deallocate(p);
+    });
+  for (std::thread& t : threads) t.join();
+  const std::int64_t ooms = a.stats().num_ooms;
+  REQUIRE(ooms > 0);
+  CHECK(thrown.load() == ooms);
+  CHECK(calls.load() == ooms);
+  const std::set<std::string> files = dir.files();
+  CHECK(files.size() == static_cast<std::size_t>(ooms));
+  for (std::int64_t n = 1; n <= ooms; ++n) {
+    const fs::path p = dir.path / ("oom-" + std::to_string(n) + ".json");
+    REQUIRE(files.count(p.filename().string()) == 1);
+    CHECK(expseg::read_oom_dump(p.string()).oom_number == static_cast<std::uint64_t>(n));
+  }
+  a.validate();
 }
