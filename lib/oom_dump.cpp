@@ -8,11 +8,12 @@
 //    "trace_complete": whether the trace starts from an empty allocator (else replay it --lenient)}
 // When the event recorder is on (record:true, or start_recording()), its events, the failed
 // allocation last, go to a second file beside it (PATH without ".json", plus ".trace.csv"), which
-// `expseg replay` reads: the OOM can then be replayed on both backends, on the simulated device.
+// `expseg explain PATH` (and `expseg replay`) replays on both backends on the simulated device.
 // Both files are written to a temporary name and renamed, so a reader never sees half a dump.
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
@@ -31,9 +32,16 @@
 namespace expseg {
 namespace {
 
+// A temporary name beside `path`, unique in this process: allocators of different devices dump
+// under their own locks and may be given the same path.
+std::string temporary_name(const std::string& path) {
+  static std::atomic<std::uint64_t> counter{0};
+  return path + ".tmp" + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
+}
+
 // Writes `text` to `path` through a temporary file and a rename. Returns "" or why it failed.
 std::string write_file_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  const std::string tmp = temporary_name(path);
   errno = 0;
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
@@ -83,7 +91,7 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
       const std::vector<TraceEvent> events = recorder.events();
       trace_events = events.size();
       trace_path = trace_path_for(path);
-      const std::string tmp = trace_path + ".tmp" + std::to_string(::getpid());
+      const std::string tmp = temporary_name(trace_path);
       try {
         write_trace_file(tmp, events);
         if (std::rename(tmp.c_str(), trace_path.c_str()) != 0) {

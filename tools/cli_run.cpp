@@ -590,6 +590,11 @@ int cmd::explain(int argc, char** argv) {
     return kExitOk;
   }
   std::error_code ec;
+  if (!std::filesystem::exists(d.trace, ec) && std::filesystem::path(d.trace).is_relative()) {
+    // A relative oom_dump path was relative to the program's directory: look beside the dump.
+    const std::filesystem::path beside = std::filesystem::path(path).parent_path() / std::filesystem::path(d.trace).filename();
+    if (std::filesystem::exists(beside, ec)) d.trace = beside.string();
+  }
   if (!std::filesystem::exists(d.trace, ec)) {
     std::printf("The trace %s (%zu events) is not there any more.\n", d.trace.c_str(), d.trace_events);
     return kExitOk;

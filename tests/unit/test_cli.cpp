@@ -466,6 +466,17 @@ TEST_CASE("cli: a scenario's OOM written by oom_dump, then explain: the dump and
   CHECK(bad.err.find("not-a-dump.json: not an expseg OOM dump: format 'something else' is not one this version reads") !=
         std::string::npos);
   CHECK(run_cli("explain").status == 2);
+
+  // A relative oom_dump path: the trace is named relative to where the program ran; explain, run
+  // from elsewhere, finds it beside the dump.
+  const fs::path sub = dir / "sub";
+  fs::create_directories(sub);
+  const std::string in_sub = "cd '" + sub.string() + "' && env -u EXPSEG_ALLOC_CONF '" EXPSEG_CLI "' scenario split-800-500-300 "
+                             "--backend split_merge --device sim --conf record:true,oom_dump:rel.json >/dev/null 2>&1";
+  REQUIRE(std::system(in_sub.c_str()) == 0);
+  const Run rel = run_cli("explain '" + (sub / "rel.json").string() + "'");
+  CHECK(rel.status == 0);
+  CHECK(rel.out.find("The events that led here: " + (sub / "rel.trace.csv").string() + " (8 events), replayed on") != std::string::npos);
   CHECK(run_cli("explain '" + dump + "' --html x.html --no-replay").status == 2);
   fs::remove_all(dir);
 }
