@@ -148,7 +148,18 @@ void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   last_oom = report;
   const std::shared_ptr<const Allocator::OomObserver> observer = oom_observer;
   lock.unlock();
-  if (observer) (*observer)(*report);
+  // An OOM inside the observer (it may allocate) is not observed again: no recursion.
+  thread_local bool in_observer = false;
+  if (observer && !in_observer) {
+    in_observer = true;
+    try {
+      (*observer)(*report);
+    } catch (...) {
+      in_observer = false;
+      throw;
+    }
+    in_observer = false;
+  }
   throw out_of_memory(std::move(report));
 }
 

@@ -70,13 +70,17 @@ void notify_oom(int device, const OomReport& report) noexcept {
     fn = c.fn;
     user_data = c.user_data;
   }
-  if (fn == nullptr) return;
+  // An OOM of an allocation the callback makes is not reported to it again: no recursion.
+  thread_local bool in_callback = false;
+  if (fn == nullptr || in_callback) return;
+  in_callback = true;
   try {
     const std::string json = report.to_json();
     fn(device, json.c_str(), user_data);
   } catch (...) {
     // No memory for the JSON: the OOM is still reported through the status and the message.
   }
+  in_callback = false;
 }
 
 // One buffer per string-returning function (see "Strings" in expseg.h).

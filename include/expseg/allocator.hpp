@@ -89,8 +89,9 @@ class Allocator {
   // the report (and the oom_dump file, if configured) is complete and the allocator's lock is
   // released, right before out_of_memory is thrown. The observer may call this allocator (stats(),
   // snapshot(), release_cached(), even allocate()). If it throws, its exception propagates from
-  // allocate() instead of out_of_memory; the allocator is consistent either way. An empty function
-  // removes the observer; setting one replaces the previous one.
+  // allocate() instead of out_of_memory; the allocator is consistent either way. An OOM inside the
+  // observer itself (on its thread) is thrown without calling it again. An empty function removes
+  // the observer; setting one replaces the previous one.
   using OomObserver = std::function<void(const OomReport&)>;
   void set_oom_observer(OomObserver observer);
 

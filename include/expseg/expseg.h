@@ -106,7 +106,8 @@ EXPSEG_API void expseg_cupy_free(void* param, void* ptr, int device_id) EXPSEG_N
  * expseg_torch_malloc and expseg_cupy_malloc, on the allocating thread, after the allocator's lock
  * is released and before the call returns NULL (or throws). `report_json` is the OOM report as
  * expseg_last_oom_report_json gives it, valid during the call only. The callback may call expseg
- * (expseg_snapshot_json, expseg_release_cached, ...). A NULL callback removes it; each call replaces
+ * (expseg_snapshot_json, expseg_release_cached, ...); an OOM of its own allocations is not reported
+ * to it again. A NULL callback removes it; each call replaces
  * the previous one. Typical use: save a snapshot, or log the report where the job's logs go. (The
  * oom_dump:PATH config key writes report, snapshot and recorded events to a file without code.) */
 typedef void (*expseg_oom_callback)(int device, const char* report_json, void* user_data);

@@ -281,6 +281,18 @@ TEST_CASE("oom observer: called once per OOM with its report, after the lock is 
     CHECK(a.last_oom()->requested_bytes == 48 * MiB);
     a.validate();
   }
+  SUBCASE("an OOM inside the observer is not observed again") {
+    int depth = 0;
+    a.set_oom_observer([&](const expseg::OomReport&) {
+      ++depth;
+      CHECK_THROWS_AS((void)a.allocate(GiB), expseg::out_of_memory);  // would recurse without the guard
+    });
+    CHECK_THROWS_AS((void)a.allocate(48 * MiB), expseg::out_of_memory);
+    CHECK(depth == 1);
+    CHECK(a.stats().num_ooms == 3);
+    CHECK_THROWS_AS((void)a.allocate(48 * MiB), expseg::out_of_memory);  // and the next OOM is observed
+    CHECK(depth == 2);
+  }
   SUBCASE("an empty observer removes it") {
     a.set_oom_observer({});
     CHECK_THROWS_AS((void)a.allocate(48 * MiB), expseg::out_of_memory);
