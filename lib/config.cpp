@@ -500,6 +500,9 @@ void parse_memory_fraction(Config& c, Key key, std::string_view v) {
   c.limit = Limit{0, f};
 }
 
+// The letters that may follow '%' in an oom_dump pattern (expand_oom_dump_path replaces them).
+constexpr bool is_oom_dump_token(char c) { return c == 'p' || c == 'd' || c == 'n' || c == '%'; }
+
 // An oom_dump path pattern: "none" turns it off; every '%' must start %p, %d, %n or %%.
 void parse_oom_dump(Config& c, Key key, std::string_view v) {
   if (v == "none") {
@@ -509,7 +512,7 @@ void parse_oom_dump(Config& c, Key key, std::string_view v) {
   for (std::size_t i = 0; i < v.size(); ++i) {
     if (v[i] != '%') continue;
     const char next = i + 1 < v.size() ? v[i + 1] : '\0';
-    if (next != 'p' && next != 'd' && next != 'n' && next != '%')
+    if (!is_oom_dump_token(next))
       throw config_error(std::string(key), std::string(key) + ": '%" + clip(std::string_view(&next, next ? 1 : 0)) +
                                                "' at byte " + std::to_string(i) + " of '" + clip(v) +
                                                "'; expected a file path where % starts %p (process id), %d (device), "
@@ -665,7 +668,7 @@ std::string expand_oom_dump_path(std::string_view pattern, long pid, int device,
   std::string out;
   for (std::size_t i = 0; i < pattern.size(); ++i) {
     const char next = i + 1 < pattern.size() ? pattern[i + 1] : '\0';
-    if (pattern[i] != '%' || (next != 'p' && next != 'd' && next != 'n' && next != '%')) {
+    if (pattern[i] != '%' || !is_oom_dump_token(next)) {
       out += pattern[i];
       continue;
     }
