@@ -20,6 +20,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -83,7 +84,10 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     saved = true;
     path = expand_oom_dump_path(config.oom_dump, static_cast<long>(::getpid()), driver->device(),
                                 static_cast<std::uint64_t>(stats.num_ooms));
-    const Snapshot snap = report.snapshot ? *report.snapshot : snapshot_locked();
+    // The report's own snapshot (oom_snapshot:true) when it has one: no second walk, no copy.
+    std::optional<Snapshot> taken;
+    if (!report.snapshot) taken = snapshot_locked();
+    const Snapshot& snap = report.snapshot ? *report.snapshot : *taken;
 
     std::size_t trace_events = 0;
     std::string trace_error;
