@@ -396,6 +396,34 @@ int expseg_reset_peak_stats(int device) noexcept {
   }
 }
 
+int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes) noexcept {
+  constexpr const char* fn = "expseg_get_limit";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    const std::size_t limit = a->limit();
+    const std::size_t total = device_total_bytes != nullptr ? a->device_info().total_bytes : 0;
+    if (limit_bytes != nullptr) *limit_bytes = limit;
+    if (device_total_bytes != nullptr) *device_total_bytes = total;
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_reset_accumulated_stats(int device) noexcept {
+  constexpr const char* fn = "expseg_reset_accumulated_stats";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = existing(device);
+  if (a == nullptr) return EXPSEG_SUCCESS;  // nothing accumulated yet
+  try {
+    a->reset_accumulated_stats();
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
 const char* expseg_stats_json(int device) noexcept {
   constexpr const char* fn = "expseg_stats_json";
   if (!valid_device(device, fn)) return nullptr;

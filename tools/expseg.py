@@ -17,12 +17,14 @@ import sys
 
 __all__ = [
     "ExpsegError", "library_path", "load", "version", "configure", "config", "install_torch", "install_cupy",
-    "stats", "snapshot", "oom_report", "oom_report_json", "on_oom", "release_cached", "set_limit", "reset_peak_stats",
-    "record_start", "record_stop", "record_write",
+    "stats", "snapshot", "oom_report", "oom_report_json", "on_oom", "release_cached", "set_limit", "get_limit",
+    "reset_peak_stats", "reset_accumulated_stats", "record_start", "record_stop", "record_write", "torch_memory_stats",
+    "torch_snapshot", "initialized_devices",
 ]
 
 # expseg_status (include/expseg/expseg.h)
 SUCCESS, INVALID_ARGUMENT, INVALID_DEVICE, CONFIG, ALREADY_INITIALIZED, OUT_OF_MEMORY, INVALID_POINTER, DRIVER, IO, INTERNAL = range(10)
+MAX_DEVICES = 64  # EXPSEG_MAX_DEVICES
 _CODE_NAMES = ["SUCCESS", "INVALID_ARGUMENT", "INVALID_DEVICE", "CONFIG", "ALREADY_INITIALIZED", "OUT_OF_MEMORY",
                "INVALID_POINTER", "DRIVER", "IO", "INTERNAL"]
 
@@ -85,7 +87,9 @@ def _declare(lib):
         "expseg_device_initialized": (c_int, [c_int]),
         "expseg_release_cached": (c_int, [c_int]),
         "expseg_set_limit": (c_int, [c_int, c_size_t]),
+        "expseg_get_limit": (c_int, [c_int, ctypes.POINTER(c_size_t), ctypes.POINTER(c_size_t)]),
         "expseg_reset_peak_stats": (c_int, [c_int]),
+        "expseg_reset_accumulated_stats": (c_int, [c_int]),
         "expseg_stats_json": (c_char_p, [c_int]),
         "expseg_snapshot_json": (c_char_p, [c_int]),
         "expseg_last_oom_report": (c_char_p, [c_int]),
@@ -214,9 +218,21 @@ def set_limit(nbytes, device=0):
     _check(load().expseg_set_limit(device, int(nbytes)), "expseg_set_limit")
 
 
+def get_limit(device=0):
+    """(limit, device_total): the bytes the device's allocator may hold (0: no limit) and the device's memory."""
+    limit, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _check(load().expseg_get_limit(device, ctypes.byref(limit), ctypes.byref(total)), "expseg_get_limit")
+    return limit.value, total.value
+
+
 def reset_peak_stats(device=0):
     """Resets the peaks of stats() to the current values."""
     _check(load().expseg_reset_peak_stats(device), "expseg_reset_peak_stats")
+
+
+def reset_accumulated_stats(device=0):
+    """Restarts the accumulated counters of stats() (each stat's allocated/freed, num_ooms, num_alloc_retries...)."""
+    _check(load().expseg_reset_accumulated_stats(device), "expseg_reset_accumulated_stats")
 
 
 def record_start(device=0, ring=0):
@@ -234,7 +250,197 @@ def record_write(path, device=0):
     _check(load().expseg_record_write(device, os.fspath(path).encode()), "expseg_record_write")
 
 
-def install_torch(conf="", raise_on_oom=True):
+def initialized_devices():
+    """The device indexes that have an expseg allocator."""
+    lib = load()
+    return [d for d in range(MAX_DEVICES) if lib.expseg_device_initialized(d) == 1]
+
+
+# --- PyTorch's memory API over expseg ---------------------------------------------------------------------------
+# PyTorch's pluggable allocator answers torch.cuda.memory_stats(), reset_peak_memory_stats(), memory_snapshot()
+# and _record_memory_history() with "CUDAPluggableAllocator does not yet support ...", and ignores empty_cache(),
+# set_per_process_memory_fraction() and Tensor.record_stream(). install_torch() routes them to expseg (see
+# _patch_torch), so programs and tools that log torch.cuda.max_memory_allocated() or take snapshots keep working.
+
+def torch_memory_stats(device=0):
+    """stats() in the shape of PyTorch's torch._C._cuda_memoryStats: a nested dict that
+    torch.cuda.memory_stats() flattens back to "allocated_bytes.all.peak" and the like."""
+    nested = {}
+    for key, value in stats(device).items():
+        if isinstance(value, dict):  # "cupy": CuPy's figures, not a PyTorch stat
+            continue
+        node = nested
+        path = key.split(".")
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return nested
+
+
+_TORCH_BLOCK_STATE = {"allocated": "active_allocated", "pending_free": "active_pending_free", "free_mapped": "inactive"}
+
+
+def _torch_segments(device, snap):
+    """PyTorch snapshot segments of one device: a split_merge segment is one, an expandable segment gives one per
+    mapped range (PyTorch shows its own expandable segments the same way); unmapped address space is left out."""
+    out = []
+    expandable = snap.get("backend") == "expandable"
+    for seg in snap["segments"]:
+        ranges = seg.get("mapped_ranges")
+        if ranges is None:
+            ranges = [{"address": seg["address"], "size": seg["size"]}]
+        pieces = [(int(r["address"], 16), r["size"], []) for r in ranges]
+        for b in seg["blocks"]:
+            state = _TORCH_BLOCK_STATE.get(b["state"])
+            if state is None:  # free_unmapped: no memory behind it
+                continue
+            addr = int(b["address"], 16)
+            for lo, size, blocks in pieces:
+                if lo <= addr < lo + size:
+                    blocks.append({"address": addr, "size": b["size"], "requested_size": b["requested"],
+                                   "state": state, "frames": []})
+                    break
+        for lo, size, blocks in pieces:
+            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            out.append({
+                "device": device, "address": lo, "total_size": size, "stream": int(seg["stream"], 16),
+                "segment_type": seg.get("pool", "large"), "segment_pool_id": (0, 0), "is_expandable": expandable,
+                "allocated_size": allocated,
+                "active_size": sum(b["size"] for b in blocks if b["state"] != "inactive"),
+                "requested_size": sum(b["requested_size"] for b in blocks if b["state"] == "active_allocated"),
+                "frames": [], "blocks": blocks,
+            })
+    return out
+
+
+def _torch_trace(device, expandable):
+    """The device's recorded events (record_start / record:true) as PyTorch trace entries."""
+    import csv
+    import tempfile
+    seg_alloc, seg_free = ("segment_map", "segment_unmap") if expandable else ("segment_alloc", "segment_free")
+    actions = {"allocate": "alloc", "free": "free_completed", "map": seg_alloc, "unmap": seg_free,
+               "allocate failure": "oom"}
+    fd, path = tempfile.mkstemp(prefix="expseg-trace-", suffix=".csv")
+    os.close(fd)
+    try:
+        record_write(path, device)
+        entries = []
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                action = actions.get(row["Action"])
+                if action is None:
+                    continue
+                h, m, sec = row["Time"].split(":")
+                entry = {"action": action, "addr": int(row["Pointer"], 16), "size": int(row["Size"]),
+                         "stream": int(row["Stream"], 16), "time_us": int((int(h) * 3600 + int(m) * 60 + float(sec)) * 1e6),
+                         "frames": []}
+                if action == "oom":
+                    del entry["addr"]
+                    entry["device_free"] = 0
+                entries.append(entry)
+                if action == "free_completed":  # PyTorch logs the request, then its completion
+                    entries.insert(len(entries) - 1, dict(entry, action="free_requested"))
+        return entries
+    finally:
+        os.unlink(path)
+
+
+def torch_snapshot(devices=None):
+    """The allocators' state as PyTorch's torch.cuda.memory._snapshot() gives it ({"segments": [...],
+    "device_traces": [[...] per device]}), so torch.cuda.memory._dump_snapshot() writes a file that
+    https://pytorch.org/memory_viz opens. Traces hold what the event recorder recorded (no stack frames)."""
+    if devices is None:
+        devices = initialized_devices()
+    segments = []
+    traces = [[] for _ in range(max(devices, default=-1) + 1)]
+    for d in devices:
+        snap = snapshot(d)
+        segments.extend(_torch_segments(d, snap))
+        traces[d] = _torch_trace(d, snap.get("backend") == "expandable")
+    return {"segments": segments, "device_traces": traces}
+
+
+def _patch_torch(torch):
+    """Routes PyTorch's memory API, which its pluggable allocator does not serve, to expseg."""
+    C = torch._C
+
+    def memory_stats(device):
+        return torch_memory_stats(device)
+
+    def empty_cache():
+        for d in initialized_devices():
+            release_cached(d)
+
+    def set_memory_fraction(fraction, device):
+        _, total = get_limit(device)
+        # PyTorch's limit is fraction * total; 1.0 is no limit at all (so an OOM then says capacity, not limit).
+        set_limit(0 if fraction >= 1.0 else max(1, int(fraction * total)), device)
+
+    def get_memory_fraction(device):
+        limit, total = get_limit(device)
+        return 1.0 if limit == 0 or total == 0 else limit / total
+
+    def memory_snapshot(*_args, **_kwargs):
+        return torch_snapshot()
+
+    def history_devices():
+        devices = set(initialized_devices())
+        devices.add(torch.cuda.current_device())
+        return sorted(devices)
+
+    def record_history(enabled, max_entries):
+        for d in history_devices():
+            if enabled:
+                record_start(d, 0 if max_entries is None or max_entries >= sys.maxsize else int(max_entries))
+            else:
+                record_stop(d)
+
+    def record_memory_history(enabled, context=None, stacks=None, max_entries=None, *_args, **_kwargs):
+        record_history(enabled is not None, max_entries)
+
+    def record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1, *_args, **_kwargs):
+        record_history(bool(enabled), trace_alloc_max_entries if trace_alloc_max_entries > 1 else None)
+
+    replacements = {
+        "_cuda_memoryStats": memory_stats,
+        "_cuda_resetPeakMemoryStats": reset_peak_stats,
+        "_cuda_resetAccumulatedMemoryStats": reset_accumulated_stats,
+        "_cuda_emptyCache": empty_cache,
+        "_cuda_setMemoryFraction": set_memory_fraction,
+        "_cuda_getMemoryFraction": get_memory_fraction,
+        "_cuda_memorySnapshot": memory_snapshot,
+        "_cuda_record_memory_history": record_memory_history,
+        "_cuda_record_memory_history_legacy": record_memory_history_legacy,
+    }
+    for name, fn in replacements.items():
+        if hasattr(C, name):
+            setattr(C, name, fn)
+
+    # Tensor.record_stream: PyTorch's call (its checks; a no-op under a pluggable allocator), then expseg's, so
+    # that memory freed on its stream is not handed out again before the other stream's work is done.
+    torch_record_stream = torch.Tensor.record_stream
+    lib = load()
+
+    def record_stream(self, stream):
+        torch_record_stream(self, stream)
+        if not self.is_cuda:
+            return
+        ptr = self.untyped_storage().data_ptr()
+        handle = getattr(stream, "cuda_stream", None)
+        if handle is None:  # a torch.Stream: the same stream as a torch.cuda.Stream
+            handle = torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                       device_type=stream.device_type).cuda_stream
+        if ptr and lib.expseg_record_stream(ptr, self.device.index, handle) != SUCCESS:
+            if lib.expseg_last_error_code() == INVALID_POINTER:  # not expseg's memory (from_blob, DLPack)
+                lib.expseg_clear_error()
+                return
+            raise _error("expseg_record_stream")
+
+    record_stream.__doc__ = torch_record_stream.__doc__
+    torch.Tensor.record_stream = record_stream
+
+
+def install_torch(conf="", raise_on_oom=True, patch_torch=True):
     """Makes expseg PyTorch's CUDA allocator (CUDAPluggableAllocator). Call before any CUDA tensor exists.
 
     An OOM raises RuntimeError carrying expseg's report (expseg_torch_malloc throws; PyTorch turns the
@@ -242,8 +448,13 @@ def install_torch(conf="", raise_on_oom=True):
     allocator does not check for NULL: raise_on_oom=False installs expseg_malloc, which returns NULL
     and prints the report on stderr, and the next kernel then fails on the NULL tensor.
 
-    Under it torch.cuda.memory_stats() and friends raise (PyTorch's pluggable allocator has no stats):
-    use expseg.stats(). torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.
+    PyTorch's pluggable allocator serves no memory API of its own; with patch_torch (the default) PyTorch's
+    memory functions are routed to expseg: torch.cuda.memory_stats() and everything built on it
+    (memory_allocated, max_memory_reserved, memory_summary...), reset_peak_memory_stats(),
+    reset_accumulated_memory_stats(), empty_cache(), set/get_per_process_memory_fraction() (expseg's limit),
+    torch.cuda.memory._record_memory_history() (expseg's event recorder), _snapshot() / _dump_snapshot() and
+    memory_snapshot() (expseg's segments and blocks in PyTorch's format), and Tensor.record_stream().
+    torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.
     """
     global _torch_allocator, _torch_conf
     import torch
@@ -266,6 +477,8 @@ def install_torch(conf="", raise_on_oom=True):
     except RuntimeError as e:
         raise ExpsegError("expseg.install_torch: PyTorch refused to switch allocators (%s); it must happen before "
                           "any CUDA tensor exists" % e, ALREADY_INITIALIZED) from e
+    if patch_torch:
+        _patch_torch(torch)
     _torch_allocator, _torch_conf = alloc, conf
     return alloc
 

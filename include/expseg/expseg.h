@@ -135,7 +135,15 @@ EXPSEG_API int expseg_release_cached(int device) EXPSEG_NOEXCEPT;
 /* Bytes of device memory `device`'s allocator may hold; 0 removes the limit. Creates the allocator
  * when needed. Lowering the limit gives back cached memory above it at once. */
 EXPSEG_API int expseg_set_limit(int device, size_t bytes) EXPSEG_NOEXCEPT;
+/* The limit of `device`'s allocator (0: none) and the device's total memory, for PyTorch's
+ * get/set_per_process_memory_fraction. Creates the allocator when needed; either pointer may be NULL. */
+EXPSEG_API int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes) EXPSEG_NOEXCEPT;
+/* Peaks down to the current values (PyTorch's reset_peak_memory_stats()). */
 EXPSEG_API int expseg_reset_peak_stats(int device) EXPSEG_NOEXCEPT;
+/* The accumulated counters (each stat's allocated/freed, num_alloc_retries, num_ooms, ...) start
+ * afresh (PyTorch's reset_accumulated_memory_stats()); a stat's allocated restarts at its current
+ * value, so that allocated - freed = current still holds. */
+EXPSEG_API int expseg_reset_accumulated_stats(int device) EXPSEG_NOEXCEPT;
 
 /* ---------------------------------------------------------------------------------------------
  * Observability (JSON is one object per call, UTF-8).

@@ -3,6 +3,7 @@
 meson), drives the C API on the simulated device through ctypes, and tools/torch_snapshot_to_rmm.py converts
 a synthetic PyTorch snapshot and replays it. Run: EXPSEG_LIBRARY=build/lib/libexpseg.so python3 tests/python/test_glue.py
 """
+import ctypes
 import gzip
 import json
 import os
@@ -10,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import types
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -164,6 +166,171 @@ class GlueTest(unittest.TestCase):
             self.assertEqual(len(frees), 4)
             events = conv.read_trace(path)  # the converter reads expseg's own traces too
             self.assertEqual(sum(1 for e in events if e[0] == "allocate"), 4)
+
+
+def flatten_like_torch(nested):
+    """What torch.cuda.memory_stats() does with torch._C._cuda_memoryStats' nested dict (PyTorch 2.x)."""
+    result = []
+
+    def add(prefix, obj):
+        if isinstance(obj, dict):
+            prefix = prefix + "." if prefix else prefix
+            for k, v in obj.items():
+                add(prefix + k, v)
+        else:
+            result.append((prefix, obj))
+
+    add("", nested)
+    return dict(sorted(result))
+
+
+class FakeTorch:
+    """The parts of torch that expseg's install_torch patch replaces, behaving as under PyTorch's pluggable allocator
+    (the memory API raises "does not yet support", record_stream does nothing); the real thing is checked on the GPU
+    by tests/gpu/torch_oom.py."""
+    NAMES = ["_cuda_memoryStats", "_cuda_resetPeakMemoryStats", "_cuda_resetAccumulatedMemoryStats", "_cuda_emptyCache",
+             "_cuda_setMemoryFraction", "_cuda_getMemoryFraction", "_cuda_memorySnapshot",
+             "_cuda_record_memory_history", "_cuda_record_memory_history_legacy"]
+
+    def __init__(self):
+        def unsupported(name):
+            def fn(*_args, **_kwargs):
+                raise RuntimeError("CUDAPluggableAllocator does not yet support " + name)
+            return fn
+        self._C = types.SimpleNamespace(**{n: unsupported(n) for n in self.NAMES})
+        self._C._cuda_emptyCache = lambda: None  # PyTorch: no reset function set, nothing happens
+
+        class Tensor:
+            def __init__(self, ptr, device=0):
+                self.ptr, self.is_cuda, self.device, self.torch_recorded = ptr, True, types.SimpleNamespace(index=device), []
+
+            def untyped_storage(self):
+                return types.SimpleNamespace(data_ptr=lambda: self.ptr)
+
+            def record_stream(self, stream):
+                self.torch_recorded.append(stream)
+
+        self.Tensor = Tensor
+        self.cuda = types.SimpleNamespace(current_device=lambda: 0)
+
+
+class TorchApiTest(unittest.TestCase):
+    """install_torch's routing of PyTorch's memory API to expseg (expseg._patch_torch), on the simulated device."""
+
+    def setUp(self):
+        os.environ.pop("EXPSEG_ALLOC_CONF", None)
+        self.lib = expseg.load()
+        self.lib.expseg_reset_for_tests.restype = None
+        self.lib.expseg_reset_for_tests()
+        self.torch = FakeTorch()
+        expseg._patch_torch(self.torch)
+
+    def tearDown(self):
+        self.lib.expseg_reset_for_tests()
+
+    def test_memory_stats_and_resets(self):
+        expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable")
+        p = self.lib.expseg_malloc(8 * MiB + 5, 0, None)
+        q = self.lib.expseg_malloc(700, 0, None)
+        C = self.torch._C
+        nested = C._cuda_memoryStats(0)
+        self.assertEqual(nested["allocated_bytes"]["all"]["current"], expseg.stats()["allocated_bytes.all.current"])
+        self.assertEqual(nested["requested_bytes"]["all"]["current"], 8 * MiB + 705)
+        self.assertEqual(nested["allocation"]["small_pool"]["current"], 1)
+        flat = expseg.stats()
+        del flat["cupy"]
+        self.assertEqual(flatten_like_torch(nested), flat)  # torch.cuda.memory_stats() gives expseg's keys back
+        self.lib.expseg_free(p, 0, 0, None)
+        C._cuda_resetPeakMemoryStats(0)
+        self.assertEqual(expseg.stats()["requested_bytes.all.peak"], 700)
+        self.assertEqual(expseg.stats()["allocation.all.allocated"], 2)
+        C._cuda_resetAccumulatedMemoryStats(0)
+        s = expseg.stats()
+        self.assertEqual((s["allocation.all.allocated"], s["allocation.all.freed"]), (1, 0))  # allocated - freed = current
+        self.lib.expseg_free(q, 0, 0, None)
+
+    def test_empty_cache_covers_every_device(self):
+        expseg.configure("device:sim,sim_capacity:1GiB")
+        for d in (0, 3):
+            self.lib.expseg_free(self.lib.expseg_malloc(6 * MiB, d, None), 0, d, None)
+            self.assertGreater(expseg.stats(d)["reserved_bytes.all.current"], 0)
+        self.assertEqual(expseg.initialized_devices(), [0, 3])
+        self.torch._C._cuda_emptyCache()
+        self.assertEqual([expseg.stats(d)["reserved_bytes.all.current"] for d in (0, 3)], [0, 0])
+
+    def test_memory_fraction_is_the_limit(self):
+        expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable")
+        C = self.torch._C
+        C._cuda_setMemoryFraction(0.25, 0)
+        self.assertEqual(expseg.get_limit(0), (1 << 30, 4 << 30))
+        self.assertEqual(C._cuda_getMemoryFraction(0), 0.25)
+        self.assertIsNone(self.lib.expseg_malloc(1536 * MiB, 0, None))  # over the fraction: OOM for the limit
+        self.assertEqual(expseg.oom_report_json(0)["verdict"], "limit")
+        C._cuda_setMemoryFraction(1.0, 0)  # the whole device: no limit
+        self.assertEqual(expseg.get_limit(0), (0, 4 << 30))
+        self.assertEqual(C._cuda_getMemoryFraction(0), 1.0)
+        p = self.lib.expseg_malloc(1536 * MiB, 0, None)
+        self.assertTrue(p)
+        self.lib.expseg_free(p, 0, 0, None)
+        C._cuda_setMemoryFraction(0.0, 0)  # PyTorch: nothing may be allocated
+        self.assertIsNone(self.lib.expseg_malloc(MiB, 0, None))
+
+    def test_record_stream_reaches_expseg(self):
+        expseg.configure("device:sim")
+        p = self.lib.expseg_malloc(4 * MiB, 0, None)
+        t = self.torch.Tensor(p)
+        other = types.SimpleNamespace(cuda_stream=0x77)
+        t.record_stream(other)
+        self.assertEqual(t.torch_recorded, [other])  # PyTorch's own record_stream still runs first
+        self.lib.expseg_free(p, 0, 0, None)
+        # Freed, but waiting for the other stream: still active (without record_stream it would be 0).
+        self.assertEqual(expseg.stats()["active_bytes.all.current"], 4 * MiB)
+        self.assertEqual(expseg.snapshot()["segments"][0]["blocks"][0]["state"], "pending_free")
+        # Memory expseg did not allocate (a tensor from DLPack or from_blob): PyTorch's no-op, no error.
+        foreign = ctypes.create_string_buffer(64)
+        self.torch.Tensor(ctypes.addressof(foreign)).record_stream(other)
+        self.assertEqual(self.lib.expseg_last_error_code(), expseg.SUCCESS)
+
+    def test_snapshot_and_history_in_torch_format(self):
+        expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB")
+        C = self.torch._C
+        C._cuda_record_memory_history("all", "all", "all", 100000, False, False, False, [], False, True)
+        a = self.lib.expseg_malloc(3 * MiB, 0, None)
+        b = self.lib.expseg_malloc(5 * MiB + 3, 0, None)
+        self.lib.expseg_free(a, 0, 0, None)
+        self.assertIsNone(self.lib.expseg_malloc(128 * MiB, 0, None))  # over the limit: an "oom" entry
+        c = self.lib.expseg_malloc(MiB, 0, None)
+        C._cuda_record_memory_history(None, None, "all", 0, False, False, False, [], False, True)
+        snap = C._cuda_memorySnapshot(None)
+        self.assertEqual(len(snap["device_traces"]), 1)
+        segs = snap["segments"]
+        self.assertTrue(segs and all(s["is_expandable"] and s["device"] == 0 for s in segs))
+        mapped = sum(r["size"] for seg in expseg.snapshot()["segments"] for r in seg["mapped_ranges"])
+        self.assertEqual(sum(s["total_size"] for s in segs), mapped)  # mapped memory only, no address space
+        for s in segs:  # the blocks tile each segment, as in PyTorch's snapshots
+            end = s["address"]
+            for blk in s["blocks"]:
+                self.assertEqual(blk["address"], end)
+                end += blk["size"]
+            self.assertEqual(end, s["address"] + s["total_size"])
+        live = sorted(blk["requested_size"] for s in segs for blk in s["blocks"] if blk["state"] == "active_allocated")
+        self.assertEqual(live, [MiB, 5 * MiB + 3])
+        actions = [e["action"] for e in snap["device_traces"][0]]
+        self.assertEqual([e["size"] for e in snap["device_traces"][0] if e["action"] == "alloc"], [3 * MiB, 5 * MiB + 3, MiB])
+        self.assertEqual(actions.count("free_requested"), 1)
+        self.assertEqual(actions.count("oom"), 1)
+        self.assertIn("segment_map", actions)
+        # The project's own PyTorch-snapshot converter reads it back: the same allocations, replayable.
+        with tempfile.TemporaryDirectory() as d:
+            pkl, out = os.path.join(d, "snap.pickle"), os.path.join(d, "t.rmm.csv")
+            with open(pkl, "wb") as f:
+                pickle.dump(snap, f)
+            p = subprocess.run([sys.executable, os.path.join(TOOLS, "torch_snapshot_to_rmm.py"), pkl, out, "--check"],
+                               capture_output=True, text=True)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertIn("peak live requested bytes: %d" % (8 * MiB + 3), p.stdout)
+        self.lib.expseg_free(b, 0, 0, None)
+        self.lib.expseg_free(c, 0, 0, None)
 
 
 class ConverterTest(unittest.TestCase):

@@ -118,6 +118,46 @@ TEST_CASE_FIXTURE(CApiFixture, "malloc/free through both pairs, on both backends
   }
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "expseg_get_limit and expseg_reset_accumulated_stats: PyTorch's memory fraction and accumulated-stats reset") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,limit:1GiB") == EXPSEG_SUCCESS);
+  // Before any allocator exists: resetting counters is a no-op, reading the limit creates the allocator.
+  CHECK(expseg_reset_accumulated_stats(2) == EXPSEG_SUCCESS);
+  CHECK(expseg_device_initialized(2) == 0);
+  std::size_t limit = 7, total = 7;
+  REQUIRE(expseg_get_limit(0, &limit, &total) == EXPSEG_SUCCESS);
+  CHECK(limit == (std::size_t{1} << 30));
+  CHECK(total == (std::size_t{4} << 30));
+  CHECK(expseg_device_initialized(0) == 1);
+  REQUIRE(expseg_set_limit(0, 0) == EXPSEG_SUCCESS);
+  CHECK(expseg_get_limit(0, &limit, nullptr) == EXPSEG_SUCCESS);  // either pointer may be NULL
+  CHECK(limit == 0);
+  CHECK(expseg_get_limit(0, nullptr, nullptr) == EXPSEG_SUCCESS);
+  CHECK(expseg_get_limit(-1, &limit, &total) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_reset_accumulated_stats(EXPSEG_MAX_DEVICES) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(last_error().find("out of range") != std::string::npos);
+
+  void* a = expseg_malloc(static_cast<ssize_t>(3 * MiB), 0, nullptr);
+  void* b = expseg_malloc(static_cast<ssize_t>(5 * MiB), 0, nullptr);
+  REQUIRE((a != nullptr && b != nullptr));
+  expseg_free(a, 0, 0, nullptr);
+  REQUIRE(expseg_set_limit(0, MiB) == EXPSEG_SUCCESS);
+  CHECK(expseg_malloc(static_cast<ssize_t>(64 * MiB), 0, nullptr) == nullptr);  // needs new memory: over the limit
+  CHECK(stat(0, "num_ooms") == 1);
+  CHECK(stat(0, "allocation.all.allocated") == 2);
+  CHECK(stat(0, "allocation.all.freed") == 1);
+  CHECK(expseg_reset_accumulated_stats(0) == EXPSEG_SUCCESS);
+  // Counters restart; a stat's allocated restarts at its current value (allocated - freed = current);
+  // gauges and peaks are untouched.
+  CHECK(stat(0, "num_ooms") == 0);
+  CHECK(stat(0, "allocation.all.allocated") == 1);
+  CHECK(stat(0, "allocation.all.freed") == 0);
+  CHECK(stat(0, "allocation.all.current") == 1);
+  CHECK(stat(0, "allocation.all.peak") == 2);
+  CHECK(stat(0, "requested_bytes.all.current") == static_cast<std::int64_t>(5 * MiB));
+  expseg_free(b, 0, 0, nullptr);
+  CHECK(stat(0, "allocation.all.freed") == 1);
+}
+
 TEST_CASE_FIXTURE(CApiFixture, "expseg_torch_malloc throws out_of_memory with the report, and the allocator keeps serving") {
   REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB") == EXPSEG_SUCCESS);
   void* keep = expseg_torch_malloc(static_cast<ssize_t>(40 * MiB), 0, nullptr);

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""PyTorch's memory API works under expseg: the functions PyTorch's pluggable allocator cannot serve answer from
+expseg after tools/expseg.py install_torch().
+
+    python3 tests/gpu/torch_api.py
+
+For each backend, in a fresh process under install_torch("backend:<b>"), on the real GPU with the real PyTorch:
+  - torch.cuda.memory_allocated/max_memory_allocated/memory_reserved/memory_stats/memory_summary give expseg's
+    figures, and follow tensors being made and freed; reset_peak_memory_stats and
+    reset_accumulated_memory_stats reset them;
+  - torch.cuda.empty_cache() gives expseg's cached memory back;
+  - set_per_process_memory_fraction(f) is expseg's limit (an allocation over it raises with verdict limit),
+    get_per_process_memory_fraction reads it, 1.0 removes it;
+  - Tensor.record_stream(s): a tensor freed while a kernel on s may still use it is not handed out again
+    until that kernel is done (expseg holds the block as pending_free);
+  - torch.cuda.memory._record_memory_history / _snapshot / _dump_snapshot: PyTorch's snapshot format, which
+    PyTorch's own readers (torch.cuda._memory_viz.segsum, .trace) take.
+
+Exit status: 0 passed, 1 a failure, 77 skipped (no torch, or no CUDA device). The library comes from
+$EXPSEG_LIBRARY (else <repo>/build/lib/libexpseg.so).
+"""
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MiB = 1 << 20
+
+
+def child(backend, tmp):
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import pickle
+    import expseg
+    expseg.install_torch("backend:%s" % backend)
+    import torch
+
+    # Stats.
+    a = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty(3 * MiB + 5, dtype=torch.uint8, device="cuda")
+    s = expseg.stats()
+    assert torch.cuda.memory_allocated() == s["allocated_bytes.all.current"] >= 67 * MiB, torch.cuda.memory_allocated()
+    assert torch.cuda.memory_reserved() == s["reserved_bytes.all.current"], torch.cuda.memory_reserved()
+    requested = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    assert requested == s["requested_bytes.all.current"] >= 67 * MiB + 5, requested
+    summary = torch.cuda.memory_summary()
+    assert "Allocated memory" in summary and "GPU reserved memory" in summary, summary[:400]
+    peak = torch.cuda.max_memory_allocated()
+    del a
+    assert torch.cuda.memory_allocated() < peak == torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+    torch.cuda.reset_accumulated_memory_stats()
+    st = torch.cuda.memory_stats()
+    assert st["allocation.all.freed"] == 0 and st["allocation.all.allocated"] == st["allocation.all.current"], st
+
+    # empty_cache gives the cached 64 MiB back.
+    reserved = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() < reserved - 60 * MiB, (reserved, torch.cuda.memory_reserved())
+
+    # Memory fraction = expseg's limit.
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.02)
+    limit, dev_total = expseg.get_limit()
+    assert dev_total == total and limit == int(0.02 * total), (limit, dev_total, total)
+    assert abs(torch.cuda.get_per_process_memory_fraction() - 0.02) < 1e-9
+    try:
+        torch.empty(int(0.03 * total), dtype=torch.uint8, device="cuda")
+    except RuntimeError as e:
+        assert "expseg verdict: limit" in str(e), str(e)[:600]
+        print("torch_api %s: the OOM surfaces as %s.%s" % (backend, type(e).__module__, type(e).__name__), flush=True)
+    else:
+        raise AssertionError("an allocation over set_per_process_memory_fraction(0.02) did not raise")
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    assert expseg.get_limit()[0] == 0 and torch.cuda.get_per_process_memory_fraction() == 1.0
+    big = torch.empty(int(0.03 * total), dtype=torch.uint8, device="cuda")
+    del big
+
+    # record_stream: the block waits for the other stream's kernel.
+    side = torch.cuda.Stream()
+    t = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
+    ptr = t.untyped_storage().data_ptr()
+    t.add_(1)  # the first launch of a kernel loads it, which waits for the device: not while side must be busy
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # a long kernel: the side stream is busy for about a second
+        t.add_(1)
+        side_done = torch.cuda.Event()
+        side_done.record(side)
+    t.record_stream(side)
+    del t
+    states = {int(blk["address"], 16): blk["state"] for seg in expseg.snapshot()["segments"] for blk in seg["blocks"]}
+    assert states.get(ptr) == "pending_free", states.get(ptr)
+    u = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    assert not side_done.query(), "the side stream finished too early to tell"
+    assert u.untyped_storage().data_ptr() != ptr, "memory still used by the side stream was handed out again"
+    torch.cuda.synchronize()
+    del u
+
+    # Memory history and snapshots in PyTorch's format.
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    x = torch.empty(5 * MiB + 7, dtype=torch.uint8, device="cuda")
+    y = torch.empty(1000, dtype=torch.uint8, device="cuda")
+    del y
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live = [blk["requested_size"] for seg in snap["segments"] for blk in seg["blocks"] if blk["state"] == "active_allocated"]
+    assert 5 * MiB + 7 in live, live
+    trace = snap["device_traces"][0]
+    assert [e["size"] for e in trace if e["action"] == "alloc"][-2:] == [5 * MiB + 7, 1000], trace[-6:]
+    assert trace[-1]["action"] == "free_completed" and trace[-1]["size"] == 1000, trace[-1]
+    assert {seg["is_expandable"] for seg in snap["segments"]} == {backend == "expandable"}
+    assert len(torch.cuda.memory_snapshot()) == len(snap["segments"])
+    path = os.path.join(tmp, "snapshot-%s.pickle" % backend)
+    torch.cuda.memory._dump_snapshot(path)
+    with open(path, "rb") as f:
+        assert pickle.load(f)["segments"], path
+    from torch.cuda import _memory_viz  # PyTorch's own readers (segsum checks that blocks tile each segment)
+    summary = _memory_viz.segsum(snap)
+    assert "segments: %d" % len(snap["segments"]) in summary, summary[-400:]
+    assert "del " in _memory_viz.trace(snap)
+    del x
+    torch.cuda.synchronize()
+    print("torch_api %s: PASS (memory_stats/allocated/reserved/summary, peak and accumulated resets, empty_cache, "
+          "memory fraction, record_stream, memory history + snapshot in PyTorch's format)" % backend, flush=True)
+
+
+def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3])
+        return 0
+    try:
+        import torch
+    except ImportError:
+        print("torch_api: SKIPPED (no torch)")
+        return 77
+    if not torch.cuda.is_available():
+        print("torch_api: SKIPPED (no CUDA device)")
+        return 77
+    import shutil
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="expseg-torch-api-")
+    failed = 0
+    for backend in ("split_merge", "expandable"):
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", backend, tmp], timeout=300)
+        if r.returncode != 0:
+            print("torch_api %s: FAIL (exit %d)" % (backend, r.returncode), flush=True)
+            failed += 1
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
