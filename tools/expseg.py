@@ -439,6 +439,23 @@ def _patch_torch(torch):
     record_stream.__doc__ = torch_record_stream.__doc__
     torch.Tensor.record_stream = record_stream
 
+    # CUDA graphs: PyTorch tells a pluggable allocator nothing of a capture (its private-pool hooks cannot be set
+    # from Python), so memory a graph uses could be handed to other tensors and overwritten at every replay, and
+    # split_merge's growth during a capture invalidates it. Refuse the capture up front, with the way out.
+    def no_capture(*_args, **_kwargs):
+        raise ExpsegError(
+            "CUDA graph capture (torch.cuda.graph, make_graphed_callables, torch.compile(mode='reduce-overhead')) "
+            "is not supported with expseg as PyTorch's allocator: PyTorch gives a pluggable allocator no notice of "
+            "the capture, so the graph's memory could be handed to other tensors and overwritten at replay. Use "
+            "torch.compile(mode='max-autotune-no-cudagraphs') or no mode, or capture under PyTorch's own allocator.",
+            INVALID_ARGUMENT)
+
+    graphs = getattr(torch.cuda, "graphs", None)
+    if graphs is not None and hasattr(graphs, "graph"):
+        graphs.graph.__init__ = no_capture  # before the context manager switches streams
+    if hasattr(torch.cuda, "CUDAGraph"):
+        torch.cuda.CUDAGraph.capture_begin = no_capture
+
 
 def install_torch(conf="", raise_on_oom=True, patch_torch=True):
     """Makes expseg PyTorch's CUDA allocator (CUDAPluggableAllocator). Call before any CUDA tensor exists.
@@ -453,7 +470,8 @@ def install_torch(conf="", raise_on_oom=True, patch_torch=True):
     (memory_allocated, max_memory_reserved, memory_summary...), reset_peak_memory_stats(),
     reset_accumulated_memory_stats(), empty_cache(), set/get_per_process_memory_fraction() (expseg's limit),
     torch.cuda.memory._record_memory_history() (expseg's event recorder), _snapshot() / _dump_snapshot() and
-    memory_snapshot() (expseg's segments and blocks in PyTorch's format), and Tensor.record_stream().
+    memory_snapshot() (expseg's segments and blocks in PyTorch's format), and Tensor.record_stream(). CUDA graph
+    capture raises ExpsegError (PyTorch gives a pluggable allocator no notice of captures).
     torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.
     """
     global _torch_allocator, _torch_conf

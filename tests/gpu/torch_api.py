@@ -121,6 +121,16 @@ def child(backend, tmp):
     assert "segments: %d" % len(snap["segments"]) in summary, summary[-400:]
     assert "del " in _memory_viz.trace(snap)
     del x
+
+    # CUDA graph capture is refused before it starts; PyTorch keeps working on its own stream.
+    stream_before = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            raise AssertionError("the capture started")
+    except expseg.ExpsegError as e:
+        assert "CUDA graph capture" in str(e), str(e)
+    assert torch.cuda.current_stream() == stream_before
+    assert float(torch.ones(1000, device="cuda").sum()) == 1000.0
     torch.cuda.synchronize()
     print("torch_api %s: PASS (memory_stats/allocated/reserved/summary, peak and accumulated resets, empty_cache, "
           "memory fraction, record_stream, memory history + snapshot in PyTorch's format)" % backend, flush=True)

@@ -210,8 +210,17 @@ class FakeTorch:
             def record_stream(self, stream):
                 self.torch_recorded.append(stream)
 
+        class graph:  # torch.cuda.graph, the context manager
+            def __init__(self, cuda_graph, pool=None, stream=None):
+                self.cuda_graph = cuda_graph
+
+        class CUDAGraph:
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                pass
+
         self.Tensor = Tensor
-        self.cuda = types.SimpleNamespace(current_device=lambda: 0)
+        self.cuda = types.SimpleNamespace(current_device=lambda: 0, CUDAGraph=CUDAGraph,
+                                          graphs=types.SimpleNamespace(graph=graph), graph=graph)
 
 
 class TorchApiTest(unittest.TestCase):
@@ -290,6 +299,15 @@ class TorchApiTest(unittest.TestCase):
         foreign = ctypes.create_string_buffer(64)
         self.torch.Tensor(ctypes.addressof(foreign)).record_stream(other)
         self.assertEqual(self.lib.expseg_last_error_code(), expseg.SUCCESS)
+
+    def test_graph_capture_is_refused(self):
+        for start in (lambda: self.torch.cuda.graph(self.torch.cuda.CUDAGraph()),
+                      lambda: self.torch.cuda.CUDAGraph().capture_begin()):
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                start()
+            self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+            self.assertIn("CUDA graph capture", str(cm.exception))
+            self.assertIn("max-autotune-no-cudagraphs", str(cm.exception))
 
     def test_snapshot_and_history_in_torch_format(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB")
