@@ -438,4 +438,58 @@ TEST_CASE("gpu: the growing-buffer and random-churn scenarios reach the simulate
   CHECK(churn.fragmentation_ooms == 0);
 }
 
+TEST_CASE("gpu: expandable requests the device cannot hold give back every page they mapped") {
+  Allocator a(cuda_config(BackendKind::expandable));
+  Driver& d = driver_of(a);
+  const std::size_t total = d.mem_info().total;
+  void* keep = a.allocate(64 * MiB);
+  const std::int64_t reserved = a.stats().reserved_bytes[kAllPools].current;
+  // Larger than the device, under a limit above the device: fails before any cuMemCreate.
+  a.set_limit(2 * total);
+  const auto before = d.call_stats();
+  try {
+    void* p = a.allocate(total + GiB);
+    a.deallocate(p);
+    FAIL("a request larger than the device was served");
+  } catch (const expseg::out_of_memory& e) {
+    CHECK(e.report().verdict == expseg::OomVerdict::capacity);
+  }
+  CHECK(d.call_stats().since(before).calls[static_cast<std::size_t>(expseg::driver::Op::create)] == 0);
+  CHECK(a.stats().reserved_bytes[kAllPools].current == reserved);
+  a.set_limit(0);
+  // Memory taken by someone else (cuMemAlloc) leaves 4 GiB: an 8 GiB request maps what it can, runs
+  // out, and gives all of it back.
+  const std::size_t free_now = d.mem_info().free;
+  REQUIRE(free_now > 16 * GiB);
+  const std::size_t taken = (free_now - 4 * GiB) / (2 * MiB) * (2 * MiB);
+  const dev_ptr other = d.mem_alloc(taken);
+  const std::size_t free_before = d.mem_info().free;
+  const auto mid = d.call_stats();
+  try {
+    void* p = a.allocate(8 * GiB);
+    a.deallocate(p);
+    FAIL("8 GiB served with about 4 GiB free");
+  } catch (const expseg::out_of_memory& e) {
+    CHECK(e.report().verdict == expseg::OomVerdict::capacity);
+  }
+  const auto calls = d.call_stats().since(mid);
+  const auto n = [&](expseg::driver::Op op) { return calls.calls[static_cast<std::size_t>(op)]; };
+  MESSAGE("the failed 8 GiB request: " << n(expseg::driver::Op::map) << " handles mapped and " << n(expseg::driver::Op::unmap)
+                                       << " unmapped, " << n(expseg::driver::Op::release) << " released");
+  CHECK(n(expseg::driver::Op::map) > 0);  // it did get part of the way
+  CHECK(n(expseg::driver::Op::unmap) == n(expseg::driver::Op::map));
+  CHECK(a.stats().reserved_bytes[kAllPools].current == reserved);
+  CHECK(d.mem_info().free == free_before);
+  check_stats(a);
+  d.mem_free(other);
+  void* big = a.allocate(8 * GiB);  // with the memory back, served
+  d.memset_d32(dp(big), 0xb16u, 8 * GiB / 4, nullptr);
+  d.stream_synchronize(nullptr);
+  CHECK(read_back(d, big, 8 * GiB, 0xb16u) == -1);
+  a.deallocate(big);
+  a.deallocate(keep);
+  a.release_cached();
+  check_stats(a);
+}
+
 }  // TEST_SUITE

@@ -554,8 +554,9 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
 }
 
 Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested) {
-  // A request that could not fit even in an empty allocator fails before anything is reserved.
-  if (round_up(size, frame_) > ctx_.effective_limit()) return nullptr;
+  // A request that could not fit even in an empty allocator fails before anything is reserved or
+  // mapped (a limit above the device's memory does not make room the device lacks).
+  if (round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total)) return nullptr;
   begin_operation();
   // Handles whose cleanup failed earlier may sit on frames we are about to use: retry them first.
   if (!orphans_.empty()) retry_orphans();
@@ -578,7 +579,12 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
     }
     throw;
   }
-  if (b == nullptr && fresh != nullptr) drop_segment(arena, fresh);
+  if (b == nullptr && fresh != nullptr) {
+    try {
+      drop_segment(arena, fresh);
+    } catch (...) {  // the segment stays, empty and consistent; the OOM is what to report
+    }
+  }
   return b;
 }
 
@@ -586,6 +592,7 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
 void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg) {
   Block* b = seg->first;
   if (seg->mapped_bytes != 0 || b->next != nullptr || !b->is_free()) return;
+  unmap_orphans_in(seg->base, seg->va_bytes);  // throws: the reservation stays while a mapping is in it
   ctx_.driver.free_reserve(seg->base, seg->va_bytes);
   erase_free(arena, b);
   arena.blocks.recycle(b);
@@ -632,7 +639,21 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   // Under a limit, room that idle handles must give is taken handle by handle while mapping
   // (map_range moves idle handles here, or reclaims for a new one); only check here that it exists.
   if (!(ctx_.limit != 0 && room_after_reclaim(ex) >= need) && !make_room(need, ex)) return nullptr;
-  if (!map_range(*pl.seg, pl.start, pl.start + size, map_hi, pl.anchor)) return nullptr;
+  // A growth that fails midway (the device is short of memory: other processes, or a request the
+  // device cannot hold) gives back what it mapped, as PyTorch's expandable segments do, instead of
+  // keeping it as cache the failed request never used.
+  std::vector<ExpHandle*> mapped_now;
+  bool mapped = false;
+  try {
+    mapped = map_range(*pl.seg, pl.start, pl.start + size, map_hi, pl.anchor, &mapped_now);
+  } catch (...) {
+    unmap_new_handles(mapped_now);
+    throw;
+  }
+  if (!mapped) {
+    unmap_new_handles(mapped_now);
+    return nullptr;
+  }
   // [start, start + size) now lies in one free mapped block (adjacent mapped free blocks merge).
   Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
   while (b->end() <= pl.start) b = b->next;
@@ -650,7 +671,8 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
 // Maps every unmapped frame of [lo, map_hi). [lo, hi) is the block being allocated: the frames it
 // covers only partly at its start and end get handles of their own, and the frames beyond it (growth
 // granule) get their own handles, so that neither keeps the block's handles mapped or vice versa.
-bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, Block* anchor) {
+bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, Block* anchor,
+                                  std::vector<ExpHandle*>* mapped_now) {
   const Exclusion ex{&seg, lo, map_hi};
   const std::size_t max_frames = max_handle_bytes(hi - lo) / frame_;
   const std::size_t block_end = frame_of(seg, hi - 1) + 1;  // frames [.., block_end) hold the block
@@ -671,11 +693,13 @@ bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64
       const std::size_t n = next_handle_frames(f, run_end, max_frames, first_frame, first_partial, block_end, last_partial);
       if (ctx_.limit != 0 && reserved_ + n * frame_ > ctx_.effective_limit()) {
         if (const std::size_t moved = move_idle_handle(seg, f, n, anchor, ex); moved != 0) {
+          if (mapped_now != nullptr) mapped_now->push_back(seg.frames[f]);
           f += moved;
           continue;
         }
       }
       if (!map_one(seg, f, n, anchor, ex)) return false;
+      if (mapped_now != nullptr) mapped_now->push_back(seg.frames[f]);
       f += n;
     }
   }
@@ -759,6 +783,12 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
     }
     keep_as_orphan(h.release(), still_mapped, addr);
   };
+  try {
+    unmap_orphans_in(addr, bytes);  // throws: the frames still hold that mapping, the error says why
+  } catch (...) {
+    give_up(false);
+    throw;
+  }
   try {
     drv.map(addr, bytes, h->handle);
   } catch (const driver_error& e) {
@@ -923,6 +953,28 @@ void ExpandableBackend::unmap_handle(ExpHandle* h) {
     throw;
   }
   delete h;
+}
+
+// A handle whose access grant and unmap both failed (a mapped orphan) still holds its frames, which
+// the segment counts as unmapped: before anything is mapped there or the reservation is freed, its
+// unmap must succeed. Throws driver_error when it fails again (nothing changed).
+void ExpandableBackend::unmap_orphans_in(std::uint64_t lo, std::size_t bytes) {
+  for (ExpHandle& o : orphans_) {
+    if (!o.mapped || o.orphan_addr >= lo + bytes || o.orphan_addr + o.bytes <= lo) continue;
+    ctx_.driver.unmap(o.orphan_addr, o.bytes);
+    o.mapped = false;  // still held (reserved) until retry_orphans releases it
+  }
+}
+
+// Gives back the handles a failed growth mapped (idle: nothing was carved from them yet), best
+// effort: one whose unmap fails stays mapped and idle, one whose release fails becomes an orphan.
+void ExpandableBackend::unmap_new_handles(const std::vector<ExpHandle*>& handles) noexcept {
+  for (ExpHandle* h : handles) {
+    try {
+      unmap_handle(h);
+    } catch (...) {
+    }
+  }
 }
 
 void ExpandableBackend::retry_orphans() {

@@ -145,7 +145,10 @@ class ExpandableBackend final : public Backend {
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
   std::size_t placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t max_frames, std::size_t& frames,
                               std::size_t bound) const noexcept;
-  bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor);
+  bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor,
+                 std::vector<ExpHandle*>* mapped_now = nullptr);
+  void unmap_new_handles(const std::vector<ExpHandle*>& handles) noexcept;
+  void unmap_orphans_in(std::uint64_t lo, std::size_t bytes);
   bool map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
   std::size_t move_idle_handle(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
   bool map_handle(ExpSegment& seg, std::size_t frame, ExpHandle* h, core::Block* anchor);

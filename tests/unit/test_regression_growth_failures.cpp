@@ -1,0 +1,147 @@
+// Regressions (found by an audit of the expandable backend's error paths with multi-fault fuzzing):
+//   - a handle whose cuMemSetAccess and cleanup cuMemUnmap both failed (a mapped orphan) still
+//     holds its frames: nothing may be mapped over it and its reservation may not be freed until
+//     its unmap succeeds (before: cuMemMap over a live mapping; cuMemAddressFree of a range with a
+//     mapping, reported instead of the OOM);
+//   - a growth that fails midway gives back what it mapped, and a request larger than the device
+//     fails before mapping anything, whatever the limit (before: a failed 1.5 GiB request on a
+//     1 GiB device under a 2 GiB limit kept 900 MiB mapped as cache, and on an 80 GiB device a
+//     2^50-byte request took 2.6 s to fail);
+//   - a cleanup that fails after an OOM does not replace the OOM.
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+using expseg::kAllPools;
+using expseg::driver::Fault;
+using expseg::driver::Op;
+
+namespace {
+
+void check_nothing_left(SimAllocator& sa) {
+  sa->release_cached();
+  sa->validate();
+  sa.alloc.reset();
+  const auto live = sa.sim->live();
+  CHECK(live.handles == 0);
+  CHECK(live.mappings == 0);
+  CHECK(live.reservations == 0);
+}
+
+std::int64_t reserved(SimAllocator& sa) { return sa->stats().reserved_bytes[kAllPools].current; }
+
+}  // namespace
+
+TEST_CASE("regression: a mapped orphan in a fresh segment keeps the segment's reservation; the OOM is reported") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, ""));
+  sa.sim->inject_fault(Op::set_access, 1, Fault::out_of_memory);  // growth runs out at cuMemSetAccess...
+  sa.sim->inject_fault(Op::unmap, 1, Fault::error);               // ...undoing the mapping fails
+  sa.sim->inject_fault(Op::unmap, 2, Fault::error);               // ...and so does the retry before freeing the reservation
+  CHECK_THROWS_AS((void)sa->allocate(8 * MiB), expseg::out_of_memory);
+  sa->validate();
+  CHECK(sa.sim->live().reservations == 1);  // kept: the mapping is still inside it
+  // The next request retries the orphan first (no fault left) and is served.
+  void* p = sa->allocate(8 * MiB);
+  CHECK(p != nullptr);
+  sa->validate();
+  sa->deallocate(p);
+  check_nothing_left(sa);
+}
+
+TEST_CASE("regression: after a mapped orphan is unmapped on retry, its reservation is freed and the OOM reported") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, ""));
+  sa.sim->inject_fault(Op::set_access, 1, Fault::out_of_memory);
+  sa.sim->inject_fault(Op::unmap, 1, Fault::error);
+  CHECK_THROWS_AS((void)sa->allocate(8 * MiB), expseg::out_of_memory);  // was: cuMemAddressFree failed
+  sa->validate();
+  CHECK(sa.sim->live().reservations == 0);
+  CHECK(sa.sim->live().mappings == 0);
+  void* p = sa->allocate(8 * MiB);
+  sa->deallocate(p);
+  check_nothing_left(sa);
+}
+
+TEST_CASE("regression: nothing is mapped over a mapped orphan whose unmap keeps failing") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "limit:256MiB,expandable_max_handle:8MiB"));
+  sa.sim->inject_fault(Op::set_access, 1, Fault::error);  // growth fails at cuMemSetAccess...
+  sa.sim->inject_fault(Op::unmap, 1, Fault::error);       // ...undoing the mapping fails...
+  // ...and so do the retries: before giving the fresh segment back, at the next request, and the
+  // one before mapping over the orphan's frames.
+  for (int nth = 2; nth <= 4; ++nth) sa.sim->inject_fault(Op::unmap, nth, Fault::error);
+  try {
+    (void)sa->allocate(8 * MiB);
+    FAIL("the first allocation should report the cuMemSetAccess failure");
+  } catch (const expseg::driver_error& e) {
+    CHECK(e.call() == "cuMemSetAccess");
+  }
+  sa->validate();
+  const auto maps = sa.sim->calls(Op::map);
+  std::string call;
+  try {
+    (void)sa->allocate(8 * MiB);
+  } catch (const expseg::driver_error& e) {
+    call = e.call();
+  }
+  CHECK(call == "cuMemUnmap");  // was: cuMemMap over the orphan's live mapping
+  CHECK(sa.sim->calls(Op::map) == maps);
+  sa->validate();
+  void* p = sa->allocate(8 * MiB);  // no fault left: the orphan goes, the request is served
+  CHECK(p != nullptr);
+  sa->validate();
+  sa->deallocate(p);
+  check_nothing_left(sa);
+}
+
+TEST_CASE("regression: a request larger than the device fails before mapping anything, under a limit above the device") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, ""));
+  sa->set_limit(2 * GiB);
+  void* keep = sa->allocate(4 * MiB);
+  const auto before = reserved(sa);
+  const auto creates = sa.sim->calls(Op::create);
+  try {
+    (void)sa->allocate(1536 * MiB);
+    FAIL("1.5 GiB on a 1 GiB device");
+  } catch (const expseg::out_of_memory& e) {
+    CHECK(e.report().verdict == expseg::OomVerdict::capacity);
+  }
+  CHECK(sa.sim->calls(Op::create) == creates);
+  CHECK(reserved(sa) == before);  // was: 900 MiB more, kept as cache
+  sa->validate();
+  sa->deallocate(keep);
+  check_nothing_left(sa);
+}
+
+TEST_CASE("regression: a growth the device cannot complete (other processes hold memory) gives back what it mapped") {
+  for (const char* limit : {"", "limit:1GiB"}) {
+    CAPTURE(limit);
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, limit));
+    void* keep = sa->allocate(4 * MiB);
+    sa.sim->set_foreign_usage(300 * MiB);
+    const auto before = reserved(sa);
+    const auto physical = sa.sim->live().physical_bytes;
+    CHECK_THROWS_AS((void)sa->allocate(800 * MiB), expseg::out_of_memory);
+    CHECK(reserved(sa) == before);  // was: 512 MiB more
+    CHECK(sa.sim->live().physical_bytes == physical);
+    sa->validate();
+    sa.sim->set_foreign_usage(0);
+    void* p = sa->allocate(800 * MiB);  // the memory is back: served
+    sa->deallocate(p);
+    sa->deallocate(keep);
+    check_nothing_left(sa);
+  }
+}
+
+TEST_CASE("regression: an OOM on a fresh segment whose cuMemAddressFree fails is still an OOM") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, ""));
+  sa.sim->inject_fault(Op::create, 1, Fault::out_of_memory);
+  sa.sim->inject_fault(Op::free_reserve, 1, Fault::error);
+  CHECK_THROWS_AS((void)sa->allocate(8 * MiB), expseg::out_of_memory);  // was: cuMemAddressFree's error
+  sa->validate();
+  void* p = sa->allocate(8 * MiB);
+  sa->deallocate(p);
+  check_nothing_left(sa);
+}
