@@ -243,6 +243,11 @@ std::size_t parse_bytes_impl(std::string_view key, std::string_view text) {
     frac = (static_cast<std::size_t>(frac_part[k] - '0') * factor + frac) / 10;  // < factor, no overflow
   const std::size_t base = whole * factor;
   if (frac > kMax - base) bad_value(key, v, too_large);
+  // A nonzero size below one byte would read as 0, which most keys take for "none" or "default"
+  // (limit:0.5 would be no limit at all).
+  if (base + frac == 0 && v.find_first_of("123456789") < i)
+    bad_value(key, v, std::string(kBytesExpected) + " (this is less than one byte" +
+                          (key == "limit" ? "; a share of device memory is written as a percentage, e.g. 50%)" : ")"));
   return base + frac;
 }
 

@@ -112,7 +112,8 @@ struct Config {
 // any other '%' sequence is copied as it is).
 std::string expand_oom_dump_path(std::string_view pattern, long pid, int device, std::uint64_t oom_number);
 
-// "80GiB", "512MiB", "2GB", "4096", "1.5GiB" -> bytes. Throws config_error(key) on bad input.
+// "80GiB", "512MiB", "2GB", "4096", "1.5GiB" -> bytes; a fraction of a byte rounds down, but a
+// nonzero size below one byte ("0.5") is an error, not 0. Throws config_error(key) on bad input.
 std::size_t parse_bytes(std::string_view text, std::string_view key = "size");
 // 1536 -> "1.50 KiB" (PyTorch's format_size: B, KiB, MiB, GiB with two decimals).
 std::string format_bytes(std::size_t bytes);

@@ -208,7 +208,8 @@ TEST_CASE("config: sizes with units") {
   CHECK(parse_size("2 GiB") == 2 * GiB);
   CHECK(parse_size(" 8b ") == 8);
   CHECK(parse_size("1.0009765625KiB") == 1025);
-  CHECK(parse_size("0.1B") == 0);  // fractions of a byte round down
+  CHECK(parse_size("1.9B") == 1);  // fractions of a byte round down...
+  CHECK_THROWS_AS((void)parse_size("0.1B"), config_error);  // ...but not to 0 from a nonzero size
   CHECK(parse_size("18446744073709551615") == SIZE_MAX);
   CHECK(parse_size("16777215.99999999999999999999TiB") == 16777215 * TiB + (TiB - 1));
 }
@@ -598,6 +599,14 @@ TEST_CASE("config: a non-zero limit too small for one byte stays a limit of 1 by
   // 0 is still "no limit", however it is written.
   CHECK(Config::parse("limit:0%").limit.resolve(80 * GiB) == 0);
   CHECK(Config::parse("limit:0").limit.resolve(80 * GiB) == 0);
+  CHECK(Config::parse("limit:0.000").limit.resolve(80 * GiB) == 0);
+  // A byte count below one byte is an error, not 0 ("no limit", "the default"): limit:0.5 was no limit.
+  check_fails("limit:0.5", "limit", {"'0.5'", "less than one byte", "50%"});
+  check_fails("limit:0.9B", "limit", {"less than one byte"});
+  check_fails("expandable_va_size:0.5", "expandable_va_size", {"less than one byte"});
+  check_fails("expandable_max_handle:0.0001KiB", "expandable_max_handle", {"less than one byte"});
+  CHECK(Config::parse("limit:1.5").limit.bytes == 1);  // at least one byte: the fraction is dropped, as before
+  CHECK(Config::parse("limit:0.001KiB").limit.bytes == 1);
 }
 
 TEST_CASE("config: simulated-device and expandable sizes are bounded so that they cannot overflow") {
