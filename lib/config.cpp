@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "expseg/errors.hpp"
+#include "core/text.hpp"
 
 namespace expseg {
 
@@ -94,27 +95,7 @@ bool iequals(std::string_view a, std::string_view b) {
   return true;
 }
 
-// User text quoted in messages: bounded, so a 1 MB hostile value gives a short message, and
-// printable ASCII only: control and non-ASCII bytes (invalid UTF-8 included) are written \xNN, as
-// the trace parser quotes them, so a message is always valid text (a backslash is \x5c).
-std::string clip(std::string_view s) {
-  constexpr std::size_t kMax = 64;
-  std::string out;
-  const std::size_t n = std::min(s.size(), kMax);
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x20 || c >= 0x7f || c == '\\') {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 0xf];
-    } else {
-      out += s[i];
-    }
-  }
-  if (s.size() > kMax) out += "... (" + std::to_string(s.size()) + " bytes)";
-  return out;
-}
+using core::clip;
 
 [[noreturn]] void bad_value(std::string_view key, std::string_view value, const std::string& expected) {
   throw config_error(std::string(key),

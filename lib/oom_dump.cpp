@@ -20,12 +20,14 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
 
 #include "allocator_impl.hpp"
 #include "core/json.hpp"
+#include "core/text.hpp"
 #include "expseg/expseg.h"
 #include "expseg/oom_dump.hpp"
 #include "expseg/trace.hpp"
@@ -224,7 +226,7 @@ E enum_value(const Reader& r, const JsonValue& o, const char* key, const std::ar
   const std::string s = r.str(o, key);
   for (E e : values)
     if (s == name(e)) return e;
-  throw std::runtime_error("member '" + r.name(key) + "' has an unknown value '" + s + "'");
+  throw std::runtime_error("member '" + r.name(key) + "' has an unknown value '" + core::clip(s) + "'");
 }
 
 Stat read_stat(const Reader& r, const JsonValue& o, const std::string& prefix) {
@@ -339,10 +341,12 @@ OomDump read_oom_dump(const std::string& path) {
     OomDump d;
     d.format = r.str(doc, "format");
     if (d.format != "expseg-oom-dump/1")
-      throw std::runtime_error("format '" + d.format + "' is not one this version reads (expseg-oom-dump/1)");
+      throw std::runtime_error("format '" + core::clip(d.format) + "' is not one this version reads (expseg-oom-dump/1)");
     d.version = r.str(doc, "version");
     d.pid = r.i64(doc, "pid");
-    d.device = static_cast<int>(r.i64(doc, "device"));
+    const std::int64_t device = r.i64(doc, "device");
+    if (device < 0 || device > std::numeric_limits<int>::max()) throw std::runtime_error("member 'device' is out of range: " + std::to_string(device));
+    d.device = static_cast<int>(device);
     d.oom_number = r.u64(doc, "oom_number");
     d.config = r.str(doc, "config");
     d.report = read_report(r.in("report"), r.at(doc, "report"));

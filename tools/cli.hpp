@@ -96,6 +96,9 @@ std::string ratio_text(std::int64_t num, std::int64_t den);  // "1.43x" or "-"
 std::string size_text(std::int64_t bytes);         // format_bytes of a signed count
 // Prints `text` line by line, indented; words wrap at `wrap` columns (0: no wrapping).
 void print_indented(std::FILE* out, const std::string& text, int indent, std::size_t wrap = 0);
+// Text read from a file (an OOM dump), made safe to print: control bytes other than newline and
+// tab (escape sequences, NUL) are written \xNN, so the file cannot drive the terminal.
+std::string terminal_text(std::string_view text);
 // Columns of the terminal on `fd`, 0 when it is not a terminal (output then never wraps).
 std::size_t terminal_width(int fd);
 bool stderr_is_tty();

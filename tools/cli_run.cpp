@@ -516,11 +516,12 @@ std::string largest_sizes(std::vector<std::size_t> sizes, std::size_t n) {
 
 void print_dump_summary(const std::string& path, const OomDump& d) {
   const OomReport& r = d.report;
-  std::printf("%s: OOM %llu of process %lld, device %d, written by expseg %s\n", path.c_str(),
-              static_cast<unsigned long long>(d.oom_number), static_cast<long long>(d.pid), d.device, d.version.c_str());
-  std::printf("  backend %s, %s, device %s\n\nThe report:\n", r.backend.c_str(),
+  // Everything printed from the dump goes through terminal_text: the file may come from anywhere.
+  std::printf("%s: OOM %llu of process %lld, device %d, written by expseg %s\n", terminal_text(path).c_str(),
+              static_cast<unsigned long long>(d.oom_number), static_cast<long long>(d.pid), d.device, terminal_text(d.version).c_str());
+  std::printf("  backend %s, %s, device %s\n\nThe report:\n", terminal_text(r.backend).c_str(),
               r.limit_bytes ? ("limit " + format_bytes(r.limit_bytes)).c_str() : "no limit", format_bytes(r.device_total_bytes).c_str());
-  print_indented(stdout, r.message, 4, terminal_width(1));
+  print_indented(stdout, terminal_text(r.message), 4, terminal_width(1));
 
   std::vector<std::size_t> live, pending, free_mapped;
   std::map<std::uint64_t, std::size_t> live_by_stream;
@@ -596,11 +597,11 @@ int cmd::explain(int argc, char** argv) {
     if (std::filesystem::exists(beside, ec)) d.trace = beside.string();
   }
   if (!std::filesystem::exists(d.trace, ec)) {
-    std::printf("The trace %s (%zu events) is not there any more.\n", d.trace.c_str(), d.trace_events);
+    std::printf("The trace %s (%zu events) is not there any more.\n", terminal_text(d.trace).c_str(), d.trace_events);
     return kExitOk;
   }
   if (args.has("--no-replay")) {
-    std::printf("The events that led here: %s (%zu events%s).\n", d.trace.c_str(), d.trace_events,
+    std::printf("The events that led here: %s (%zu events%s).\n", terminal_text(d.trace).c_str(), d.trace_events,
                 d.trace_complete ? "" : "; it does not start from an empty allocator");
     return kExitOk;
   }
@@ -623,7 +624,7 @@ int cmd::explain(int argc, char** argv) {
   setup.backends = args.get("--backend") ? parse_backends(*args.get("--backend"))
                                          : std::vector<BackendKind>{BackendKind::split_merge, BackendKind::expandable};
   setup.device_label = device_label(setup.config, 0);
-  std::printf("The events that led here: %s (%zu events), replayed on %s%s%s%s:\n\n", d.trace.c_str(), d.trace_events,
+  std::printf("The events that led here: %s (%zu events), replayed on %s%s%s%s:\n\n", terminal_text(d.trace).c_str(), d.trace_events,
               setup.device_label.c_str(), d.report.limit_bytes ? (" under the limit of " + format_bytes(d.report.limit_bytes)).c_str() : "",
               d.trace_complete ? "" : " (leniently: the trace does not start from an empty allocator, so the replay holds less memory than the run did)",
               conf_note.c_str());

@@ -321,6 +321,23 @@ void print_indented(std::FILE* out, const std::string& text, int indent, std::si
   }
 }
 
+std::string terminal_text(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f) {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xf];
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+
 std::size_t terminal_width(int fd) {
   if (::isatty(fd) != 1) return 0;
   if (const char* c = std::getenv("COLUMNS")) {

@@ -333,6 +333,13 @@ std::string read_file(const std::string& path) {
   char buf[1 << 16];
   for (;;) {
     const std::size_t n = std::fread(buf, 1, sizeof buf, f.get());
+    // A CSV trace is text: a NUL byte past the first chunk of data that is not gzip means binary
+    // input, and stopping there keeps an endless device (/dev/zero, /dev/urandom) from filling
+    // memory. (A short binary file gets the parser's more precise message.)
+    if (const void* nul = data.empty() ? nullptr : std::memchr(buf, 0, n); nul != nullptr && !is_gzip(data))
+      throw trace_error(path, 0,
+                        "not a CSV trace: binary data (a NUL byte at offset " +
+                            std::to_string(data.size() + static_cast<std::size_t>(static_cast<const char*>(nul) - buf)) + ")");
     data.append(buf, n);
     if (n < sizeof buf) break;
   }

@@ -466,6 +466,18 @@ TEST_CASE("cli: a scenario's OOM written by oom_dump, then explain: the dump and
   CHECK(bad.err.find("not-a-dump.json: not an expseg OOM dump: format 'something else' is not one this version reads") !=
         std::string::npos);
   CHECK(run_cli("explain").status == 2);
+  // A dump's text cannot drive the terminal: control bytes other than newline and tab print as \xNN.
+  {
+    std::string text = read_file(dump);
+    const std::string from = "CUDA out of memory.";
+    text.replace(text.find(from), from.size(), "\\u001b[2J\\u001b]0;owned\\u0007CUDA out of memory.");
+    std::ofstream(dir / "escapes.json", std::ios::binary) << text;
+    const Run esc = run_cli("explain '" + (dir / "escapes.json").string() + "' --no-replay");
+    CHECK(esc.status == 0);
+    CHECK(esc.out.find('\x1b') == std::string::npos);
+    CHECK(esc.out.find('\x07') == std::string::npos);
+    CHECK(esc.out.find("    \\x1b[2J\\x1b]0;owned\\x07CUDA out of memory. Tried to allocate 800.00 MiB.") != std::string::npos);
+  }
 
   // A relative oom_dump path: the trace is named relative to where the program ran; explain, run
   // from elsewhere, finds it beside the dump.

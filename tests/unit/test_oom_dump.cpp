@@ -369,6 +369,11 @@ TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file 
       {replace("\"stream\":\"0x0\"", "\"stream\":\"zero\""), "member 'report.stream' is not a hex number"},
       {replace("\"allocated_bytes.all.current\"", "\"allocated_bytes.all.now\""),
        "member 'snapshot.stats.allocated_bytes.all.current' is missing"},
+      // Values from the file are quoted bounded and escaped; a device index must fit.
+      {replace("\"verdict\":\"limit\"", "\"verdict\":\"\\u001b[2J" + std::string(1000, 'v') + "\""),
+       "has an unknown value '\\x1b[2Jvvvvv"},
+      {replace("\"verdict\":\"limit\"", "\"verdict\":\"" + std::string(1000, 'v') + "\""), "... (1000 bytes)'"},
+      {replace("\"device\":0", "\"device\":4294967296"), "member 'device' is out of range: 4294967296"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.expected);

@@ -483,6 +483,11 @@ TEST_CASE("trace: file errors") {
     CHECK(c.line == 1);
     CHECK(c.what == path + ":1: not a CSV trace: binary data in the header line (byte 0x89 at column 1)");
   }
+  SUBCASE("an endless binary device is refused after its first chunk, not read until memory runs out") {
+    const auto c = catch_trace_error([&] { expseg::read_trace("/dev/zero"); });
+    CHECK(c.line == 0);
+    CHECK(c.what == "/dev/zero: not a CSV trace: binary data (a NUL byte at offset 65536)");
+  }
   SUBCASE("unwritable path") {
     const std::string path = dir.file("no-such-dir/out.csv");
     try {
