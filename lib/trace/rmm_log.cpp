@@ -445,6 +445,7 @@ Trace read_trace(const std::string& path) {
     } catch (const trace::gzip_error& e) {
       throw trace_error(path, 0, std::string("corrupt gzip: ") + e.what());
     }
+    if (trace::is_gzip(data)) throw trace_error(path, 0, "compressed twice (gzip inside gzip): gunzip it once, then read the result");
   }
   return trace::Parser{data, path}.run(std::filesystem::path(path).filename().string());
 }

@@ -483,6 +483,12 @@ TEST_CASE("trace: file errors") {
     CHECK(c.line == 1);
     CHECK(c.what == path + ":1: not a CSV trace: binary data in the header line (byte 0x89 at column 1)");
   }
+  SUBCASE("gzip inside gzip") {
+    const std::string path = dir.file("twice.csv.gz");
+    write_bytes(path, expseg::trace::gzip_compress(expseg::trace::gzip_compress(std::string(kAllActions))));
+    const auto c = catch_trace_error([&] { expseg::read_trace(path); });
+    CHECK(c.what == path + ": compressed twice (gzip inside gzip): gunzip it once, then read the result");
+  }
   SUBCASE("an endless binary device is refused after its first chunk, not read until memory runs out") {
     const auto c = catch_trace_error([&] { expseg::read_trace("/dev/zero"); });
     CHECK(c.line == 0);
