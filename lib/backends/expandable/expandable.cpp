@@ -1207,6 +1207,17 @@ void ExpandableBackend::validate() const {
   for (const ExpHandle& h : orphans_) {
     reserved += h.bytes;
     ++handles;
+    if (!h.mapped) continue;
+    // A mapped orphan lies in a reservation that is still held, and nothing is mapped over it.
+    bool in_reservation = false;
+    for (const ExpArena* arena : arenas_)
+      for (const ExpSegment* seg : arena->segments) {
+        if (h.orphan_addr < seg->base || h.orphan_addr + h.bytes > seg->base + seg->va_bytes) continue;
+        in_reservation = true;
+        for (std::size_t f = frame_of(*seg, h.orphan_addr); f < frame_of(*seg, h.orphan_addr + h.bytes); ++f)
+          if (frame_handle(*seg, f) != nullptr) broken("a handle is mapped over a mapped orphan at " + hex(h.orphan_addr));
+      }
+    if (!in_reservation) broken("a mapped orphan at " + hex(h.orphan_addr) + " lies outside every reservation");
   }
   if (reserved != reserved_ || handles != handles_) broken("reserved bytes or handle count is wrong");
   const Stats& s = ctx_.stats;

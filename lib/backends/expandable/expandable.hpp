@@ -25,6 +25,8 @@
 //   - handle.live_bytes = bytes of allocated/pending blocks inside the handle; a mapped handle is in
 //     the idle list iff live_bytes == 0
 //   - reserved_ = bytes of every handle held (mapped or waiting for a retried release)
+//   - a mapped orphan (its access grant and its unmap failed) lies inside a reservation still held,
+//     and no handle is mapped over its frames until its unmap succeeds
 #pragma once
 
 #include <boost/intrusive/list.hpp>
