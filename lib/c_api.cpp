@@ -19,6 +19,8 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "allocator_impl.hpp"
@@ -42,6 +44,8 @@ std::atomic<bool> g_oom_stderr{true};
 struct Shared {
   std::mutex mu;           // allocator creation, expseg_configure, reset_for_tests
   std::string conf;        // expseg_configure's string; guarded by mu
+  // expseg_set_record_default: overrides record/record_ring of allocators created later; guarded by mu.
+  std::optional<std::pair<bool, std::size_t>> record_default;
 };
 Shared& shared() {
   static Shared* s = new Shared();  // never destroyed (see the file comment)
@@ -84,14 +88,29 @@ void notify_oom(int device, const OomReport& report) noexcept {
 }
 
 // One buffer per string-returning function (see "Strings" in expseg.h).
-enum Buffer : int { kConfigBuf, kStatsBuf, kSnapshotBuf, kOomTextBuf, kOomJsonBuf, kBufferCount };
+enum Buffer : int { kConfigBuf, kStatsBuf, kSnapshotBuf, kOomTextBuf, kOomJsonBuf, kLastErrorBuf, kBufferCount };
+
+// Trivially destructible: still readable after the thread's thread_local objects are destroyed.
+thread_local bool t_state_destroyed = false;
 
 struct ThreadState {
   int code = EXPSEG_SUCCESS;
   std::string message;
   std::array<std::string, kBufferCount> buffers;
+  ThreadState() = default;
+  ThreadState(const ThreadState&) = delete;
+  ThreadState& operator=(const ThreadState&) = delete;
+  ~ThreadState() { t_state_destroyed = true; }
 };
 ThreadState& tls() noexcept {
+  if (t_state_destroyed) [[unlikely]] {
+    // Called after this thread's thread_local objects were destroyed: from a static destructor at
+    // process exit (PyTorch freeing tensors) or another thread_local's destructor. Such late calls
+    // share one state that is never destroyed (see the file comment); they only happen while a
+    // thread or the process is exiting.
+    static ThreadState* late = new ThreadState();
+    return *late;
+  }
   thread_local ThreadState state;
   return state;
 }
@@ -168,7 +187,9 @@ Allocator* get_or_create(int device, const char* fn) noexcept {
     std::lock_guard<std::mutex> lock(s.mu);
     Allocator* a = g_alloc[device].load(std::memory_order_relaxed);
     if (a == nullptr) {
-      a = new Allocator(effective_config_locked(), device);
+      Config c = effective_config_locked();
+      if (s.record_default) std::tie(c.record, c.record_ring) = *s.record_default;
+      a = new Allocator(c, device);
       g_alloc[device].store(a, std::memory_order_release);
     }
     return a;
@@ -227,6 +248,7 @@ void reset_for_tests() noexcept {
   std::lock_guard<std::mutex> lock(s.mu);
   for (auto& slot : g_alloc) delete slot.exchange(nullptr, std::memory_order_acq_rel);
   s.conf.clear();
+  s.record_default.reset();
   expseg_set_oom_callback(nullptr, nullptr);
   ThreadState& t = tls();
   t.code = EXPSEG_SUCCESS;
@@ -494,6 +516,17 @@ int expseg_record_start(int device, size_t ring) noexcept {
   }
 }
 
+int expseg_set_record_default(int on, size_t ring) noexcept {
+  try {
+    Shared& s = shared();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.record_default = std::make_pair(on != 0, static_cast<std::size_t>(ring));
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current("expseg_set_record_default");
+  }
+}
+
 int expseg_record_stop(int device) noexcept {
   constexpr const char* fn = "expseg_record_stop";
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
@@ -533,7 +566,16 @@ int expseg_record_write(int device, const char* path) noexcept {
   }
 }
 
-const char* expseg_last_error(void) noexcept { return tls().message.c_str(); }
+const char* expseg_last_error(void) noexcept {
+  // A copy in its own buffer: the message itself changes at the next failing call, the string
+  // returned here only at the next expseg_last_error (see "Strings" in expseg.h).
+  ThreadState& t = tls();
+  try {
+    return put(kLastErrorBuf, std::string(t.message));
+  } catch (...) {
+    return "";  // no memory for the copy
+  }
+}
 
 int expseg_last_error_code(void) noexcept { return tls().code; }
 

@@ -297,8 +297,9 @@ std::vector<std::uint8_t> IpcMemHandle::serialize() const {
   for (const IpcPiece& p : pieces) {
     w.put(static_cast<std::uint64_t>(p.bytes));
     w.bytes(p.handle.data(), p.handle.size());
-    // The number of the descriptor in this process (pidfd_getfd), or the one it had in the exporter.
-    w.put(static_cast<std::int32_t>(p.fd ? p.fd.get() : p.remote_fd));
+    // The descriptor's number in the exporter, whose pid travels with it (pidfd_getfd takes it from
+    // there): a handle received and passed on names the exporter's descriptor, not the one it got.
+    w.put(static_cast<std::int32_t>(p.remote_fd >= 0 ? p.remote_fd : p.fd ? p.fd.get() : -1));
   }
   w.str(fallback_reason);
   return w.take();

@@ -71,7 +71,10 @@ def library_path():
 
 # void (*)(int device, const char* report_json, void* user_data)
 _OOM_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-_oom_callback = None  # the ctypes function object expseg holds: kept alive here
+_oom_callback = None  # the ctypes function object expseg holds
+# Every callback object ever installed, kept for the life of the process: a call already running on
+# another thread when on_oom replaces it still needs its code (expseg_set_oom_callback does not wait).
+_oom_callbacks_installed = []
 
 
 def _declare(lib):
@@ -96,6 +99,7 @@ def _declare(lib):
         "expseg_last_oom_report_json": (c_char_p, [c_int]),
         "expseg_record_start": (c_int, [c_int, c_size_t]),
         "expseg_record_stop": (c_int, [c_int]),
+        "expseg_set_record_default": (c_int, [c_int, c_size_t]),
         "expseg_record_write": (c_int, [c_int, c_char_p]),
         "expseg_last_error": (c_char_p, []),
         "expseg_last_error_code": (c_int, []),
@@ -145,6 +149,20 @@ def _text(ptr, what):
     return ptr.decode("utf-8", "replace")
 
 
+def _device(device):
+    """A device index as the C API takes it; ctypes would wrap an out-of-range int into another device."""
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < MAX_DEVICES:
+        raise ExpsegError("device %r is out of range (0 .. %d)" % (device, MAX_DEVICES - 1), INVALID_DEVICE)
+    return device
+
+
+def _size(n, what):
+    """A size_t argument: ctypes would wrap a negative or too large int around (set_limit(-1): no limit)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 1 << 64:
+        raise ExpsegError("%s must be an integer from 0 to 2**64-1, not %r" % (what, n), INVALID_ARGUMENT)
+    return n
+
+
 def version():
     """expseg's version string."""
     return load().expseg_version().decode()
@@ -157,27 +175,27 @@ def configure(conf=""):
 
 def config(device=0):
     """The configuration of the device's allocator (or the one it would get), as key:value,... text."""
-    return _text(load().expseg_config(device), "expseg_config")
+    return _text(load().expseg_config(_device(device)), "expseg_config")
 
 
 def stats(device=0):
     """memory_stats()-style dict: "allocated_bytes.all.peak", "reserved_bytes.all.current", ..., "cupy": {...}."""
-    return json.loads(_text(load().expseg_stats_json(device), "expseg_stats_json"))
+    return json.loads(_text(load().expseg_stats_json(_device(device)), "expseg_stats_json"))
 
 
 def snapshot(device=0):
     """The allocator's segments and blocks (addresses as hex strings) and stats, as a dict."""
-    return json.loads(_text(load().expseg_snapshot_json(device), "expseg_snapshot_json"))
+    return json.loads(_text(load().expseg_snapshot_json(_device(device)), "expseg_snapshot_json"))
 
 
 def oom_report(device=0):
     """The text of the device's last out-of-memory report ("" when none)."""
-    return _text(load().expseg_last_oom_report(device), "expseg_last_oom_report")
+    return _text(load().expseg_last_oom_report(_device(device)), "expseg_last_oom_report")
 
 
 def oom_report_json(device=0):
     """The device's last out-of-memory report as a dict (None when none)."""
-    return json.loads(_text(load().expseg_last_oom_report_json(device), "expseg_last_oom_report_json"))
+    return json.loads(_text(load().expseg_last_oom_report_json(_device(device)), "expseg_last_oom_report_json"))
 
 
 def on_oom(fn):
@@ -204,50 +222,51 @@ def on_oom(fn):
             sys.stderr.write("expseg.on_oom: the callback raised:\n" + traceback.format_exc())
 
     cb = _OOM_CALLBACK(trampoline)
+    _oom_callbacks_installed.append(cb)
     _check(lib.expseg_set_oom_callback(cb, None), "expseg_set_oom_callback")
     _oom_callback = cb
 
 
 def release_cached(device=0):
     """Gives cached, unused device memory back to the device (empty_cache())."""
-    _check(load().expseg_release_cached(device), "expseg_release_cached")
+    _check(load().expseg_release_cached(_device(device)), "expseg_release_cached")
 
 
 def set_limit(nbytes, device=0):
     """Caps the device memory the allocator may hold at nbytes (0: no limit)."""
-    _check(load().expseg_set_limit(device, int(nbytes)), "expseg_set_limit")
+    _check(load().expseg_set_limit(_device(device), _size(nbytes, "nbytes")), "expseg_set_limit")
 
 
 def get_limit(device=0):
     """(limit, device_total): the bytes the device's allocator may hold (0: no limit) and the device's memory."""
     limit, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    _check(load().expseg_get_limit(device, ctypes.byref(limit), ctypes.byref(total)), "expseg_get_limit")
+    _check(load().expseg_get_limit(_device(device), ctypes.byref(limit), ctypes.byref(total)), "expseg_get_limit")
     return limit.value, total.value
 
 
 def reset_peak_stats(device=0):
     """Resets the peaks of stats() to the current values."""
-    _check(load().expseg_reset_peak_stats(device), "expseg_reset_peak_stats")
+    _check(load().expseg_reset_peak_stats(_device(device)), "expseg_reset_peak_stats")
 
 
 def reset_accumulated_stats(device=0):
     """Restarts the accumulated counters of stats() (each stat's allocated/freed, num_ooms, num_alloc_retries...)."""
-    _check(load().expseg_reset_accumulated_stats(device), "expseg_reset_accumulated_stats")
+    _check(load().expseg_reset_accumulated_stats(_device(device)), "expseg_reset_accumulated_stats")
 
 
 def record_start(device=0, ring=0):
     """Starts the event recorder afresh (ring > 0 keeps only the last `ring` events)."""
-    _check(load().expseg_record_start(device, int(ring)), "expseg_record_start")
+    _check(load().expseg_record_start(_device(device), _size(ring, "ring")), "expseg_record_start")
 
 
 def record_stop(device=0):
     """Stops the event recorder (what was recorded can still be written)."""
-    _check(load().expseg_record_stop(device), "expseg_record_stop")
+    _check(load().expseg_record_stop(_device(device)), "expseg_record_stop")
 
 
 def record_write(path, device=0):
     """Writes the recorded events as an RMM CSV trace (gzip when path ends in .gz)."""
-    _check(load().expseg_record_write(device, os.fspath(path).encode()), "expseg_record_write")
+    _check(load().expseg_record_write(_device(device), os.fspath(path).encode()), "expseg_record_write")
 
 
 def initialized_devices():
@@ -371,27 +390,32 @@ def _patch_torch(torch):
         for d in initialized_devices():
             release_cached(d)
 
+    fractions = {}  # device -> (fraction set, the limit it became): read back as set while the limit stands
+
     def set_memory_fraction(fraction, device):
         _, total = get_limit(device)
-        # PyTorch's limit is fraction * total; 1.0 is no limit at all (so an OOM then says capacity, not limit).
-        set_limit(0 if fraction >= 1.0 else max(1, int(fraction * total)), device)
+        # PyTorch's limit is fraction * total; 1.0 is no limit at all (so an OOM then says capacity, not limit);
+        # 0.0 is a limit of one byte (expseg's 0 would mean none).
+        limit = 0 if fraction >= 1.0 else max(1, int(fraction * total))
+        set_limit(limit, device)
+        fractions[device] = (fraction, limit)
 
     def get_memory_fraction(device):
         limit, total = get_limit(device)
+        if device in fractions and fractions[device][1] == limit:
+            return fractions[device][0]
         return 1.0 if limit == 0 or total == 0 else limit / total
 
     def memory_snapshot(*_args, **_kwargs):
         return torch_snapshot()
 
-    def history_devices():
-        devices = set(initialized_devices())
-        devices.add(torch.cuda.current_device())
-        return sorted(devices)
-
     def record_history(enabled, max_entries):
-        for d in history_devices():
+        ring = 0 if max_entries is None or max_entries >= sys.maxsize else int(max_entries)
+        # Devices first used later record too (PyTorch records on every device).
+        _check(load().expseg_set_record_default(1 if enabled else 0, ring), "expseg_set_record_default")
+        for d in initialized_devices():
             if enabled:
-                record_start(d, 0 if max_entries is None or max_entries >= sys.maxsize else int(max_entries))
+                record_start(d, ring)
             else:
                 record_stop(d)
 

@@ -108,8 +108,10 @@ EXPSEG_API void expseg_cupy_free(void* param, void* ptr, int device_id) EXPSEG_N
  * expseg_last_oom_report_json gives it, valid during the call only. The callback may call expseg
  * (expseg_snapshot_json, expseg_release_cached, ...); an OOM of its own allocations is not reported
  * to it again. A NULL callback removes it; each call replaces
- * the previous one. Typical use: save a snapshot, or log the report where the job's logs go. (The
- * oom_dump:PATH config key writes report, snapshot and recorded events to a file without code.) */
+ * the previous one; a call already running on another thread may still be running when
+ * expseg_set_oom_callback returns, so keep the previous callback's user_data valid (e.g. for the
+ * life of the process). Typical use: save a snapshot, or log the report where the job's logs go.
+ * (The oom_dump:PATH config key writes report, snapshot and recorded events to a file without code.) */
 typedef void (*expseg_oom_callback)(int device, const char* report_json, void* user_data);
 EXPSEG_API int expseg_set_oom_callback(expseg_oom_callback callback, void* user_data) EXPSEG_NOEXCEPT;
 
@@ -164,6 +166,11 @@ EXPSEG_API const char* expseg_last_oom_report_json(int device) EXPSEG_NOEXCEPT;
  * and read_trace() read it back. */
 EXPSEG_API int expseg_record_start(int device, size_t ring) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_record_stop(int device) EXPSEG_NOEXCEPT;
+/* Whether allocators created from now on start with the recorder on (ring as for record_start), as
+ * record:true,record_ring:N in the configuration would; allocators that exist are not changed
+ * (record_start / record_stop them). PyTorch's _record_memory_history under tools/expseg.py uses it
+ * so that devices first used later record too. */
+EXPSEG_API int expseg_set_record_default(int on, size_t ring) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_record_write(int device, const char* path) EXPSEG_NOEXCEPT;
 
 /* ---------------------------------------------------------------------------------------------

@@ -137,6 +137,20 @@ class GlueTest(unittest.TestCase):
             expseg.record_write("/nonexistent-dir-of-expseg/t.rmm.csv")
         self.assertEqual(cm.exception.code, expseg.IO)
 
+    def test_out_of_range_arguments_raise_instead_of_wrapping(self):
+        expseg.configure("device:sim")
+        for bad in (2 ** 32, -1, expseg.MAX_DEVICES, "0", True):
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                expseg.stats(bad)
+            self.assertEqual(cm.exception.code, expseg.INVALID_DEVICE)
+        for bad in (-1, 2 ** 64, 1.5):
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                expseg.set_limit(bad)
+            self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+        self.assertEqual(expseg.get_limit(0)[0], 0)  # nothing was set
+        with self.assertRaises(expseg.ExpsegError):
+            expseg.record_start(0, ring=-5)
+
     def test_devices_apart(self):
         expseg.configure("device:sim,sim_capacity:1GiB,sim_host_backed:true")
         p0 = self.lib.expseg_cupy_malloc(None, 2 * MiB, 0)
@@ -283,6 +297,9 @@ class TorchApiTest(unittest.TestCase):
         self.lib.expseg_free(p, 0, 0, None)
         C._cuda_setMemoryFraction(0.0, 0)  # PyTorch: nothing may be allocated
         self.assertIsNone(self.lib.expseg_malloc(MiB, 0, None))
+        self.assertEqual(C._cuda_getMemoryFraction(0), 0.0)  # read back as set (the limit is 1 byte)
+        expseg.set_limit(3 << 30, 0)  # changed behind PyTorch's back: the fraction follows the limit
+        self.assertEqual(C._cuda_getMemoryFraction(0), 0.75)
 
     def test_record_stream_reaches_expseg(self):
         expseg.configure("device:sim")
@@ -299,6 +316,20 @@ class TorchApiTest(unittest.TestCase):
         foreign = ctypes.create_string_buffer(64)
         self.torch.Tensor(ctypes.addressof(foreign)).record_stream(other)
         self.assertEqual(self.lib.expseg_last_error_code(), expseg.SUCCESS)
+
+    def test_history_covers_devices_first_used_later(self):
+        expseg.configure("device:sim,sim_capacity:1GiB")
+        self.lib.expseg_free(self.lib.expseg_malloc(MiB, 0, None), 0, 0, None)
+        C = self.torch._C
+        C._cuda_record_memory_history("all", "all", "all", 100000, False, False, False, [], False, True)
+        for d in (0, 2):  # device 2 has no allocator yet
+            self.lib.expseg_free(self.lib.expseg_malloc(3 * MiB, d, None), 0, d, None)
+        C._cuda_record_memory_history(None, None, "all", 0, False, False, False, [], False, True)
+        self.lib.expseg_free(self.lib.expseg_malloc(5 * MiB, 3, None), 0, 3, None)  # after: not recorded
+        traces = C._cuda_memorySnapshot(None)["device_traces"]
+        self.assertEqual(len(traces), 4)
+        allocs = [[e["size"] for e in t if e["action"] == "alloc"] for t in traces]
+        self.assertEqual(allocs, [[3 * MiB], [], [3 * MiB], []])
 
     def test_graph_capture_is_refused(self):
         for start in (lambda: self.torch.cuda.graph(self.torch.cuda.CUDAGraph()),

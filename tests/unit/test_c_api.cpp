@@ -3,6 +3,7 @@
 // the process, so every case starts and ends with capi::reset_for_tests() (CApiFixture).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
@@ -156,6 +157,69 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_get_limit and expseg_reset_accumulated_st
   CHECK(stat(0, "requested_bytes.all.current") == static_cast<std::int64_t>(5 * MiB));
   expseg_free(b, 0, 0, nullptr);
   CHECK(stat(0, "allocation.all.freed") == 1);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "expseg_last_error's string stays valid until expseg_last_error is called again") {
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  int on_the_stack = 0;
+  expseg_free(&on_the_stack, 0, 0, nullptr);
+  const char* first = expseg_last_error();
+  const std::string copy = first;
+  CHECK(copy.find("expseg_free") == 0);
+  // Another failure with a longer message changes the error, not the string already handed out.
+  CHECK(expseg_record_write(0, (std::string(300, 'x') + "/no/such/dir/t.csv").c_str()) != EXPSEG_SUCCESS);
+  CHECK(std::string(first) == copy);
+  CHECK(std::string(expseg_last_error()).find("expseg_record_write") == 0);
+}
+
+namespace {
+// A thread_local made before the thread's first expseg call is destroyed after expseg's own
+// per-thread state (reverse order): its destructor calls expseg as a static destructor at exit would.
+struct LateCaller {
+  std::string* out = nullptr;
+  ~LateCaller() {
+    if (out == nullptr) return;
+    int on_the_stack = 0;
+    expseg_free(&on_the_stack, 0, 0, nullptr);
+    *out = std::to_string(expseg_last_error_code()) + " " + expseg_last_error();
+    const char* s = expseg_stats_json(0);
+    *out += s != nullptr && std::string(s).find("allocated_bytes.all.current") != std::string::npos ? " stats" : " no stats";
+  }
+};
+}  // namespace
+
+TEST_CASE_FIXTURE(CApiFixture, "C API calls after the thread's own state is destroyed (thread_local or static destructors) work") {
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  std::string seen;
+  std::thread([&] {
+    thread_local LateCaller late;
+    late.out = &seen;
+    expseg_free(expseg_malloc(1024, 0, nullptr), 0, 0, nullptr);  // the thread's expseg state, made after `late`
+  }).join();
+  CHECK(seen.rfind(std::to_string(EXPSEG_ERROR_INVALID_POINTER) + " expseg_free: ", 0) == 0);
+  CHECK(seen.find(" stats") != std::string::npos);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "expseg_set_record_default: allocators created afterwards record, existing ones are left alone") {
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  expseg_free(expseg_malloc(1024, 0, nullptr), 0, 0, nullptr);  // device 0 exists, not recording
+  REQUIRE(expseg_set_record_default(1, 0) == EXPSEG_SUCCESS);
+  expseg_free(expseg_malloc(4096, 1, nullptr), 0, 1, nullptr);
+  REQUIRE(expseg_set_record_default(0, 0) == EXPSEG_SUCCESS);
+  expseg_free(expseg_malloc(4096, 2, nullptr), 0, 2, nullptr);
+  auto recorded = [](int device) {
+    const std::string path = temp_path("default" + std::to_string(device) + ".csv");
+    REQUIRE(expseg_record_write(device, path.c_str()) == EXPSEG_SUCCESS);
+    const expseg::Trace t = expseg::read_trace(path);
+    std::filesystem::remove(path);
+    return std::count_if(t.events.begin(), t.events.end(), [](const expseg::TraceEvent& e) {
+      return e.action == expseg::TraceAction::allocate || e.action == expseg::TraceAction::free;
+    });
+  };
+  CHECK(recorded(0) == 0);
+  CHECK(recorded(1) == 2);  // its allocate and free
+  CHECK(recorded(2) == 0);
+  CHECK(std::string(expseg_config(1)).find("record:true") != std::string::npos);
 }
 
 TEST_CASE_FIXTURE(CApiFixture, "expseg_torch_malloc throws out_of_memory with the report, and the allocator keeps serving") {

@@ -537,6 +537,16 @@ TEST_CASE("ipc: the handle's bytes round-trip, and malformed bytes are refused")
     CHECK_FALSE(back.pieces[i].fd);
   }
   CHECK(back.serialize() == bytes);
+  // Received with its descriptors (SCM_RIGHTS: numbered in this process) and passed on: the handle
+  // still names the exporter's descriptors, the ones its pid goes with.
+  {
+    IpcMemHandle got = IpcMemHandle::deserialize(bytes);
+    for (auto& piece : got.pieces) piece.fd = expseg::OwnedFd(::dup(0));
+    REQUIRE(got.pieces[0].fd.get() != 40);
+    const IpcMemHandle forwarded = IpcMemHandle::deserialize(got.serialize());
+    for (int i = 0; i < 3; ++i) CHECK(forwarded.pieces[i].remote_fd == 40 + i);
+    CHECK(forwarded.exporter_pid == 4242);
+  }
 
   // Every truncation, a trailing byte, a wrong magic or version.
   for (std::size_t n = 0; n < bytes.size(); ++n) {
