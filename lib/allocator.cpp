@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstdio>
 #include <stdexcept>
@@ -142,23 +143,24 @@ void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
   }
   stats.num_ooms += 1;
+  ++oom_count;
   std::shared_ptr<OomReport> report = build_oom_report(bytes, stream);
   if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, stream);
   if (!config.oom_dump.empty()) write_oom_dump(*report);  // under the lock: the dump is of this moment
   last_oom = report;
   const std::shared_ptr<const Allocator::OomObserver> observer = oom_observer;
   lock.unlock();
-  // An OOM inside the observer (it may allocate) is not observed again: no recursion.
-  thread_local bool in_observer = false;
-  if (observer && !in_observer) {
-    in_observer = true;
-    try {
-      (*observer)(*report);
-    } catch (...) {
-      in_observer = false;
-      throw;
-    }
-    in_observer = false;
+  // An OOM of this allocator inside its own observer (it may allocate) is not observed again: no
+  // recursion. Another allocator's OOM there goes to that allocator's observer (up to a depth of 8).
+  thread_local std::array<const Impl*, 8> observing{};
+  thread_local std::size_t depth = 0;
+  const auto active = observing.begin() + static_cast<std::ptrdiff_t>(depth);
+  if (observer && depth < observing.size() && std::find(observing.begin(), active, this) == active) {
+    observing[depth++] = this;
+    struct Leave {
+      ~Leave() { --depth; }
+    } leave;
+    (*observer)(*report);
   }
   throw out_of_memory(std::move(report));
 }
@@ -187,13 +189,20 @@ void Allocator::Impl::deallocate(void* ptr) {
   std::lock_guard<core::Mutex> lock(mu);
   Block* b = live.erase(addr);
   if (b == nullptr) throw_invalid_pointer("free", addr);
-  if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+  const std::uint64_t requested = b->requested;  // for the recorder: b may merge away below
+  const driver::stream_t stream = b->stream;
   if (!b->stream_uses.empty()) {
     // Record an event on every stream that used the block; the free completes when all have passed.
-    // Reserve first so that nothing below can fail after the block changed state.
+    // Everything that can fail (host memory, the driver) happens before the block changes state,
+    // and is undone when it fails: the block then stays live, as if the call had not been made.
     std::vector<driver::event_t> events;
-    events.reserve(b->stream_uses.size());
+    std::size_t queued = 0;
+    auto queue_of = [&](driver::stream_t s) {
+      return std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == s; });
+    };
     try {
+      events.reserve(b->stream_uses.size());
+      spare_events.reserve(spare_events.size() + b->stream_uses.size());  // the undo below cannot throw
       for (driver::stream_t s : b->stream_uses) {
         driver::event_t e = nullptr;
         if (spare_events.empty()) {
@@ -205,25 +214,25 @@ void Allocator::Impl::deallocate(void* ptr) {
         events.push_back(e);  // capacity reserved: cannot throw
         driver->event_record(e, s);
       }
-      for (driver::stream_t s : b->stream_uses) {
-        auto it = std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == s; });
-        if (it == pending.end()) pending.push_back(StreamEvents{s, {}});
+      for (std::size_t i = 0; i < events.size(); ++i) {
+        auto it = queue_of(b->stream_uses[i]);
+        if (it == pending.end()) it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
+        it->queue.push_back(PendingFree{events[i], b});
+        ++queued;
       }
     } catch (...) {
+      for (std::size_t i = queued; i-- > 0;) queue_of(b->stream_uses[i])->queue.pop_back();
       for (driver::event_t e : events) spare_events.push_back(e);
-      live.insert(b);  // nothing changed: the block stays live
+      live.insert(b);  // right after its erase: no rehash, cannot throw
       throw;
     }
+    pending_count += events.size();
     backend->begin_pending_free(b);
-    for (std::size_t i = 0; i < events.size(); ++i) {
-      auto it = std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == b->stream_uses[i]; });
-      it->queue.push_back(PendingFree{events[i], b});
-      ++pending_count;
-    }
     b->pending_events = static_cast<std::uint32_t>(events.size());
   } else {
     backend->free(b);
   }
+  if (recorder.enabled()) recorder.add(TraceAction::free, addr, requested, stream);  // once it happened
   recent_frees[recent_next++ % recent_frees.size()] = addr;
 }
 

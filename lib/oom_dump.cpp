@@ -85,7 +85,7 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     message_before = report.message;
     saved = true;
     path = expand_oom_dump_path(config.oom_dump, static_cast<long>(::getpid()), driver->device(),
-                                static_cast<std::uint64_t>(stats.num_ooms));
+                                oom_count);
     // The report's own snapshot (oom_snapshot:true) when it has one: no second walk, no copy.
     std::optional<Snapshot> taken;
     if (!report.snapshot) taken = snapshot_locked();
@@ -136,7 +136,7 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     w.field("version", EXPSEG_VERSION_STRING);
     w.field("pid", static_cast<std::int64_t>(::getpid()));
     w.field("device", driver->device());
-    w.field("oom_number", static_cast<std::uint64_t>(stats.num_ooms));
+    w.field("oom_number", oom_count);
     w.field("config", config.to_string());
     w.key("report").raw(report.to_json(false));
     w.key("snapshot").raw(snap.to_json());

@@ -36,7 +36,7 @@ void Recorder::start(std::size_t ring, bool live_before) {
   enabled_ = true;
 }
 
-void Recorder::add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream) {
+void Recorder::add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream) noexcept {
   TraceEvent e;
   e.thread = thread_id();
   e.time = time_of_day();
@@ -45,7 +45,11 @@ void Recorder::add(TraceAction action, std::uint64_t pointer, std::uint64_t size
   e.size = size;
   e.stream = reinterpret_cast<std::uintptr_t>(stream);
   if (ring_ == 0 || buf_.size() < ring_) {
-    buf_.push_back(e);
+    try {
+      buf_.push_back(e);
+    } catch (...) {
+      ++dropped_;  // no host memory for it: the trace says it is partial
+    }
   } else {
     buf_[next_] = e;
     next_ = (next_ + 1) % ring_;

@@ -18,10 +18,12 @@ class Recorder {
   void start(std::size_t ring, bool live_before = false);
   void stop() noexcept { enabled_ = false; }
   bool enabled() const noexcept { return enabled_; }
-  void add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream);
+  // Never throws: an event there is no host memory for is dropped (the trace is then partial), so
+  // that recording cannot make an allocation or a free fail after it took effect.
+  void add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream) noexcept;
   std::vector<TraceEvent> events() const;  // oldest first
   // True when events() does not start from an empty allocator: the recording began while
-  // allocations were live (start(ring, true)), or a ring dropped its oldest events. Replaying such a
+  // allocations were live (start(ring, true)), or events were dropped (a full ring, or no memory). Replaying such a
   // trace needs --lenient (frees of allocations it never saw) and holds less memory than the run did.
   bool partial() const noexcept { return started_partial_ || dropped_ != 0; }
 
@@ -30,7 +32,7 @@ class Recorder {
   std::size_t ring_ = 0;  // 0: unbounded
   std::vector<TraceEvent> buf_;
   std::size_t next_ = 0;  // ring: where the next event goes once the buffer is full
-  std::uint64_t dropped_ = 0;  // events a full ring overwrote
+  std::uint64_t dropped_ = 0;  // events a full ring overwrote, or that found no memory
   bool started_partial_ = false;
 };
 

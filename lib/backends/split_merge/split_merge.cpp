@@ -89,7 +89,9 @@ bool SplitMergeBackend::get_free_block(Params& p) {
     // Do not hand an oversize block to a request below the oversize class...
     if (p.size < max_split && b->size >= max_split) return false;
     // ...and round oversize requests up by at most max_non_split_rounding.
-    if (p.size >= max_split && b->size >= p.size + ctx_.config.max_non_split_rounding) return false;
+    // (b->size >= p.size here: the difference cannot wrap where PyTorch's sum could, at a huge
+    // max_non_split_rounding_mb.)
+    if (p.size >= max_split && b->size - p.size >= ctx_.config.max_non_split_rounding) return false;
   }
   p.block = b;  // still in the index: alloc_found_block reuses its node when it can
   return true;

@@ -1,0 +1,95 @@
+// Regressions (found by an audit of the frontend and split_merge error paths):
+//   - a deallocate that throws (cuEventRecord fails for a recorded stream) left a free in the
+//     recorded trace, which then did not validate or replay;
+//   - oom_dump's %n came from num_ooms, which reset_accumulated_stats zeroes: a later dump
+//     overwrote an earlier one;
+//   - an OOM of allocator B inside allocator A's observer was not reported to B's observer (one
+//     recursion guard for all allocators);
+//   - a huge max_non_split_rounding_mb wrapped size + rounding around and stopped every reuse of a
+//     cached oversize block.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+
+#include "expseg/trace.hpp"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+using expseg::kAllPools;
+using expseg::driver::Fault;
+using expseg::driver::Op;
+
+TEST_CASE("regression: a deallocate that fails records no free; the trace of the real free validates") {
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto sa = make_sim_allocator(sim_config(b, 512 * MiB));
+    void* s1 = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    sa->start_recording();
+    void* p = sa->allocate(4096);
+    sa->record_stream(p, s1);
+    sa->record_stream(p, s2);
+    sa.sim->inject_fault(Op::event_record, 2, Fault::error);  // the second stream's event
+    CHECK_THROWS_AS(sa->deallocate(p), expseg::driver_error);
+    sa->validate();
+    CHECK(sa->stats().allocation[kAllPools].current == 1);  // still live
+    sa->deallocate(p);
+    const expseg::Trace t{"recorded", sa->recorded()};
+    int frees = 0;
+    for (const auto& e : t.events) frees += e.action == expseg::TraceAction::free;
+    CHECK(frees == 1);
+    CHECK_NOTHROW(expseg::validate_trace(t));
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s1);
+    sa.sim->stream_destroy(s2);
+  }
+}
+
+TEST_CASE("regression: oom_dump numbers OOMs over the allocator's life, whatever reset_accumulated_stats does") {
+  const auto dir = std::filesystem::temp_directory_path() / ("expseg_regression_dump_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  {
+    expseg::Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:64MiB,oom_dump:" + (dir / "oom-%n.json").string()));
+    CHECK_THROWS_AS((void)a.allocate(128 * MiB), expseg::out_of_memory);
+    a.reset_accumulated_stats();
+    CHECK_THROWS_AS((void)a.allocate(256 * MiB), expseg::out_of_memory);
+    CHECK(a.stats().num_ooms == 1);  // the counter restarted...
+  }
+  CHECK(std::filesystem::exists(dir / "oom-1.json"));  // ...the dumps' numbers did not
+  CHECK(std::filesystem::exists(dir / "oom-2.json"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("regression: an OOM of another allocator inside an OOM observer reaches that allocator's observer") {
+  expseg::Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:64MiB"));
+  expseg::Allocator b(sim_config(BackendKind::expandable, 80 * GiB, "limit:64MiB"));
+  int a_calls = 0, b_calls = 0;
+  b.set_oom_observer([&](const expseg::OomReport&) {
+    ++b_calls;
+    CHECK_THROWS_AS((void)a.allocate(512 * MiB), expseg::out_of_memory);  // A is inside its own observer: not again
+  });
+  a.set_oom_observer([&](const expseg::OomReport&) {
+    ++a_calls;
+    CHECK_THROWS_AS((void)b.allocate(128 * MiB), expseg::out_of_memory);
+  });
+  CHECK_THROWS_AS((void)a.allocate(128 * MiB), expseg::out_of_memory);
+  CHECK(a_calls == 1);
+  CHECK(b_calls == 1);
+  CHECK(a.stats().num_ooms == 2);
+  // Outside any observer, both are observed again.
+  CHECK_THROWS_AS((void)b.allocate(128 * MiB), expseg::out_of_memory);
+  CHECK(b_calls == 2);
+}
+
+TEST_CASE("regression: a huge max_non_split_rounding_mb lets a cached oversize block serve its own size again") {
+  // 17592186044415 MiB = 2^64 - 1 MiB, which the config accepts.
+  expseg::Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "max_split_size_mb:32,max_non_split_rounding_mb:17592186044415"));
+  a.deallocate(a.allocate(64 * MiB));
+  void* q = a.allocate(64 * MiB);
+  CHECK(a.stats().num_device_alloc == 1);  // was 2: the cached block was never reused
+  CHECK(a.stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(64 * MiB));
+  a.deallocate(q);
+}
