@@ -189,8 +189,6 @@ void Allocator::Impl::deallocate(void* ptr) {
   std::lock_guard<core::Mutex> lock(mu);
   Block* b = live.erase(addr);
   if (b == nullptr) throw_invalid_pointer("free", addr);
-  const std::uint64_t requested = b->requested;  // for the recorder: b may merge away below
-  const driver::stream_t stream = b->stream;
   if (!b->stream_uses.empty()) {
     // Record an event on every stream that used the block; the free completes when all have passed.
     // Everything that can fail (host memory, the driver) happens before the block changes state,
@@ -226,13 +224,14 @@ void Allocator::Impl::deallocate(void* ptr) {
       live.insert(b);  // right after its erase: no rehash, cannot throw
       throw;
     }
+    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
     pending_count += events.size();
     backend->begin_pending_free(b);
     b->pending_events = static_cast<std::uint32_t>(events.size());
   } else {
+    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
     backend->free(b);
   }
-  if (recorder.enabled()) recorder.add(TraceAction::free, addr, requested, stream);  // once it happened
   recent_frees[recent_next++ % recent_frees.size()] = addr;
 }
 
