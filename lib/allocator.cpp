@@ -17,7 +17,8 @@ using core::BlockStatus;
 
 namespace {
 
-// Larger requests cannot be rounded without overflow; no device has this much memory anyway.
+// 1 EiB, PyTorch's bound: larger requests cannot be rounded without overflow, and no device has
+// this much memory.
 constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
 
 std::string hex(std::uint64_t v) {
@@ -115,6 +116,8 @@ Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
 }
 
 Allocator::Impl::~Impl() {
+  // The observer first, while everything still works: what it captured may free memory here.
+  oom_observer.reset();
   // Pending frees hold events; the backend gives all memory back in its destructor.
   for (StreamEvents& se : pending)
     for (PendingFree& pf : se.queue) {
@@ -136,7 +139,9 @@ void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   if (bytes == 0) return nullptr;
   std::unique_lock<core::Mutex> lock(mu);
   if (pending_count != 0) process_events();
-  Block* b = bytes <= kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
+  // 1 EiB and more never reaches the backend (PyTorch refuses it up front too): no retry, no cache
+  // flush for a request no device can serve.
+  Block* b = bytes < kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
   if (b != nullptr) {
     live.insert(b);
     if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, stream);
@@ -263,8 +268,8 @@ void Allocator::Impl::process_events() {
 }
 
 void Allocator::Impl::synchronize_pending_frees() {
+  stats.num_sync_all_streams += 1;  // counted on every call, events or not, as PyTorch does
   if (pending_count == 0) return;
-  stats.num_sync_all_streams += 1;
   for (StreamEvents& se : pending) {
     while (!se.queue.empty()) {
       PendingFree pf = se.queue.front();
@@ -351,8 +356,12 @@ Snapshot Allocator::snapshot() const {
 
 void Allocator::set_oom_observer(OomObserver observer) {
   auto next = observer ? std::make_shared<const OomObserver>(std::move(observer)) : nullptr;
-  std::lock_guard<core::Mutex> lock(impl_->mu);
-  impl_->oom_observer = std::move(next);
+  {
+    std::lock_guard<core::Mutex> lock(impl_->mu);
+    impl_->oom_observer.swap(next);
+  }
+  // `next` now holds the old observer: destroyed here, after the lock, since what it captured may
+  // free memory of this allocator (a reserve released on OOM) or of another one.
 }
 
 std::optional<OomReport> Allocator::last_oom() const {

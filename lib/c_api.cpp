@@ -97,6 +97,7 @@ struct ThreadState {
   int code = EXPSEG_SUCCESS;
   std::string message;
   std::array<std::string, kBufferCount> buffers;
+  ThreadState* next_late = nullptr;  // the list of states made for late calls
   ThreadState() = default;
   ThreadState(const ThreadState&) = delete;
   ThreadState& operator=(const ThreadState&) = delete;
@@ -105,10 +106,20 @@ struct ThreadState {
 ThreadState& tls() noexcept {
   if (t_state_destroyed) [[unlikely]] {
     // Called after this thread's thread_local objects were destroyed: from a static destructor at
-    // process exit (PyTorch freeing tensors) or another thread_local's destructor. Such late calls
-    // share one state that is never destroyed (see the file comment); they only happen while a
-    // thread or the process is exiting.
-    static ThreadState* late = new ThreadState();
+    // process exit (PyTorch freeing tensors) or another thread_local's destructor. The thread gets
+    // a state of its own that is never destroyed (see the file comment): a pointer, trivially
+    // destructible, stays usable through the thread's exit. Threads exiting together do not share
+    // it (a shared one raced, and handed out strings another thread was rewriting). The cost is
+    // one small state left behind per thread that calls in this late.
+    thread_local ThreadState* late = nullptr;
+    if (late == nullptr) {
+      late = new ThreadState();
+      // Kept reachable (leak checkers see a live list, not a lost block): a lock-free push.
+      static std::atomic<ThreadState*> kept{nullptr};
+      late->next_late = kept.load(std::memory_order_relaxed);
+      while (!kept.compare_exchange_weak(late->next_late, late, std::memory_order_release, std::memory_order_relaxed)) {
+      }
+    }
     return *late;
   }
   thread_local ThreadState state;

@@ -363,10 +363,11 @@ void parse_max_split_size(Config& c, Key key, std::string_view v) {
     c.max_split_size = SIZE_MAX;
     return;
   }
-  const std::string what = "an integer number of MiB > 20, or unlimited";
+  // PyTorch 2.9+ (AcceleratorAllocatorConfig): at least kLargeBuffer, 20 MiB.
+  const std::string what = "an integer number of MiB >= 20, or unlimited";
   const std::size_t n = parse_mib(key, v, what);
-  if (n <= 20 * kMiB)
-    throw config_error(std::string(key), std::string(key) + ": max_split_size_mb too small, must be > 20 (got '" +
+  if (n < 20 * kMiB)
+    throw config_error(std::string(key), std::string(key) + ": max_split_size_mb too small, must be >= 20 (got '" +
                                              clip(v) + "'); expected " + what);
   c.max_split_size = n;
 }

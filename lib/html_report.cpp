@@ -16,6 +16,7 @@
 #include <memory>
 #include <string_view>
 
+#include "core/text.hpp"
 #include "expseg/config.hpp"
 
 namespace expseg {
@@ -28,19 +29,21 @@ namespace {
 std::string esc(std::string_view text) {
   std::string out;
   out.reserve(text.size() + 8);
-  for (char c : text) {
+  // The page is UTF-8: bytes that are not well-formed UTF-8 (a file name may be anything) become
+  // U+FFFD.
+  core::append_utf8(out, text, [](char c, std::string& o) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
+      case '&': o += "&amp;"; break;
+      case '<': o += "&lt;"; break;
+      case '>': o += "&gt;"; break;
+      case '"': o += "&quot;"; break;
+      case '\'': o += "&#39;"; break;
       default:
         // Control characters are not allowed in XML 1.0 text: show them as spaces.
-        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') out += ' ';
-        else out += c;
+        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') o += ' ';
+        else o += c;
     }
-  }
+  });
   return out;
 }
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <unordered_map>
 
@@ -27,8 +28,13 @@ struct Op {
   std::uint64_t size;
 };
 
+// The slot of size-0 allocations at pointer 0 (allocate(0) gives nullptr, in RMM and CUDA alike) and
+// of frees of pointer 0: no pairing, as many may be live at once.
+constexpr std::uint32_t kNullSlot = UINT32_MAX;
+
 struct Program {
   std::vector<Op> ops;
+  std::vector<std::uint64_t> event_of;  // ops[i] replays trace event event_of[i] (map/unmap are skipped)
   std::vector<std::uint64_t> stream_ids;  // trace stream ids, by index
   std::size_t slots = 0;
   std::size_t unknown_frees = 0;
@@ -43,6 +49,7 @@ std::string hex(std::uint64_t v) {
 Program compile(const Trace& trace, bool lenient) {
   Program p;
   p.ops.reserve(trace.events.size());
+  p.event_of.reserve(trace.events.size());
   std::unordered_map<std::uint64_t, std::uint32_t> streams;
   std::unordered_map<std::uint64_t, std::uint32_t> live;        // pointer -> slot
   std::unordered_map<std::uint64_t, std::uint64_t> live_line;   // pointer -> line of its allocation
@@ -55,6 +62,11 @@ Program compile(const Trace& trace, bool lenient) {
   for (std::size_t i = 0; i < trace.events.size(); ++i) {
     const TraceEvent& e = trace.events[i];
     const std::uint64_t line = e.line ? e.line : i + 2;
+    if (e.pointer == 0 && (e.action == TraceAction::free || (e.action == TraceAction::allocate && e.size == 0))) {
+      p.ops.push_back(Op{e.action == TraceAction::free ? OpKind::free : OpKind::alloc, stream_index(e.stream), kNullSlot, 0});
+      p.event_of.push_back(i);
+      continue;
+    }
     switch (e.action) {
       case TraceAction::allocate: {
         if (live.count(e.pointer)) {
@@ -73,6 +85,7 @@ Program compile(const Trace& trace, bool lenient) {
         live[e.pointer] = slot;
         live_line[e.pointer] = line;
         p.ops.push_back(Op{OpKind::alloc, stream_index(e.stream), slot, e.size});
+        p.event_of.push_back(i);
         break;
       }
       case TraceAction::free: {
@@ -83,6 +96,7 @@ Program compile(const Trace& trace, bool lenient) {
           break;
         }
         p.ops.push_back(Op{OpKind::free, stream_index(e.stream), it->second, 0});
+        p.event_of.push_back(i);
         free_slots.push_back(it->second);
         live.erase(it);
         live_line.erase(e.pointer);
@@ -90,6 +104,7 @@ Program compile(const Trace& trace, bool lenient) {
       }
       case TraceAction::allocate_failure:
         p.ops.push_back(Op{OpKind::failed_alloc, stream_index(e.stream), 0, e.size});
+        p.event_of.push_back(i);
         break;
       case TraceAction::map:
       case TraceAction::unmap:
@@ -152,7 +167,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
         case OpKind::alloc:
           if (first_pass) ++r.allocations;
           if (op.size == 0) {  // allocate(0) is nullptr by contract: not a failure, its free is a no-op
-            zero[op.slot] = true;
+            if (op.slot != kNullSlot) zero[op.slot] = true;
             break;
           }
           try {
@@ -164,13 +179,15 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
             ptr[op.slot] = nullptr;
             if (first_pass) {
               ++r.ooms;
-              r.oom_events.push_back(i);
+              r.oom_events.push_back(prog.event_of[i]);
               if (!r.first_oom) r.first_oom = e.report();
             }
           }
           break;
         case OpKind::free:
-          if (zero[op.slot]) {
+          if (op.slot == kNullSlot) {  // free(nullptr): a no-op
+            if (first_pass) ++r.frees;
+          } else if (zero[op.slot]) {
             zero[op.slot] = false;
             if (first_pass) ++r.frees;
           } else if (ptr[op.slot] != nullptr) {
@@ -188,10 +205,13 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
           if (first_pass) ++r.allocations;
           try {
             a.deallocate(a.allocate(op.size, streams[op.stream]));
+            // It was live for a moment: part of the peak of live requested bytes, as of allocated.
+            const std::int64_t with = live_requested + static_cast<std::int64_t>(op.size);
+            if (first_pass && with > r.peak_requested_bytes) r.peak_requested_bytes = with;
           } catch (const out_of_memory& e) {
             if (first_pass) {
               ++r.ooms;
-              r.oom_events.push_back(i);
+              r.oom_events.push_back(prog.event_of[i]);
               if (!r.first_oom) r.first_oom = e.report();
             }
           }
@@ -200,7 +220,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
       if (first_pass) {
         if (stride && (i % stride == 0 || i + 1 == stop)) {
           const Stats s = a.stats();
-          r.series.push_back({i, s.allocated_bytes[kAllPools].current, s.reserved_bytes[kAllPools].current});
+          r.series.push_back({prog.event_of[i], s.allocated_bytes[kAllPools].current, s.reserved_bytes[kAllPools].current});
         }
         if (reserved_after) reserved_after->push_back(a.stats().reserved_bytes[kAllPools].current);
         if (progress && (i & 0xFFFF) == 0) std::fprintf(stderr, "\r  replay %s on %s: %3zu%%", trace.name.c_str(), r.backend.c_str(), i * 100 / std::max<std::size_t>(nops, 1));

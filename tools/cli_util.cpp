@@ -186,6 +186,8 @@ Setup make_setup(const Args& args) {
   std::string why;
   if (auto dev = args.get("--device")) {
     const std::string& d = *dev;
+    if (d == "sim:" || d == "cuda:")  // an empty shell variable, most likely: say so, do not guess
+      throw UsageError("bad --device value '" + d + "': nothing after the ':' (expected sim:CAPACITY, e.g. sim:80GiB, or cuda:N)");
     if (d == "sim" || d.rfind("sim:", 0) == 0) {
       s.config.device = DeviceKind::sim;
       if (d.size() > 4) {

@@ -48,9 +48,11 @@ struct Trace {
   std::vector<TraceEvent> events;
 };
 
-// Reads a trace from a file; gzip is recognised by its magic bytes. Throws trace_error naming the
-// file and line for: unreadable or truncated/corrupt gzip, bad header, missing columns, bad numbers,
-// unknown actions. (Frees of unknown pointers are found by validate_trace/replay, see below.)
+// Reads a trace from a file; gzip is recognised by its magic bytes. The text is parsed as it is read
+// or decompressed, so memory holds the events (and a .gz file's compressed bytes), not the text.
+// Throws trace_error naming the file and line for: unreadable or truncated/corrupt gzip, bad header,
+// missing columns, bad numbers, unknown actions, binary data, a line over 1 MiB. (Frees of unknown
+// pointers are found by validate_trace/replay, see below.)
 Trace read_trace(const std::string& path);
 // Parses CSV text already in memory; `name` is used in error messages.
 Trace parse_trace(std::string_view csv_text, const std::string& name);
@@ -98,7 +100,7 @@ struct ReplayResult {
   std::vector<DriverCallTime> driver_calls;  // the same, per kind of call
   Stats stats;                    // at the end of the replay, before the allocator is destroyed
   std::vector<SeriesPoint> series;
-  std::vector<std::uint64_t> oom_events;  // event indexes of the failed allocations
+  std::vector<std::uint64_t> oom_events;  // indexes in trace.events of the failed allocations
   std::optional<OomReport> first_oom;
   std::optional<Snapshot> peak_snapshot;
   std::string to_json() const;    // one line: trace, backend, device, events, peaks, ooms, seconds, ...

@@ -145,17 +145,20 @@ class Backend {
     up(s.requested_bytes, b.pool, static_cast<std::int64_t>(b.requested));
     if (b.size >= ctx_.config.max_split_size) s.oversize_allocations.increase(1);
   }
+  // As PyTorch splits them: free() takes down allocation, allocated bytes and oversize allocations
+  // at once; requested and active bytes go down only once the block is free (after the events of a
+  // recorded stream), in free_block().
   void account_caller_freed(const core::Block& b) noexcept {  // allocated -> pending or free
     Stats& s = ctx_.stats;
     down(s.allocation, b.pool, 1);
     down(s.allocated_bytes, b.pool, static_cast<std::int64_t>(b.size));
-    down(s.requested_bytes, b.pool, static_cast<std::int64_t>(b.requested));
+    if (b.size >= ctx_.config.max_split_size) s.oversize_allocations.decrease(1);
   }
   void account_deactivated(const core::Block& b) noexcept {  // allocated/pending -> free
     Stats& s = ctx_.stats;
     down(s.active, b.pool, 1);
     down(s.active_bytes, b.pool, static_cast<std::int64_t>(b.size));
-    if (b.size >= ctx_.config.max_split_size) s.oversize_allocations.decrease(1);
+    down(s.requested_bytes, b.pool, static_cast<std::int64_t>(b.requested));
   }
   // free(): the shared first half. Accounts the transition and marks the block free.
   void leave_active(core::Block& b) noexcept {

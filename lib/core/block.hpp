@@ -96,6 +96,11 @@ class BlockPool {
     --live_;
   }
   std::size_t live() const noexcept { return live_; }
+  // Makes sure the next two make() calls cannot throw: a slow path that creates a segment and
+  // splits it calls this before changing anything.
+  void reserve_two() {
+    if (free_ == nullptr || free_->next == nullptr) grow();
+  }
 
  private:
   void grow() {

@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "core/text.hpp"
+
 namespace expseg::core {
 
 // ------------------------------------------------------------------------------------------------
@@ -16,26 +18,28 @@ namespace {
 
 void append_escaped(std::string& out, std::string_view text) {
   static constexpr char kHex[] = "0123456789abcdef";
-  for (char ch : text) {
+  // Well-formed UTF-8 passes through, other bytes >= 0x80 become U+FFFD: JSON is UTF-8 (RFC 8259),
+  // and file names are arbitrary bytes.
+  append_utf8(out, text, [](char ch, std::string& o) {
     const auto c = static_cast<unsigned char>(ch);
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"': o += "\\\""; break;
+      case '\\': o += "\\\\"; break;
+      case '\b': o += "\\b"; break;
+      case '\f': o += "\\f"; break;
+      case '\n': o += "\\n"; break;
+      case '\r': o += "\\r"; break;
+      case '\t': o += "\\t"; break;
       default:
         if (c < 0x20 || c == 0x7f) {
-          out += "\\u00";
-          out += kHex[c >> 4];
-          out += kHex[c & 0xf];
+          o += "\\u00";
+          o += kHex[c >> 4];
+          o += kHex[c & 0xf];
         } else {
-          out += ch;  // bytes >= 0x80 (UTF-8) pass through unchanged
+          o += ch;
         }
     }
-  }
+  });
 }
 
 }  // namespace

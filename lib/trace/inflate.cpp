@@ -203,17 +203,20 @@ const FixedTables& fixed_tables() {
 
 class Inflater {
  public:
-  Inflater(std::string_view in, std::string& out, std::size_t base_offset)
+  // With a sink, output is handed on in pieces as it grows past kFlushBytes (and the rest at the
+  // end): `out` then holds at most kFlushBytes plus the 32 KiB window back-references may reach.
+  Inflater(std::string_view in, std::string& out, std::size_t base_offset, const ChunkSink* sink = nullptr)
       : start_(reinterpret_cast<const unsigned char*>(in.data())),
         p_(start_),
         end_(start_ + in.size()),
         base_offset_(base_offset),
-        out_(out) {}
+        out_(out),
+        sink_(sink) {}
 
   // Returns the input bytes consumed.
   std::size_t run() {
     window_start_ = out_.size();
-    pos_ = out_.size();
+    pos_ = emitted_ = out_.size();
     o_ = out_.data();
     cap_ = out_.size();
     bool final_block = false;
@@ -238,6 +241,10 @@ class Inflater {
       throw;
     }
     out_.resize(pos_);
+    if (sink_) {
+      (*sink_)(std::string_view(out_).substr(emitted_));
+      out_.clear();
+    }
     return std::size_t(p_ - start_);
   }
 
@@ -247,6 +254,8 @@ class Inflater {
   const unsigned char* end_;
   std::size_t base_offset_;
   std::string& out_;
+  const ChunkSink* sink_;
+  std::size_t emitted_ = 0;  // with a sink: out_[0, emitted_) has been handed on
   std::uint64_t buf_ = 0;
   unsigned cnt_ = 0;    // bits in buf_
   std::size_t pad_ = 0; // zero bytes appended past the end of input (over-reads are detected later)
@@ -312,8 +321,20 @@ class Inflater {
     pad_ = 0;
   }
 
+  static constexpr std::size_t kWindow = std::size_t{1} << 15;  // DEFLATE's largest distance
+  static constexpr std::size_t kFlushBytes = std::size_t{4} << 20;
+
   void ensure(std::size_t n) {
     if (cap_ - pos_ >= n) return;
+    if (sink_ && pos_ > kWindow && pos_ + n > kFlushBytes) {
+      // Hand on what is new and keep the last 32 KiB, the most a back-reference reaches.
+      (*sink_)(std::string_view(o_ + emitted_, pos_ - emitted_));
+      const std::size_t shift = pos_ - kWindow;
+      std::memmove(o_, o_ + shift, kWindow);
+      pos_ = emitted_ = kWindow;
+      window_start_ = window_start_ > shift ? window_start_ - shift : 0;
+      if (cap_ - pos_ >= n) return;
+    }
     out_.resize(std::max({cap_ * 2, pos_ + n, std::size_t(1) << 16}));
     o_ = out_.data();
     cap_ = out_.size();
@@ -463,6 +484,8 @@ class BitWriter {
 
  private:
   std::string& out_;
+  const ChunkSink* sink_;
+  std::size_t emitted_ = 0;  // with a sink: out_[0, emitted_) has been handed on
   std::uint64_t buf_ = 0;
   unsigned cnt_ = 0;
 };
@@ -800,20 +823,28 @@ std::string inflate_raw(std::string_view bytes, std::size_t* consumed) {
 }
 
 std::string gunzip(std::string_view bytes) {
+  std::string out;
+  // The last member's ISIZE is a good first guess of the output size (exact for one member < 4 GiB).
+  // Only a hint: corrupt data may claim anything, so a failed reservation is ignored.
+  if (bytes.size() >= 18) {
+    try {
+      const auto* tail = reinterpret_cast<const unsigned char*>(bytes.data()) + bytes.size() - 4;
+      out.reserve(std::min<std::size_t>(load_le32(tail), bytes.size() * 1032));  // 1032: deflate's maximum ratio
+    } catch (const std::exception&) {
+    }
+  }
+  const ChunkSink append = [&out](std::string_view piece) { out.append(piece); };
+  gunzip(bytes, append);
+  return out;
+}
+
+void gunzip(std::string_view bytes, const ChunkSink& sink) {
   const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
   const std::size_t n = bytes.size();
   auto truncated = [](const char* where) {
     throw gzip_error(std::string("truncated gzip data: input ends inside the ") + where);
   };
-  std::string out;
-  // The last member's ISIZE is a good first guess of the output size (exact for one member < 4 GiB).
-  // Only a hint: corrupt data may claim anything, so a failed reservation is ignored.
-  if (n >= 18) {
-    try {
-      out.reserve(std::min<std::size_t>(load_le32(b + n - 4), n * 1032));  // 1032: deflate's maximum ratio
-    } catch (const std::exception&) {
-    }
-  }
+  std::string window;  // the decoder's buffer: at most a few MiB, whatever the output size
   std::size_t at = 0;
   for (bool first = true;; first = false) {
     if (!first) {
@@ -857,21 +888,24 @@ std::string gunzip(std::string_view bytes) {
       if (stored != computed) throw gzip_error("gzip header CRC-16 mismatch");
       at += 2;
     }
-    const std::size_t out_start = out.size();
-    Inflater inf(bytes.substr(at), out, at);
+    std::uint32_t crc = 0;
+    std::uint64_t produced = 0;
+    const ChunkSink checked = [&](std::string_view piece) {
+      crc = crc32(piece, crc);
+      produced += piece.size();
+      sink(piece);
+    };
+    Inflater inf(bytes.substr(at), window, at, &checked);
     at += inf.run();
     if (n - at < 8) truncated("trailer (CRC-32 and size)");
     const std::uint32_t stored_crc = load_le32(b + at), stored_size = load_le32(b + at + 4);
     at += 8;
-    const std::string_view produced = std::string_view(out).substr(out_start);
-    const std::uint32_t crc = crc32(produced);
     if (crc != stored_crc)
       throw gzip_error("CRC-32 mismatch: the data is corrupt (stored " + hex32(stored_crc) + ", computed " + hex32(crc) + ")");
-    if (std::uint32_t(produced.size()) != stored_size)
+    if (std::uint32_t(produced) != stored_size)
       throw gzip_error("ISIZE mismatch: the data is corrupt (stored " + std::to_string(stored_size) + " bytes, decoded " +
-                       std::to_string(produced.size()) + ")");
+                       std::to_string(produced) + ")");
   }
-  return out;
 }
 
 std::string gzip_compress(std::string_view data) {

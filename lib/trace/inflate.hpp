@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -25,9 +26,16 @@ class gzip_error : public std::runtime_error {
 // True when `bytes` starts with the gzip magic (1f 8b).
 bool is_gzip(std::string_view bytes) noexcept;
 
+// Receives decompressed data in order, in pieces of a few MiB.
+using ChunkSink = std::function<void(std::string_view)>;
+
 // Decompresses all concatenated gzip members of `bytes`. Trailing zero bytes (tape/tar padding) are
 // ignored; any other trailing bytes are an error.
 std::string gunzip(std::string_view bytes);
+// The same, handing the output to `sink` as it is decoded, so memory stays a few MiB whatever the
+// output size (a small file may inflate to gigabytes). Each member's CRC-32 and ISIZE are checked
+// after its last piece has been handed on: on corrupt data the sink may have seen some of it.
+void gunzip(std::string_view bytes, const ChunkSink& sink);
 
 // Decodes one raw DEFLATE stream (no container) starting at `bytes[0]`. When `consumed` is not null
 // it receives the number of input bytes the stream used (up to the byte after the final block).

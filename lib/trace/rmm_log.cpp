@@ -1,8 +1,9 @@
 // RMM allocation-log CSV: reading (plain or gzip), writing, pairing checks. See expseg/trace.hpp.
 //
-// Traces have millions of lines, so parsing works on string_views of one in-memory buffer with
-// hand-rolled integer parsing (std::from_chars for fractional times); no iostreams, no regex, no
-// per-line allocation.
+// Traces have millions of lines, so parsing works on string_views of lines (read_trace hands them
+// on from 64 KiB chunks or from the gzip decoder's pieces, so the whole text is never in memory)
+// with hand-rolled integer parsing (std::from_chars for fractional times); no iostreams, no regex,
+// no per-line allocation.
 #include "trace/rmm_log.hpp"
 
 #include <algorithm>
@@ -13,11 +14,13 @@
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <memory>
 #include <ostream>
 #include <unordered_map>
 
+#include "core/text.hpp"
 #include "trace/inflate.hpp"
 
 namespace expseg {
@@ -69,16 +72,6 @@ std::string quote(std::string_view s) {
   }
   if (s.size() > kMax) q += "...";
   return q + "\"";
-}
-
-// Length of the valid UTF-8 sequence starting s (lead byte >= 0x80), 0 when invalid.
-std::size_t utf8_sequence_length(std::string_view s) {
-  const auto c = static_cast<unsigned char>(s[0]);
-  const std::size_t n = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
-  if (n == 0 || s.size() < n) return 0;
-  for (std::size_t k = 1; k < n; ++k)
-    if ((static_cast<unsigned char>(s[k]) & 0xC0) != 0x80) return 0;
-  return n;
 }
 
 std::string hex(std::uint64_t v) {
@@ -161,9 +154,13 @@ bool all_digits(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
+// Parses CSV text one line at a time (the header, then one event per line that is not blank), so
+// text in memory and text decoded from a stream take the same path.
 struct Parser {
-  std::string_view text;
   const std::string& file;  // for messages
+  Trace t{};
+  std::size_t line_no = 0;
+  std::vector<int> roles{};  // empty until the header has been read
 
   [[noreturn]] void fail(std::size_t line, const std::string& msg) const { throw trace_error(file, line, msg); }
 
@@ -174,7 +171,7 @@ struct Parser {
       if (c == '\r' && i + 1 < line.size())
         fail(line_no, "carriage return inside a line: only \\n and \\r\\n line endings are supported");
       // Control bytes or invalid UTF-8 in the header: this is not a text file.
-      const std::size_t utf8_len = c < 0x80 ? 1 : utf8_sequence_length(line.substr(i));
+      const std::size_t utf8_len = c < 0x80 ? 1 : core::utf8_sequence_length(line.substr(i));
       if ((c < 0x20 && c != '\t' && c != '\r') || c == 0x7F || utf8_len == 0)
         fail(line_no, "not a CSV trace: binary data in the header line (byte " + hex(c) + " at column " +
                           std::to_string(i + 1) + ")");
@@ -209,76 +206,94 @@ struct Parser {
     fail(line_no, "bad " + std::string(kColumnNames[std::size_t(col)]) + " " + quote(value) + ": " + reason);
   }
 
-  Trace run(const std::string& name) const {
-    Trace t;
-    t.name = name;
-    std::string_view rest = text;
-    if (rest.substr(0, 3) == "\xEF\xBB\xBF") rest.remove_prefix(3);  // UTF-8 BOM
-    if (is_gzip(rest))
-      fail(1, "data is gzip-compressed: read the file with read_trace (or gunzip it first)");
-
-    std::size_t line_no = 0;
-    auto next_line = [&rest, &line_no](std::string_view& line) {
-      if (rest.empty()) return false;
-      const std::size_t nl = rest.find('\n');
-      line = rest.substr(0, nl);
-      rest.remove_prefix(nl == std::string_view::npos ? rest.size() : nl + 1);
-      ++line_no;
-      return true;
-    };
-
-    std::string_view line;
-    bool have_header = false;
-    while (next_line(line))
-      if (!trim(line).empty()) {
-        have_header = true;
-        break;
+  // One line, without its '\n'.
+  void line(std::string_view line) {
+    ++line_no;
+    if (roles.empty()) {
+      if (line_no == 1) {
+        if (line.substr(0, 3) == "\xEF\xBB\xBF") line.remove_prefix(3);  // UTF-8 BOM
+        if (is_gzip(line)) fail(1, "data is gzip-compressed: read the file with read_trace (or gunzip it first)");
       }
-    if (!have_header) fail(0, "empty trace: no header");
-    const std::vector<int> roles = header(line, line_no);
-    const std::size_t ncols = roles.size();
-
-    // Reserve for the lines that have text (a newline right after another ends a blank line), up
-    // to kMaxReserve events: a small .csv.gz of blank or whitespace lines must not reserve an event
-    // per newline. Longer traces grow the vector as they go.
-    constexpr std::size_t kMaxReserve = std::size_t{1} << 20;
-    std::size_t estimate = 1;
-    for (std::size_t i = 1; i < rest.size(); ++i) estimate += rest[i] == '\n' && rest[i - 1] != '\n';
-    t.events.reserve(std::min(estimate, kMaxReserve));
-    std::array<std::string_view, c_count> f;
-    while (next_line(line)) {
-      if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-      if (line.empty() || trim(line).empty()) continue;
-      std::size_t nfields = 0;
-      const char* const lend = line.data() + line.size();
-      for (const char* p = line.data();;) {
-        const char* q = p;
-        while (q != lend && *q != ',') ++q;  // fields are short: a loop beats a memchr call
-        if (nfields < ncols && roles[nfields] != c_ignored) f[std::size_t(roles[nfields])] = std::string_view(p, std::size_t(q - p));
-        ++nfields;
-        if (q == lend) break;
-        p = q + 1;
-      }
-      if (nfields != ncols)
-        fail(line_no, "expected " + std::to_string(ncols) + " comma-separated fields (as in the header), found " +
-                          std::to_string(nfields) + ": " + quote(line));
-      for (auto& v : f)
-        if (!v.empty() && (is_space(v.front()) || is_space(v.back()))) v = trim(v);
-
-      TraceEvent e;
-      e.line = line_no;
-      if (auto err = parse_u64(f[c_thread], e.thread); err != NumError::none) bad(line_no, c_thread, f[c_thread], num_reason(err, false));
-      if (!parse_time(f[c_time], e.time))
-        bad(line_no, c_time, f[c_time], "expected HH:MM:SS.ffffff, HH:MM:SS:ffffff or a non-negative number");
-      if (!parse_action(f[c_action], e.action))
-        bad(line_no, c_action, f[c_action], "expected allocate, free, deallocate, allocate failure, map or unmap");
-      if (auto err = parse_address(f[c_pointer], e.pointer); err != NumError::none) bad(line_no, c_pointer, f[c_pointer], num_reason(err, true));
-      if (auto err = parse_u64(f[c_size], e.size); err != NumError::none) bad(line_no, c_size, f[c_size], num_reason(err, false));
-      if (auto err = parse_address(f[c_stream], e.stream); err != NumError::none) bad(line_no, c_stream, f[c_stream], num_reason(err, true));
-      t.events.push_back(e);
+      if (!trim(line).empty()) roles = header(line, line_no);
+      return;
     }
-    return t;
+    const std::size_t ncols = roles.size();
+    std::array<std::string_view, c_count> f;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty() || trim(line).empty()) return;
+    std::size_t nfields = 0;
+    const char* const lend = line.data() + line.size();
+    for (const char* p = line.data();;) {
+      const char* q = p;
+      while (q != lend && *q != ',') ++q;  // fields are short: a loop beats a memchr call
+      if (nfields < ncols && roles[nfields] != c_ignored) f[std::size_t(roles[nfields])] = std::string_view(p, std::size_t(q - p));
+      ++nfields;
+      if (q == lend) break;
+      p = q + 1;
+    }
+    if (nfields != ncols)
+      fail(line_no, "expected " + std::to_string(ncols) + " comma-separated fields (as in the header), found " +
+                        std::to_string(nfields) + ": " + quote(line));
+    for (auto& v : f)
+      if (!v.empty() && (is_space(v.front()) || is_space(v.back()))) v = trim(v);
+
+    TraceEvent e;
+    e.line = line_no;
+    if (auto err = parse_u64(f[c_thread], e.thread); err != NumError::none) bad(line_no, c_thread, f[c_thread], num_reason(err, false));
+    if (!parse_time(f[c_time], e.time))
+      bad(line_no, c_time, f[c_time], "expected HH:MM:SS.ffffff, HH:MM:SS:ffffff or a non-negative number");
+    if (!parse_action(f[c_action], e.action))
+      bad(line_no, c_action, f[c_action], "expected allocate, free, deallocate, allocate failure, map or unmap");
+    if (auto err = parse_address(f[c_pointer], e.pointer); err != NumError::none) bad(line_no, c_pointer, f[c_pointer], num_reason(err, true));
+    if (auto err = parse_u64(f[c_size], e.size); err != NumError::none) bad(line_no, c_size, f[c_size], num_reason(err, false));
+    if (auto err = parse_address(f[c_stream], e.stream); err != NumError::none) bad(line_no, c_stream, f[c_stream], num_reason(err, true));
+    t.events.push_back(e);
   }
+
+  Trace finish(const std::string& name) {
+    if (roles.empty()) fail(0, "empty trace: no header");
+    t.name = name;
+    return std::move(t);
+  }
+};
+
+// Splits a stream of text pieces into lines for `parser`; a line may span pieces. A line past
+// kMaxLine bytes stops the read: CSV trace lines are short, and an endless one (a device file, a
+// decompressed bomb of one line) must not fill memory.
+class LineFeeder {
+ public:
+  static constexpr std::size_t kMaxLine = std::size_t{1} << 20;
+  explicit LineFeeder(Parser& parser) : parser_(parser) {}
+  void feed(std::string_view piece) {
+    for (;;) {
+      const std::size_t nl = piece.find('\n');
+      if (nl == std::string_view::npos) {
+        if (carry_.size() + piece.size() > kMaxLine) too_long();
+        carry_.append(piece);
+        return;
+      }
+      if (carry_.empty()) {
+        parser_.line(piece.substr(0, nl));
+      } else {
+        if (carry_.size() + nl > kMaxLine) too_long();
+        carry_.append(piece.substr(0, nl));
+        parser_.line(carry_);
+        carry_.clear();
+      }
+      piece.remove_prefix(nl + 1);
+    }
+  }
+  void finish() {
+    if (!carry_.empty()) parser_.line(carry_);
+    carry_.clear();
+  }
+
+ private:
+  [[noreturn]] void too_long() const {
+    parser_.fail(parser_.line_no + 1, "line longer than 1 MiB: not a CSV trace");
+  }
+  Parser& parser_;
+  std::string carry_;
 };
 
 char* put_2digits(char* p, unsigned v) {
@@ -324,27 +339,6 @@ void emit_trace(const std::vector<TraceEvent>& events, bool rmm_strict, Sink&& s
     }
   }
   if (!chunk.empty()) sink(chunk.data(), chunk.size());
-}
-
-std::string read_file(const std::string& path) {
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (!f) throw trace_error(path, 0, std::string("cannot open trace file: ") + std::strerror(errno));
-  std::string data;
-  char buf[1 << 16];
-  for (;;) {
-    const std::size_t n = std::fread(buf, 1, sizeof buf, f.get());
-    // A CSV trace is text: a NUL byte past the first chunk of data that is not gzip means binary
-    // input, and stopping there keeps an endless device (/dev/zero, /dev/urandom) from filling
-    // memory. (A short binary file gets the parser's more precise message.)
-    if (const void* nul = data.empty() ? nullptr : std::memchr(buf, 0, n); nul != nullptr && !is_gzip(data))
-      throw trace_error(path, 0,
-                        "not a CSV trace: binary data (a NUL byte at offset " +
-                            std::to_string(data.size() + static_cast<std::size_t>(static_cast<const char*>(nul) - buf)) + ")");
-    data.append(buf, n);
-    if (n < sizeof buf) break;
-  }
-  if (std::ferror(f.get())) throw trace_error(path, 0, std::string("cannot read trace file: ") + std::strerror(errno));
-  return data;
 }
 
 }  // namespace
@@ -434,20 +428,81 @@ std::string format_trace(const std::vector<TraceEvent>& events, bool rmm_strict)
 }  // namespace trace
 
 Trace parse_trace(std::string_view csv_text, const std::string& name) {
-  return trace::Parser{csv_text, name}.run(name);
+  trace::Parser parser{name};
+  // Reserve for the lines that have text (a newline right after another ends a blank line), up to
+  // kMaxReserve events: a small .csv.gz of blank lines must not reserve an event per newline.
+  constexpr std::size_t kMaxReserve = std::size_t{1} << 20;
+  // (The header's own newline stands in for a last line without one.)
+  std::size_t estimate = 0;
+  for (std::size_t i = 1; i < csv_text.size(); ++i) estimate += csv_text[i] == '\n' && csv_text[i - 1] != '\n';
+  parser.t.events.reserve(std::min(estimate, kMaxReserve));
+  while (!csv_text.empty()) {
+    const std::size_t nl = csv_text.find('\n');
+    parser.line(csv_text.substr(0, nl));
+    csv_text.remove_prefix(nl == std::string_view::npos ? csv_text.size() : nl + 1);
+  }
+  return parser.finish(name);
 }
 
+// Reads as a stream: memory holds the events (and a gzip file's compressed bytes), never the whole
+// text, so a trace of tens of millions of lines, or a small .gz that inflates to gigabytes, costs
+// what its events cost.
 Trace read_trace(const std::string& path) {
-  std::string data = trace::read_file(path);
-  if (trace::is_gzip(data)) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!f) throw trace_error(path, 0, std::string("cannot open trace file: ") + std::strerror(errno));
+  trace::Parser parser{path};
+  trace::LineFeeder lines(parser);
+  std::string compressed;  // a gzip file is read whole, then decoded as a stream
+  bool gzip = false;
+  std::size_t offset = 0;
+  static constexpr std::size_t kChunk = std::size_t{1} << 16;
+  std::unique_ptr<char[]> buf(new char[kChunk]);
+  for (;;) {
+    const std::size_t n = std::fread(buf.get(), 1, kChunk, f.get());
+    if (offset == 0) gzip = trace::is_gzip(std::string_view(buf.get(), n));
+    if (gzip) {
+      compressed.append(buf.get(), n);
+    } else {
+      // A CSV trace is text: a NUL byte past the first chunk means binary input, and stopping
+      // there keeps an endless device (/dev/zero, /dev/urandom) from running on. (A short binary
+      // file gets the parser's more precise message.)
+      if (const void* nul = offset == 0 ? nullptr : std::memchr(buf.get(), 0, n); nul != nullptr)
+        throw trace_error(path, 0,
+                          "not a CSV trace: binary data (a NUL byte at offset " +
+                              std::to_string(offset + static_cast<std::size_t>(static_cast<const char*>(nul) - buf.get())) + ")");
+      lines.feed(std::string_view(buf.get(), n));
+    }
+    offset += n;
+    if (n < kChunk) break;
+  }
+  if (std::ferror(f.get())) throw trace_error(path, 0, std::string("cannot read trace file: ") + std::strerror(errno));
+  if (gzip) {
+    // A parse error stops the parsing, not the decoding: when the data is corrupt, the gzip check at
+    // the member's end is the error to report, not the garbage text it produced.
+    std::exception_ptr parse_error;
+    std::string head;  // the first two decoded bytes
+    const trace::ChunkSink to_lines = [&](std::string_view piece) {
+      if (head.size() < 2) {
+        head.append(piece.substr(0, 2 - head.size()));
+        if (trace::is_gzip(head))
+          throw trace_error(path, 0, "compressed twice (gzip inside gzip): gunzip it once, then read the result");
+      }
+      if (parse_error) return;
+      try {
+        lines.feed(piece);
+      } catch (const trace_error&) {
+        parse_error = std::current_exception();
+      }
+    };
     try {
-      data = trace::gunzip(data);
+      trace::gunzip(compressed, to_lines);
     } catch (const trace::gzip_error& e) {
       throw trace_error(path, 0, std::string("corrupt gzip: ") + e.what());
     }
-    if (trace::is_gzip(data)) throw trace_error(path, 0, "compressed twice (gzip inside gzip): gunzip it once, then read the result");
+    if (parse_error) std::rethrow_exception(parse_error);
   }
-  return trace::Parser{data, path}.run(std::filesystem::path(path).filename().string());
+  lines.finish();
+  return parser.finish(std::filesystem::path(path).filename().string());
 }
 
 void write_trace(std::ostream& out, const std::vector<TraceEvent>& events, bool rmm_strict) {
@@ -484,6 +539,8 @@ void validate_trace(const Trace& trace) {
   };
   for (std::size_t i = 0; i < ev.size(); ++i) {
     const auto& e = ev[i];
+    // allocate(0) gives nullptr (RMM, CUDA): many may be live at once; free(nullptr) is a no-op.
+    if (e.pointer == 0 && (e.action == TraceAction::free || (e.action == TraceAction::allocate && e.size == 0))) continue;
     if (e.action == TraceAction::allocate) {
       const auto [it, inserted] = live.try_emplace(e.pointer, i);
       if (!inserted)

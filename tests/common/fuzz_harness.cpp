@@ -601,9 +601,13 @@ void Harness::check_stats() {
   require(s.allocation[kAllPools].current == static_cast<std::int64_t>(live_.size()),
           "allocation.all.current " + std::to_string(s.allocation[kAllPools].current) + " != " + std::to_string(live_.size()) +
               " live allocations in the model");
-  require(s.requested_bytes[kAllPools].current == static_cast<std::int64_t>(live_requested_),
+  // A pending free still counts its request until its streams are done, as in PyTorch (after_op
+  // has brought pending_ up to date).
+  std::size_t pending_requested = 0;
+  for (const auto& [addr, p] : pending_) pending_requested += p.block.size;
+  require(s.requested_bytes[kAllPools].current == static_cast<std::int64_t>(live_requested_ + pending_requested),
           "requested_bytes.all.current " + std::to_string(s.requested_bytes[kAllPools].current) + " != model " +
-              std::to_string(live_requested_));
+              std::to_string(live_requested_) + " live + " + std::to_string(pending_requested) + " pending");
   require(allocated >= static_cast<std::int64_t>(live_requested_), "allocated_bytes below the requested bytes");
   require(allocated <= active, "allocated_bytes > active_bytes");
   require(active <= reserved, "active_bytes > reserved_bytes");

@@ -42,6 +42,7 @@ State capture(SimAllocator& sa, bool ignore_oom_counters = false) {
   if (ignore_oom_counters) {
     stats.num_ooms = 0;
     stats.num_alloc_retries = 0;
+    stats.num_sync_all_streams = 0;  // the retry's release_cached_blocks synchronizes, as PyTorch's does
   }
   return State{snap.to_json(), stats.to_json(), sa.sim->live()};
 }

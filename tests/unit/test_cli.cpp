@@ -492,3 +492,13 @@ TEST_CASE("cli: a scenario's OOM written by oom_dump, then explain: the dump and
   CHECK(run_cli("explain '" + dump + "' --html x.html --no-replay").status == 2);
   fs::remove_all(dir);
 }
+
+TEST_CASE("cli: --device sim: or cuda: with nothing after the colon is refused, not read as the default") {
+  // Was: an 80 GiB simulated device (or cuda:0) without a word, e.g. from an empty shell variable.
+  for (const char* d : {"sim:", "cuda:"}) {
+    CAPTURE(d);
+    const Run r = run_cli(std::string("scenario split-800-500-300 --backend split_merge --device ") + d);
+    CHECK(r.status == 2);
+    CHECK(r.err.find("nothing after the ':'") != std::string::npos);
+  }
+}

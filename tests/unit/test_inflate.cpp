@@ -2,6 +2,7 @@
 // corrupt streams, round trips of our encoder, truncation at every cut point, flipped bits.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -540,3 +541,47 @@ TEST_CASE("inflate: a corrupted payload names the problem") {
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("inflate: gunzip to a sink hands on bounded pieces that add up to the whole output") {
+  // Text that back-references across the points where the decoder hands a piece on and keeps only
+  // its 32 KiB window: any error in that window shift changes the bytes.
+  std::mt19937_64 rng(7);
+  std::string text;
+  while (text.size() < (std::size_t{13} << 20)) {
+    const std::size_t n = 1 + rng() % 200;
+    if (text.size() > 40000 && rng() % 2 == 0) {
+      const std::size_t from = text.size() - 1 - rng() % 32000;  // a repeat within DEFLATE's reach
+      for (std::size_t i = 0; i < n; ++i) text.push_back(text[from + i]);
+    } else {
+      for (std::size_t i = 0; i < n; ++i) text.push_back(char('a' + rng() % 26));
+    }
+  }
+  // Two members: the window must not reach back from the second into the first.
+  const std::string gz = gzip_compress(text) + gzip_compress(text.substr(0, 5 << 20));
+  std::string joined;
+  std::size_t pieces = 0, largest = 0;
+  gunzip(gz, [&](std::string_view piece) {
+    ++pieces;
+    largest = std::max(largest, piece.size());
+    joined.append(piece);
+  });
+  CHECK(joined.size() == text.size() + (5 << 20));
+  CHECK(joined == text + text.substr(0, 5 << 20));
+  CHECK(pieces >= 4);
+  CHECK(largest <= (std::size_t{4} << 20) + (std::size_t{1} << 16));  // a few MiB, not the output size
+  CHECK(gunzip(gz) == joined);
+}
+
+TEST_CASE("inflate: gunzip to a sink still checks every member's CRC-32 and size") {
+  std::string gz = gzip_compress(std::string(6 << 20, 'x') + "tail");
+  gz[gz.size() - 8] = char(gz[gz.size() - 8] ^ 1);  // the stored CRC-32
+  std::size_t seen = 0;
+  std::string message;
+  try {
+    gunzip(gz, [&](std::string_view piece) { seen += piece.size(); });
+  } catch (const gzip_error& e) {
+    message = e.what();
+  }
+  CHECK(starts_with(message, "CRC-32 mismatch"));
+  CHECK(seen == (6u << 20) + 4);  // the data came through; the error comes at the member's end
+}

@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <cmath>
 #include <limits>
@@ -64,17 +65,63 @@ TEST_CASE("json: writer escapes quotes, backslash and control characters; UTF-8 
   CHECK(w.str() == "{\"k\\\"ey\":\"v\\nal\"}");
 }
 
-TEST_CASE("json: every byte string survives write then parse") {
+// An independent UTF-8 check (RFC 3629), by code point.
+static bool valid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const int n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (n == 0 || i + static_cast<std::size_t>(n) > s.size()) return false;
+    std::uint32_t cp = n == 1 ? c : c & (0x7Fu >> n);
+    for (int k = 1; k < n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + static_cast<std::size_t>(k)]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = cp << 6 | (d & 0x3Fu);
+    }
+    const std::uint32_t min[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+TEST_CASE("json: UTF-8 text survives write then parse; other bytes become U+FFFD, so the output is always UTF-8") {
   std::mt19937_64 rng(42);
+  std::size_t replaced = 0;
   for (int round = 0; round < 500; ++round) {
     std::string s;
     const int n = static_cast<int>(rng() % 40);
     for (int i = 0; i < n; ++i) s += static_cast<char>(rng() % 256);
     JsonWriter w;
     w.begin_array().value(s).end_array();
+    CHECK(valid_utf8(w.str()));  // RFC 8259: a file name of Latin-1 bytes must not break a JSON reader
     const JsonValue v = parse_json(w.str());
-    REQUIRE(v[0].as_string() == s);
+    if (valid_utf8(s)) {
+      REQUIRE(v[0].as_string() == s);
+    } else {
+      ++replaced;
+      CHECK(v[0].as_string().find("\xEF\xBF\xBD") != std::string::npos);
+    }
   }
+  CHECK(replaced > 100);
+  // Every code point, encoded, round-trips unchanged.
+  for (int round = 0; round < 500; ++round) {
+    std::string s;
+    for (int i = 0; i < 20; ++i) {
+      std::uint32_t cp = static_cast<std::uint32_t>(rng() % 0x110000);
+      if (cp >= 0xD800 && cp <= 0xDFFF) cp = 0xFFFD;
+      if (cp < 0x80) s += static_cast<char>(cp);
+      else if (cp < 0x800) s += {static_cast<char>(0xC0 | cp >> 6), static_cast<char>(0x80 | (cp & 0x3F))};
+      else if (cp < 0x10000) s += {static_cast<char>(0xE0 | cp >> 12), static_cast<char>(0x80 | (cp >> 6 & 0x3F)), static_cast<char>(0x80 | (cp & 0x3F))};
+      else s += {static_cast<char>(0xF0 | cp >> 18), static_cast<char>(0x80 | (cp >> 12 & 0x3F)), static_cast<char>(0x80 | (cp >> 6 & 0x3F)), static_cast<char>(0x80 | (cp & 0x3F))};
+    }
+    REQUIRE(valid_utf8(s));
+    JsonWriter w;
+    w.begin_array().value(s).end_array();
+    REQUIRE(parse_json(w.str())[0].as_string() == s);
+  }
+  CHECK(json_escape("lat\xE9.csv") == "lat\xEF\xBF\xBD.csv");               // Latin-1 e-acute
+  CHECK(json_escape("\xED\xA0\x80") == "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // a surrogate, byte by byte
+  CHECK(json_escape("\xC0\xAF") == "\xEF\xBF\xBD\xEF\xBF\xBD");                   // overlong '/'
 }
 
 TEST_CASE("json: doubles print plainly when integral, round-trip otherwise, null when not finite") {

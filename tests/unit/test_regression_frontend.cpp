@@ -9,7 +9,14 @@
 //     cached oversize block.
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <future>
+#include <memory>
+#include <thread>
 
 #include "expseg/trace.hpp"
 #include "test_util.hpp"
@@ -92,4 +99,45 @@ TEST_CASE("regression: a huge max_non_split_rounding_mb lets a cached oversize b
   CHECK(a.stats().num_device_alloc == 1);  // was 2: the cached block was never reused
   CHECK(a.stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(64 * MiB));
   a.deallocate(q);
+}
+
+TEST_CASE("regression: an OOM observer that owns memory of its allocator is destroyed outside the lock, and before the backend") {
+  // A "rainy-day reserve" released by the observer's destructor frees memory of the same
+  // allocator. Was: set_oom_observer destroyed the old observer under the allocator lock (the
+  // free re-took it: a self-deadlock), and ~Allocator destroyed it after the backend (a use after
+  // free).
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto a = std::make_unique<expseg::Allocator>(sim_config(b, 1 * GiB));
+    expseg::Allocator* raw = a.get();
+    std::atomic<int> released{0};
+    auto owning_observer = [&] {
+      std::shared_ptr<void> reserve(raw->allocate(64 * MiB), [raw, &released](void* p) {
+        raw->deallocate(p);
+        released.fetch_add(1);
+      });
+      return [reserve](const expseg::OomReport&) {};
+    };
+    for (const bool replace : {false, true}) {
+      a->set_oom_observer(owning_observer());
+      CHECK(a->stats().allocation[kAllPools].current == 1);
+      std::packaged_task<void()> task([&] {
+        if (replace) a->set_oom_observer([](const expseg::OomReport&) {});
+        else a->set_oom_observer(nullptr);
+      });
+      auto done = task.get_future();
+      std::thread t(std::move(task));
+      if (done.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+        std::fprintf(stderr, "set_oom_observer deadlocked (the old observer freed memory under the lock)\n");
+        std::_Exit(1);  // a hung thread cannot be joined: fail the suite rather than hang it
+      }
+      t.join();
+      CHECK(a->stats().allocation[kAllPools].current == 0);
+      a->validate();
+    }
+    CHECK(released.load() == 2);
+    a->set_oom_observer(owning_observer());
+    a.reset();  // the observer's reserve is freed while the allocator still works
+    CHECK(released.load() == 3);
+  }
 }

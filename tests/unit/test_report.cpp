@@ -301,7 +301,7 @@ TEST_CASE("report: replay groups escape odd names and mark every OOM") {
 
   expseg::ReportOptions opt;
   opt.title = "A <title> & more";
-  opt.subtitle = "sub \"title\" <b>not bold</b>";
+  opt.subtitle = "sub \"title\" <b>not bold</b> from lat\xE9.csv";  // a Latin-1 byte: not UTF-8
   const expseg::ReportGroup groups[] = {g};
   const std::string page = expseg::render_html_report(groups, opt);
   const XmlCheck x = check_xml(page);
@@ -312,6 +312,8 @@ TEST_CASE("report: replay groups escape odd names and mark every OOM") {
   CHECK(page.find("odd &lt;trace&gt; &amp; &quot;name&quot;.csv") != std::string::npos);
   CHECK(page.find("A &lt;title&gt; &amp; more") != std::string::npos);
   CHECK(page.find("<b>not bold</b>") == std::string::npos);
+  CHECK(page.find("lat\xEF\xBF\xBD.csv") != std::string::npos);  // U+FFFD: the page stays UTF-8
+  CHECK(page.find('\xE9') == std::string::npos);
   CHECK(page.find("Trace &lt;description&gt; with &amp; and &#39;quotes&#39;.") != std::string::npos);
   CHECK(count(page, "class=\"oom\"") == ooms);
   CHECK(count(page, "<svg class=\"chart\"") == 1);

@@ -591,4 +591,54 @@ TEST_CASE("trace: blank lines do not make the parser reserve an event per newlin
   }
 }
 
+TEST_CASE("trace: read_trace reads as a stream, with lines across every chunk and piece boundary") {
+  // ~9 MiB of text: the plain reader's 64 KiB chunks and the gzip decoder's pieces (a few MiB)
+  // both end inside lines; line numbers and blank and CRLF lines must come out as in memory.
+  std::string text = "\xEF\xBB\xBF\n" + std::string(kHeader);
+  for (int i = 0; text.size() < (std::size_t{9} << 20); ++i) {
+    text += std::to_string(i % 7) + "," + std::to_string(i) + ".5,allocate,0x" + std::to_string(1000 + i) + "0," + std::to_string(512 * (i % 97 + 1)) + ",0x0";
+    text += i % 11 == 0 ? "\r\n" : "\n";
+    if (i % 13 == 0) text += "  \n";
+  }
+  text += "1,5,free,0x10000,512,0x0";  // no newline at the end
+  const auto in_memory = expseg::parse_trace(text, "t.csv");
+  TempDir dir;
+  for (const bool gz : {false, true}) {
+    CAPTURE(gz);
+    const std::string path = dir.file(gz ? "big.csv.gz" : "big.csv");
+    write_bytes(path, gz ? expseg::trace::gzip_compress(text) : text);
+    const auto t = expseg::read_trace(path);
+    check_same_events(t.events, in_memory.events);
+    REQUIRE(!t.events.empty());
+    CHECK(t.events.back().line == in_memory.events.back().line);
+    CHECK(t.events[1000].line == in_memory.events[1000].line);
+    CHECK(t.name == (gz ? "big.csv.gz" : "big.csv"));
+  }
+}
+
+TEST_CASE("trace: read_trace stops at a line longer than 1 MiB instead of buffering it") {
+  TempDir dir;
+  const std::string long_line = std::string(kHeader) + "1,1,allocate,0x10,4096,0\n" + std::string((1 << 20) + 10, '7');
+  for (const bool gz : {false, true}) {
+    CAPTURE(gz);
+    const std::string path = dir.file(gz ? "long.csv.gz" : "long.csv");
+    write_bytes(path, gz ? expseg::trace::gzip_compress(long_line) : long_line);
+    const auto c = catch_trace_error([&] { expseg::read_trace(path); });
+    CHECK(c.line == 3);
+    CHECK(c.what == path + ":3: line longer than 1 MiB: not a CSV trace");
+  }
+}
+
+TEST_CASE("trace: a corrupt .gz is reported as corrupt even where its text also fails to parse") {
+  // The decoder hands text on before the member's CRC-32 is checked; the parse error of the text
+  // must not hide the corruption behind it.
+  TempDir dir;
+  const std::string path = dir.file("corrupt.csv.gz");
+  std::string gz = expseg::trace::gzip_compress(std::string(kHeader) + "1,0,allocate,0x10,-5,0x0\n");
+  gz[gz.size() - 8] = char(gz[gz.size() - 8] ^ 0x40);
+  write_bytes(path, gz);
+  const auto c = catch_trace_error([&] { expseg::read_trace(path); });
+  CHECK(c.what.rfind(path + ": corrupt gzip: CRC-32 mismatch", 0) == 0);
+}
+
 }  // TEST_SUITE

@@ -1161,10 +1161,8 @@ void ExpandableBackend::validate() const {
           if (!b->mapped) broken("allocated block is not mapped");
           if (b->requested > b->size) broken("requested size larger than block");
           active[b->pool] += static_cast<std::int64_t>(b->size);
-          if (b->status == BlockStatus::allocated) {
-            allocated[b->pool] += static_cast<std::int64_t>(b->size);
-            requested[b->pool] += static_cast<std::int64_t>(b->requested);
-          }
+          requested[b->pool] += static_cast<std::int64_t>(b->requested);  // pending blocks too, as PyTorch counts them
+          if (b->status == BlockStatus::allocated) allocated[b->pool] += static_cast<std::int64_t>(b->size);
           for (std::size_t f = f0; f <= f1;) {
             const ExpHandle* h = seg->frames[f];
             const std::uint64_t lo = frame_addr(*seg, h->first_frame);

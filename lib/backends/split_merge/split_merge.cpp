@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <utility>
 
@@ -102,6 +103,7 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
   if (is_retry) stats.num_alloc_retries += 1;
   const std::size_t size = p.alloc_size;
   if (ctx_.limit != 0 && (size > ctx_.limit || total_allocated_memory_ > ctx_.limit - size)) return false;
+  auto owned = std::make_unique<SmSegment>();  // before the driver call: a bad_alloc leaks nothing
   driver::dev_ptr ptr = 0;
   try {
     ptr = ctx_.driver.mem_alloc(size);
@@ -109,8 +111,8 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
     if (e.is_out_of_memory()) return false;
     throw;
   }
-  auto* seg = new SmSegment;
-  Block* b = blocks_.make();
+  SmSegment* seg = owned.release();
+  Block* b = blocks_.make();  // cannot throw: allocate() reserved two blocks
   seg->base = ptr;
   seg->size = size;
   seg->stream = p.stream;
@@ -276,10 +278,13 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   if (found) {
     ctx_.stats.num_free_blocks -= 1;
   } else {
+    blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
     if (ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0 && !cupy()) garbage_collect_cached_blocks();
     if (cupy()) {
-      // CuPy: over the limit or out of device memory -> free all unsplit cached blocks, retry once.
-      found = alloc_block(p, false) || (release_cached_blocks() && alloc_block(p, true));
+      // CuPy (_try_malloc): over the limit -> OutOfMemoryError at once, the cache kept; out of device
+      // memory -> free all unsplit cached blocks and retry once.
+      const bool over_limit = ctx_.limit != 0 && (p.alloc_size > ctx_.limit || total_allocated_memory_ > ctx_.limit - p.alloc_size);
+      found = alloc_block(p, false) || (!over_limit && release_cached_blocks() && alloc_block(p, true));
     } else {
       found = alloc_block(p, false) || (release_available_cached_blocks(p) && alloc_block(p, false)) ||
               (release_cached_blocks() && alloc_block(p, true));
@@ -382,10 +387,8 @@ void SplitMergeBackend::validate() const {
         if (b->free_hook.is_linked()) broken("allocated block is in a free index");
         if (b->requested > b->size) broken("requested size larger than block");
         active[b->pool] += static_cast<std::int64_t>(b->size);
-        if (b->status == BlockStatus::allocated) {
-          allocated[b->pool] += static_cast<std::int64_t>(b->size);
-          requested[b->pool] += static_cast<std::int64_t>(b->requested);
-        }
+        requested[b->pool] += static_cast<std::int64_t>(b->requested);  // pending blocks too, as PyTorch counts them
+        if (b->status == BlockStatus::allocated) allocated[b->pool] += static_cast<std::int64_t>(b->size);
       }
     }
     if (expect != seg.base + seg.size) broken("blocks do not cover their segment");

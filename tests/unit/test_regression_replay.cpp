@@ -1,0 +1,74 @@
+// Regressions in trace replay (found by an audit of replay, the recorder and the CLI):
+//   - OOM and chart positions counted replayed operations, not trace events (map/unmap lines and
+//     skipped frees shifted them), so the HTML named the wrong event;
+//   - several live allocate(0) at pointer 0x0 (RMM logs nullptr for them) were refused as a
+//     pointer allocated twice;
+//   - an "allocate failure" that succeeds in replay was left out of peak_requested_bytes;
+//   - JSON and HTML passed bytes that are not UTF-8 (a Latin-1 file name) through.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "expseg/report.hpp"
+#include "expseg/trace.hpp"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+
+namespace {
+constexpr const char* kHdr = "Thread,Time,Action,Pointer,Size,Stream\n";
+}
+
+TEST_CASE("replay regression: OOM and series positions are indexes of trace events") {
+  const std::string csv = std::string(kHdr) +
+                          "1,0,map,0x7000,2097152,0x0\n1,1,map,0x8000,2097152,0x0\n"
+                          "1,2,map,0x9000,2097152,0x0\n1,3,allocate,0x1000,1048576,0x0\n"
+                          "1,4,allocate,0x2000,99999999999999,0x0\n1,5,free,0x1000,1048576,0x0\n";
+  const expseg::Trace t = expseg::parse_trace(csv, "map.csv");
+  expseg::ReplayOptions o;
+  o.series_points = 100;
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    const auto r = expseg::replay(t, sim_config(b, 1 * GiB), o);
+    REQUIRE(r.ooms == 1);
+    CHECK(r.oom_events == std::vector<std::uint64_t>{4});  // was {1}
+    REQUIRE(!r.series.empty());
+    CHECK(r.series.back().event == 5);  // was 2
+  }
+}
+
+TEST_CASE("replay regression: several live allocate(0) at pointer 0x0 replay, as RMM logs them") {
+  const std::string csv = std::string(kHdr) +
+                          "1,0,allocate,0x0,0,0x0\n1,1,allocate,0x7f0000000000,4096,0x0\n"
+                          "1,2,allocate,0x0,0,0x0\n1,3,free,0x0,0,0x0\n1,4,free,0x7f0000000000,4096,0x0\n1,5,free,0x0,0,0x0\n";
+  const expseg::Trace t = expseg::parse_trace(csv, "zero.csv");
+  CHECK_NOTHROW(expseg::validate_trace(t));
+  const auto r = expseg::replay(t, sim_config(BackendKind::split_merge));  // threw: allocated again while live
+  CHECK(r.allocations == 3);
+  CHECK(r.frees == 3);
+  CHECK(r.skipped_frees == 0);
+  CHECK(r.ooms == 0);
+  expseg::ReplayOptions lenient;
+  lenient.lenient = true;
+  CHECK(expseg::replay(t, sim_config(BackendKind::split_merge), lenient).skipped_frees == 0);  // was 2
+}
+
+TEST_CASE("replay regression: a recorded allocation failure that succeeds now counts in peak_requested_bytes") {
+  const std::string csv = std::string(kHdr) +
+                          "1,0,allocate failure,0x0,104857600,0x0\n"
+                          "1,1,allocate,0x1000,1024,0x0\n1,2,free,0x1000,1024,0x0\n";
+  const auto r = expseg::replay(expseg::parse_trace(csv, "f.csv"), sim_config(BackendKind::split_merge));
+  REQUIRE(r.ooms == 0);
+  CHECK(r.peak_allocated_bytes == 104857600);
+  CHECK(r.peak_requested_bytes == 104857600);  // was 1024
+  CHECK(r.peak_requested_bytes == r.stats.requested_bytes[expseg::kAllPools].peak);
+}
+
+TEST_CASE("replay regression: a file name that is not UTF-8 gives valid UTF-8 JSON") {
+  expseg::Trace t = expseg::parse_trace(std::string(kHdr) + "1,0,allocate,0x1000,4096,0x0\n1,1,free,0x1000,4096,0x0\n", "x");
+  t.name = "lat\xE9.csv";  // Latin-1
+  const std::string json = expseg::replay(t, sim_config(BackendKind::split_merge)).to_json();
+  CHECK(json.find("\"trace\":\"lat\xEF\xBF\xBD.csv\"") != std::string::npos);  // U+FFFD, not the raw 0xE9
+  CHECK(json.find('\xE9') == std::string::npos);
+}

@@ -1,0 +1,104 @@
+// Regressions found by comparing split_merge rule by rule with PyTorch's CUDACachingAllocator and
+// CuPy's MemoryPool, and a host-memory failure midway through a new segment. Each case failed on
+// the code before its fix.
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::Allocator;
+using expseg::BackendKind;
+using expseg::kAllPools;
+using expseg::kLargePool;
+
+namespace {
+// Fails the next aligned array allocation (BlockPool's chunks of alignas(64) blocks) on this thread.
+thread_local bool g_fail_next_aligned_array_new = false;
+}  // namespace
+
+// Replaced for the whole test binary; without the flag they behave as the library's own.
+void* operator new[](std::size_t n, std::align_val_t al) {
+  if (g_fail_next_aligned_array_new) {
+    g_fail_next_aligned_array_new = false;
+    throw std::bad_alloc();
+  }
+  const std::size_t a = static_cast<std::size_t>(al);
+  void* p = std::aligned_alloc(a, (n + a - 1) / a * a);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+TEST_SUITE("split_merge") {
+
+TEST_CASE("split_merge regression: num_sync_all_streams counts every release of the cache, pending frees or not") {
+  // PyTorch: synchronize_and_free_events increments it unconditionally, and release_cached_blocks
+  // (empty_cache, the OOM retry) always calls it.
+  Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:100MiB"));
+  a.deallocate(a.allocate(30 * MiB));
+  a.release_cached();
+  CHECK(a.stats().num_sync_all_streams == 1);  // was 0
+  a.deallocate(a.allocate(60 * MiB));
+  void* y = a.allocate(70 * MiB);  // the limit: release_cached_blocks, then the retry
+  CHECK(a.stats().num_alloc_retries == 1);
+  CHECK(a.stats().num_sync_all_streams == 2);  // was 0
+  a.deallocate(y);
+}
+
+TEST_CASE("split_merge regression: a freed block waiting for a recorded stream keeps its requested bytes, not its oversize count") {
+  // PyTorch's free() takes down oversize_allocations at once; free_block(), once the streams are
+  // done, takes down requested_bytes.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(static_cast<int>(b));
+    auto sa = make_sim_allocator(sim_config(b, 80 * GiB, "max_split_size_mb:64"));
+    void* other = sa.sim->stream_create();
+    const std::size_t req = 100 * MiB + 1;
+    void* p = sa->allocate(req);
+    CHECK(sa->stats().oversize_allocations.current == 1);
+    sa->record_stream(p, other);
+    sa.sim->set_stream_busy(other, true);
+    sa->deallocate(p);
+    auto s = sa->stats();
+    CHECK(s.allocated_bytes[kAllPools].current == 0);
+    CHECK(s.active_bytes[kAllPools].current > 0);
+    CHECK(s.requested_bytes[kAllPools].current == static_cast<std::int64_t>(req));  // was 0
+    CHECK(s.oversize_allocations.current == 0);                                     // was 1
+    sa->validate();
+    sa.sim->set_stream_busy(other, false);
+    sa->release_cached();
+    s = sa->stats();
+    CHECK(s.requested_bytes[kAllPools].current == 0);
+    CHECK(s.active_bytes[kAllPools].current == 0);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(other);
+  }
+}
+
+TEST_CASE("split_merge regression: a bad_alloc while splitting a new segment leaves nothing behind") {
+  Allocator a(sim_config(BackendKind::split_merge));
+  std::vector<void*> small;  // 254 blocks and the remainder: 255 of the pool's first 256 Block objects
+  for (int i = 0; i < 254; ++i) small.push_back(a.allocate(512));
+  g_fail_next_aligned_array_new = true;  // the next Block chunk
+  // Was: the segment was created, then the split's Block allocation threw: its only block was in
+  // no index, validate() failed and release_cached() could never give its 20 MiB back.
+  try {
+    void* p = a.allocate(5 * MiB);
+    a.deallocate(p);
+  } catch (const std::bad_alloc&) {
+    // Also acceptable: failing before anything changed.
+  }
+  g_fail_next_aligned_array_new = false;
+  CHECK_NOTHROW(a.validate());
+  a.release_cached();
+  CHECK(a.stats().reserved_bytes[kLargePool].current == 0);
+  for (void* p : small) a.deallocate(p);
+  a.validate();
+}
+
+}  // TEST_SUITE
