@@ -78,7 +78,7 @@ void check_stats(const Allocator& a) {
   CHECK(active <= reserved);
   if (a.limit() != 0) CHECK(reserved <= static_cast<std::int64_t>(a.limit()));
   CHECK(s.total_bytes() == s.used_bytes() + s.free_bytes());
-  CHECK(s.requested_bytes[kAllPools].current <= allocated);
+  CHECK(s.requested_bytes[kAllPools].current <= active);  // frees still pending (record_stream) keep their request, as in PyTorch
   for (int p = 0; p < expseg::kStatPools; ++p) {
     CHECK(s.reserved_bytes[p].peak >= s.reserved_bytes[p].current);
     CHECK(s.allocated_bytes[p].peak >= s.allocated_bytes[p].current);
