@@ -273,6 +273,12 @@ class LineFeeder {
         return;
       }
       if (carry_.empty()) {
+        if (nl == 0) {  // a run of empty lines, counted at once (a .gz may hold billions)
+          const std::size_t run = std::min(piece.find_first_not_of('\n'), piece.size());
+          parser_.line_no += run;
+          piece.remove_prefix(run);
+          continue;
+        }
         parser_.line(piece.substr(0, nl));
       } else {
         if (carry_.size() + nl > kMaxLine) too_long();

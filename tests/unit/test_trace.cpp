@@ -599,6 +599,7 @@ TEST_CASE("trace: read_trace reads as a stream, with lines across every chunk an
     text += std::to_string(i % 7) + "," + std::to_string(i) + ".5,allocate,0x" + std::to_string(1000 + i) + "0," + std::to_string(512 * (i % 97 + 1)) + ",0x0";
     text += i % 11 == 0 ? "\r\n" : "\n";
     if (i % 13 == 0) text += "  \n";
+    if (i % 17 == 0) text += std::string(static_cast<std::size_t>(i % 5), '\n');  // runs of empty lines
   }
   text += "1,5,free,0x10000,512,0x0";  // no newline at the end
   const auto in_memory = expseg::parse_trace(text, "t.csv");
