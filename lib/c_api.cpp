@@ -189,6 +189,13 @@ Config effective_config_locked() {
   return c;
 }
 
+// What an allocator created now gets: the configuration and expseg_set_record_default's override.
+Config new_allocator_config_locked() {
+  Config c = effective_config_locked();
+  if (shared().record_default) std::tie(c.record, c.record_ring) = *shared().record_default;
+  return c;
+}
+
 // The device's allocator, created on first use. nullptr (with the error set) on failure.
 Allocator* get_or_create(int device, const char* fn) noexcept {
   if (!valid_device(device, fn)) return nullptr;
@@ -198,9 +205,7 @@ Allocator* get_or_create(int device, const char* fn) noexcept {
     std::lock_guard<std::mutex> lock(s.mu);
     Allocator* a = g_alloc[device].load(std::memory_order_relaxed);
     if (a == nullptr) {
-      Config c = effective_config_locked();
-      if (s.record_default) std::tie(c.record, c.record_ring) = *s.record_default;
-      a = new Allocator(c, device);
+      a = new Allocator(new_allocator_config_locked(), device);
       g_alloc[device].store(a, std::memory_order_release);
     }
     return a;
@@ -379,7 +384,7 @@ const char* expseg_config(int device) noexcept {
     Shared& s = shared();
     std::lock_guard<std::mutex> lock(s.mu);
     if (Allocator* a = existing(device)) return put(kConfigBuf, a->config().to_string());
-    return put(kConfigBuf, effective_config_locked().to_string());
+    return put(kConfigBuf, new_allocator_config_locked().to_string());  // the one it would be created with
   } catch (...) {
     fail_current(fn);
     return nullptr;

@@ -567,7 +567,7 @@ const Entry kEntries[] = {
     "at every OOM write report, snapshot, config and recorded trace to this file (%p pid, %d device, %n OOM number)"},
    parse_oom_dump, [](const Config& c) { return c.oom_dump.empty() ? std::string("none") : c.oom_dump; }},
   // --- PyTorch's keys, with PyTorch's meaning ---
-  {{"max_split_size_mb", "MiB|unlimited", "unlimited", "PyTorch: blocks this large or larger are never split (> 20)"},
+  {{"max_split_size_mb", "MiB|unlimited", "unlimited", "PyTorch: blocks this large or larger are never split (>= 20)"},
    parse_max_split_size,
    [](const Config& c) { return c.max_split_size == SIZE_MAX ? std::string("unlimited") : std::to_string(c.max_split_size / kMiB); }},
   {{"max_non_split_rounding_mb", "MiB", "20", "PyTorch: an oversize request may reuse a cached block up to this much larger"},

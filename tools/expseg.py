@@ -12,6 +12,7 @@ EXPSEG_ALLOC_CONF's syntax and are applied over it. Every failure raises ExpsegE
 import ctypes
 import ctypes.util
 import json
+import operator
 import os
 import sys
 
@@ -150,9 +151,32 @@ def _text(ptr, what):
 
 
 def _device(device):
-    """A device index as the C API takes it; ctypes would wrap an out-of-range int into another device."""
-    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < MAX_DEVICES:
-        raise ExpsegError("device %r is out of range (0 .. %d)" % (device, MAX_DEVICES - 1), INVALID_DEVICE)
+    """A device index as the C API takes it, from what PyTorch accepts as a CUDA device: an int (numpy's too),
+    "cuda" / "cuda:N", a torch.device, or None for the current device. Range-checked: ctypes would wrap an
+    out-of-range int into another device."""
+    given = device
+    if device is None or device == "cuda":
+        torch = sys.modules.get("torch")
+        started = torch is not None and getattr(torch.cuda, "is_initialized", lambda: False)()
+        device = torch.cuda.current_device() if started else 0
+    elif isinstance(device, str):
+        if not device.startswith("cuda:") or not device[5:].isdigit():
+            raise ExpsegError("device %r is not a CUDA device (expected an index, 'cuda' or 'cuda:N')" % (device,),
+                              INVALID_DEVICE)
+        device = int(device[5:])
+    elif hasattr(device, "type") and hasattr(device, "index"):  # torch.device
+        if device.type != "cuda":
+            raise ExpsegError("device %r is not a CUDA device" % (device,), INVALID_DEVICE)
+        return _device(device.index)
+    if isinstance(device, bool):
+        raise ExpsegError("device %r is not a device index" % (given,), INVALID_DEVICE)
+    try:
+        device = operator.index(device)
+    except TypeError:
+        raise ExpsegError("device %r is not a device index (expected an int, 'cuda:N', a torch.device or None)"
+                          % (given,), INVALID_DEVICE) from None
+    if not 0 <= device < MAX_DEVICES:
+        raise ExpsegError("device %r is out of range (0 .. %d)" % (given, MAX_DEVICES - 1), INVALID_DEVICE)
     return device
 
 
@@ -420,10 +444,15 @@ def _patch_torch(torch):
                 record_stop(d)
 
     def record_memory_history(enabled, context=None, stacks=None, max_entries=None, *_args, **_kwargs):
-        record_history(enabled is not None, max_entries)
+        # As PyTorch (memory_snapshot.cpp): max_entries applies to "all" only; "state" keeps one entry (it
+        # tracks live blocks, not a history), and never fewer than one.
+        if enabled is None:
+            record_history(False, None)
+        else:
+            record_history(True, max(1, max_entries) if enabled == "all" and max_entries is not None else 1)
 
     def record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1, *_args, **_kwargs):
-        record_history(bool(enabled), trace_alloc_max_entries if trace_alloc_max_entries > 1 else None)
+        record_history(bool(enabled), max(1, trace_alloc_max_entries))  # PyTorch's default keeps one entry
 
     replacements = {
         "_cuda_memoryStats": memory_stats,
@@ -500,18 +529,19 @@ def install_torch(conf="", raise_on_oom=True, patch_torch=True):
     """
     global _torch_allocator, _torch_conf
     import torch
+    options = (conf, bool(raise_on_oom), bool(patch_torch))
     if _torch_allocator is not None:
-        if conf == _torch_conf:
+        if options == _torch_conf:
             return _torch_allocator
-        raise ExpsegError("expseg.install_torch: already installed with %r; the configuration cannot change "
-                          "in this process" % _torch_conf, ALREADY_INITIALIZED)
+        raise ExpsegError("expseg.install_torch: already installed with conf=%r, raise_on_oom=%r, patch_torch=%r; "
+                          "these cannot change in this process" % _torch_conf, ALREADY_INITIALIZED)
     if torch.cuda.is_initialized():
         raise ExpsegError(
             "expseg.install_torch() must be called before any CUDA tensor exists: CUDA is already initialized in "
             "this process, so PyTorch's allocator can no longer be replaced. Call it right after `import torch`, "
             "before anything touches the GPU.", ALREADY_INITIALIZED)
     load()
-    configure(conf)
+    _configure_for("install_torch", conf)
     malloc_name = "expseg_torch_malloc" if raise_on_oom else "expseg_malloc"
     alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, malloc_name, "expseg_free")
     try:
@@ -521,8 +551,25 @@ def install_torch(conf="", raise_on_oom=True, patch_torch=True):
                           "any CUDA tensor exists" % e, ALREADY_INITIALIZED) from e
     if patch_torch:
         _patch_torch(torch)
-    _torch_allocator, _torch_conf = alloc, conf
+    _torch_allocator, _torch_conf = alloc, options
     return alloc
+
+
+def _configure_for(who, conf):
+    """install_torch / install_cupy: applies `conf` unless it is empty (keep what is configured) or the
+    other framework was installed with it (PyTorch and CuPy share expseg's allocators)."""
+    if not conf:
+        return
+    if conf == (_torch_conf[0] if _torch_conf else None) or conf == _cupy_conf:
+        return
+    try:
+        configure(conf)
+    except ExpsegError as e:
+        if e.code != ALREADY_INITIALIZED:
+            raise
+        raise ExpsegError("expseg.%s(%r): an expseg allocator already exists (%s), so the configuration can no "
+                          "longer change; call %s with the configuration first, or pass no conf to use the one "
+                          "in place (expseg.config() shows it)" % (who, conf, e, who), ALREADY_INITIALIZED) from None
 
 
 def _cupy_out_of_memory(cupy_memory, size, device):
@@ -551,7 +598,7 @@ def install_cupy(conf=""):
         raise ExpsegError("expseg.install_cupy: already installed with %r; the configuration cannot change "
                           "in this process" % _cupy_conf, ALREADY_INITIALIZED)
     lib = load()
-    configure(conf)
+    _configure_for("install_cupy", conf)
     malloc_fn = ctypes.cast(lib.expseg_cupy_malloc, ctypes.c_void_p).value
     free_fn = ctypes.cast(lib.expseg_cupy_free, ctypes.c_void_p).value
     cfa = cupy_memory.CFunctionAllocator(0, malloc_fn, free_fn, lib)

@@ -67,7 +67,7 @@ struct Config {
   Limit limit;  // limit:20GiB | limit:50% | per_process_memory_fraction:0.5
 
   // --- split_merge, PyTorch semantics ---
-  std::size_t max_split_size = SIZE_MAX;              // max_split_size_mb (MiB, > 20)
+  std::size_t max_split_size = SIZE_MAX;              // max_split_size_mb (MiB, >= 20)
   std::size_t max_non_split_rounding = std::size_t{20} << 20;  // max_non_split_rounding_mb
   std::array<std::size_t, kRoundupIntervals> roundup_power2_divisions{};  // 0 = off
   double garbage_collection_threshold = 0.0;          // in (0, 1); 0 = off

@@ -382,6 +382,135 @@ class TorchApiTest(unittest.TestCase):
         self.lib.expseg_free(c, 0, 0, None)
 
 
+def install_fakes():
+    """FakeTorch in sys.modules with what install_torch itself touches, and a CuPy stand-in whose
+    CFunctionAllocator calls expseg's C pair."""
+    torch = FakeTorch()
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path, malloc_name, free_name):
+            self.malloc_name = malloc_name
+
+    torch.cuda.is_initialized = lambda: False
+    torch.cuda.memory = types.SimpleNamespace(CUDAPluggableAllocator=CUDAPluggableAllocator,
+                                              change_current_allocator=lambda alloc: None)
+    sys.modules["torch"] = torch
+    proto = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+    class CFunctionAllocator:  # cupy.cuda.memory.CFunctionAllocator(param, malloc_fn, free_fn, owner)
+        def __init__(self, param, malloc_fn, free_fn, owner):
+            self.fn = proto(malloc_fn)
+
+        def malloc(self, size):
+            return types.SimpleNamespace(ptr=self.fn(None, size, 0) or 0)
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(CFunctionAllocator=CFunctionAllocator),
+                                      set_allocator=lambda fn: None, runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    sys.modules["cupy"], sys.modules["cupy.cuda"] = cupy, cupy.cuda
+    return torch
+
+
+class InstallTest(unittest.TestCase):
+    """install_torch / install_cupy with stand-ins, and the PyTorch-facing argument handling (each case failed
+    before its fix)."""
+
+    def setUp(self):
+        os.environ["EXPSEG_ALLOC_CONF"] = "device:sim,sim_capacity:4GiB"
+        self.lib = expseg.load()
+        self.lib.expseg_reset_for_tests.restype = None
+        self.lib.expseg_reset_for_tests()
+        expseg._torch_allocator = expseg._torch_conf = expseg._cupy_allocator = expseg._cupy_conf = None
+
+    def tearDown(self):
+        self.lib.expseg_reset_for_tests()
+        expseg._torch_allocator = expseg._torch_conf = expseg._cupy_allocator = expseg._cupy_conf = None
+        for m in ("torch", "cupy", "cupy.cuda"):
+            sys.modules.pop(m, None)
+        os.environ.pop("EXPSEG_ALLOC_CONF", None)
+
+    def test_torch_after_cupy_shares_its_allocators(self):
+        # CuPy, then PyTorch, in one process: was ALREADY_INITIALIZED from expseg_configure, and a conf-less
+        # install_torch() reset the configuration CuPy had set.
+        install_fakes()
+        alloc = expseg.install_cupy("backend:expandable")
+        p = alloc(4 * MiB).ptr
+        self.assertTrue(p)
+        expseg.install_torch("backend:expandable")
+        expseg.install_torch("backend:expandable")  # the same again: the same allocator
+        self.assertIn("backend:expandable", expseg.config())
+        self.lib.expseg_cupy_free(None, p, 0)
+
+    def test_install_without_conf_keeps_what_is_configured(self):
+        install_fakes()
+        expseg.install_cupy("backend:expandable")
+        expseg.get_limit()  # creates device 0's allocator
+        expseg.install_torch()
+        self.assertIn("backend:expandable", expseg.config())
+
+    def test_a_conf_that_can_no_longer_apply_says_so(self):
+        install_fakes()
+        expseg.get_limit()  # creates device 0's allocator
+        with self.assertRaises(expseg.ExpsegError) as cm:
+            expseg.install_torch("backend:expandable")
+        self.assertEqual(cm.exception.code, expseg.ALREADY_INITIALIZED)
+        self.assertIn("install_torch('backend:expandable'): an expseg allocator already exists", str(cm.exception))
+
+    def test_second_install_with_other_options_raises(self):
+        torch = install_fakes()
+        expseg.install_torch("backend:expandable", raise_on_oom=False, patch_torch=False)
+        with self.assertRaises(expseg.ExpsegError) as cm:  # was: the first allocator, silently
+            expseg.install_torch("backend:expandable")
+        self.assertEqual(cm.exception.code, expseg.ALREADY_INITIALIZED)
+        self.assertIn("raise_on_oom=False", str(cm.exception))
+        with self.assertRaises(RuntimeError):
+            torch._C._cuda_memoryStats(0)  # still PyTorch's own (patch_torch=False)
+
+    def test_history_modes_pytorch_bounds_keep_one_entry(self):
+        # PyTorch keeps max_entries for "all" only; "state", the legacy default and max_entries=0 keep one.
+        torch = FakeTorch()
+        expseg._patch_torch(torch)
+        C = torch._C
+        starts = [lambda: C._cuda_record_memory_history("state", "all", "all", sys.maxsize, False, False, False, [],
+                                                        False, True),
+                  lambda: C._cuda_record_memory_history_legacy(True, True, 1, False, False, False, False, False, [],
+                                                               False, True),
+                  lambda: C._cuda_record_memory_history("all", "all", "all", 0, False, False, False, [], False, True)]
+        for start in starts:
+            start()
+            for _ in range(100):
+                self.lib.expseg_free(self.lib.expseg_malloc(MiB, 0, None), 0, 0, None)
+            # One recorded event (a free shows as free_requested + free_completed); was every event.
+            self.assertLessEqual(len(C._cuda_memorySnapshot(None)["device_traces"][0]), 2)
+            C._cuda_record_memory_history(None, None, "all", 0, False, False, False, [], False, True)
+        C._cuda_record_memory_history("all", "all", "all", sys.maxsize, False, False, False, [], False, True)
+        for _ in range(100):
+            self.lib.expseg_free(self.lib.expseg_malloc(MiB, 0, None), 0, 0, None)
+        self.assertEqual(len(C._cuda_memorySnapshot(None)["device_traces"][0]), 300)  # "all": 100 x (alloc, 2 free)
+
+    def test_config_of_a_device_not_yet_used_includes_the_record_default(self):
+        self.lib.expseg_set_record_default(1, 100)
+        before = expseg.config(3)  # "the one it would be created with"
+        self.lib.expseg_free(self.lib.expseg_malloc(MiB, 3, None), 0, 3, None)
+        self.assertEqual(before, expseg.config(3))
+        self.assertIn("record:true", before)
+
+    def test_devices_as_pytorch_names_them(self):
+        self.lib.expseg_free(self.lib.expseg_malloc(MiB, 1, None), 0, 1, None)
+        cuda1 = types.SimpleNamespace(type="cuda", index=1)  # a torch.device
+        for d in ("cuda:1", cuda1, 1):
+            self.assertEqual(expseg.stats(d)["num_device_alloc"], 1)
+        self.assertEqual(expseg.stats(None)["num_device_alloc"], 0)  # the current device: 0 before CUDA starts
+        self.assertEqual(expseg.stats("cuda")["num_device_alloc"], 0)
+        for bad, why in (("cpu", "not a CUDA device"), ("cuda:x", "not a CUDA device"),
+                         (types.SimpleNamespace(type="cpu", index=None), "not a CUDA device"),
+                         (1.5, "not a device index"), ("cuda:64", "out of range")):
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                expseg.stats(bad)
+            self.assertEqual(cm.exception.code, expseg.INVALID_DEVICE)
+            self.assertIn(why, str(cm.exception))
+
+
 class ConverterTest(unittest.TestCase):
     """tools/torch_snapshot_to_rmm.py on a synthetic snapshot with the shape of torch.cuda.memory._snapshot()."""
 
