@@ -275,9 +275,8 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   p.stream = stream;
 
   bool found = get_free_block(p);
-  if (found) {
-    ctx_.stats.num_free_blocks -= 1;
-  } else {
+  const bool cached = found;
+  if (!found) {
     blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
     if (ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0 && !cupy()) garbage_collect_cached_blocks();
     if (cupy()) {
@@ -291,7 +290,11 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
     }
   }
   if (!found) return nullptr;
-  return alloc_found_block(p, requested);
+  // A cached block's split may throw bad_alloc (a new Block chunk) before anything changed: count the
+  // block out of the free blocks only once it is handed out.
+  Block* b = alloc_found_block(p, requested);
+  if (cached) ctx_.stats.num_free_blocks -= 1;
+  return b;
 }
 
 // Merges free neighbour `src` into `dst` (the list links only; `src` stays in the index for the
