@@ -29,6 +29,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   void on_map(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) override;
   void on_unmap(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) override;
   void synchronize_pending_frees() override;
+  bool has_pending_frees() const noexcept override { return pending_count != 0; }
 
   // Completes pending frees whose events have completed (PyTorch's process_events).
   void process_events();

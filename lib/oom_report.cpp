@@ -111,8 +111,14 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   const BackendKind other = config.backend == BackendKind::expandable ? BackendKind::split_merge : BackendKind::expandable;
   r->other_backend = to_string(other);
   std::vector<LiveAllocation> live_set;
-  if (r->verdict != OomVerdict::fragmentation) {
-    // Live set + request exceed the device or the limit: no backend can serve it.
+  // The other backend is asked only when it might succeed. What this backend needs (`need`) counts
+  // its own overheads (expandable: whole pages), which the other may not have: a live set scattered
+  // over partly used pages can still fit split_merge's segments. Only the live requested bytes plus
+  // the request, which every backend must hold, past the limit or what this process could hold,
+  // decide without it.
+  const std::size_t capacity = std::min(mi.total ? mi.total : ctx.device_total, obtainable);
+  const std::size_t at_least = overflow ? SIZE_MAX : r->live_requested_bytes + requested;
+  if (overflow || at_least > capacity || (ctx.limit != 0 && at_least > ctx.limit)) {
     r->counterfactual = Counterfactual::would_fail;
   } else if (config.oom_counterfactual) {
     live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
@@ -121,8 +127,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     std::sort(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr < b.addr; });
     live_set.erase(std::unique(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr == b.addr; }),
                    live_set.end());
-    r->counterfactual = run_counterfactual(config, other, mi.total ? mi.total : ctx.device_total, driver->granularity(), ctx.limit,
-                                           live_set, requested, stream);
+    r->counterfactual = run_counterfactual(config, other, capacity, driver->granularity(), ctx.limit, live_set, requested, stream);
   }
 
   std::ostringstream os;

@@ -45,6 +45,8 @@ class FrontendHooks {
   // Wait for the events of every pending cross-stream free and complete those frees (PyTorch's
   // synchronize_and_free_events), before cached memory is given back to the device.
   virtual void synchronize_pending_frees() = 0;
+  // Whether any cross-stream free is still waiting for its events.
+  virtual bool has_pending_frees() const noexcept = 0;
 };
 
 // State shared between the frontend and its backend; guarded by the frontend's lock.

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <future>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "expseg/trace.hpp"
@@ -140,4 +141,34 @@ TEST_CASE("regression: an OOM observer that owns memory of its allocator is dest
     a.reset();  // the observer's reserve is freed while the allocator still works
     CHECK(released.load() == 3);
   }
+}
+
+TEST_CASE("regression: an expandable limit OOM asks split_merge before saying it would have failed too") {
+  // Two live 1 MiB blocks on pages 0 and 6 of a 14 MiB limit: expandable holds 4 MiB of whole
+  // pages and cannot map 12 MiB more; split_merge packs both into one 2 MiB small segment and
+  // serves the 12 MiB. Was: "would have failed too", without asking.
+  expseg::Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:14MiB"));
+  void* x0 = a.allocate(1 * MiB);
+  void* f = a.allocate(11 * MiB);
+  void* x1 = a.allocate(1 * MiB);
+  a.deallocate(f);
+  std::optional<expseg::OomReport> rep;
+  try {
+    a.deallocate(a.allocate(12 * MiB));
+  } catch (const expseg::out_of_memory& e) {
+    rep = e.report();
+  }
+  REQUIRE(rep.has_value());
+  CHECK(rep->verdict == expseg::OomVerdict::limit);
+  CHECK(rep->counterfactual == expseg::Counterfactual::would_succeed);
+  CHECK(rep->message.find("The split_merge backend, given the same 2 live allocations and limit, would have served this request.") != std::string::npos);
+  // The same live set and request, on split_merge, indeed succeed.
+  expseg::Allocator s(sim_config(BackendKind::split_merge, 80 * GiB, "limit:14MiB"));
+  void* y0 = s.allocate(1 * MiB);
+  void* y1 = s.allocate(1 * MiB);
+  void* y2 = nullptr;
+  CHECK_NOTHROW(y2 = s.allocate(12 * MiB));
+  for (void* p : {y0, y1, y2}) s.deallocate(p);
+  a.deallocate(x0);
+  a.deallocate(x1);
 }

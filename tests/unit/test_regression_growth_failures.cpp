@@ -145,3 +145,29 @@ TEST_CASE("regression: an OOM on a fresh segment whose cuMemAddressFree fails is
   sa->deallocate(p);
   check_nothing_left(sa);
 }
+
+TEST_CASE("regression: expandable waits for pending cross-stream frees before it reports an OOM, as split_merge does") {
+  // Was: split_merge synchronized the recorded stream and served the request; expandable failed with
+  // a limit verdict while 30 MiB waited only for the other stream's events.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(static_cast<int>(b));
+    auto sa = make_sim_allocator(sim_config(b, 80 * GiB, "limit:40MiB"));
+    void* other = sa.sim->stream_create();
+    void* p = sa->allocate(30 * MiB);
+    sa->record_stream(p, other);
+    sa.sim->set_stream_busy(other, true);
+    sa->deallocate(p);
+    const auto before = sa->stats();
+    void* q = nullptr;
+    CHECK_NOTHROW(q = sa->allocate(30 * MiB));
+    CHECK(q != nullptr);
+    const auto after = sa->stats();
+    CHECK(after.num_sync_all_streams == before.num_sync_all_streams + 1);
+    CHECK(after.num_alloc_retries == before.num_alloc_retries + 1);
+    CHECK(after.num_ooms == 0);
+    sa->validate();
+    if (q) sa->deallocate(q);
+    sa.alloc.reset();
+    sa.sim->stream_destroy(other);
+  }
+}

@@ -557,6 +557,16 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
   // A request that could not fit even in an empty allocator fails before anything is reserved or
   // mapped (a limit above the device's memory does not make room the device lacks).
   if (round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total)) return nullptr;
+  Block* b = place_or_grow(arena, size, requested);
+  if (b != nullptr || ctx_.hooks == nullptr || !ctx_.hooks->has_pending_frees()) return b;
+  // As PyTorch's retry before an OOM: wait for the streams of pending cross-stream frees
+  // (record_stream), complete them, and try once more, the cached memory included.
+  ctx_.hooks->synchronize_pending_frees();
+  ctx_.stats.num_alloc_retries += 1;
+  return allocate(requested, arena.stream);  // at most once more: nothing is pending now
+}
+
+Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested) {
   begin_operation();
   // Handles whose cleanup failed earlier may sit on frames we are about to use: retry them first.
   if (!orphans_.empty()) retry_orphans();

@@ -141,6 +141,7 @@ class ExpandableBackend final : public Backend {
   void unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi);
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
+  core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested);
   void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
