@@ -138,7 +138,9 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     if (ctx.limit) os << ", limit set to: " << with_commas(ctx.limit) << " bytes";
     os << ").";
   } else {
-    os << "CUDA out of memory. Tried to allocate " << format_bytes(r->rounded_bytes) << ". GPU " << r->device << " has a total capacity of "
+    // PyTorch names the size it asked the device for (for split_merge, the new segment's size).
+    const std::size_t tried = config.backend == BackendKind::split_merge ? std::max(r->rounded_bytes, fs.request_footprint) : r->rounded_bytes;
+    os << "CUDA out of memory. Tried to allocate " << format_bytes(tried) << ". GPU " << r->device << " has a total capacity of "
        << format_bytes(mi.total) << " of which " << format_bytes(mi.free) << " is free. ";
     if (ctx.limit) os << format_bytes(ctx.limit) << " allowed; ";
     os << "Of the allocated memory " << format_bytes(r->allocated_bytes) << " is allocated by expseg, and " << format_bytes(unallocated)
@@ -149,20 +151,28 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   os << "\nexpseg verdict: " << to_string(r->verdict) << ". ";
   switch (r->verdict) {
     case OomVerdict::capacity:
-      os << "The live allocations (" << format_bytes(active) << ") plus the request (" << format_bytes(r->rounded_bytes)
-         << ") exceed what the device can give this process (" << format_bytes(std::min(obtainable, mi.total)) << " of "
-         << format_bytes(mi.total) << ").";
-      break;
-    case OomVerdict::limit:
+    case OomVerdict::limit: {
+      // The figures the verdict compared: what live blocks occupy and what the request needs, in this
+      // backend's units (whole pages; a new segment).
+      const bool pages = config.backend == BackendKind::expandable;
       os << "The live allocations (" << format_bytes(active);
       if (footprint > active) os << ", occupying " << format_bytes(footprint) << " of whole pages";
-      os << ") plus the request (" << format_bytes(r->rounded_bytes) << ") exceed the limit of " << format_bytes(ctx.limit) << ".";
+      os << ") plus the request (" << format_bytes(r->rounded_bytes);
+      if (!overflow && fs.request_footprint > r->rounded_bytes)
+        os << ", needing " << format_bytes(fs.request_footprint) << (pages ? " of whole pages" : " as a new segment");
+      if (r->verdict == OomVerdict::capacity) {
+        os << ") exceed what the device can give this process (" << format_bytes(std::min(obtainable, mi.total)) << " of "
+           << format_bytes(mi.total) << ").";
+        break;
+      }
+      os << ") exceed the limit of " << format_bytes(ctx.limit) << ".";
       if (r->page_slack_bytes != 0)
         os << " Of those pages, " << format_bytes(r->page_slack_bytes) << " in " << r->partial_pages << " page"
            << (r->partial_pages == 1 ? " is" : "s are") << " free but shared with live allocations: pages ("
            << format_bytes(driver->granularity()) << ") are the smallest unit memory is mapped in, so only a request smaller than such a gap"
            << " can use it; allocation sizes in multiples of " << format_bytes(driver->granularity()) << " leave no such gaps.";
       break;
+    }
     case OomVerdict::fragmentation:
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
          << " is reserved but unallocated in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include "expseg/trace.hpp"
 #include "test_util.hpp"
@@ -171,4 +172,45 @@ TEST_CASE("regression: an expandable limit OOM asks split_merge before saying it
   for (void* p : {y0, y1, y2}) s.deallocate(p);
   a.deallocate(x0);
   a.deallocate(x1);
+}
+
+TEST_CASE("regression: split_merge OOM reports name the segment a miss needs, as PyTorch's message does") {
+  // 84 MiB live on a 100 MiB device, then 5 MiB: PyTorch would ask for a 20 MiB segment and say
+  // "Tried to allocate 20.00 MiB". Was: "5.00 MiB" and a fragmentation verdict with 0 free blocks.
+  expseg::Allocator a(sim_config(BackendKind::split_merge, 100 * MiB));
+  void* big = a.allocate(84 * MiB);
+  std::optional<expseg::OomReport> rep;
+  try {
+    a.deallocate(a.allocate(5 * MiB));
+  } catch (const expseg::out_of_memory& e) {
+    rep = e.report();
+  }
+  REQUIRE(rep.has_value());
+  CHECK(rep->message.rfind("CUDA out of memory. Tried to allocate 20.00 MiB.", 0) == 0);
+  CHECK(rep->verdict == expseg::OomVerdict::capacity);
+  CHECK(rep->message.find("plus the request (5.00 MiB, needing 20.00 MiB as a new segment) exceed what the device can give") != std::string::npos);
+  CHECK(rep->counterfactual == expseg::Counterfactual::would_succeed);  // expandable maps 6 MiB of pages
+  a.deallocate(big);
+}
+
+TEST_CASE("regression: a split_merge limit OOM asks expandable before saying it would have failed too") {
+  // Five 19.5 MiB blocks stay whole 20 MiB blocks under PyTorch's rules; expandable packs them.
+  expseg::Allocator a(sim_config(BackendKind::split_merge, 1 * GiB, "limit:100MiB"));
+  std::vector<void*> live;
+  for (int i = 0; i < 5; ++i) live.push_back(a.allocate(19 * MiB + MiB / 2));
+  std::optional<expseg::OomReport> rep;
+  try {
+    a.deallocate(a.allocate(2 * MiB));
+  } catch (const expseg::out_of_memory& e) {
+    rep = e.report();
+  }
+  REQUIRE(rep.has_value());
+  CHECK(rep->verdict == expseg::OomVerdict::limit);
+  CHECK(rep->counterfactual == expseg::Counterfactual::would_succeed);  // was would_fail, unasked
+  expseg::Allocator e(sim_config(BackendKind::expandable, 1 * GiB, "limit:100MiB"));
+  std::vector<void*> elive;
+  for (int i = 0; i < 5; ++i) elive.push_back(e.allocate(19 * MiB + MiB / 2));
+  CHECK_NOTHROW(elive.push_back(e.allocate(2 * MiB)));
+  for (void* p : elive) e.deallocate(p);
+  for (void* p : live) a.deallocate(p);
 }

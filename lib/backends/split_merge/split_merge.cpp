@@ -457,7 +457,9 @@ void SplitMergeBackend::snapshot(std::vector<SegmentInfo>& out) const {
 FreeSummary SplitMergeBackend::free_summary(std::size_t request) const {
   FreeSummary s;
   s.live_footprint = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current);
-  s.request_footprint = request;
+  // A request no cached block serves needs a new segment: 2 MiB, 20 MiB or its size rounded to
+  // 2 MiB (PyTorch's get_allocation_size, which its OOM message reports as "Tried to allocate").
+  s.request_footprint = request == 0 ? 0 : std::max(request, allocation_size(request));
   for (const Pool* pool : {&small_, &large_}) {
     pool->blocks.for_each_block([&](const Block& b) {
       s.free_blocks += 1;
