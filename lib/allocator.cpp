@@ -342,6 +342,8 @@ void Allocator::set_limit(std::size_t bytes) {
     impl_->ctx.limit = old;  // a failed give-back leaves the old limit in force
     throw;
   }
+  // A trace has no limit events: an OOM dump says the replay's single limit is not the run's.
+  if (bytes != old && impl_->recorder.enabled() && !impl_->recorder.empty()) impl_->limit_changed_while_recording = true;
 }
 
 std::size_t Allocator::limit() const {
@@ -373,6 +375,7 @@ std::optional<OomReport> Allocator::last_oom() const {
 void Allocator::start_recording(std::size_t ring) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   impl_->recorder.start(ring, impl_->live.size() != 0 || impl_->pending_count != 0);
+  impl_->limit_changed_while_recording = false;  // a fresh recording
 }
 
 void Allocator::stop_recording() {

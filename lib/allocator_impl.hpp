@@ -72,6 +72,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   Recorder recorder;
   std::shared_ptr<const OomReport> last_oom;
   std::uint64_t oom_count = 0;  // OOMs in this allocator's life (oom_dump's %n); unlike stats.num_ooms, never reset
+  bool limit_changed_while_recording = false;  // the trace's events did not all run under the current limit
   std::shared_ptr<const Allocator::OomObserver> oom_observer;  // null: none
   std::vector<int> peers;  // devices granted access to everything mapped (enable_peer_access completed)
 };

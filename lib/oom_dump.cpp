@@ -5,7 +5,8 @@
 //    "report": the OOM report (OomReport::to_json, its own snapshot left out),
 //    "snapshot": every segment and block at the OOM, with the stats,
 //    "trace": the recorded events' file or null, "trace_events": how many,
-//    "trace_complete": whether the trace starts from an empty allocator (else replay it --lenient)}
+//    "trace_complete": whether the trace starts from an empty allocator (else replay it --lenient),
+//    "limit_changed": whether set_limit changed the limit while the trace was recorded}
 // When the event recorder is on (record:true, or start_recording()), its events, the failed
 // allocation last, go to a second file beside it (PATH without ".json", plus ".trace.csv"), which
 // `expseg explain PATH` (and `expseg replay`) replays on both backends on the simulated device.
@@ -145,6 +146,7 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     else w.value(trace_path);
     w.field("trace_events", static_cast<std::uint64_t>(trace_path.empty() ? 0 : trace_events));
     w.field("trace_complete", !trace_path.empty() && !recorder.partial());  // false: replay with --lenient
+    w.field("limit_changed", !trace_path.empty() && limit_changed_while_recording);  // the replay's one limit is not the run's
     w.end_object();
     std::string text = w.take();
     text += '\n';
@@ -355,6 +357,7 @@ OomDump read_oom_dump(const std::string& path) {
     if (!trace.is_null()) d.trace = r.str(doc, "trace");
     d.trace_events = r.u64(doc, "trace_events");
     d.trace_complete = r.boolean(doc, "trace_complete");
+    d.limit_changed = doc.has("limit_changed") && r.boolean(doc, "limit_changed");  // absent in older dumps
     return d;
   } catch (const std::exception& e) {
     throw error(path + ": not an expseg OOM dump: " + e.what());

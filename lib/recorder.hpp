@@ -18,6 +18,7 @@ class Recorder {
   void start(std::size_t ring, bool live_before = false);
   void stop() noexcept { enabled_ = false; }
   bool enabled() const noexcept { return enabled_; }
+  bool empty() const noexcept { return buf_.empty(); }  // no event recorded since start()
   // Never throws: an event there is no host memory for is dropped (the trace is then partial), so
   // that recording cannot make an allocation or a free fail after it took effect.
   void add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream) noexcept;

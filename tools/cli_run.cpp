@@ -628,6 +628,18 @@ int cmd::explain(int argc, char** argv) {
               setup.device_label.c_str(), d.report.limit_bytes ? (" under the limit of " + format_bytes(d.report.limit_bytes)).c_str() : "",
               d.trace_complete ? "" : " (leniently: the trace does not start from an empty allocator, so the replay holds less memory than the run did)",
               conf_note.c_str());
+  // What a trace cannot carry, said before the replay is read as the run's double.
+  std::size_t waiting = 0;
+  for (const auto& seg : d.snapshot.segments)
+    for (const auto& b : seg.blocks) waiting += b.state == BlockState::pending_free;
+  if (d.limit_changed)
+    std::printf("Note: the limit changed while these events were recorded; the replay applies the last one (%s) from the first\n"
+                "event, so it may run out of memory elsewhere than the run did.\n\n",
+                d.report.limit_bytes ? format_bytes(d.report.limit_bytes).c_str() : "none");
+  if (waiting != 0)
+    std::printf("Note: %zu free%s waiting for other streams at the OOM (record_stream); a trace holds frees as the program made\n"
+                "them, so the replay frees them at once and may not run out of memory where the run did.\n\n",
+                waiting, waiting == 1 ? " was" : "s were");
   const std::vector<ReplayGroup> groups = {replay_trace(read_trace(d.trace), setup, html.has_value(), !d.trace_complete, false)};
   print_replay_table(groups);
   print_replay_failures(groups);

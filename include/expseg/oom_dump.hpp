@@ -28,6 +28,7 @@ struct OomDump {
   std::string trace;         // the recorded events' file ("" when the recorder was off)
   std::size_t trace_events = 0;
   bool trace_complete = false;  // the trace starts from an empty allocator (else replay it leniently)
+  bool limit_changed = false;   // the limit changed while the trace was recorded (the replay uses the last one)
 };
 
 // Reads a dump. Throws expseg::error naming the file and what is wrong: unreadable, not JSON, not a

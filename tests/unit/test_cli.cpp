@@ -502,3 +502,39 @@ TEST_CASE("cli: --device sim: or cuda: with nothing after the colon is refused, 
     CHECK(r.err.find("nothing after the ':'") != std::string::npos);
   }
 }
+
+TEST_CASE("cli: explain says when the limit changed while the events were recorded") {
+  // The trace has no limit events and the replay applies the dump's (last) limit from the start.
+  const fs::path dir = temp_path("explain-limit");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:split_merge,record:true,oom_dump:" +
+                                              (dir / "lowered-%n.json").string()));
+    void* big = a.allocate(600u << 20);
+    void* b = a.allocate(300u << 20);
+    a.deallocate(big);
+    a.set_limit(400u << 20);
+    CHECK_THROWS_AS(a.allocate(200u << 20), expseg::out_of_memory);
+    a.deallocate(b);
+  }
+  const std::string dump = (dir / "lowered-1.json").string();
+  const Run e = run_cli("explain '" + dump + "'");
+  CAPTURE(e.err);
+  REQUIRE(e.status == 0);
+  CHECK(e.out.find("Note: the limit changed while these events were recorded; the replay applies the last one (400.00 MiB)") !=
+        std::string::npos);
+  CHECK(read_file(dump).find("\"limit_changed\":true") != std::string::npos);
+  // A limit set before the first event is the run's limit: no note.
+  {
+    expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:split_merge,record:true,oom_dump:" +
+                                              (dir / "fixed-%n.json").string()));
+    a.set_limit(400u << 20);
+    void* b = a.allocate(300u << 20);
+    CHECK_THROWS_AS(a.allocate(200u << 20), expseg::out_of_memory);
+    a.deallocate(b);
+  }
+  const Run f = run_cli("explain '" + (dir / "fixed-1.json").string() + "'");
+  CHECK(f.out.find("Note: the limit changed") == std::string::npos);
+  fs::remove_all(dir);
+}
