@@ -459,6 +459,7 @@ DeviceInfo Allocator::device_info() const {
   d.granularity = impl_->driver->granularity();
   d.ipc_handle = static_cast<IpcHandle>(impl_->driver->shareable_handle_type());
   d.ipc_fallback_reason = impl_->driver->shareable_fallback_reason();
+  d.gpu_direct_rdma = impl_->driver->gpu_direct_rdma();
   d.access_devices = impl_->driver->access_devices();
   return d;
 }

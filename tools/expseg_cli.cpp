@@ -156,7 +156,7 @@ int cmd::info(int argc, char** argv) {
   }
   const Config base = conf ? *conf : Config{};
 
-  Table t({{"device", false}, {"name", false}, {"total", true}, {"free", true}, {"granularity", true}});
+  Table t({{"device", false}, {"name", false}, {"total", true}, {"free", true}, {"granularity", true}, {"GPUDirect RDMA", false}});
   int failures = 0;
   if (cuda) {
     Config c = base;
@@ -167,7 +167,8 @@ int cmd::info(int argc, char** argv) {
       try {
         Allocator a(c, i);  // builds no segment: only the driver and the device's memory info
         const DeviceInfo d = a.device_info();
-        t.add({"cuda:" + std::to_string(i), d.name, format_bytes(d.total_bytes), format_bytes(d.free_bytes), format_bytes(d.granularity)});
+        t.add({"cuda:" + std::to_string(i), d.name, format_bytes(d.total_bytes), format_bytes(d.free_bytes), format_bytes(d.granularity),
+               d.gpu_direct_rdma ? "yes" : "no"});
       } catch (const std::exception& e) {
         if (i == 0) {
           std::printf("cuda:0: cannot open the device: %s\n", e.what());
@@ -184,7 +185,7 @@ int cmd::info(int argc, char** argv) {
     c.limit = Limit{};
     Allocator a(c, 0);
     const DeviceInfo d = a.device_info();
-    t.add({device_label(c, 0), d.name, format_bytes(d.total_bytes), format_bytes(d.free_bytes), format_bytes(d.granularity)});
+    t.add({device_label(c, 0), d.name, format_bytes(d.total_bytes), format_bytes(d.free_bytes), format_bytes(d.granularity), "-"});
   }
   std::printf("\nDevices:\n");
   t.print(stdout, 2);

@@ -53,6 +53,7 @@ struct DeviceInfo {
   // the one the config's ipc_handle asked for, why (e.g. fabric handles refused in a container).
   IpcHandle ipc_handle = IpcHandle::none;
   std::string ipc_fallback_reason;
+  bool gpu_direct_rdma = false;     // expandable memory is created GPUDirect RDMA capable (NICs can register it)
   std::vector<int> access_devices;  // devices that can access this allocator's memory: itself first, then peers
 };
 

@@ -436,6 +436,7 @@ class CudaDriver final : public Driver {
 
   ShareableHandle shareable_handle_type() const noexcept override { return shareable_; }
   std::string shareable_fallback_reason() const override { return fallback_reason_; }
+  bool gpu_direct_rdma() const noexcept override { return rdma_; }
 
   ExportedHandle export_handle(phys_handle handle) override {
     const Timed timed(*this, Op::export_handle);
@@ -571,6 +572,7 @@ class CudaDriver final : public Driver {
     prop.requestedHandleTypes = to_cu(type);
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = ordinal_;
+    if (rdma_) prop.allocFlags.gpuDirectRDMACapable = 1;
     return prop;
   }
   std::string cuda_failure(const char* call, CUresult r) const {
@@ -589,6 +591,7 @@ class CudaDriver final : public Driver {
   std::size_t granularity_ = 0;
   CUmemAllocationProp prop_{};  // what create() makes: pinned, on this device, shareable_ handles
   ShareableHandle shareable_ = ShareableHandle::none;
+  bool rdma_ = false;  // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: create() asks for it
   std::string fallback_reason_;
   std::vector<int> devices_;             // this device first; devices_[i] is access_[i]'s location
   std::vector<CUmemAccessDesc> access_;  // READWRITE for each of devices_
@@ -603,6 +606,11 @@ CudaDriver::CudaDriver(const Api& api, int device, const CudaOptions& options) :
     char name[256] = {};
     check(api_, api_.cuDeviceGetName(name, static_cast<int>(sizeof name - 1), dev_), "cuDeviceGetName");
     name_ = name;
+    // Before the probe below: it creates memory with the same properties as create().
+    int rdma = 0;
+    check(api_, api_.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev_),
+          "cuDeviceGetAttribute(GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)");
+    rdma_ = rdma != 0;
 
     ShareableHandle type = options.shareable;
     while (type != ShareableHandle::none) {

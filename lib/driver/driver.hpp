@@ -152,6 +152,10 @@ class Driver {
 
   // --- sharing with other processes ---
   virtual ShareableHandle shareable_handle_type() const noexcept = 0;  // what create() makes
+  // create() makes GPUDirect RDMA capable memory (where the device supports it with virtual memory
+  // management, as PyTorch's expandable segments ask for), so NICs can register it (NCCL over
+  // InfiniBand, nvidia-peermem, dma-buf).
+  virtual bool gpu_direct_rdma() const noexcept { return false; }
   // When the type asked for in the options was not available: why, and what is used instead.
   virtual std::string shareable_fallback_reason() const { return {}; }
   virtual ExportedHandle export_handle(phys_handle handle) = 0;

@@ -87,6 +87,30 @@ TEST_SUITE("driver") {
     CHECK(err->code_name() == "CUDA_ERROR_INVALID_DEVICE");
   }
 
+  TEST_CASE("driver: CUDA memory is created GPUDirect RDMA capable where the device supports it, and maps and holds data") {
+    // The H200 reports GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: create() then asks for
+    // gpuDirectRDMACapable (cuMemCreate would fail with CUDA_ERROR_INVALID_VALUE on a bad flag).
+    for (ShareableHandle type : {ShareableHandle::none, ShareableHandle::posix_fd}) {
+      CudaOptions options;
+      options.shareable = type;
+      auto d = make_cuda_driver(0, options);
+      MESSAGE("GPUDirect RDMA with VMM: " << (d->gpu_direct_rdma() ? "yes" : "no"));
+      if (d->device_name().find("H200") != std::string::npos) CHECK(d->gpu_direct_rdma());  // Hopper supports it
+      const std::size_t g = d->granularity();
+      const phys_handle h = d->create(2 * g);
+      const dev_ptr va = d->reserve(2 * g);
+      d->map(va, 2 * g, h);
+      d->set_access(va, 2 * g);
+      d->memset_d32(va, 0xC0FFEEu, 2 * g / 4, nullptr);
+      std::vector<std::uint32_t> back(2 * g / 4);
+      d->copy_to_host(back.data(), va, 2 * g);
+      CHECK(std::all_of(back.begin(), back.end(), [](std::uint32_t v) { return v == 0xC0FFEEu; }));
+      d->unmap(va, 2 * g);
+      d->free_reserve(va, 2 * g);
+      d->release(h);
+    }
+  }
+
   TEST_CASE("driver: CUDA ipc_export of a cuMemAlloc pointer") {
     auto d = make_cuda_driver(0);
     const dev_ptr p = d->mem_alloc(d->granularity());
