@@ -94,7 +94,7 @@ TEST_SUITE("driver") {
       CudaOptions options;
       options.shareable = type;
       auto d = make_cuda_driver(0, options);
-      MESSAGE("GPUDirect RDMA with VMM: " << (d->gpu_direct_rdma() ? "yes" : "no"));
+      MESSAGE("GPUDirect RDMA with VMM: " << std::string(d->gpu_direct_rdma() ? "yes" : "no"));
       if (d->device_name().find("H200") != std::string::npos) CHECK(d->gpu_direct_rdma());  // Hopper supports it
       const std::size_t g = d->granularity();
       const phys_handle h = d->create(2 * g);
