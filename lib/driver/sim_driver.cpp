@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -746,7 +747,9 @@ ExportedHandle SimDriver::export_handle(phys_handle handle) {
   if (h == s.handles.end()) invalid(call, "unknown physical handle " + hex(handle));
   ExportedHandle out;
   out.type = options_.shareable;
-  s.encode(out, kHandleMagic, h->second);
+  // The type is part of the magic: an export read back as another type is refused, as CUDA reads
+  // the fabric handle's bytes or the fd, whichever the type says.
+  s.encode(out, kHandleMagic + static_cast<std::uint32_t>(options_.shareable), h->second);
   if (options_.shareable == ShareableHandle::posix_fd) {
     if (options_.host_backed) {
       out.fd = ::fcntl(s.phys.at(h->second).fd, F_DUPFD_CLOEXEC, 0);
@@ -766,9 +769,20 @@ phys_handle SimDriver::import_handle(const ExportedHandle& exported) {
   if (exported.type == ShareableHandle::none) invalid(call, "the exported handle has no shareable type");
   if (exported.type == ShareableHandle::posix_fd && exported.fd < 0)
     invalid(call, "the exported file descriptor is negative");
-  const std::uint64_t id = s.decode(call, exported, kHandleMagic);
+  const std::uint64_t id = s.decode(call, exported, kHandleMagic + static_cast<std::uint32_t>(exported.type));
   auto p = s.phys.find(id);
   if (p == s.phys.end()) invalid(call, "the exported physical memory no longer exists");
+  if (exported.type == ShareableHandle::posix_fd) {
+    // CUDA imports what the descriptor names, not the bytes: it must be the exported one, still open.
+    if (options_.host_backed) {
+      struct stat got {}, want {};
+      if (::fstat(exported.fd, &got) != 0) invalid(call, "the exported file descriptor " + std::to_string(exported.fd) + " is not open");
+      if (::fstat(p->second.fd, &want) != 0 || got.st_ino != want.st_ino || got.st_dev != want.st_dev)
+        invalid(call, "the file descriptor " + std::to_string(exported.fd) + " does not name the exported memory");
+    } else if (exported.fd != kFakeFdBase + static_cast<int>(id % (1u << 20))) {
+      invalid(call, "the file descriptor " + std::to_string(exported.fd) + " does not name the exported memory");
+    }
+  }
   const phys_handle h = s.next_id++;
   s.handles.emplace(h, id);
   ++p->second.refs;

@@ -1,6 +1,7 @@
 // SimDriver specifics: capacity, foreign usage, fault injection, leak counters, CUDA rule
 // enforcement, host-backed data, stream/event semantics, latency model, peers, sharing, threads.
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -790,6 +791,33 @@ TEST_SUITE("sim") {
       d.release(imp);
       d.free_reserve(base, 2 * g);
       check_nothing_left(d);
+    }
+    SUBCASE("posix_fd: the descriptor, not the bytes, names the memory (as CUDA imports it)") {
+      // Was: the simulator read the bytes and ignored the fd, so an fd-plumbing bug passed here.
+      for (const bool host : {true, false}) {
+        CAPTURE(host);
+        SimOptions o = host ? host_backed() : SimOptions{};
+        o.shareable = ShareableHandle::posix_fd;
+        SimDriver d(o);
+        const phys_handle h = d.create(d.granularity());
+        ExportedHandle ex = d.export_handle(h);
+        ExportedHandle unrelated = ex;
+        const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+        REQUIRE(devnull >= 0);
+        unrelated.fd = devnull;
+        check_invalid(d, "cuMemImportFromShareableHandle", [&] { (void)d.import_handle(unrelated); });
+        ::close(devnull);
+        ExportedHandle retyped = ex;
+        retyped.type = ShareableHandle::fabric;  // a posix_fd export read as a fabric handle
+        check_invalid(d, "cuMemImportFromShareableHandle", [&] { (void)d.import_handle(retyped); });
+        if (host) {
+          ExportedHandle closed = ex;
+          ::close(ex.fd);  // a descriptor already closed
+          check_invalid(d, "cuMemImportFromShareableHandle", [&] { (void)d.import_handle(closed); });
+        }
+        d.release(h);
+        check_nothing_left(d);
+      }
     }
     SUBCASE("fabric, bookkeeping") {
       SimOptions o;
