@@ -45,11 +45,14 @@ enum StatPool : std::uint8_t { kAllPools = 0, kSmallPool = 1, kLargePool = 2, kS
 const char* stat_pool_name(int pool) noexcept;  // "all", "small_pool", "large_pool"
 
 // X-macro: each per-pool statistic, PyTorch's name first. Keep in the order memory_stats() uses.
+// inactive_split(_bytes) is split_merge's: expandable gives free memory back by pages, and the free
+// bytes it cannot give back are those inside pages live blocks use partly; free_summary() and every
+// OOM report give them (page_slack_bytes), so expandable leaves these two stats at 0.
 #define EXPSEG_POOL_STATS(X)                                                                        \
   X(allocation, "allocations requested by client code (count)")                                    \
   X(segment, "segments held from the device: driver allocations, or expandable segments (count)")  \
   X(active, "active blocks: allocated, or freed while a stream still uses them (count)")           \
-  X(inactive_split, "free blocks that cannot be given back to the device (count)")                 \
+  X(inactive_split, "split_merge: free blocks that cannot be given back to the device (count); expandable: 0, see below") \
   X(allocated_bytes, "bytes in allocated blocks (after rounding)")                                 \
   X(reserved_bytes, "bytes of device memory held (free or not)")                                   \
   X(active_bytes, "bytes in active blocks")                                                        \
