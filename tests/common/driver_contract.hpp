@@ -157,6 +157,19 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     CHECK(err->code() != 0);
     CHECK_FALSE(err->code_name().empty());
   }
+  {
+    // A handle maps whole and a mapping unmaps whole (the H200, CUDA 13.0: CUDA_ERROR_NOT_SUPPORTED
+    // and CUDA_ERROR_INVALID_VALUE). This is why expandable cannot give back or move the free frames
+    // of a handle while a block uses the rest (the handle policy in expandable.cpp).
+    auto part_map = catch_driver_error([&] { d.map(base + 6 * g, g, h3); });
+    REQUIRE_MESSAGE(part_map.has_value(), "mapping one granule of a two-granule handle must throw");
+    CHECK(part_map->call() == "cuMemMap");
+    CHECK_FALSE(part_map->is_out_of_memory());
+    auto part_unmap = catch_driver_error([&] { d.unmap(base + 2 * g, g); });
+    REQUIRE_MESSAGE(part_unmap.has_value(), "unmapping half of a mapping must throw");
+    CHECK(part_unmap->call() == "cuMemUnmap");
+    CHECK_FALSE(part_unmap->is_out_of_memory());
+  }
   // Nothing was disturbed by the failed calls.
   if (data_checks) {
     check_words(d, base, words_per_granule, 0x11111111u);

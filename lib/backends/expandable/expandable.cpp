@@ -63,9 +63,11 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //
 // Driver calls cost per physical handle, not per byte (H200: cuMemSetAccess ~36 us and cuMemCreate
 // ~8 us per handle whatever its size), so growth wants few, large handles: 1 GiB in one handle maps
-// in ~0.1 ms, in 2 MiB handles in ~23 ms. But a handle can only be unmapped whole: once a block
-// smaller than the handle reuses part of it, the rest cannot be given back while that block lives
-// ("pinned" free memory), and pinned memory is what keeps reserved above allocated and, under a
+// in ~0.1 ms, in 2 MiB handles in ~23 ms. But a handle can only be mapped and unmapped whole (the
+// H200 with CUDA 13.0 refuses cuMemMap of part of a handle, CUDA_ERROR_NOT_SUPPORTED, and cuMemUnmap
+// of part of a mapping; the driver contract test checks both): once a block smaller than the handle
+// reuses part of it, the rest can neither be given back nor moved while that block lives ("pinned"
+// free memory), and pinned memory is what keeps reserved above allocated and, under a
 // limit, what turns into a fragmentation OOM. The policy ties the handle size to what is at stake:
 //   - without a limit, a handle is at most 1/256 of the memory already held (so what one handle can
 //     pin stays within ~0.4% of the working set; at 1/64, GPT-2 generation's growing KV caches kept
