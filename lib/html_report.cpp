@@ -315,7 +315,8 @@ void chart(std::string& o, const ReportGroup& g) {
     o += "<line x1=\"" + co(kL) + "\" x2=\"" + co(kL + pw) + "\" y1=\"" + co(y) + "\" y2=\"" + co(y) + "\" stroke=\"#f1f3f5\"/>";
     o += "<text x=\"" + co(kL - 8) + "\" y=\"" + co(y + 4) + "\" text-anchor=\"end\">" + esc(yt.label(v)) + "</text>\n";
   }
-  const double xs = nice_step(static_cast<double>(xmax) / 8);
+  // Whole steps: x counts steps or events (a run shorter than 8 would get 0.2, labels repeating).
+  const double xs = std::max(1.0, nice_step(static_cast<double>(xmax) / 8));
   for (double v = 0; v <= static_cast<double>(xmax) + 0.5; v += xs) {
     const double x = X(v);
     o += "<line x1=\"" + co(x) + "\" x2=\"" + co(x) + "\" y1=\"" + co(kT + ph) + "\" y2=\"" + co(kT + ph + 5) + "\" stroke=\"#adb5bd\"/>";
