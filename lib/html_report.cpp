@@ -44,6 +44,10 @@ std::string esc(std::string_view text) {
         else o += c;
     }
   });
+  // U+FFFE and U+FFFF are well-formed UTF-8 but not XML characters: U+FFFD too. (0xEF only
+  // starts a sequence here: out is well-formed UTF-8.)
+  for (std::size_t at = out.find("\xEF\xBF"); at != std::string::npos; at = out.find("\xEF\xBF", at + 3))
+    if (at + 2 < out.size() && (out[at + 2] == '\xBE' || out[at + 2] == '\xBF')) out[at + 2] = '\xBD';
   return out;
 }
 

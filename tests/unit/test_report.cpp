@@ -413,3 +413,17 @@ TEST_CASE("report regression: a run of one event labels the x axis with distinct
     CHECK(std::stod(page.substr(x2, p - x2)) <= 982.0);  // kL + plot width
   }
 }
+
+TEST_CASE("report regression: U+FFFE and U+FFFF in a name become U+FFFD (they are no XML characters)") {
+  // Well-formed UTF-8, so they passed through esc(), but XML 1.0 forbids them: an XML parser
+  // rejected the page of a trace whose file name held one.
+  expseg::ReportGroup g;
+  g.name = "trace \xEF\xBF\xBE and \xEF\xBF\xBF.csv";
+  g.runs.resize(1);
+  g.runs[0].backend = "split_merge";
+  const expseg::ReportGroup groups[] = {g};
+  const std::string page = expseg::render_html_report(groups);
+  CHECK(page.find("\xEF\xBF\xBE") == std::string::npos);
+  CHECK(page.find("\xEF\xBF\xBF") == std::string::npos);
+  CHECK(page.find("trace \xEF\xBF\xBD and \xEF\xBF\xBD.csv") != std::string::npos);
+}
