@@ -813,7 +813,10 @@ void group_section(std::string& o, const ReportGroup& g, std::size_t index) {
   }
   if (!snaps.empty()) {
     const double row_bytes = map_row_bytes(snaps);
-    o += "<h3>Segment maps at the moment of peak reserved</h3>\n";
+    // Runs may have kept only the first OOM's snapshot (no snapshot_at_peak): no peak heading then.
+    bool any_peak_snap = false;
+    for (const ReportRun& r : g.runs) any_peak_snap = any_peak_snap || r.peak_snapshot;
+    o += any_peak_snap ? "<h3>Segment maps at the moment of peak reserved</h3>\n" : "<h3>Segment maps</h3>\n";
     o += "<p class=\"small\">Each bar is one segment (a driver allocation, or an expandable segment drawn up to its high-water mark), in address "
          "order, on one scale for the whole group: a full row is " + esc(format_bytes(static_cast<std::size_t>(row_bytes))) + ".</p>\n";
     state_legend(o);

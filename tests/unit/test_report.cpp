@@ -427,3 +427,21 @@ TEST_CASE("report regression: U+FFFE and U+FFFF in a name become U+FFFD (they ar
   CHECK(page.find("\xEF\xBF\xBF") == std::string::npos);
   CHECK(page.find("trace \xEF\xBF\xBD and \xEF\xBF\xBD.csv") != std::string::npos);
 }
+
+TEST_CASE("report regression: with only first-OOM snapshots there is no empty 'peak reserved' heading") {
+  // A replay without snapshot_at_peak under oom_snapshot:true keeps the OOM's snapshot only: the
+  // page announced "Segment maps at the moment of peak reserved" and drew none under it.
+  expseg::ReplayOptions o;
+  o.series_points = 100;
+  std::vector<expseg::ReplayResult> runs{expseg::replay(odd_trace(), sim_config(expseg::BackendKind::split_merge, "limit:3GiB,oom_snapshot:true"), o)};
+  REQUIRE(runs[0].first_oom);
+  REQUIRE(runs[0].first_oom->snapshot);
+  REQUIRE_FALSE(runs[0].peak_snapshot);
+  const expseg::ReportGroup groups[] = {expseg::report_group(std::span<const expseg::ReplayResult>(runs))};
+  const std::string page = expseg::render_html_report(groups);
+  REQUIRE(check_xml(page).ok);
+  CHECK(count(page, "data-moment=\"first-oom\"") == 1);
+  CHECK(count(page, "data-moment=\"peak\"") == 0);
+  CHECK(page.find("at the moment of peak reserved") == std::string::npos);
+  CHECK(page.find("Segment maps at the first OOM") != std::string::npos);
+}
