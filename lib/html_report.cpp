@@ -44,6 +44,10 @@ std::string esc(std::string_view text) {
         else o += c;
     }
   });
+  // U+FFFE and U+FFFF are well-formed UTF-8 but not XML characters: U+FFFD too. (0xEF only
+  // starts a sequence here: out is well-formed UTF-8.)
+  for (std::size_t at = out.find("\xEF\xBF"); at != std::string::npos; at = out.find("\xEF\xBF", at + 3))
+    if (at + 2 < out.size() && (out[at + 2] == '\xBE' || out[at + 2] == '\xBF')) out[at + 2] = '\xBD';
   return out;
 }
 
@@ -315,7 +319,8 @@ void chart(std::string& o, const ReportGroup& g) {
     o += "<line x1=\"" + co(kL) + "\" x2=\"" + co(kL + pw) + "\" y1=\"" + co(y) + "\" y2=\"" + co(y) + "\" stroke=\"#f1f3f5\"/>";
     o += "<text x=\"" + co(kL - 8) + "\" y=\"" + co(y + 4) + "\" text-anchor=\"end\">" + esc(yt.label(v)) + "</text>\n";
   }
-  const double xs = nice_step(static_cast<double>(xmax) / 8);
+  // Whole steps: x counts steps or events (a run shorter than 8 would get 0.2, labels repeating).
+  const double xs = std::max(1.0, nice_step(static_cast<double>(xmax) / 8));
   for (double v = 0; v <= static_cast<double>(xmax) + 0.5; v += xs) {
     const double x = X(v);
     o += "<line x1=\"" + co(x) + "\" x2=\"" + co(x) + "\" y1=\"" + co(kT + ph) + "\" y2=\"" + co(kT + ph + 5) + "\" stroke=\"#adb5bd\"/>";
@@ -808,7 +813,10 @@ void group_section(std::string& o, const ReportGroup& g, std::size_t index) {
   }
   if (!snaps.empty()) {
     const double row_bytes = map_row_bytes(snaps);
-    o += "<h3>Segment maps at the moment of peak reserved</h3>\n";
+    // Runs may have kept only the first OOM's snapshot (no snapshot_at_peak): no peak heading then.
+    bool any_peak_snap = false;
+    for (const ReportRun& r : g.runs) any_peak_snap = any_peak_snap || r.peak_snapshot;
+    o += any_peak_snap ? "<h3>Segment maps at the moment of peak reserved</h3>\n" : "<h3>Segment maps</h3>\n";
     o += "<p class=\"small\">Each bar is one segment (a driver allocation, or an expandable segment drawn up to its high-water mark), in address "
          "order, on one scale for the whole group: a full row is " + esc(format_bytes(static_cast<std::size_t>(row_bytes))) + ".</p>\n";
     state_legend(o);

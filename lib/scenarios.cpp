@@ -337,7 +337,8 @@ std::vector<ScenarioInfo> infos() {
   return v;
 }
 
-// Resamples per-step samples to about `points` points, keeping every local max of reserved.
+// Resamples per-step samples to about `points` points (at most one more), keeping every local max of
+// reserved and the last sample.
 std::vector<SeriesPoint> downsample(const std::vector<SeriesPoint>& in, std::size_t points) {
   if (points == 0 || in.size() <= points) return in;
   std::vector<SeriesPoint> out;
@@ -350,6 +351,8 @@ std::vector<SeriesPoint> downsample(const std::vector<SeriesPoint>& in, std::siz
       if (in[j].reserved > in[best].reserved || (in[j].reserved == in[best].reserved && in[j].allocated > in[best].allocated)) best = j;
     out.push_back(in[best]);
   }
+  // And the last sample: the run's end state (stories free everything), held to the end of the chart.
+  if (out.back().event != in.back().event) out.push_back(in.back());
   return out;
 }
 

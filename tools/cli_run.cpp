@@ -271,6 +271,14 @@ void check_picture_path(const std::string& path) {
   if (!existed) ::unlink(path.c_str());
 }
 
+// --seed N, N >= 1: ScenarioOptions::seed 0 stands for each scenario's own seed, so a 0 given here
+// would silently run that seed (random-churn's is 1) instead of a seed of its own.
+std::uint64_t parse_seed(const std::string& text) {
+  const std::uint64_t seed = parse_u64("--seed", text);
+  if (seed == 0) throw UsageError("bad --seed value '0': seeds start at 1 (without --seed, each scenario runs its own)");
+  return seed;
+}
+
 // "sim:80GiB (the simulated device: CUDA is not usable here (...))"
 void print_device_line(const Setup& setup) { std::printf("Device: %s, %s\n\n", setup.device_label.c_str(), setup.device_note.c_str()); }
 
@@ -350,7 +358,7 @@ int cmd::scenario(int argc, char** argv) {
     }
   }
   ScenarioOptions options;
-  options.seed = args.get("--seed") ? parse_u64("--seed", *args.get("--seed")) : 0;
+  options.seed = args.get("--seed") ? parse_seed(*args.get("--seed")) : 0;
   if (const auto sizes = args.get("--sizes")) {
     for (const std::string& n : names)
       if (n != "random-churn") throw UsageError("--sizes applies to random-churn only (got scenario '" + n + "')");
@@ -416,7 +424,7 @@ int cmd::study(int argc, char** argv) {
     std::error_code ec;
     if (!std::filesystem::exists(p, ec)) throw InputError(p + ": no such trace file");
   }
-  const std::uint64_t seed = args.get("--seed") ? parse_u64("--seed", *args.get("--seed")) : 0;
+  const std::uint64_t seed = args.get("--seed") ? parse_seed(*args.get("--seed")) : 0;
   const Setup setup = make_setup(args);
   const bool json = args.has("--json");
   const std::string html = args.get("--html").value_or("expseg-study.html");

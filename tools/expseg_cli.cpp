@@ -73,7 +73,7 @@ const CommandHelp* find_help(std::string_view name) {
            kBackendHelp + kDeviceHelp + kConfHelp +
            "  --json            one JSON object per (scenario, backend) per line, instead of the table\n"
            "  --html FILE       also write the A/B picture (a self-contained HTML page) to FILE\n"
-           "  --seed N          seed of the random stories (default: each scenario's own)\n"
+           "  --seed N          seed of the random stories, N >= 1 (default: each scenario's own)\n"
            "  --sizes MIN-MAX   random-churn only: draw sizes log-uniform in MIN-MAX instead of 4KiB-512MiB,\n"
            "                    e.g. 1MiB-64MiB (with --conf limit:SIZE for another limit than 3 GiB)\n\n"
            "Examples:\n  expseg scenario split-800-500-300 --device sim\n"
@@ -89,7 +89,7 @@ const CommandHelp* find_help(std::string_view name) {
            "  --trace PATH...   replay these traces instead of the shipped ones; repeatable\n" +
            kBackendHelp + kConfHelp +
            "  --json            JSON lines instead of the tables (the picture is still written)\n"
-           "  --seed N          seed of the random stories (default: each scenario's own)\n"},
+           "  --seed N          seed of the random stories, N >= 1 (default: each scenario's own)\n"},
       {"explain", "read an OOM dump (oom_dump:PATH) and replay the events that led to it on both backends",
        "expseg explain DUMP.json [--backend B[,B]] [--html FILE] [--no-replay]",
        std::string("Prints what the dump holds: the OOM report, the live allocations and free blocks at the OOM (the\n"

@@ -215,6 +215,9 @@ TEST_CASE("cli: usage errors exit 2 and name the bad argument") {
       {"scenario split-800-500-300 --device tpu", "--device"},
       {"scenario split-800-500-300 --device sim:lots", "sim:lots"},
       {"scenario split-800-500-300 --seed abc", "--seed"},
+      // Seed 0 ran the scenario's own seed (random-churn's is 1: --seed 0 and --seed 1 were the same run).
+      {"scenario random-churn --seed 0", "--seed"},
+      {"study --seed 0", "--seed"},
       {"scenario no-such-story", "no-such-story"},
       {"scenario", "NAME"},
       {"info extra", "extra"},

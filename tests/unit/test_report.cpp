@@ -379,3 +379,69 @@ TEST_CASE("report: write_html_report says why it cannot write (the system's reas
   if (std::filesystem::exists("/dev/full")) CHECK(what("/dev/full") == "expseg: cannot write the report to '/dev/full': No space left on device");
 }
 
+
+TEST_CASE("report regression: a run of one event labels the x axis with distinct whole steps inside the plot") {
+  // An x range under 8 steps gave fractional tick steps (0.2): labels "0 0 0 1 1 1" at x = 0.4
+  // and the like, and ticks past the plot's right edge (x 1.2 and 1.4 of a range of 1).
+  expseg::ReportGroup g;
+  g.name = "one";
+  g.x_label = "event";
+  g.runs.resize(1);
+  g.runs[0].backend = "split_merge";
+  g.runs[0].length = 1;
+  g.runs[0].series.push_back({1, 512, 2 << 20});
+  g.runs[0].peak_allocated_bytes = 512;
+  g.runs[0].peak_reserved_bytes = 2 << 20;
+  const expseg::ReportGroup groups[] = {g};
+  const std::string page = expseg::render_html_report(groups);
+  REQUIRE(check_xml(page).ok);
+  // The x ticks: the labels under the plot (y = 16 + 280 + 19), and the tick lines' x.
+  std::vector<std::string> labels;
+  const std::string at = "y=\"315\" text-anchor=\"middle\">";
+  for (std::size_t p = page.find(at); p != std::string::npos; p = page.find(at, p + 1)) {
+    const std::size_t b = p + at.size();
+    labels.push_back(page.substr(b, page.find('<', b) - b));
+  }
+  INFO("labels: " << [&] { std::string s; for (const auto& l : labels) s += l + " "; return s; }());
+  REQUIRE(labels.size() >= 2);
+  std::vector<std::string> sorted = labels;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
+  const std::string tick = "\" y1=\"296\" y2=\"301\"";
+  for (std::size_t p = page.find(tick); p != std::string::npos; p = page.find(tick, p + 1)) {
+    const std::size_t x2 = page.rfind("x2=\"", p) + 4;
+    CHECK(std::stod(page.substr(x2, p - x2)) <= 982.0);  // kL + plot width
+  }
+}
+
+TEST_CASE("report regression: U+FFFE and U+FFFF in a name become U+FFFD (they are no XML characters)") {
+  // Well-formed UTF-8, so they passed through esc(), but XML 1.0 forbids them: an XML parser
+  // rejected the page of a trace whose file name held one.
+  expseg::ReportGroup g;
+  g.name = "trace \xEF\xBF\xBE and \xEF\xBF\xBF.csv";
+  g.runs.resize(1);
+  g.runs[0].backend = "split_merge";
+  const expseg::ReportGroup groups[] = {g};
+  const std::string page = expseg::render_html_report(groups);
+  CHECK(page.find("\xEF\xBF\xBE") == std::string::npos);
+  CHECK(page.find("\xEF\xBF\xBF") == std::string::npos);
+  CHECK(page.find("trace \xEF\xBF\xBD and \xEF\xBF\xBD.csv") != std::string::npos);
+}
+
+TEST_CASE("report regression: with only first-OOM snapshots there is no empty 'peak reserved' heading") {
+  // A replay without snapshot_at_peak under oom_snapshot:true keeps the OOM's snapshot only: the
+  // page announced "Segment maps at the moment of peak reserved" and drew none under it.
+  expseg::ReplayOptions o;
+  o.series_points = 100;
+  std::vector<expseg::ReplayResult> runs{expseg::replay(odd_trace(), sim_config(expseg::BackendKind::split_merge, "limit:3GiB,oom_snapshot:true"), o)};
+  REQUIRE(runs[0].first_oom);
+  REQUIRE(runs[0].first_oom->snapshot);
+  REQUIRE_FALSE(runs[0].peak_snapshot);
+  const expseg::ReportGroup groups[] = {expseg::report_group(std::span<const expseg::ReplayResult>(runs))};
+  const std::string page = expseg::render_html_report(groups);
+  REQUIRE(check_xml(page).ok);
+  CHECK(count(page, "data-moment=\"first-oom\"") == 1);
+  CHECK(count(page, "data-moment=\"peak\"") == 0);
+  CHECK(page.find("at the moment of peak reserved") == std::string::npos);
+  CHECK(page.find("Segment maps at the first OOM") != std::string::npos);
+}
