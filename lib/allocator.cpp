@@ -415,6 +415,7 @@ void Allocator::enable_peer_access(int peer) {
   if (std::find(granted.begin(), granted.end(), peer) != granted.end()) return;
   granted.reserve(granted.size() + 1);
   impl_->backend->on_peer_added(peer);
+  impl_->imports->grant_all(d);  // and what import_ipc mapped
   granted.push_back(peer);
 }
 

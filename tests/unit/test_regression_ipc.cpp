@@ -1,0 +1,64 @@
+// Regressions of IPC and peer access (audit of lib/ipc.cpp, enable_peer_access).
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "expseg/ipc.hpp"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+using expseg::ImportedMemory;
+using expseg::IpcMemHandle;
+using expseg::driver::Fault;
+using expseg::driver::Op;
+using expseg::driver::SimOptions;
+
+namespace {
+
+SimAllocator three_device_alloc(const expseg::Config& c) {
+  SimOptions o;
+  o.device = 0;
+  o.device_count = 3;
+  o.shareable = static_cast<expseg::driver::ShareableHandle>(c.ipc_handle);
+  return make_sim_allocator(c, o);
+}
+
+}  // namespace
+
+TEST_SUITE("multi_device") {
+
+// enable_peer_access promises the peer "everything this allocator maps, now and later". Memory
+// imported through Allocator::import_ipc is mapped by the allocator's driver and gets the peers
+// granted at import time; a peer enabled after the import must reach it too, as it would if it had
+// been enabled before.
+TEST_CASE("regression: a peer enabled after Allocator::import_ipc reaches the imported memory") {
+  for (const std::string extra : {"ipc_handle:posix_fd,expandable_max_handle:2MiB", "ipc_handle:fabric"}) {
+    CAPTURE(extra);
+    auto s = three_device_alloc(sim_config(BackendKind::expandable, 1 * GiB, extra));
+    void* p = s->allocate(5 * MiB);
+    IpcMemHandle h = s->export_ipc(p);
+    ImportedMemory before_grant = s->import_ipc(h);
+    const auto base = addr(before_grant.get()) - h.offset;
+    CHECK(s.sim->granted_devices(base) == std::vector<int>{0});
+
+    s->enable_peer_access(1);
+    CHECK(s.sim->granted_devices(base) == std::vector<int>{0, 1});
+    CHECK(s.sim->granted_devices(base + h.range_bytes - 1) == std::vector<int>{0, 1});
+    ImportedMemory after_grant = s->import_ipc(h);  // imported after the grant: granted at once
+    CHECK(s.sim->granted_devices(addr(after_grant.get())) == std::vector<int>{0, 1});
+
+    // A closed import is not granted again (its range is gone); the one still open is.
+    before_grant.close();
+    s->enable_peer_access(2);
+    CHECK(s.sim->granted_devices(addr(after_grant.get())) == std::vector<int>{0, 1, 2});
+    after_grant.close();
+    s->enable_peer_access(2);  // nothing left to grant
+    CHECK(s.sim->live().reservations == 1);  // the allocator's own segment only
+    s->deallocate(p);
+    s->validate();
+  }
+}
+
+}  // TEST_SUITE
