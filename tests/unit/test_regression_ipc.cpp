@@ -61,4 +61,24 @@ TEST_CASE("regression: a peer enabled after Allocator::import_ipc reaches the im
   }
 }
 
+// device_info().access_devices lists "devices that can access this allocator's memory". When the
+// re-grant of what is already mapped fails halfway, the peer cannot reach that memory yet (the next
+// enable_peer_access grants it again), so it must not be listed until a call completes.
+TEST_CASE("regression: a peer whose re-grant failed is not listed in device_info().access_devices") {
+  auto s = three_device_alloc(sim_config(BackendKind::expandable, 8 * GiB, "expandable_max_handle:2MiB"));
+  void* a = s->allocate(3 * MiB);
+  void* b = s->allocate(64 * MiB);
+  void* c = s->allocate(10 * MiB);
+  s->deallocate(b);
+  s->release_cached();  // two mapped runs
+  s.sim->inject_fault(Op::set_access, 2, Fault::error);
+  CHECK_THROWS_AS(s->enable_peer_access(1), expseg::driver_error);
+  CHECK(s->device_info().access_devices == std::vector<int>{0});
+  s->enable_peer_access(1);
+  CHECK(s->device_info().access_devices == std::vector<int>{0, 1});
+  s->deallocate(a);
+  s->deallocate(c);
+  s->validate();
+}
+
 }  // TEST_SUITE
