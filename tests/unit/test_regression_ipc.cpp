@@ -1,7 +1,9 @@
 // Regressions of IPC and peer access (audit of lib/ipc.cpp, enable_peer_access).
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "expseg/ipc.hpp"
@@ -78,6 +80,33 @@ TEST_CASE("regression: a peer whose re-grant failed is not listed in device_info
   CHECK(s->device_info().access_devices == std::vector<int>{0, 1});
   s->deallocate(a);
   s->deallocate(c);
+  s->validate();
+}
+
+// The registry of open imports has its own lock: imports close without the allocator's lock while
+// enable_peer_access grants what is open. Closing while peers are granted neither deadlocks nor
+// grants a range already unmapped (the simulator would refuse set_access over it).
+TEST_CASE("ipc: imports closed while peers are granted (the registry's lock)") {
+  SimOptions o;
+  o.device_count = 8;
+  o.shareable = expseg::driver::ShareableHandle::posix_fd;
+  auto s = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "ipc_handle:posix_fd"), o);
+  void* p = s->allocate(4 * MiB);
+  const IpcMemHandle h = s->export_ipc(p);
+  std::atomic<bool> done{false};
+  std::thread importer([&] {
+    while (!done.load()) {
+      ImportedMemory m = s->import_ipc(h);
+      m.close();
+    }
+  });
+  ImportedMemory kept = s->import_ipc(h);
+  for (int peer = 1; peer < 8; ++peer) CHECK_NOTHROW(s->enable_peer_access(peer));
+  done = true;
+  importer.join();
+  CHECK(s.sim->granted_devices(addr(kept.get())) == std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7});
+  kept.close();
+  s->deallocate(p);
   s->validate();
 }
 
