@@ -415,6 +415,7 @@ void Allocator::enable_peer_access(int peer) {
   if (std::find(granted.begin(), granted.end(), peer) != granted.end()) return;
   granted.reserve(granted.size() + 1);
   impl_->backend->on_peer_added(peer);
+  impl_->imports->grant_all(d);  // and what import_ipc mapped
   granted.push_back(peer);
 }
 
@@ -460,7 +461,10 @@ DeviceInfo Allocator::device_info() const {
   d.ipc_handle = static_cast<IpcHandle>(impl_->driver->shareable_handle_type());
   d.ipc_fallback_reason = impl_->driver->shareable_fallback_reason();
   d.gpu_direct_rdma = impl_->driver->gpu_direct_rdma();
-  d.access_devices = impl_->driver->access_devices();
+  // The peers whose grant completed: after a re-grant failed halfway, the driver's list already
+  // has the peer, but memory mapped before cannot be reached from it until a call completes.
+  d.access_devices = {d.index};
+  d.access_devices.insert(d.access_devices.end(), impl_->peers.begin(), impl_->peers.end());
   return d;
 }
 

@@ -13,6 +13,7 @@
 #include "core/mutex.hpp"
 #include "driver/driver.hpp"
 #include "expseg/allocator.hpp"
+#include "ipc_internal.hpp"
 #include "recorder.hpp"
 
 namespace expseg {
@@ -75,6 +76,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   bool limit_changed_while_recording = false;  // the trace's events did not all run under the current limit
   std::shared_ptr<const Allocator::OomObserver> oom_observer;  // null: none
   std::vector<int> peers;  // devices granted access to everything mapped (enable_peer_access completed)
+  // Mappings of import_ipc still open: enable_peer_access grants them too.
+  std::shared_ptr<detail::ImportRegistry> imports = std::make_shared<detail::ImportRegistry>();
 };
 
 namespace detail {

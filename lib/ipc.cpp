@@ -372,9 +372,16 @@ struct ImportedMemory::State {
   std::vector<driver::phys_handle> handles;  // imported, not yet released
   std::uint64_t offset = 0;
   std::size_t size = 0;
+  std::shared_ptr<detail::ImportRegistry> registry;  // Allocator::import_ipc: where `base` is registered
 
   // Undoes everything, in reverse order; remembers the first failure and goes on.
   void release(std::exception_ptr& first) noexcept {
+    if (registry) {
+      // First: a peer granted from now on must not set access over a range being unmapped.
+      std::lock_guard<std::mutex> lock(registry->mu);
+      registry->ranges.erase(base);
+    }
+    registry.reset();
     auto attempt = [&](auto&& f) {
       try {
         f();
@@ -421,7 +428,13 @@ void ImportedMemory::close() {
   if (first) std::rethrow_exception(first);
 }
 
-ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> drv, const IpcMemHandle& h) {
+void detail::ImportRegistry::grant_all(driver::Driver& driver) {
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& [base, bytes] : ranges) driver.set_access(base, bytes);
+}
+
+ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> drv, const IpcMemHandle& h,
+                                              std::shared_ptr<ImportRegistry> registry) {
   check_handle(h, "import_ipc");
   if (h.device_kind != drv->kind())
     throw ipc_error("expseg: import_ipc: the handle was exported by a " + h.device_kind + " device; this is a " +
@@ -468,8 +481,14 @@ ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> dr
       s->mapped.push_back(p.bytes);
       at += p.bytes;
     }
-    // This device and every peer the driver grants (Allocator::enable_peer_access) may use it.
+    // This device and every peer the driver grants (Allocator::enable_peer_access) may use it;
+    // a peer enabled later is granted through the registry.
     drv->set_access(s->base, h.range_bytes);
+    if (registry) {
+      std::lock_guard<std::mutex> lock(registry->mu);
+      registry->ranges.emplace(s->base, h.range_bytes);  // may throw: s releases without the registry
+      s->registry = std::move(registry);
+    }
   }
   ImportedMemory m;
   m.s_ = std::move(s);
@@ -538,7 +557,7 @@ IpcMemHandle Allocator::export_ipc(void* ptr) {
 ImportedMemory Allocator::import_ipc(const IpcMemHandle& handle) {
   // Under the lock: set_access reads the driver's access list, which enable_peer_access changes.
   std::lock_guard<core::Mutex> lock(impl_->mu);
-  return detail::IpcAccess::import_with(impl_->driver, handle);
+  return detail::IpcAccess::import_with(impl_->driver, handle, impl_->imports);
 }
 
 // --- passing descriptors ----------------------------------------------------------------------------------

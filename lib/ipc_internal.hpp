@@ -2,17 +2,32 @@
 // expseg::import_ipc and tests that import without an Allocator (a CudaDriver of their own).
 #pragma once
 
+#include <map>
 #include <memory>
+#include <mutex>
 
 #include "driver/driver.hpp"
 #include "expseg/ipc.hpp"
 
 namespace expseg::detail {
 
+// The ranges Allocator::import_ipc mapped (posix_fd, fabric) that are still open, so that
+// enable_peer_access grants a later peer these too ("everything this allocator maps, now and later").
+// Shared with each such ImportedMemory, which may outlive the allocator and is closed without the
+// allocator's lock: hence a lock of its own (taken after the allocator's).
+struct ImportRegistry {
+  std::mutex mu;
+  std::map<driver::dev_ptr, std::size_t> ranges;  // reservation base -> bytes
+  // set_access over every open range (the driver's access list has the new peer). Throws driver_error.
+  void grant_all(driver::Driver& driver);
+};
+
 struct IpcAccess {
-  // Maps `handle` through `driver` (kept alive by the result). The caller serialises this call with
-  // other users of the driver's access list (set_access reads it; enable_peer_access changes it).
-  static ImportedMemory import_with(std::shared_ptr<driver::Driver> driver, const IpcMemHandle& handle);
+  // Maps `handle` through `driver` (kept alive by the result); registers the mapping in `registry`
+  // (if any) until it is closed. The caller serialises this call with other users of the driver's
+  // access list (set_access reads it; enable_peer_access changes it).
+  static ImportedMemory import_with(std::shared_ptr<driver::Driver> driver, const IpcMemHandle& handle,
+                                    std::shared_ptr<ImportRegistry> registry = nullptr);
 };
 
 }  // namespace expseg::detail

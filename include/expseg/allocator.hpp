@@ -115,7 +115,8 @@ class Allocator {
   // cannot export (expandable with ipc_handle:none: set ipc_handle:posix_fd), driver_error.
   IpcMemHandle export_ipc(void* ptr);
   // Maps `handle` into this process through this allocator's device (the memory stays the
-  // exporter's; this allocator's stats do not count it). On the simulated device, in-process
+  // exporter's; this allocator's stats do not count it). Peers granted with enable_peer_access,
+  // before or after the import, may use it too. On the simulated device, in-process
   // round trips work through the exporting allocator itself.
   ImportedMemory import_ipc(const IpcMemHandle& handle);
 

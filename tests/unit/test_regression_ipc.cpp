@@ -1,0 +1,113 @@
+// Regressions of IPC and peer access (audit of lib/ipc.cpp, enable_peer_access).
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "expseg/ipc.hpp"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+using expseg::ImportedMemory;
+using expseg::IpcMemHandle;
+using expseg::driver::Fault;
+using expseg::driver::Op;
+using expseg::driver::SimOptions;
+
+namespace {
+
+SimAllocator three_device_alloc(const expseg::Config& c) {
+  SimOptions o;
+  o.device = 0;
+  o.device_count = 3;
+  o.shareable = static_cast<expseg::driver::ShareableHandle>(c.ipc_handle);
+  return make_sim_allocator(c, o);
+}
+
+}  // namespace
+
+TEST_SUITE("multi_device") {
+
+// enable_peer_access promises the peer "everything this allocator maps, now and later". Memory
+// imported through Allocator::import_ipc is mapped by the allocator's driver and gets the peers
+// granted at import time; a peer enabled after the import must reach it too, as it would if it had
+// been enabled before.
+TEST_CASE("regression: a peer enabled after Allocator::import_ipc reaches the imported memory") {
+  for (const std::string extra : {"ipc_handle:posix_fd,expandable_max_handle:2MiB", "ipc_handle:fabric"}) {
+    CAPTURE(extra);
+    auto s = three_device_alloc(sim_config(BackendKind::expandable, 1 * GiB, extra));
+    void* p = s->allocate(5 * MiB);
+    IpcMemHandle h = s->export_ipc(p);
+    ImportedMemory before_grant = s->import_ipc(h);
+    const auto base = addr(before_grant.get()) - h.offset;
+    CHECK(s.sim->granted_devices(base) == std::vector<int>{0});
+
+    s->enable_peer_access(1);
+    CHECK(s.sim->granted_devices(base) == std::vector<int>{0, 1});
+    CHECK(s.sim->granted_devices(base + h.range_bytes - 1) == std::vector<int>{0, 1});
+    ImportedMemory after_grant = s->import_ipc(h);  // imported after the grant: granted at once
+    CHECK(s.sim->granted_devices(addr(after_grant.get())) == std::vector<int>{0, 1});
+
+    // A closed import is not granted again (its range is gone); the one still open is.
+    before_grant.close();
+    s->enable_peer_access(2);
+    CHECK(s.sim->granted_devices(addr(after_grant.get())) == std::vector<int>{0, 1, 2});
+    after_grant.close();
+    s->enable_peer_access(2);  // nothing left to grant
+    CHECK(s.sim->live().reservations == 1);  // the allocator's own segment only
+    s->deallocate(p);
+    s->validate();
+  }
+}
+
+// device_info().access_devices lists "devices that can access this allocator's memory". When the
+// re-grant of what is already mapped fails halfway, the peer cannot reach that memory yet (the next
+// enable_peer_access grants it again), so it must not be listed until a call completes.
+TEST_CASE("regression: a peer whose re-grant failed is not listed in device_info().access_devices") {
+  auto s = three_device_alloc(sim_config(BackendKind::expandable, 8 * GiB, "expandable_max_handle:2MiB"));
+  void* a = s->allocate(3 * MiB);
+  void* b = s->allocate(64 * MiB);
+  void* c = s->allocate(10 * MiB);
+  s->deallocate(b);
+  s->release_cached();  // two mapped runs
+  s.sim->inject_fault(Op::set_access, 2, Fault::error);
+  CHECK_THROWS_AS(s->enable_peer_access(1), expseg::driver_error);
+  CHECK(s->device_info().access_devices == std::vector<int>{0});
+  s->enable_peer_access(1);
+  CHECK(s->device_info().access_devices == std::vector<int>{0, 1});
+  s->deallocate(a);
+  s->deallocate(c);
+  s->validate();
+}
+
+// The registry of open imports has its own lock: imports close without the allocator's lock while
+// enable_peer_access grants what is open. Closing while peers are granted neither deadlocks nor
+// grants a range already unmapped (the simulator would refuse set_access over it).
+TEST_CASE("ipc: imports closed while peers are granted (the registry's lock)") {
+  SimOptions o;
+  o.device_count = 8;
+  o.shareable = expseg::driver::ShareableHandle::posix_fd;
+  auto s = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "ipc_handle:posix_fd"), o);
+  void* p = s->allocate(4 * MiB);
+  const IpcMemHandle h = s->export_ipc(p);
+  std::atomic<bool> done{false};
+  std::thread importer([&] {
+    while (!done.load()) {
+      ImportedMemory m = s->import_ipc(h);
+      m.close();
+    }
+  });
+  ImportedMemory kept = s->import_ipc(h);
+  for (int peer = 1; peer < 8; ++peer) CHECK_NOTHROW(s->enable_peer_access(peer));
+  done = true;
+  importer.join();
+  CHECK(s.sim->granted_devices(addr(kept.get())) == std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7});
+  kept.close();
+  s->deallocate(p);
+  s->validate();
+}
+
+}  // TEST_SUITE
