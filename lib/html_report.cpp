@@ -641,7 +641,8 @@ const char* kScript = R"JS(
     var xmax = +svg.dataset.xmax, ymax = +svg.dataset.ymax, xlabel = svg.dataset.xlabel;
     var series = [];
     svg.querySelectorAll('polyline.series').forEach(function (p) {
-      var pts = p.getAttribute('points').trim().split(/\s+/).map(function (s) {
+      // An empty run draws an empty polyline: no points, rather than one at NaN.
+      var pts = p.getAttribute('points').trim().split(/\s+/).filter(function (s) { return s.length > 0; }).map(function (s) {
         var c = s.split(','); return [+c[0], +c[1]];
       });
       series.push({ backend: p.dataset.backend, kind: p.dataset.kind, color: p.getAttribute('stroke'), pts: pts });
