@@ -35,6 +35,7 @@ _torch_allocator = None  # kept alive for the life of the process (PyTorch holds
 _torch_conf = None
 _cupy_allocator = None
 _cupy_conf = None
+_history_max_entries = 0  # torch.cuda.memory._record_memory_history's bound on trace entries (0: none)
 
 
 class ExpsegError(RuntimeError):
@@ -399,7 +400,10 @@ def torch_snapshot(devices=None):
     for d in devices:
         snap = snapshot(d)
         segments.extend(_torch_segments(d, snap))
-        traces[d] = _torch_trace(d, snap.get("backend") == "expandable")
+        trace = _torch_trace(d, snap.get("backend") == "expandable")
+        # expseg's ring counts a free once, PyTorch's twice (free_requested, free_completed): keep PyTorch's
+        # bound on the entries returned, as its ring would have.
+        traces[d] = trace[-_history_max_entries:] if _history_max_entries else trace
     return {"segments": segments, "device_traces": traces}
 
 
@@ -434,7 +438,9 @@ def _patch_torch(torch):
         return torch_snapshot()
 
     def record_history(enabled, max_entries):
+        global _history_max_entries
         ring = 0 if max_entries is None or max_entries >= sys.maxsize else int(max_entries)
+        _history_max_entries = ring if enabled else 0
         # Devices first used later record too (PyTorch records on every device).
         _check(load().expseg_set_record_default(1 if enabled else 0, ring), "expseg_set_record_default")
         for d in initialized_devices():

@@ -480,13 +480,23 @@ class InstallTest(unittest.TestCase):
             start()
             for _ in range(100):
                 self.lib.expseg_free(self.lib.expseg_malloc(MiB, 0, None), 0, 0, None)
-            # One recorded event (a free shows as free_requested + free_completed); was every event.
-            self.assertLessEqual(len(C._cuda_memorySnapshot(None)["device_traces"][0]), 2)
+            # One entry, as PyTorch's ring of one (was every event, then a free's two entries).
+            self.assertEqual(len(C._cuda_memorySnapshot(None)["device_traces"][0]), 1)
             C._cuda_record_memory_history(None, None, "all", 0, False, False, False, [], False, True)
         C._cuda_record_memory_history("all", "all", "all", sys.maxsize, False, False, False, [], False, True)
         for _ in range(100):
             self.lib.expseg_free(self.lib.expseg_malloc(MiB, 0, None), 0, 0, None)
         self.assertEqual(len(C._cuda_memorySnapshot(None)["device_traces"][0]), 300)  # "all": 100 x (alloc, 2 free)
+        C._cuda_record_memory_history(None, None, "all", 0, False, False, False, [], False, True)
+        C._cuda_record_memory_history("all", "all", "all", 10, False, False, False, [], False, True)
+        for _ in range(100):
+            self.lib.expseg_free(self.lib.expseg_malloc(MiB, 0, None), 0, 0, None)
+        # At most max_entries entries, as PyTorch returns, counting a free as its two entries (was up to 20).
+        trace = C._cuda_memorySnapshot(None)["device_traces"][0]
+        self.assertEqual(len(trace), 10)
+        self.assertEqual(trace[-1]["action"], "free_completed")
+        self.assertEqual(trace[-2]["action"], "free_requested")
+        self.assertEqual(trace[-3]["action"], "alloc")
 
     def test_config_of_a_device_not_yet_used_includes_the_record_default(self):
         self.lib.expseg_set_record_default(1, 100)
