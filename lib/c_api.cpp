@@ -333,6 +333,8 @@ void expseg_cupy_free(void* /*param*/, void* ptr, int device_id) noexcept {
 
 int expseg_record_stream(void* ptr, int device, expseg_stream_t stream) noexcept {
   constexpr const char* fn = "expseg_record_stream";
+  // As expseg_free(NULL): PyTorch records streams of empty tensors, also on a device with no allocator yet.
+  if (ptr == nullptr) return EXPSEG_SUCCESS;
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   Allocator* a = existing(device);
   if (a == nullptr) {

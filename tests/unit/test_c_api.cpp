@@ -586,6 +586,20 @@ TEST_CASE_FIXTURE(CApiFixture, "record_stream on a live allocation") {
   CHECK(stat(0, "allocation.all.current") == 0);
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "record_stream of NULL does nothing, whether or not the device has an allocator") {
+  // PyTorch records streams of empty tensors, whose pointer is NULL, also on a device that has
+  // allocated nothing yet: as expseg_free(NULL), that is no error and creates nothing.
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  CHECK(expseg_record_stream(nullptr, 3, reinterpret_cast<expseg_stream_t>(0x20)) == EXPSEG_SUCCESS);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  CHECK(expseg_device_initialized(3) == 0);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 3, nullptr);
+  REQUIRE(p != nullptr);
+  CHECK(expseg_record_stream(nullptr, 3, reinterpret_cast<expseg_stream_t>(0x20)) == EXPSEG_SUCCESS);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  expseg_free(p, 0, 3, nullptr);
+}
+
 TEST_CASE_FIXTURE(CApiFixture, "concurrent first use creates one allocator per device") {
   REQUIRE(expseg_configure("device:sim,sim_capacity:8GiB,sim_host_backed:true,backend:expandable") == EXPSEG_SUCCESS);
   constexpr int kThreads = 8;
