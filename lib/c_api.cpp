@@ -297,8 +297,10 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
     throw std::invalid_argument(std::string(fn) + ": negative size");
   }
   if (size == 0) return nullptr;
+  // The exceptions carry the thread's message itself, not expseg_last_error(): that would replace
+  // the string an earlier expseg_last_error handed out, which stays valid until the caller calls it again.
   Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) throw std::runtime_error(expseg_last_error());
+  if (a == nullptr) throw std::runtime_error(tls().message);
   try {
     return a->allocate(static_cast<std::size_t>(size), stream);
   } catch (const out_of_memory& e) {
@@ -307,7 +309,7 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
     throw;
   } catch (...) {
     fail_current(fn);
-    throw std::runtime_error(expseg_last_error());
+    throw std::runtime_error(tls().message);
   }
 }
 

@@ -174,6 +174,25 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_last_error's string stays valid until exp
   CHECK(std::string(expseg_last_error()).find("expseg_record_write") == 0);
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "a failing expseg_torch_malloc leaves the string expseg_last_error handed out valid") {
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  int on_the_stack = 0;
+  expseg_free(&on_the_stack, 0, 0, nullptr);
+  const char* first = expseg_last_error();
+  const std::string copy = first;
+  REQUIRE(copy.find("expseg_free") == 0);
+  // The exception carries the new message; the caller did not call expseg_last_error again.
+  std::string what;
+  try {
+    (void)expseg_torch_malloc(64, 99999, nullptr);
+  } catch (const std::runtime_error& e) {
+    what = e.what();
+  }
+  CHECK(what.find("expseg_torch_malloc: device 99999 is out of range") == 0);
+  CHECK(std::string(first) == copy);
+  CHECK(std::string(expseg_last_error()) == what);
+}
+
 namespace {
 // A thread_local made before the thread's first expseg call is destroyed after expseg's own
 // per-thread state (reverse order): its destructor calls expseg as a static destructor at exit would.
