@@ -244,9 +244,11 @@ void deallocate(void* ptr, int device, const char* fn) noexcept {
   if (!valid_device(device, fn)) return;
   Allocator* a = existing(device);
   if (a == nullptr) {
-    char text[160];
-    std::snprintf(text, sizeof text, "free of pointer %p on device %d, which has no expseg allocator (not allocated by expseg)",
-                  ptr, device);
+    // The pointer may well be expseg's, of another device: say what the allocator would say.
+    char text[200];
+    std::snprintf(text, sizeof text,
+                  "free of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one from "
+                  "another device's allocator", ptr, device);
     set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
     return;
   }
@@ -340,7 +342,11 @@ int expseg_record_stream(void* ptr, int device, expseg_stream_t stream) noexcept
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   Allocator* a = existing(device);
   if (a == nullptr) {
-    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, "the device has no expseg allocator (the pointer was not allocated by expseg)");
+    char text[200];
+    std::snprintf(text, sizeof text,
+                  "record_stream of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one "
+                  "from another device's allocator", ptr, device);
+    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
     return EXPSEG_ERROR_INVALID_POINTER;
   }
   try {

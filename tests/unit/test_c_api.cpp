@@ -605,6 +605,26 @@ TEST_CASE_FIXTURE(CApiFixture, "record_stream on a live allocation") {
   CHECK(stat(0, "allocation.all.current") == 0);
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "a pointer given with a device that has no allocator is not called foreign to expseg") {
+  // p is expseg's, of device 0; device 7 has no allocator. The message must not tell the user that
+  // expseg did not allocate p: the device argument is what is wrong.
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  expseg_free(p, 0, 7, nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_POINTER);
+  CHECK(last_error().find("not allocated by expseg") == std::string::npos);
+  CHECK(last_error().find("device 7") != std::string::npos);
+  CHECK(last_error().find("another device") != std::string::npos);
+  CHECK(expseg_record_stream(p, 7, nullptr) == EXPSEG_ERROR_INVALID_POINTER);
+  CHECK(last_error().find("not allocated by expseg") == std::string::npos);
+  CHECK(last_error().find("device 7") != std::string::npos);
+  CHECK(last_error().find("another device") != std::string::npos);
+  expseg_clear_error();
+  expseg_free(p, 0, 0, nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+}
+
 TEST_CASE_FIXTURE(CApiFixture, "record_stream of NULL does nothing, whether or not the device has an allocator") {
   // PyTorch records streams of empty tensors, whose pointer is NULL, also on a device that has
   // allocated nothing yet: as expseg_free(NULL), that is no error and creates nothing.
