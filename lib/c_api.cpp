@@ -244,9 +244,11 @@ void deallocate(void* ptr, int device, const char* fn) noexcept {
   if (!valid_device(device, fn)) return;
   Allocator* a = existing(device);
   if (a == nullptr) {
-    char text[160];
-    std::snprintf(text, sizeof text, "free of pointer %p on device %d, which has no expseg allocator (not allocated by expseg)",
-                  ptr, device);
+    // The pointer may well be expseg's, of another device: say what the allocator would say.
+    char text[200];
+    std::snprintf(text, sizeof text,
+                  "free of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one from "
+                  "another device's allocator", ptr, device);
     set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
     return;
   }
@@ -297,8 +299,10 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
     throw std::invalid_argument(std::string(fn) + ": negative size");
   }
   if (size == 0) return nullptr;
+  // The exceptions carry the thread's message itself, not expseg_last_error(): that would replace
+  // the string an earlier expseg_last_error handed out, which stays valid until the caller calls it again.
   Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) throw std::runtime_error(expseg_last_error());
+  if (a == nullptr) throw std::runtime_error(tls().message);
   try {
     return a->allocate(static_cast<std::size_t>(size), stream);
   } catch (const out_of_memory& e) {
@@ -307,7 +311,7 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
     throw;
   } catch (...) {
     fail_current(fn);
-    throw std::runtime_error(expseg_last_error());
+    throw std::runtime_error(tls().message);
   }
 }
 
@@ -333,10 +337,16 @@ void expseg_cupy_free(void* /*param*/, void* ptr, int device_id) noexcept {
 
 int expseg_record_stream(void* ptr, int device, expseg_stream_t stream) noexcept {
   constexpr const char* fn = "expseg_record_stream";
+  // As expseg_free(NULL): PyTorch records streams of empty tensors, also on a device with no allocator yet.
+  if (ptr == nullptr) return EXPSEG_SUCCESS;
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   Allocator* a = existing(device);
   if (a == nullptr) {
-    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, "the device has no expseg allocator (the pointer was not allocated by expseg)");
+    char text[200];
+    std::snprintf(text, sizeof text,
+                  "record_stream of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one "
+                  "from another device's allocator", ptr, device);
+    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
     return EXPSEG_ERROR_INVALID_POINTER;
   }
   try {

@@ -163,7 +163,7 @@ E parse_enum(std::string_view key, std::string_view v, const EnumName<E> (&names
 constexpr EnumName<BackendKind> kBackendNames[] = {
     {"split_merge", BackendKind::split_merge},
     {"expandable", BackendKind::expandable},
-    {"native", BackendKind::split_merge},  // PyTorch's name for its caching allocator
+    {"native", BackendKind::split_merge},  // PyTorch's caching allocator: listed, parse_backend keeps the backend
 };
 constexpr EnumName<PoolPolicy> kPolicyNames[] = {{"pytorch", PoolPolicy::pytorch}, {"cupy", PoolPolicy::cupy}};
 constexpr EnumName<DeviceKind> kDeviceNames[] = {{"cuda", DeviceKind::cuda}, {"sim", DeviceKind::sim}};
@@ -301,6 +301,9 @@ void parse_backend(Config& c, Key key, std::string_view v) {
     throw config_error(std::string(key),
                        std::string(key) + ": 'cudaMallocAsync' (PyTorch's stream-ordered CUDA allocator) is "
                        "not provided by expseg; expected one of: split_merge, expandable, native");
+  // PyTorch's native caching allocator runs with or without expandable segments, which its own key
+  // picks in any order: native keeps the backend (split_merge unless expandable_segments:True).
+  if (v == "native") return;
   c.backend = parse_enum(key, v, kBackendNames);
 }
 
@@ -523,7 +526,7 @@ struct Entry {
 const Entry kEntries[] = {
   // --- expseg ---
   {{"backend", "split_merge|expandable", "split_merge",
-    "allocator backend; PyTorch's 'native' = split_merge"},
+    "allocator backend; PyTorch's 'native' keeps the one expandable_segments picks (split_merge by default)"},
    parse_backend, [](const Config& c) -> std::string { return to_string(c.backend); }},
   {{"policy", "pytorch|cupy", "pytorch", "split_merge preset: PyTorch's caching allocator or CuPy's memory pool"},
    [](Config& c, Key k, std::string_view v) { c.policy = parse_enum(k, v, kPolicyNames); },

@@ -91,7 +91,7 @@ std::vector<BackendKind> parse_backends(const std::string& text) {
     if (item.empty()) throw UsageError("bad --backend value '" + text + "': empty backend name; expected split_merge, expandable or both");
     Config c;
     try {
-      c.apply("backend:" + item);  // the library's own names and aliases (native = split_merge)
+      c.apply("backend:" + item);  // the library's own names and aliases (native keeps the default, split_merge)
     } catch (const config_error&) {
       throw UsageError("bad --backend value '" + item + "': expected split_merge, expandable (or both, or a comma-separated list)");
     }

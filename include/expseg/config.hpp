@@ -5,7 +5,8 @@
 // PyTorch's own keys are accepted with their meaning, so a PYTORCH_CUDA_ALLOC_CONF can be pasted:
 //   expandable_segments:True|False, max_split_size_mb:N, roundup_power2_divisions:N or [a:b,...,>:c],
 //   garbage_collection_threshold:F, max_non_split_rounding_mb:N, per_process_memory_fraction:F,
-//   backend:native (= split_merge); release_lock_on_cudamalloc, pinned_* and
+//   backend:native (PyTorch's caching allocator: keeps the backend, split_merge unless
+//   expandable_segments:True, in either order); release_lock_on_cudamalloc, pinned_* and
 //   graph_capture_record_stream_reuse (host-side options of PyTorch with nothing to do in a device
 //   allocator) are accepted and ignored.
 // Unknown keys and bad values throw expseg::config_error naming the key and listing valid ones.

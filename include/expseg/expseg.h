@@ -116,7 +116,8 @@ typedef void (*expseg_oom_callback)(int device, const char* report_json, void* u
 EXPSEG_API int expseg_set_oom_callback(expseg_oom_callback callback, void* user_data) EXPSEG_NOEXCEPT;
 
 /* The live allocation `ptr` of `device` is also used by work on `stream`: when it is freed, its
- * memory is reused only after the work queued on `stream` up to the free has completed. */
+ * memory is reused only after the work queued on `stream` up to the free has completed. NULL (an
+ * empty tensor) does nothing, as expseg_free(NULL). */
 EXPSEG_API int expseg_record_stream(void* ptr, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 
 /* ---------------------------------------------------------------------------------------------

@@ -174,6 +174,25 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_last_error's string stays valid until exp
   CHECK(std::string(expseg_last_error()).find("expseg_record_write") == 0);
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "a failing expseg_torch_malloc leaves the string expseg_last_error handed out valid") {
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  int on_the_stack = 0;
+  expseg_free(&on_the_stack, 0, 0, nullptr);
+  const char* first = expseg_last_error();
+  const std::string copy = first;
+  REQUIRE(copy.find("expseg_free") == 0);
+  // The exception carries the new message; the caller did not call expseg_last_error again.
+  std::string what;
+  try {
+    (void)expseg_torch_malloc(64, 99999, nullptr);
+  } catch (const std::runtime_error& e) {
+    what = e.what();
+  }
+  CHECK(what.find("expseg_torch_malloc: device 99999 is out of range") == 0);
+  CHECK(std::string(first) == copy);
+  CHECK(std::string(expseg_last_error()) == what);
+}
+
 namespace {
 // A thread_local made before the thread's first expseg call is destroyed after expseg's own
 // per-thread state (reverse order): its destructor calls expseg as a static destructor at exit would.
@@ -584,6 +603,40 @@ TEST_CASE_FIXTURE(CApiFixture, "record_stream on a live allocation") {
   expseg_free(p, 0, 0, nullptr);
   CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
   CHECK(stat(0, "allocation.all.current") == 0);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "a pointer given with a device that has no allocator is not called foreign to expseg") {
+  // p is expseg's, of device 0; device 7 has no allocator. The message must not tell the user that
+  // expseg did not allocate p: the device argument is what is wrong.
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  expseg_free(p, 0, 7, nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_POINTER);
+  CHECK(last_error().find("not allocated by expseg") == std::string::npos);
+  CHECK(last_error().find("device 7") != std::string::npos);
+  CHECK(last_error().find("another device") != std::string::npos);
+  CHECK(expseg_record_stream(p, 7, nullptr) == EXPSEG_ERROR_INVALID_POINTER);
+  CHECK(last_error().find("not allocated by expseg") == std::string::npos);
+  CHECK(last_error().find("device 7") != std::string::npos);
+  CHECK(last_error().find("another device") != std::string::npos);
+  expseg_clear_error();
+  expseg_free(p, 0, 0, nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "record_stream of NULL does nothing, whether or not the device has an allocator") {
+  // PyTorch records streams of empty tensors, whose pointer is NULL, also on a device that has
+  // allocated nothing yet: as expseg_free(NULL), that is no error and creates nothing.
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  CHECK(expseg_record_stream(nullptr, 3, reinterpret_cast<expseg_stream_t>(0x20)) == EXPSEG_SUCCESS);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  CHECK(expseg_device_initialized(3) == 0);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 3, nullptr);
+  REQUIRE(p != nullptr);
+  CHECK(expseg_record_stream(nullptr, 3, reinterpret_cast<expseg_stream_t>(0x20)) == EXPSEG_SUCCESS);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  expseg_free(p, 0, 3, nullptr);
 }
 
 TEST_CASE_FIXTURE(CApiFixture, "concurrent first use creates one allocator per device") {

@@ -400,6 +400,18 @@ TEST_CASE("config: a pasted PYTORCH_CUDA_ALLOC_CONF works") {
   CHECK(Config::parse("backend:native,max_split_size_mb:200").max_split_size == 200 * MiB);
 }
 
+TEST_CASE("config: PyTorch's backend:native names its caching allocator, with or without expandable segments") {
+  // In PyTorch, backend picks native or cudaMallocAsync and expandable_segments is a mode of native,
+  // whatever their order: "expandable_segments:True,backend:native" is the native allocator with
+  // expandable segments, i.e. expseg's expandable backend.
+  CHECK(Config::parse("expandable_segments:True,backend:native").backend == BackendKind::expandable);
+  CHECK(Config::parse("backend:native,expandable_segments:True").backend == BackendKind::expandable);
+  CHECK(Config::parse("expandable_segments:False,backend:native").backend == BackendKind::split_merge);
+  CHECK(Config::parse("backend:native").backend == BackendKind::split_merge);
+  CHECK(Config::parse("expandable_segments:True,max_split_size_mb:256,backend:native,garbage_collection_threshold:0.6").backend ==
+        BackendKind::expandable);
+}
+
 TEST_CASE("config: unknown keys name the key and list every valid key") {
   for (const char* text : {"bakend:expandable", "Backend:expandable", "max_split_size:100", "foo"}) {
     CAPTURE(text);
