@@ -7,7 +7,7 @@ In your PyTorch program (https://pytorch.org/docs/stable/torch_cuda_memory.html)
     torch.cuda.memory._dump_snapshot("snapshot.pickle")
 Then:
     python3 tools/torch_snapshot_to_rmm.py snapshot.pickle trace.rmm.csv.gz   # convert (gzip when .gz)
-    python3 tools/torch_snapshot_to_rmm.py snapshot.pickle --check            # events, skipped frees, peak live bytes
+    python3 tools/torch_snapshot_to_rmm.py snapshot.pickle --check            # events, blocks live before the recording, peak live bytes
     python3 tools/torch_snapshot_to_rmm.py snapshot.pickle t.rmm.csv.gz --replay split_merge expandable
                                                      # replays on the simulated device through libexpseg
 The trace keeps the device's 'alloc' and 'free_completed' events (a block is reusable only once its free has
