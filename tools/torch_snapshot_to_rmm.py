@@ -67,6 +67,8 @@ def _int(obj, key, where, default=None):
     v = obj.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConvertError("%s: %r is %s, expected an integer" % (where, key, "missing" if v is None else repr(v)))
+    if v < 0 and "size" in key:  # addresses and streams may come as signed 64-bit values; sizes may not
+        raise ConvertError("%s: %r is %d, expected a size (>= 0)" % (where, key, v))
     return v
 
 

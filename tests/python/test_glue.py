@@ -611,6 +611,7 @@ class ConverterTest(unittest.TestCase):
             ({"device_traces": [[ok, {"action": "alloc", "size": 5}]]}, "trace entry 1 (alloc): 'addr' is missing"),
             ({"device_traces": [[dict(ok, addr="0x1000")]]}, "'addr' is '0x1000'"),
             ({"device_traces": [[dict(ok, size=None)]]}, "'size' is missing"),
+            ({"device_traces": [[dict(ok, size=-5)]]}, "'size' is -5, expected a size"),
             ({"device_traces": [[ok]], "segments": [{"device": 0, "blocks": []}]}, "segment 0: 'address' is missing"),
             ({"device_traces": [[ok]], "segments": [{"device": 0, "address": 0, "blocks": [{"state": "x"}]}]},
              "segment 0 block 0: 'size' is missing"),
