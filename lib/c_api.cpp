@@ -11,6 +11,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <mutex>
@@ -187,6 +188,15 @@ Config effective_config_locked() {
   Config c = Config::from_env();  // a bad EXPSEG_ALLOC_CONF throws config_error naming it
   if (!shared().conf.empty()) c.apply(shared().conf);
   return c;
+}
+
+// The stats of a device with no allocator yet: zeros, and the max_split_size its allocator will
+// report (PyTorch reports the configured one on every device). Caller holds shared().mu.
+Stats unused_device_stats_locked() {
+  Stats s;
+  const std::size_t max_split = effective_config_locked().max_split_size;
+  s.max_split_size = max_split == SIZE_MAX ? -1 : static_cast<std::int64_t>(max_split);
+  return s;
 }
 
 // What an allocator created now gets: the configuration and expseg_set_record_default's override.
@@ -476,8 +486,15 @@ const char* expseg_stats_json(int device) noexcept {
   constexpr const char* fn = "expseg_stats_json";
   if (!valid_device(device, fn)) return nullptr;
   try {
-    Allocator* a = existing(device);
-    return put(kStatsBuf, a != nullptr ? a->stats().to_json() : Stats{}.to_json());
+    if (Allocator* a = existing(device)) return put(kStatsBuf, a->stats().to_json());
+    Stats s;
+    {
+      Shared& sh = shared();
+      std::lock_guard<std::mutex> lock(sh.mu);
+      if (Allocator* a = existing(device)) return put(kStatsBuf, a->stats().to_json());
+      s = unused_device_stats_locked();
+    }
+    return put(kStatsBuf, s.to_json());
   } catch (...) {
     fail_current(fn);
     return nullptr;
@@ -495,6 +512,7 @@ const char* expseg_snapshot_json(int device) noexcept {
       std::lock_guard<std::mutex> lock(sh.mu);
       if (Allocator* a = existing(device)) return put(kSnapshotBuf, a->snapshot().to_json());
       s.backend = to_string(effective_config_locked().backend);
+      s.stats = unused_device_stats_locked();
     }
     s.device = device;
     return put(kSnapshotBuf, s.to_json());

@@ -7,12 +7,14 @@ In your PyTorch program (https://pytorch.org/docs/stable/torch_cuda_memory.html)
     torch.cuda.memory._dump_snapshot("snapshot.pickle")
 Then:
     python3 tools/torch_snapshot_to_rmm.py snapshot.pickle trace.rmm.csv.gz   # convert (gzip when .gz)
-    python3 tools/torch_snapshot_to_rmm.py snapshot.pickle --check            # events, skipped frees, peak live bytes
+    python3 tools/torch_snapshot_to_rmm.py snapshot.pickle --check            # events, blocks live before the recording, peak live bytes
     python3 tools/torch_snapshot_to_rmm.py snapshot.pickle t.rmm.csv.gz --replay split_merge expandable
                                                      # replays on the simulated device through libexpseg
 The trace keeps the device's 'alloc' and 'free_completed' events (a block is reusable only once its free has
-completed), with requested sizes and streams. Frees of blocks allocated before the recording started (or
-dropped from the front of the max_entries ring) are skipped and counted. Loading the pickle needs no torch.
+completed), with requested sizes and streams. Blocks already allocated when the recording began (before
+_record_memory_history(), or whose 'alloc' the max_entries ring dropped) are allocated at the start of the
+trace, as PyTorch's memory_viz counts them: those the trace frees, and those the snapshot's segments show
+allocated (e.g. the model's weights). Loading the pickle needs no torch.
 """
 import argparse
 import gzip
@@ -46,6 +48,8 @@ def load_snapshot(path):
 
 def pick_device(snap, device):
     traces = snap["device_traces"]
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise ConvertError("'device_traces' is not a list of per-device event lists: not a PyTorch memory snapshot")
     if device is not None:
         if device < 0 or device >= len(traces):
             raise ConvertError("no device %d in the snapshot (it has %d device trace(s))" % (device, len(traces)))
@@ -58,21 +62,95 @@ def pick_device(snap, device):
     return used[0]
 
 
+def _int(obj, key, where, default=None):
+    """obj[key] as an int, or a ConvertError that says where (a malformed snapshot must not end in a traceback)."""
+    v = obj.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConvertError("%s: %r is %s, expected an integer" % (where, key, "missing" if v is None else repr(v)))
+    if v < 0 and "size" in key:  # addresses and streams may come as signed 64-bit values; sizes may not
+        raise ConvertError("%s: %r is %d, expected a size (>= 0)" % (where, key, v))
+    return v
+
+
+def _trace_entries(snap, device):
+    """The device's trace entries, each checked to be a dict with an action."""
+    for i, e in enumerate(snap["device_traces"][device]):
+        if not isinstance(e, dict) or "action" not in e:
+            raise ConvertError("device %d trace entry %d is not a trace entry (a dict with an 'action'): %r"
+                               % (device, i, e))
+        yield i, e
+
+
+def _live_before_trace(snap, device):
+    """[(addr, requested size, stream)] of the blocks that were allocated when the trace begins: those it frees
+    without having allocated them (allocated before the recording started, or their 'alloc' dropped from the
+    front of the max_entries ring), and those the snapshot's segments show allocated that the trace never
+    allocated (e.g. the model's weights). PyTorch's memory_viz counts both; leaving them out would replay the
+    trace with less memory held than the job held."""
+    initial, seen, live = [], set(), set()
+    for i, e in _trace_entries(snap, device):
+        action = e["action"]
+        if action not in ("alloc", "free_completed"):
+            continue
+        where = "device %d trace entry %d (%s)" % (device, i, action)
+        addr = _int(e, "addr", where) & U64
+        if action == "alloc":
+            live.add(addr)
+        elif addr not in live and addr not in seen:  # its first appearance is its free
+            initial.append((addr, _int(e, "size", where), _int(e, "stream", where, 0) & U64))
+        else:
+            live.discard(addr)
+        seen.add(addr)
+    segments = snap.get("segments") or []
+    if not isinstance(segments, list):
+        raise ConvertError("'segments' is not a list: not a PyTorch memory snapshot")
+    for s, seg in enumerate(segments):
+        where = "segment %d" % s
+        if not isinstance(seg, dict) or not isinstance(seg.get("blocks", []), list):
+            raise ConvertError("%s is not a segment (a dict with a list of 'blocks')" % where)
+        if seg.get("device", device) != device:
+            continue
+        addr = _int(seg, "address", where)
+        for b, block in enumerate(seg.get("blocks", [])):
+            bwhere = "%s block %d" % (where, b)
+            if not isinstance(block, dict):
+                raise ConvertError("%s is not a block (a dict)" % bwhere)
+            size = _int(block, "size", bwhere)
+            addr = _int(block, "address", bwhere, addr)  # older snapshots give only the segment's address
+            # allocated, or freed by the program while another stream still uses it: memory held either way
+            if block.get("state") in ("active_allocated", "active_pending_free") and (addr & U64) not in live:
+                if addr & U64 not in seen:
+                    initial.append((addr & U64, _int(block, "requested_size", bwhere, size),
+                                    _int(seg, "stream", where, 0) & U64))
+                    seen.add(addr & U64)
+            addr += size
+    return initial
+
+
 def convert(snap, device=None, oom_events=False):
     """(events, info): events are (action, pointer, size, stream) with action 'allocate', 'free' or
-    'allocate failure'; info counts what was kept and skipped and the peak of live requested bytes."""
+    'allocate failure'; info counts what was kept and skipped and the peak of live requested bytes.
+    The blocks live when the trace begins (see _live_before_trace) are allocated first."""
     device = pick_device(snap, device)
     live = {}  # addr -> requested size
     events = []
     info = dict(device=device, entries=0, actions={}, allocations=0, frees=0, skipped_frees=0, implicit_frees=0,
-                ooms=0, live_requested=0, peak_live_requested=0, live_at_end=0)
+                ooms=0, live_requested=0, peak_live_requested=0, live_at_end=0, live_before=0, live_before_bytes=0)
     cur = 0
-    for e in snap["device_traces"][device]:
+    for addr, size, stream in _live_before_trace(snap, device):
+        live[addr] = size
+        events.append(("allocate", addr, size, stream))
+        info["live_before"] += 1
+        info["live_before_bytes"] += size
+        cur += size
+    info["peak_live_requested"] = cur
+    for i, e in _trace_entries(snap, device):
         info["entries"] += 1
-        action = e.get("action")
+        action = e["action"]
         info["actions"][action] = info["actions"].get(action, 0) + 1
+        where = "device %d trace entry %d (%s)" % (device, i, action)
         if action == "alloc":
-            addr, size, stream = e["addr"] & U64, int(e["size"]), e.get("stream", 0) & U64
+            addr, size, stream = _int(e, "addr", where) & U64, _int(e, "size", where), _int(e, "stream", where, 0) & U64
             if addr in live:  # its free is missing from the trace: free it first so that pairing holds
                 info["implicit_frees"] += 1
                 events.append(("free", addr, live[addr], stream))
@@ -84,9 +162,9 @@ def convert(snap, device=None, oom_events=False):
             if cur > info["peak_live_requested"]:
                 info["peak_live_requested"] = cur
         elif action == "free_completed":
-            addr, stream = e["addr"] & U64, e.get("stream", 0) & U64
+            addr, stream = _int(e, "addr", where) & U64, _int(e, "stream", where, 0) & U64
             size = live.pop(addr, None)
-            if size is None:  # allocated before the recording started
+            if size is None:  # a second free of a block the trace already freed
                 info["skipped_frees"] += 1
                 continue
             events.append(("free", addr, size, stream))
@@ -95,7 +173,7 @@ def convert(snap, device=None, oom_events=False):
         elif action == "oom":
             info["ooms"] += 1
             if oom_events:
-                events.append(("allocate failure", 0, int(e.get("size", 0)), e.get("stream", 0) & U64))
+                events.append(("allocate failure", 0, _int(e, "size", where, 0), _int(e, "stream", where, 0) & U64))
     info["live_requested"] = cur
     info["live_at_end"] = len(live)
     return events, info
@@ -138,9 +216,12 @@ def describe(info, out=sys.stdout):
     print("device %d: %d trace entries %s" % (info["device"], info["entries"], json.dumps(info["actions"], sort_keys=True)), file=out)
     print("  kept: %d allocations, %d frees%s" % (info["allocations"], info["frees"],
           (", %d OOM events" % info["ooms"]) if info["ooms"] else ""), file=out)
+    if info["live_before"]:
+        print("  %d allocations (%d bytes) were live when the recording began (allocated before it started, or "
+              "max_entries dropped the oldest entries): allocated first" % (info["live_before"], info["live_before_bytes"]),
+              file=out)
     if info["skipped_frees"]:
-        print("  skipped %d frees of blocks allocated before the recording started (recording began mid-run, or "
-              "max_entries dropped the oldest entries)" % info["skipped_frees"], file=out)
+        print("  skipped %d frees of blocks the trace had already freed" % info["skipped_frees"], file=out)
     if info["implicit_frees"]:
         print("  WARNING: %d allocations reused an address whose free is missing; a free was inserted before each"
               % info["implicit_frees"], file=out)

@@ -80,7 +80,7 @@ struct Stats {
 
   // expseg's own, beyond PyTorch's:
   Stat physical_handles;      // expandable: cuMemCreate handles held; split_merge: driver allocations
-  std::int64_t num_free_blocks = 0;  // free blocks held (mapped or not), CuPy's n_free_blocks
+  std::int64_t num_free_blocks = 0;  // free blocks holding device memory (expandable: mapped ones), CuPy's n_free_blocks
 
   // --- CuPy's views of the same numbers ---
   std::int64_t used_bytes() const noexcept { return allocated_bytes[kAllPools].current; }

@@ -93,7 +93,12 @@ struct ExportPlan {
 
 class Backend {
  public:
-  explicit Backend(Context& ctx) : ctx_(ctx) {}
+  // Both backends count oversize_allocations against max_split_size, so both report it (PyTorch
+  // reports its configuration, -1 for unlimited, with expandable segments too).
+  explicit Backend(Context& ctx) : ctx_(ctx) {
+    ctx_.stats.max_split_size =
+        ctx_.config.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(ctx_.config.max_split_size);
+  }
   virtual ~Backend() = default;
   Backend(const Backend&) = delete;
   Backend& operator=(const Backend&) = delete;

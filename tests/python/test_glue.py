@@ -547,17 +547,19 @@ class ConverterTest(unittest.TestCase):
                 pickle.dump(self.snapshot(), f)
             events, info = conv.convert(conv.load_snapshot(pkl))
             self.assertEqual(info["allocations"], 4)
-            self.assertEqual(info["frees"], 1)
-            self.assertEqual(info["skipped_frees"], 1)
+            self.assertEqual(info["frees"], 2)
+            self.assertEqual((info["live_before"], info["live_before_bytes"]), (1, 512))  # OLD, allocated first
+            self.assertEqual(info["skipped_frees"], 0)
             self.assertEqual(info["ooms"], 1)
             self.assertEqual(info["peak_live_requested"], 3 * MiB + 5 * MiB + 3)
-            self.assertEqual([e[0] for e in events], ["allocate", "allocate", "free", "allocate", "allocate"])
+            self.assertEqual([e[0] for e in events], ["allocate", "free", "allocate", "allocate", "free", "allocate",
+                                                      "allocate"])
             out = os.path.join(d, "t.rmm.csv.gz")
             env = dict(os.environ)
             p = subprocess.run([sys.executable, os.path.join(TOOLS, "torch_snapshot_to_rmm.py"), pkl, out, "--check",
                                 "--replay", "split_merge", "expandable"], capture_output=True, text=True, env=env)
             self.assertEqual(p.returncode, 0, p.stderr + p.stdout)
-            self.assertIn("skipped 1 frees", p.stdout)
+            self.assertIn("1 allocations (512 bytes) were live when the recording began", p.stdout)
             self.assertIn("peak live requested bytes: %d" % (8 * MiB + 3), p.stdout)
             self.assertIn("replay split_merge", p.stdout)
             self.assertIn("replay expandable", p.stdout)
@@ -573,6 +575,70 @@ class ConverterTest(unittest.TestCase):
                                capture_output=True, text=True)
             self.assertEqual(p.returncode, 1)
             self.assertIn("not a PyTorch memory snapshot", p.stderr)
+
+    def test_blocks_live_before_the_trace_are_allocated_first(self):
+        # A real snapshot's trace starts after memory was allocated: the weights W were allocated before
+        # _record_memory_history() and appear only in the segments; the ring dropped the 'alloc' of X, freed in
+        # the trace. Both held memory the whole time, as PyTorch's memory_viz draws them.
+        W, X, A, Y = 0x7F0000000000, 0x7F0040000000, 0x7F0080000000, 0x7F00A0000000
+        trace = [
+            {"action": "alloc", "addr": A, "size": 256 * MiB, "stream": 7, "frames": []},
+            {"action": "free_requested", "addr": X, "size": 512 * MiB, "stream": 0, "frames": []},
+            {"action": "free_completed", "addr": X, "size": 512 * MiB, "stream": 0, "frames": []},
+            {"action": "free_requested", "addr": A, "size": 256 * MiB, "stream": 7, "frames": []},
+            {"action": "free_completed", "addr": A, "size": 256 * MiB, "stream": 7, "frames": []},
+            {"action": "alloc", "addr": X, "size": 100, "stream": 0, "frames": []},  # X's address reused
+        ]
+        segments = [
+            {"device": 0, "address": W, "total_size": 1024 * MiB, "stream": 5, "blocks": [
+                {"address": W, "size": 1000 * MiB, "requested_size": 1000 * MiB - 1, "state": "active_allocated"},
+                {"address": W + 1000 * MiB, "size": 24 * MiB, "requested_size": 0, "state": "inactive"}]},
+            {"device": 0, "address": X, "total_size": 512 * MiB, "stream": 0, "blocks": [
+                {"address": X, "size": 512, "requested_size": 100, "state": "active_allocated"},  # the trace's
+                {"address": X + 512, "size": 512 * MiB - 512, "requested_size": 0, "state": "inactive"}]},
+            {"device": 1, "address": Y, "total_size": 2 * MiB, "stream": 0, "blocks": [  # another device's
+                {"address": Y, "size": 2 * MiB, "requested_size": 2 * MiB, "state": "active_allocated"}]},
+        ]
+        events, info = conv.convert({"segments": segments, "device_traces": [trace, []]})
+        self.assertEqual(events[:2], [("allocate", X, 512 * MiB, 0), ("allocate", W, 1000 * MiB - 1, 5)])
+        self.assertEqual((info["live_before"], info["skipped_frees"]), (2, 0))
+        self.assertEqual(info["peak_live_requested"], 512 * MiB + 1000 * MiB - 1 + 256 * MiB)
+        self.assertEqual((info["live_at_end"], info["live_requested"]), (2, 1000 * MiB - 1 + 100))
+        # Every free follows its allocation, and no address is allocated twice at once.
+        live = set()
+        for action, addr, _size, _stream in events:
+            if action == "allocate":
+                self.assertNotIn(addr, live)
+                live.add(addr)
+            else:
+                live.remove(addr)
+
+    def test_malformed_snapshots_fail_with_a_message(self):
+        ok = {"action": "alloc", "addr": 0x1000, "size": 5, "stream": 0}
+        cases = [
+            ({"device_traces": 5}, "not a list"),
+            ({"device_traces": [[5]]}, "trace entry 0 is not a trace entry"),
+            ({"device_traces": [[ok, {"action": "alloc", "size": 5}]]}, "trace entry 1 (alloc): 'addr' is missing"),
+            ({"device_traces": [[dict(ok, addr="0x1000")]]}, "'addr' is '0x1000'"),
+            ({"device_traces": [[dict(ok, size=None)]]}, "'size' is missing"),
+            ({"device_traces": [[dict(ok, size=-5)]]}, "'size' is -5, expected a size"),
+            ({"device_traces": [[ok]], "segments": [{"device": 0, "blocks": []}]}, "segment 0: 'address' is missing"),
+            ({"device_traces": [[ok]], "segments": [{"device": 0, "address": 0, "blocks": [{"state": "x"}]}]},
+             "segment 0 block 0: 'size' is missing"),
+        ]
+        for snap, why in cases:
+            with self.assertRaises(conv.ConvertError, msg=why) as cm:
+                conv.convert(snap)
+            self.assertIn(why, str(cm.exception))
+        with tempfile.TemporaryDirectory() as d:  # the command says so, without a traceback
+            bad = os.path.join(d, "bad.pickle")
+            with open(bad, "wb") as f:
+                pickle.dump(cases[2][0], f)
+            p = subprocess.run([sys.executable, os.path.join(TOOLS, "torch_snapshot_to_rmm.py"), bad, "--check"],
+                               capture_output=True, text=True)
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("torch_snapshot_to_rmm: error: device 0 trace entry 1 (alloc): 'addr' is missing", p.stderr)
+            self.assertNotIn("Traceback", p.stderr)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ TEST_CASE_FIXTURE(CApiFixture, "size 0 gives NULL, free(NULL) does nothing, neit
 
 TEST_CASE_FIXTURE(CApiFixture, "malloc/free through both pairs, on both backends; stats JSON follows") {
   for (const char* backend : kBackends) {
-    CAPTURE(backend);
+    const std::string name = backend;
+    CAPTURE(name);
     expseg::capi::reset_for_tests();
     REQUIRE(expseg_configure((std::string("device:sim,sim_capacity:4GiB,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
     CHECK(std::string(expseg_config(0)).find(std::string("backend:") + backend) != std::string::npos);
@@ -159,6 +160,28 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_get_limit and expseg_reset_accumulated_st
   CHECK(stat(0, "requested_bytes.all.current") == static_cast<std::int64_t>(5 * MiB));
   expseg_free(b, 0, 0, nullptr);
   CHECK(stat(0, "allocation.all.freed") == 1);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "a device not used yet reports the configured max_split_size, as PyTorch does") {
+  // PyTorch's memory_stats() gives every device its configured max_split_size; a device with no
+  // expseg allocator yet reported -1 (unlimited), then the configured value once it had one.
+  for (const char* backend : kBackends) {
+    const std::string name = backend;
+    CAPTURE(name);
+    expseg::capi::reset_for_tests();
+    REQUIRE(expseg_configure((std::string("device:sim,max_split_size_mb:20,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
+    CHECK(stat(1, "max_split_size") == static_cast<std::int64_t>(20 * MiB));
+    const char* snap = expseg_snapshot_json(1);
+    REQUIRE(snap != nullptr);
+    CHECK(parse_json(snap)["stats"]["max_split_size"].as_int() == static_cast<std::int64_t>(20 * MiB));
+    CHECK(expseg_device_initialized(1) == 0);  // queries create no allocator
+    void* p = expseg_malloc(32 * MiB, 1, nullptr);
+    REQUIRE(p != nullptr);
+    CHECK(stat(1, "max_split_size") == static_cast<std::int64_t>(20 * MiB));
+    expseg_free(p, 0, 1, nullptr);
+  }
+  expseg::capi::reset_for_tests();
+  CHECK(stat(0, "max_split_size") == -1);  // unlimited by default
 }
 
 TEST_CASE_FIXTURE(CApiFixture, "expseg_last_error's string stays valid until expseg_last_error is called again") {
@@ -351,7 +374,8 @@ TEST_CASE_FIXTURE(CApiFixture, "out of memory: NULL, a code, and a report retrie
 TEST_CASE_FIXTURE(CApiFixture, "the 800/500/300 story: CuPy's OOM under split_merge policy:cupy, success under expandable") {
   // What benchmarks/cupy_story.py does on the GPU through CuPy, here on the simulated device.
   for (const char* backend : kBackends) {
-    CAPTURE(backend);
+    const std::string name = backend;
+    CAPTURE(name);
     expseg::capi::reset_for_tests();
     const std::string conf = std::string("device:sim,sim_capacity:141GiB,limit:2064MiB,backend:") + backend +
                              (std::string(backend) == "split_merge" ? ",policy:cupy" : "");
@@ -429,7 +453,8 @@ TEST_CASE_FIXTURE(CApiFixture, "a bad EXPSEG_ALLOC_CONF fails allocator creation
 
 TEST_CASE_FIXTURE(CApiFixture, "free of an unknown pointer is reported and harmless") {
   for (const char* backend : kBackends) {
-    CAPTURE(backend);
+    const std::string name = backend;
+    CAPTURE(name);
     expseg::capi::reset_for_tests();
     REQUIRE(expseg_configure((std::string("device:sim,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
     void* p = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);

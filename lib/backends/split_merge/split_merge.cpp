@@ -24,8 +24,6 @@ SplitMergeBackend::SplitMergeBackend(Context& ctx) : Backend(ctx) {
   small_.is_small = true;
   small_.stat_pool = kSmallPool;
   large_.stat_pool = kLargePool;
-  ctx_.stats.max_split_size =
-      ctx_.config.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(ctx_.config.max_split_size);
 }
 
 SplitMergeBackend::~SplitMergeBackend() {

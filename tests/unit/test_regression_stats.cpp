@@ -1,0 +1,31 @@
+// Regressions in the statistics that torch.cuda.memory_stats() and CuPy's pool views read from
+// expseg (stats.hpp), found by comparing them key by key with PyTorch's. Each case failed on the
+// code before its fix.
+#include <doctest/doctest.h>
+
+#include "core/json.hpp"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::Allocator;
+using expseg::BackendKind;
+
+TEST_SUITE("stats") {
+
+TEST_CASE("stats regression: both backends report the max_split_size their oversize_allocations count against") {
+  // PyTorch reports max_split_size from its configuration whatever the segments are, and counts
+  // oversize_allocations against it; expandable counted them but reported -1 (unlimited).
+  for (BackendKind backend : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(static_cast<int>(backend));
+    Allocator a(sim_config(backend, 80 * GiB, "max_split_size_mb:20"));
+    void* p = a.allocate(32 * MiB);
+    const expseg::Stats s = a.stats();
+    CHECK(s.oversize_allocations.current == 1);
+    CHECK(s.max_split_size == static_cast<std::int64_t>(20 * MiB));
+    const auto json = expseg::core::parse_json(s.to_json());
+    CHECK(json["max_split_size"].as_int() == static_cast<std::int64_t>(20 * MiB));
+    a.deallocate(p);
+  }
+}
+
+}  // TEST_SUITE
