@@ -591,6 +591,9 @@ const Entry kEntries[] = {
   {{"pinned_use_background_threads", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   {{"pinned_reserve_segment_size_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
   {{"graph_capture_record_stream_reuse", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
+  // PyTorch accepts its ROCm spellings in CUDA builds too.
+  {{"release_lock_on_hipmalloc", "bool", "False", "PyTorch host-side option (ROCm spelling); ignored"}, ignore_bool, nullptr},
+  {{"pinned_use_hip_host_register", "bool", "False", "PyTorch host-side option (ROCm spelling); ignored"}, ignore_bool, nullptr},
 };
 // clang-format on
 
@@ -640,6 +643,8 @@ std::vector<std::string_view> split_items(std::string_view text) {
         throw config_error(k, (k.empty() ? std::string() : k + ": ") + "'[' opened and never closed");
       }
       const std::string_view item = text.substr(start, i - start);
+      // One trailing comma is accepted, as PyTorch does ("expandable_segments:True," is pasted often).
+      if (i == text.size() && !items.empty() && trim(item).empty()) break;
       if (trim(item).empty())
         throw config_error("", "empty item at byte " + std::to_string(start) +
                                    " (expected key:value pairs separated by single commas)");

@@ -8,7 +8,8 @@
 //   backend:native (PyTorch's caching allocator: keeps the backend, split_merge unless
 //   expandable_segments:True, in either order); release_lock_on_cudamalloc, pinned_* and
 //   graph_capture_record_stream_reuse (host-side options of PyTorch with nothing to do in a device
-//   allocator) are accepted and ignored.
+//   allocator, also in their ROCm spellings *_hipmalloc, *_hip_host_register) are accepted and
+//   ignored. As in PyTorch, one trailing comma is accepted.
 // Unknown keys and bad values throw expseg::config_error naming the key and listing valid ones.
 // `expseg config` (tools) prints the table; Config::options() returns it.
 #pragma once

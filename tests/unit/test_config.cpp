@@ -113,11 +113,12 @@ TEST_CASE("config: the options table lists every key once with its type, default
                           "garbage_collection_threshold", "per_process_memory_fraction",
                           "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
                           "pinned_num_register_threads", "pinned_use_background_threads",
-                          "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse"}) {
+                          "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse",
+                          "release_lock_on_hipmalloc", "pinned_use_hip_host_register"}) {
     CAPTURE(key);
     CHECK(seen.count(key) == 1);
   }
-  CHECK(seen.size() == 28);
+  CHECK(seen.size() == 30);
 }
 
 TEST_CASE("config: documented defaults are the defaults of Config and of to_string") {
@@ -398,6 +399,10 @@ TEST_CASE("config: a pasted PYTORCH_CUDA_ALLOC_CONF works") {
   CHECK(c.garbage_collection_threshold == 0.8);
   CHECK(c.roundup_power2_divisions[10] == 4);
   CHECK(Config::parse("backend:native,max_split_size_mb:200").max_split_size == 200 * MiB);
+  // PyTorch accepts one trailing comma, and its ROCm spellings of host-side keys.
+  CHECK(Config::parse("expandable_segments:True,").backend == BackendKind::expandable);
+  CHECK(Config::parse("max_split_size_mb:64 , ").max_split_size == 64 * MiB);
+  CHECK(Config::parse("release_lock_on_hipmalloc:True,pinned_use_hip_host_register:False") == Config{});
 }
 
 TEST_CASE("config: PyTorch's backend:native names its caching allocator, with or without expandable segments") {
@@ -430,7 +435,8 @@ TEST_CASE("config: unknown keys name the key and list every valid key") {
 TEST_CASE("config: syntax errors") {
   check_fails("backend:expandable,,device:sim", "", {"empty item"});
   check_fails(",backend:expandable", "", {"empty item"});
-  check_fails("backend:expandable,", "", {"empty item"});
+  check_fails("backend:expandable,,", "", {"empty item"});
+  check_fails(",", "", {"empty item"});
   check_fails("backend:expandable, ,device:sim", "", {"empty item"});
   check_fails(":expandable", "", {"empty key"});
   check_fails("backend", "backend", {"missing ':value'", "split_merge|expandable"});
