@@ -342,6 +342,8 @@ void Allocator::set_limit(std::size_t bytes) {
     impl_->ctx.limit = old;  // a failed give-back leaves the old limit in force
     throw;
   }
+  // The configuration reports the limit in force (expseg_config, OOM dumps, whose replay runs under it).
+  if (bytes != old) impl_->config.limit = Limit{bytes, 0.0};
   // A trace has no limit events: an OOM dump says the replay's single limit is not the run's.
   if (bytes != old && impl_->recorder.enabled() && !impl_->recorder.empty()) impl_->limit_changed_while_recording = true;
 }
@@ -444,7 +446,10 @@ void Allocator::validate() const {
       fail("a peak is below its current value");
 }
 
-const Config& Allocator::config() const noexcept { return impl_->config; }
+Config Allocator::config() const {
+  std::lock_guard<core::Mutex> lock(impl_->mu);  // set_limit writes its limit
+  return impl_->config;
+}
 BackendKind Allocator::backend() const noexcept { return impl_->config.backend; }
 int Allocator::device() const noexcept { return impl_->driver->device(); }
 

@@ -124,7 +124,8 @@ class Allocator {
   // broken one. Walks all blocks: for tests and debugging, not for hot paths.
   void validate() const;
 
-  const Config& config() const noexcept;
+  // The configuration it was created with, with the limit set_limit set last (in bytes).
+  Config config() const;
   BackendKind backend() const noexcept;
   int device() const noexcept;
   DeviceInfo device_info() const;

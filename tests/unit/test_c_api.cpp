@@ -162,6 +162,17 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_get_limit and expseg_reset_accumulated_st
   CHECK(stat(0, "allocation.all.freed") == 1);
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "expseg_config reports the limit expseg_set_limit set last") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,limit:50%") == EXPSEG_SUCCESS);
+  REQUIRE(expseg_set_limit(0, 512 * MiB) == EXPSEG_SUCCESS);
+  const std::string now = expseg_config(0);
+  CHECK(now.find("limit:512MiB") != std::string::npos);  // was: limit:50%, the limit at creation
+  CHECK(now.find("limit:50%") == std::string::npos);
+  REQUIRE(expseg_set_limit(0, 0) == EXPSEG_SUCCESS);
+  CHECK(std::string(expseg_config(0)).find("limit:0") != std::string::npos);
+  CHECK(std::string(expseg_config(1)).find("limit:50%") != std::string::npos);  // a device not used yet: as configured
+}
+
 TEST_CASE_FIXTURE(CApiFixture, "a device not used yet reports the configured max_split_size, as PyTorch does") {
   // PyTorch's memory_stats() gives every device its configured max_split_size; a device with no
   // expseg allocator yet reported -1 (unlimited), then the configured value once it had one.
