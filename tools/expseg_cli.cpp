@@ -66,7 +66,8 @@ const CommandHelp* find_help(std::string_view name) {
        "expseg scenario NAME|--all|--list [--backend B[,B]] [--device D] [--conf K:V,...] [--json] [--html FILE] [--seed N]\n"
        "                       [--sizes MIN-MAX]",
        std::string("Runs a named, deterministic allocation story that reproduces an OOM users hit, on each backend, and\n"
-                   "says which backend failed and why (the first OOM report is printed after the table).\n\n"
+                   "says which backend failed and why (the first OOM report is printed after the table). Each story\n"
+                   "runs under its own limit (--list shows it) unless the configuration sets a non-zero one.\n\n"
                    "Options:\n"
                    "  --list            list the scenarios with their descriptions\n"
                    "  --all             run every scenario\n") +

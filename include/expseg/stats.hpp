@@ -37,6 +37,8 @@ struct Stat {
     freed += amount;
   }
   void reset_peak() noexcept { peak = current; }
+  // PyTorch sets allocated and freed to 0 here (so its current = allocated - freed stops holding);
+  // expseg keeps the identity: allocated restarts at current.
   void reset_accumulated() noexcept { allocated = current; freed = 0; }
   bool operator==(const Stat&) const = default;
 };
@@ -59,7 +61,9 @@ const char* stat_pool_name(int pool) noexcept;  // "all", "small_pool", "large_p
   X(inactive_split_bytes, "bytes in free blocks that cannot be given back to the device")          \
   X(requested_bytes, "bytes requested by client code (before rounding)")
 
-// X-macro: plain counters.
+// X-macro: plain counters. num_alloc_retries on expandable: it gives back idle memory inside the
+// allocation that needs it, not by a retry, so it counts only retries after waiting for frees pending
+// on other streams (PyTorch's expandable segments count 1 before a limit OOM).
 #define EXPSEG_COUNTERS(X)                                                                          \
   X(num_alloc_retries, "allocations that failed at the driver or limit and were retried after freeing cache") \
   X(num_ooms, "allocations that ended in out_of_memory")                                            \
