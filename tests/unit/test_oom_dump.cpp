@@ -431,3 +431,49 @@ TEST_CASE("oom_dump and observer under threads: one dump and one observer call p
   }
   a.validate();
 }
+
+TEST_CASE("read_oom_dump: several streams, a cross-stream free, and a %p-%d-%n-%% path read back exactly") {
+  TempDir dir("streams");
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    const std::string pattern = (dir.path / (std::string(expseg::to_string(b)) + "-%p-%d-%n-%%.json")).string();
+    auto sa = make_sim_allocator(sim_config(b, 80 * GiB, "limit:80MiB,record:true,oom_dump:" + pattern));
+    void* s1 = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    std::vector<void*> live = {sa->allocate(10 * MiB), sa->allocate(12 * MiB, s1), sa->allocate(3 * MiB + 100, s2)};
+    void* waiting = sa->allocate(20 * MiB, s1);
+    sa->record_stream(waiting, s2);
+    sa.sim->set_stream_busy(s2, true);
+    sa->deallocate(waiting);  // pending: s2 still uses it (the OOM's retry waits for it)
+    expseg::OomReport report;
+    try {
+      (void)sa->allocate(64 * MiB, s2);
+      FAIL("no OOM");
+    } catch (const expseg::out_of_memory& e) {
+      report = e.report();
+    }
+    const std::string path = (dir.path / (std::string(expseg::to_string(b)) + "-" + std::to_string(::getpid()) + "-0-1-%.json")).string();
+    REQUIRE(report.dump_path == path);
+    const expseg::OomDump d = expseg::read_oom_dump(path);
+    const expseg::Snapshot now = sa->snapshot();
+    CHECK(d.snapshot == now);
+    std::set<std::uint64_t> streams;
+    for (const auto& seg : d.snapshot.segments)
+      for (const auto& blk : seg.blocks)
+        if (blk.state == expseg::BlockState::allocated) streams.insert(blk.stream);
+    CHECK(streams == std::set<std::uint64_t>{0, addr(s1), addr(s2)});
+    report.snapshot.reset();
+    CHECK(d.report.to_json() == report.to_json());
+    CHECK(d.report.stream == addr(s2));
+    CHECK(d.trace_complete);
+    const expseg::Trace trace = expseg::read_trace(d.trace);
+    CHECK(trace.events.size() == d.trace_events);
+    CHECK(trace.events.back().stream == addr(s2));
+    sa.sim->set_stream_busy(s2, false);
+    for (void* p : live) sa->deallocate(p);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s1);
+    sa.sim->stream_destroy(s2);
+  }
+}
