@@ -13,6 +13,7 @@
 // Both files are written to a temporary name and renamed, so a reader never sees half a dump.
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -25,6 +26,8 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
+#include <vector>
 
 #include "allocator_impl.hpp"
 #include "core/json.hpp"
@@ -119,8 +122,8 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
       sentence += "; the " + std::to_string(trace_events) + " recorded events to " + trace_path + " ('expseg explain " + path +
                   "' prints the dump and replays them on both backends";
       if (recorder.partial())
-        sentence += "; the recording began while allocations were live, or its ring dropped the oldest events, so the replay"
-                    " holds less memory than this run did";
+        sentence += "; the recording began while allocations were live, or its ring dropped the oldest events, so explain"
+                    " first allocates the blocks live before them, from the dump's snapshot";
       sentence += ")";
     } else if (!trace_error.empty()) {
       sentence += "; the recorded events could not be written: " + trace_error;
@@ -362,6 +365,52 @@ OomDump read_oom_dump(const std::string& path) {
   } catch (const std::exception& e) {
     throw error(path + ": not an expseg OOM dump: " + e.what());
   }
+}
+
+SeededBlocks seed_live_before_trace(Trace& trace, const Snapshot& at_oom) {
+  struct Seed {
+    std::uint64_t address, size, stream;
+  };
+  std::vector<Seed> seeds;
+  std::unordered_set<std::uint64_t> seen, live;  // pointers the trace mentions / holds at its end
+  for (const TraceEvent& e : trace.events) {
+    if (e.pointer == 0 || (e.action != TraceAction::allocate && e.action != TraceAction::free)) continue;
+    if (e.action == TraceAction::allocate) {
+      live.insert(e.pointer);
+    } else if (!seen.count(e.pointer)) {
+      seeds.push_back(Seed{e.pointer, e.size, e.stream});  // its first appearance is its free
+    } else {
+      live.erase(e.pointer);
+    }
+    seen.insert(e.pointer);
+  }
+  for (const SegmentInfo& seg : at_oom.segments)
+    for (const BlockInfo& b : seg.blocks)
+      if ((b.state == BlockState::allocated || b.state == BlockState::pending_free) && b.address != 0 && !seen.count(b.address))
+        seeds.push_back(Seed{b.address, b.requested ? b.requested : b.size, b.stream});
+  SeededBlocks out;
+  if (seeds.empty()) return out;
+  // In address order: a caching allocator hands out a segment's blocks from its start, so this is
+  // the likeliest order they were allocated in. Stamped with the first event's thread and time.
+  std::sort(seeds.begin(), seeds.end(), [](const Seed& a, const Seed& b) { return a.address < b.address; });
+  const TraceEvent first = trace.events.empty() ? TraceEvent{} : trace.events.front();
+  std::vector<TraceEvent> events;
+  events.reserve(seeds.size() + trace.events.size());
+  for (const Seed& s : seeds) {
+    TraceEvent e;
+    e.thread = first.thread;
+    e.time = first.time;
+    e.action = TraceAction::allocate;
+    e.pointer = s.address;
+    e.size = s.size;
+    e.stream = s.stream;
+    events.push_back(e);  // line 0: not a line of the file
+    out.bytes += s.size;
+  }
+  out.blocks = seeds.size();
+  events.insert(events.end(), trace.events.begin(), trace.events.end());
+  trace.events = std::move(events);
+  return out;
 }
 
 }  // namespace expseg

@@ -632,10 +632,21 @@ int cmd::explain(int argc, char** argv) {
   setup.backends = args.get("--backend") ? parse_backends(*args.get("--backend"))
                                          : std::vector<BackendKind>{BackendKind::split_merge, BackendKind::expandable};
   setup.device_label = device_label(setup.config, 0);
+  Trace trace = read_trace(d.trace);
+  // A trace that does not start from an empty allocator misses the allocations of what was live
+  // before it (e.g. the weights): replayed alone it holds less than the run and may not run out.
+  const SeededBlocks seeded = d.trace_complete ? SeededBlocks{} : seed_live_before_trace(trace, d.snapshot);
   std::printf("The events that led here: %s (%zu events), replayed on %s%s%s%s:\n\n", terminal_text(d.trace).c_str(), d.trace_events,
               setup.device_label.c_str(), d.report.limit_bytes ? (" under the limit of " + format_bytes(d.report.limit_bytes)).c_str() : "",
-              d.trace_complete ? "" : " (leniently: the trace does not start from an empty allocator, so the replay holds less memory than the run did)",
+              d.trace_complete       ? ""
+              : seeded.blocks != 0 ? " (leniently: the trace does not start from an empty allocator)"
+                                   : " (leniently: the trace does not start from an empty allocator, so the replay holds less memory than the run did)",
               conf_note.c_str());
+  if (seeded.blocks != 0)
+    std::printf("Seeded: %zu block%s (%s) %s live before the trace's first event (allocated before the recording began, or\n"
+                "their allocation dropped from its ring); the replay allocates them first, as the trace's frees and the dump's\n"
+                "snapshot give them, but not the free memory the run's cache held then.\n\n",
+                seeded.blocks, seeded.blocks == 1 ? "" : "s", format_bytes(seeded.bytes).c_str(), seeded.blocks == 1 ? "was" : "were");
   // What a trace cannot carry, said before the replay is read as the run's double.
   std::size_t waiting = 0;
   for (const auto& seg : d.snapshot.segments)
@@ -648,7 +659,7 @@ int cmd::explain(int argc, char** argv) {
     std::printf("Note: %zu free%s waiting for other streams at the OOM (record_stream); a trace holds frees as the program made\n"
                 "them, so the replay frees them at once and may not run out of memory where the run did.\n\n",
                 waiting, waiting == 1 ? " was" : "s were");
-  const std::vector<ReplayGroup> groups = {replay_trace(read_trace(d.trace), setup, html.has_value(), !d.trace_complete, false)};
+  const std::vector<ReplayGroup> groups = {replay_trace(trace, setup, html.has_value(), !d.trace_complete, false)};
   print_replay_table(groups);
   print_replay_failures(groups);
   if (html) {

@@ -13,6 +13,7 @@
 
 #include "expseg/errors.hpp"
 #include "expseg/snapshot.hpp"
+#include "expseg/trace.hpp"
 
 namespace expseg {
 
@@ -34,5 +35,18 @@ struct OomDump {
 // Reads a dump. Throws expseg::error naming the file and what is wrong: unreadable, not JSON, not a
 // dump of a format this version reads, a member missing or of the wrong type.
 OomDump read_oom_dump(const std::string& path);
+
+// A trace that does not start from an empty allocator (record_ring dropped its oldest events, or
+// start_recording came while blocks were live) lacks the allocations of blocks that were live when
+// its first event happened, e.g. a model's weights; replayed alone it holds less than the run held
+// and may not run out of memory where the run did. This puts their allocations first: the blocks
+// the trace frees before it allocates them (their sizes are in the frees), and the blocks the dump's
+// snapshot shows held at the OOM (allocated, or freed and waiting for a stream) that the trace never
+// mentions. Returns how many were seeded and their requested bytes (0 for a complete trace).
+struct SeededBlocks {
+  std::size_t blocks = 0;
+  std::size_t bytes = 0;
+};
+SeededBlocks seed_live_before_trace(Trace& trace, const Snapshot& at_oom);
 
 }  // namespace expseg

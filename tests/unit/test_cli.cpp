@@ -541,3 +541,29 @@ TEST_CASE("cli: explain says when the limit changed while the events were record
   CHECK(f.out.find("Note: the limit changed") == std::string::npos);
   fs::remove_all(dir);
 }
+
+TEST_CASE("cli: explain of a ring-cut trace seeds the blocks live before it, so the OOM reproduces") {
+  // Was: the ring dropped the weights' allocation, the lenient replay held only what the trace
+  // allocated, and neither backend ran out of memory: "the OOM does not reproduce", on both.
+  const fs::path dir = temp_path("explain-seed");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:4GiB,backend:split_merge,limit:1GiB,record:true,record_ring:8,"
+                                              "oom_dump:" + (dir / "oom-%n.json").string()));
+    void* weights = a.allocate(600u << 20);
+    void* other = a.allocate(100u << 20);
+    for (int i = 0; i < 10; ++i) a.deallocate(a.allocate(1u << 20));
+    a.deallocate(other);  // freed inside the trace: its allocation is not there either
+    CHECK_THROWS_AS(a.allocate(500u << 20), expseg::out_of_memory);
+    a.deallocate(weights);
+  }
+  const Run e = run_cli("explain '" + (dir / "oom-1.json").string() + "'");
+  CAPTURE(e.out);
+  CAPTURE(e.err);
+  REQUIRE(e.status == 0);
+  CHECK(e.out.find("Seeded: 2 blocks (700.00 MiB) were live before the trace's first event") != std::string::npos);
+  CHECK(e.out.find("oom-1.trace.csv on split_merge: 1 OOM") != std::string::npos);
+  CHECK(e.out.find("oom-1.trace.csv on expandable: 1 OOM") != std::string::npos);
+  fs::remove_all(dir);
+}

@@ -477,3 +477,50 @@ TEST_CASE("read_oom_dump: several streams, a cross-stream free, and a %p-%d-%n-%
     sa.sim->stream_destroy(s2);
   }
 }
+
+TEST_CASE("seed_live_before_trace: a ring-cut trace gets the blocks live before it, and replays to the run's OOM") {
+  // Was (in explain): the weights' allocation had left the ring, the replay held only what the
+  // trace allocated, and the OOM did not reproduce on either backend.
+  TempDir dir("seed");
+  const std::string path = (dir.path / "oom.json").string();
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    Allocator a(sim_config(b, 4 * GiB, "limit:1GiB,record:true,record_ring:8,oom_dump:" + path));
+    void* weights = a.allocate(600 * MiB);
+    void* other = a.allocate(100 * MiB);
+    for (int i = 0; i < 10; ++i) a.deallocate(a.allocate(MiB));
+    a.deallocate(other);
+    CHECK_THROWS_AS((void)a.allocate(500 * MiB), expseg::out_of_memory);
+    const expseg::OomDump d = expseg::read_oom_dump(path);
+    REQUIRE_FALSE(d.trace_complete);
+    expseg::Trace trace = expseg::read_trace(d.trace);
+    expseg::ReplayOptions lenient;
+    lenient.lenient = true;
+    for (BackendKind rb : {BackendKind::split_merge, BackendKind::expandable})
+      CHECK(expseg::replay(trace, sim_config(rb, 4 * GiB, "limit:1GiB"), lenient).ooms == 0);  // the trace alone
+    const std::size_t before = trace.events.size();
+    const expseg::SeededBlocks seeded = expseg::seed_live_before_trace(trace, d.snapshot);
+    CHECK(seeded.blocks == 2);  // the weights (from the snapshot) and `other` (freed in the trace)
+    CHECK(seeded.bytes == 700 * MiB);
+    REQUIRE(trace.events.size() == before + 2);
+    CHECK(trace.events[0].pointer == addr(weights));
+    CHECK(trace.events[0].size == 600 * MiB);
+    CHECK(trace.events[1].pointer == addr(other));
+    for (BackendKind rb : {BackendKind::split_merge, BackendKind::expandable}) {
+      CAPTURE(expseg::to_string(rb));
+      const expseg::ReplayResult r = expseg::replay(trace, sim_config(rb, 4 * GiB, "limit:1GiB"), lenient);
+      CHECK(r.ooms == 1);
+      CHECK(r.skipped_frees == 0);
+      CHECK(r.peak_requested_bytes == static_cast<std::int64_t>(701 * MiB));  // and a 1 MiB block of the trace
+    }
+    a.deallocate(weights);
+  }
+  // A trace from an empty allocator needs nothing.
+  Allocator a(sim_config(BackendKind::split_merge, 4 * GiB, "limit:1GiB,record:true"));
+  void* p = a.allocate(600 * MiB);
+  CHECK_THROWS_AS((void)a.allocate(500 * MiB), expseg::out_of_memory);
+  expseg::Trace full{"full", a.recorded()};
+  CHECK(expseg::seed_live_before_trace(full, a.snapshot()).blocks == 0);
+  CHECK(full.events.size() == a.recorded().size());
+  a.deallocate(p);
+}
