@@ -599,10 +599,12 @@ int cmd::explain(int argc, char** argv) {
     return kExitOk;
   }
   std::error_code ec;
-  if (!std::filesystem::exists(d.trace, ec) && std::filesystem::path(d.trace).is_relative()) {
-    // A relative oom_dump path was relative to the program's directory: look beside the dump.
+  {
+    // The trace was written beside the dump, under the path the program saw (relative to its
+    // directory, or absolute on its machine): beside the dump is where it is now, also for a dump
+    // copied elsewhere with its trace, where the old path may be missing or hold another run's trace.
     const std::filesystem::path beside = std::filesystem::path(path).parent_path() / std::filesystem::path(d.trace).filename();
-    if (std::filesystem::exists(beside, ec)) d.trace = beside.string();
+    if (std::filesystem::is_regular_file(beside, ec)) d.trace = beside.string();
   }
   if (!std::filesystem::exists(d.trace, ec)) {
     std::printf("The trace %s (%zu events) is not there any more.\n", terminal_text(d.trace).c_str(), d.trace_events);

@@ -567,3 +567,29 @@ TEST_CASE("cli: explain of a ring-cut trace seeds the blocks live before it, so 
   CHECK(e.out.find("oom-1.trace.csv on expandable: 1 OOM") != std::string::npos);
   fs::remove_all(dir);
 }
+
+TEST_CASE("cli: explain of a dump copied elsewhere with its trace replays the trace beside it, not the one at the old path") {
+  // Was: the trace's absolute path from the dump was used as it was: a dump and trace copied off a
+  // cluster read "not there any more", and a different trace at that path was replayed as this one's.
+  const fs::path dir = temp_path("explain-moved");
+  fs::remove_all(dir);
+  fs::create_directories(dir / "job");
+  fs::create_directories(dir / "copy");
+  const std::string conf = "record:true,oom_dump:" + (dir / "job" / "oom-%n.json").string();
+  REQUIRE(run_cli("scenario split-800-500-300 --backend split_merge --device sim --conf '" + conf + "'").status == 0);
+  fs::copy_file(dir / "job" / "oom-1.json", dir / "copy" / "oom-1.json");
+  fs::copy_file(dir / "job" / "oom-1.trace.csv", dir / "copy" / "oom-1.trace.csv");
+  fs::remove(dir / "job" / "oom-1.trace.csv");
+  const Run gone = run_cli("explain '" + (dir / "copy" / "oom-1.json").string() + "'");
+  CAPTURE(gone.out);
+  CHECK(gone.status == 0);
+  CHECK(gone.out.find("The events that led here: " + (dir / "copy" / "oom-1.trace.csv").string() + " (8 events), replayed on") !=
+        std::string::npos);
+  CHECK(gone.out.find("oom-1.trace.csv on split_merge: 1 OOM, first verdict: fragmentation") != std::string::npos);
+  // Another job's trace at the old path: still the copy beside the dump.
+  std::ofstream(dir / "job" / "oom-1.trace.csv") << "Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.000001,allocate,0x1000,4096,0x0\n";
+  const Run other = run_cli("explain '" + (dir / "copy" / "oom-1.json").string() + "'");
+  CHECK(other.out.find("The events that led here: " + (dir / "copy" / "oom-1.trace.csv").string() + " (8 events)") != std::string::npos);
+  CHECK(other.out.find("oom-1.trace.csv on split_merge: 1 OOM") != std::string::npos);
+  fs::remove_all(dir);
+}
