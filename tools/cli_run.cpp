@@ -635,6 +635,7 @@ int cmd::explain(int argc, char** argv) {
                                          : std::vector<BackendKind>{BackendKind::split_merge, BackendKind::expandable};
   setup.device_label = device_label(setup.config, 0);
   Trace trace = read_trace(d.trace);
+  const std::size_t read_events = trace.events.size();
   // A trace that does not start from an empty allocator misses the allocations of what was live
   // before it (e.g. the weights): replayed alone it holds less than the run and may not run out.
   const SeededBlocks seeded = d.trace_complete ? SeededBlocks{} : seed_live_before_trace(trace, d.snapshot);
@@ -644,6 +645,10 @@ int cmd::explain(int argc, char** argv) {
               : seeded.blocks != 0 ? " (leniently: the trace does not start from an empty allocator)"
                                    : " (leniently: the trace does not start from an empty allocator, so the replay holds less memory than the run did)",
               conf_note.c_str());
+  if (read_events != d.trace_events)
+    std::printf("Note: the trace holds %zu events, the dump says it wrote %zu: it was cut or changed since, or is another\n"
+                "run's; the replay below is of what it holds.\n\n",
+                read_events, d.trace_events);
   if (seeded.blocks != 0)
     std::printf("Seeded: %zu block%s (%s) %s live before the trace's first event (allocated before the recording began, or\n"
                 "their allocation dropped from its ring); the replay allocates them first, as the trace's frees and the dump's\n"

@@ -593,3 +593,21 @@ TEST_CASE("cli: explain of a dump copied elsewhere with its trace replays the tr
   CHECK(other.out.find("oom-1.trace.csv on split_merge: 1 OOM") != std::string::npos);
   fs::remove_all(dir);
 }
+
+TEST_CASE("cli: explain says when the trace does not hold the events the dump says it wrote") {
+  // Was: "(8 events)" from the dump, and a silent replay of the 5 a cut trace still held.
+  const fs::path dir = temp_path("explain-cut");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  REQUIRE(run_cli("scenario split-800-500-300 --backend split_merge --device sim --conf 'record:true,oom_dump:" + (dir / "oom.json").string() +
+                  "'").status == 0);
+  const std::string text = read_file(dir / "oom.trace.csv");
+  std::size_t cut = text.size() - 1;
+  for (int i = 0; i < 3; ++i) cut = text.rfind('\n', cut - 1);
+  std::ofstream(dir / "oom.trace.csv", std::ios::binary | std::ios::trunc) << text.substr(0, cut + 1);
+  const Run e = run_cli("explain '" + (dir / "oom.json").string() + "'");
+  CAPTURE(e.out);
+  CHECK(e.status == 0);
+  CHECK(e.out.find("Note: the trace holds 5 events, the dump says it wrote 8: it was cut or changed since") != std::string::npos);
+  fs::remove_all(dir);
+}
