@@ -611,3 +611,32 @@ TEST_CASE("cli: explain says when the trace does not hold the events the dump sa
   CHECK(e.out.find("Note: the trace holds 5 events, the dump says it wrote 8: it was cut or changed since") != std::string::npos);
   fs::remove_all(dir);
 }
+
+TEST_CASE("cli: tools/study.sh, run from another directory, reads relative paths from there") {
+  // Was: the script cd'd to the repository root before running `expseg study "$@"`, so --trace
+  // my.csv was looked for, and --html out.html written, in the repository. Run here on a copy of
+  // the script with setup, build and the binary stubbed: the stub says where it ran and what it found.
+  const fs::path dir = temp_path("study-sh");
+  fs::remove_all(dir);
+  fs::create_directories(dir / "repo" / "tools");
+  fs::create_directories(dir / "repo" / "build" / "tools");
+  fs::create_directories(dir / "caller");
+  fs::copy_file(EXPSEG_SOURCE_DIR "/tools/study.sh", dir / "repo" / "tools" / "study.sh");
+  std::ofstream(dir / "repo" / "tools" / "setup.sh") << "#!/bin/sh\ntrue\n";
+  std::ofstream(dir / "repo" / "tools" / "build.sh") << "#!/bin/sh\ntest -f tools/build.sh\n";  // still run from the root
+  std::ofstream(dir / "repo" / "build" / "tools" / "expseg") << "#!/bin/sh\necho \"cwd=$(pwd)\"\nfor a in \"$@\"; do test -f \"$a\" && echo \"found $a\"; done\ntrue\n";
+  for (const char* f : {"tools/study.sh", "tools/setup.sh", "tools/build.sh", "build/tools/expseg"})
+    fs::permissions(dir / "repo" / f, fs::perms::owner_all, fs::perm_options::add);
+  std::ofstream(dir / "caller" / "my.csv") << "x\n";
+  const std::string cmd = "cd '" + (dir / "caller").string() + "' && ../repo/tools/study.sh --trace my.csv --html out.html";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  std::string out;
+  char buf[512];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  CHECK(::pclose(p) == 0);
+  CAPTURE(out);
+  CHECK(out.find("cwd=" + fs::canonical(dir / "caller").string() + "\n") != std::string::npos);
+  CHECK(out.find("found my.csv") != std::string::npos);
+  fs::remove_all(dir);
+}
