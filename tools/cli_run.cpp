@@ -626,7 +626,12 @@ int cmd::explain(int argc, char** argv) {
   }
   setup.config.device = DeviceKind::sim;
   const std::size_t g = setup.config.sim_granularity;
-  setup.config.sim_capacity = std::max(d.report.device_total_bytes / g * g, g);
+  // Other processes and the CUDA context hold memory no trace records: the replay's device is what
+  // this process could hold at the OOM (its reserved memory and what was free), as the verdict counted.
+  const std::size_t total = d.report.device_total_bytes;
+  const std::size_t obtainable = d.report.device_free_bytes + std::min(d.report.reserved_bytes, SIZE_MAX - d.report.device_free_bytes);
+  const std::size_t usable = std::min(total, obtainable);
+  setup.config.sim_capacity = std::max(usable / g * g, g);
   setup.config.sim_host_backed = false;
   setup.config.limit = Limit{d.report.limit_bytes, 0.0};
   setup.config.record = false;
@@ -658,6 +663,10 @@ int cmd::explain(int argc, char** argv) {
   std::size_t waiting = 0;
   for (const auto& seg : d.snapshot.segments)
     for (const auto& b : seg.blocks) waiting += b.state == BlockState::pending_free;
+  if (usable < total)
+    std::printf("Note: other processes (and the CUDA context) held %s of the device's %s at the OOM; the replay's device\n"
+                "has the %s this process could hold.\n\n",
+                format_bytes(total - usable).c_str(), format_bytes(total).c_str(), format_bytes(usable).c_str());
   if (d.limit_changed)
     std::printf("Note: the limit changed while these events were recorded; the replay applies the last one (%s) from the first\n"
                 "event, so it may run out of memory elsewhere than the run did.\n\n",

@@ -16,6 +16,7 @@
 #include "core/json.hpp"
 #include "expseg/allocator.hpp"
 #include "expseg/scenarios.hpp"
+#include "test_util.hpp"
 
 #ifndef EXPSEG_CLI
 #error "EXPSEG_CLI must name the built expseg binary (tests/meson.build passes it)"
@@ -638,5 +639,30 @@ TEST_CASE("cli: tools/study.sh, run from another directory, reads relative paths
   CAPTURE(out);
   CHECK(out.find("cwd=" + fs::canonical(dir / "caller").string() + "\n") != std::string::npos);
   CHECK(out.find("found my.csv") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("cli: explain replays on the memory the job could hold, not the whole device, when others held part of it") {
+  // Was: a job without a limit that ran out because other processes (or the CUDA context) held
+  // part of the GPU was replayed on the whole device, where its OOM did not happen.
+  const fs::path dir = temp_path("explain-foreign");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    auto sa = testutil::make_sim_allocator(expseg::Config::parse("device:sim,sim_capacity:2GiB,backend:split_merge,record:true,oom_dump:" +
+                                                                 (dir / "oom.json").string()));
+    sa.sim->set_foreign_usage(1u << 30);  // another process holds half the device
+    void* w = sa->allocate(600u << 20);
+    CHECK_THROWS_AS((void)sa->allocate(500u << 20), expseg::out_of_memory);
+    sa->deallocate(w);
+  }
+  const Run e = run_cli("explain '" + (dir / "oom.json").string() + "'");
+  CAPTURE(e.out);
+  CAPTURE(e.err);
+  REQUIRE(e.status == 0);
+  CHECK(e.out.find("expseg verdict: capacity.") != std::string::npos);
+  CHECK(e.out.find("Note: other processes (and the CUDA context) held 1024.00 MiB of the device's 2.00 GiB at the OOM") != std::string::npos);
+  CHECK(e.out.find("oom.trace.csv on split_merge: 1 OOM, first verdict: capacity") != std::string::npos);
+  CHECK(e.out.find("oom.trace.csv on expandable: 1 OOM, first verdict: capacity") != std::string::npos);
   fs::remove_all(dir);
 }
