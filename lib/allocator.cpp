@@ -376,7 +376,9 @@ std::optional<OomReport> Allocator::last_oom() const {
 
 void Allocator::start_recording(std::size_t ring) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
-  impl_->recorder.start(ring, impl_->live.size() != 0 || impl_->pending_count != 0);
+  // Cached memory counts too: a replay starts without the run's segments, so its fragmentation differs.
+  impl_->recorder.start(ring, impl_->live.size() != 0 || impl_->pending_count != 0 ||
+                                  impl_->stats.reserved_bytes[kAllPools].current != 0);
   impl_->limit_changed_while_recording = false;  // a fresh recording
 }
 

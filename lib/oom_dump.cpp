@@ -122,8 +122,8 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
       sentence += "; the " + std::to_string(trace_events) + " recorded events to " + trace_path + " ('expseg explain " + path +
                   "' prints the dump and replays them on both backends";
       if (recorder.partial())
-        sentence += "; the recording began while allocations were live, or its ring dropped the oldest events, so explain"
-                    " first allocates the blocks live before them, from the dump's snapshot";
+        sentence += "; the recording began while memory was allocated or cached, or its ring dropped the oldest events, so a"
+                    " replay starts with less memory than this run held: explain first allocates the blocks live before them";
       sentence += ")";
     } else if (!trace_error.empty()) {
       sentence += "; the recorded events could not be written: " + trace_error;

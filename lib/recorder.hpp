@@ -14,7 +14,7 @@ namespace expseg {
 
 class Recorder {
  public:
-  // `live_before`: allocations were live when recording started.
+  // `live_before`: memory was allocated or cached when recording started.
   void start(std::size_t ring, bool live_before = false);
   void stop() noexcept { enabled_ = false; }
   bool enabled() const noexcept { return enabled_; }
@@ -24,7 +24,7 @@ class Recorder {
   void add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream) noexcept;
   std::vector<TraceEvent> events() const;  // oldest first
   // True when events() does not start from an empty allocator: the recording began while
-  // allocations were live (start(ring, true)), or events were dropped (a full ring, or no memory). Replaying such a
+  // memory was allocated or cached (start(ring, true)), or events were dropped (a full ring, or no memory). Replaying such a
   // trace needs --lenient (frees of allocations it never saw) and holds less memory than the run did.
   bool partial() const noexcept { return started_partial_ || dropped_ != 0; }
 

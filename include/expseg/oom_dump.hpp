@@ -37,7 +37,7 @@ struct OomDump {
 OomDump read_oom_dump(const std::string& path);
 
 // A trace that does not start from an empty allocator (record_ring dropped its oldest events, or
-// start_recording came while blocks were live) lacks the allocations of blocks that were live when
+// start_recording came while memory was allocated or cached) lacks the allocations of blocks live when
 // its first event happened, e.g. a model's weights; replayed alone it holds less than the run held
 // and may not run out of memory where the run did. This puts their allocations first: the blocks
 // the trace frees before it allocates them (their sizes are in the frees), and the blocks the dump's

@@ -169,7 +169,7 @@ TEST_CASE("oom_dump: a trace that does not start from an empty allocator says so
     if (!ring) live.push_back(a.allocate(MiB));
     if (!ring) a.start_recording();
     const expseg::out_of_memory e = run_800_500_300(a, live);
-    CHECK(std::string(e.what()).find("replays them on both backends; the recording began while allocations were live") !=
+    CHECK(std::string(e.what()).find("replays them on both backends; the recording began while memory was allocated or cached") !=
           std::string::npos);
     const JsonValue dump = parse_json(read_file(path));
     CHECK_FALSE(dump["trace_complete"].as_bool());
@@ -523,4 +523,30 @@ TEST_CASE("seed_live_before_trace: a ring-cut trace gets the blocks live before 
   CHECK(expseg::seed_live_before_trace(full, a.snapshot()).blocks == 0);
   CHECK(full.events.size() == a.recorded().size());
   a.deallocate(p);
+}
+
+TEST_CASE("oom_dump: a recording started over cached memory does not claim to start from an empty allocator") {
+  // Was: trace_complete, though the allocator held a 2000 MiB cached segment when recording began:
+  // the trace's replay starts without it, the fragmentation does not happen, and nothing said why.
+  TempDir dir("cached");
+  const std::string path = (dir.path / "oom.json").string();
+  Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_dump:" + path));
+  a.deallocate(a.allocate(2000 * MiB));  // cached, nothing live
+  a.start_recording();
+  std::vector<void*> live = {a.allocate(800 * MiB)};
+  void* p500 = a.allocate(500 * MiB);
+  live.push_back(a.allocate(300 * MiB));
+  a.deallocate(p500);
+  try {
+    live.push_back(a.allocate(800 * MiB));
+    FAIL("no OOM");
+  } catch (const expseg::out_of_memory& e) {
+    CHECK(e.report().verdict == expseg::OomVerdict::fragmentation);
+    CHECK(std::string(e.what()).find("the recording began while memory was allocated or cached") != std::string::npos);
+  }
+  const expseg::OomDump d = expseg::read_oom_dump(path);
+  CHECK_FALSE(d.trace_complete);
+  // Why it matters: from an empty allocator the same events do not run out of memory.
+  CHECK(expseg::replay(expseg::read_trace(d.trace), sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB")).ooms == 0);
+  for (void* p : live) a.deallocate(p);
 }
