@@ -338,8 +338,14 @@ OomReport read_report(const Reader& r, const JsonValue& o) {
 OomDump read_oom_dump(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw error(path + ": cannot open the OOM dump: " + std::strerror(errno));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw error(path + ": cannot read the OOM dump: " + std::strerror(errno));
+  std::string text;
+  errno = 0;
+  try {
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure&) {
+    in.setstate(std::ios::badbit);  // a read error (a directory opens, then reads fail): say so with the file's name
+  }
+  if (in.bad()) throw error(path + ": cannot read the OOM dump: " + std::strerror(errno ? errno : EIO));
   try {
     const JsonValue doc = core::parse_json(text);
     const Reader r;

@@ -391,6 +391,10 @@ TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file 
   }
   CHECK_THROWS_WITH_AS(expseg::read_oom_dump((dir.path / "missing.json").string()),
                        doctest::Contains("cannot open the OOM dump: No such file or directory"), expseg::error);
+  // Was: std::ios_base::failure "basic_filebuf::underflow error reading the file: Is a directory",
+  // naming no file (and `expseg explain DIR` exited 1, a runtime failure, not 2, bad input).
+  const std::string dir_message = dir.path.string() + ": cannot read the OOM dump: Is a directory";
+  CHECK_THROWS_WITH_AS(expseg::read_oom_dump(dir.path.string()), doctest::Contains(dir_message.c_str()), expseg::error);
 }
 
 TEST_CASE("oom_dump and observer under threads: one dump and one observer call per OOM, each dump whole") {
