@@ -69,16 +69,15 @@ std::string write_file_atomically(const std::string& path, const std::string& te
   return "";
 }
 
-// "oom-7.json" -> "oom-7.trace.csv"; "oom-7" -> "oom-7.trace.csv".
-std::string trace_path_for(const std::string& dump_path) {
+}  // namespace
+
+std::string oom_dump_trace_path(const std::string& dump_path) {
   constexpr std::string_view kJson = ".json";
   std::string base = dump_path;
   if (base.size() > kJson.size() && base.compare(base.size() - kJson.size(), kJson.size(), kJson) == 0)
     base.resize(base.size() - kJson.size());
   return base + ".trace.csv";
 }
-
-}  // namespace
 
 void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
   std::string path;
@@ -100,7 +99,7 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     if (recorder.enabled()) {
       const std::vector<TraceEvent> events = recorder.events();
       trace_events = events.size();
-      trace_path = trace_path_for(path);
+      trace_path = oom_dump_trace_path(path);
       const std::string tmp = temporary_name(trace_path);
       try {
         write_trace_file(tmp, events);

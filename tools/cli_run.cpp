@@ -603,8 +603,15 @@ int cmd::explain(int argc, char** argv) {
     // The trace was written beside the dump, under the path the program saw (relative to its
     // directory, or absolute on its machine): beside the dump is where it is now, also for a dump
     // copied elsewhere with its trace, where the old path may be missing or hold another run's trace.
-    const std::filesystem::path beside = std::filesystem::path(path).parent_path() / std::filesystem::path(d.trace).filename();
-    if (std::filesystem::is_regular_file(beside, ec)) d.trace = beside.string();
+    // Its name as the dump gives it first; then as the dump's own name gives it (a path that is
+    // not UTF-8 comes back from the JSON with U+FFFD in place of its odd bytes).
+    const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+    for (const std::filesystem::path& beside :
+         {dir / std::filesystem::path(d.trace).filename(), dir / std::filesystem::path(oom_dump_trace_path(path)).filename()})
+      if (std::filesystem::is_regular_file(beside, ec)) {
+        d.trace = beside.string();
+        break;
+      }
   }
   if (!std::filesystem::exists(d.trace, ec)) {
     std::printf("The trace %s (%zu events) is not there any more.\n", terminal_text(d.trace).c_str(), d.trace_events);

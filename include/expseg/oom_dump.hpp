@@ -32,6 +32,10 @@ struct OomDump {
   bool limit_changed = false;   // the limit changed while the trace was recorded (the replay uses the last one)
 };
 
+// Where the recorded events of the dump at `dump_path` are written: "oom-7.json" -> "oom-7.trace.csv",
+// "oom-7" -> "oom-7.trace.csv".
+std::string oom_dump_trace_path(const std::string& dump_path);
+
 // Reads a dump. Throws expseg::error naming the file and what is wrong: unreadable, not JSON, not a
 // dump of a format this version reads, a member missing or of the wrong type.
 OomDump read_oom_dump(const std::string& path);

@@ -666,3 +666,21 @@ TEST_CASE("cli: explain replays on the memory the job could hold, not the whole 
   CHECK(e.out.find("oom.trace.csv on expandable: 1 OOM, first verdict: capacity") != std::string::npos);
   fs::remove_all(dir);
 }
+
+TEST_CASE("cli: explain finds the trace of a dump whose path is not UTF-8") {
+  // Was: the dump, JSON and so UTF-8, holds the trace's path with U+FFFD for the byte 0xff: no such
+  // file, and explain said the trace "is not there any more" while it lay beside the dump.
+  const fs::path dir = temp_path("explain-latin1");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string dump = (dir / "oom\xff-1.json").string();
+  REQUIRE(run_cli("scenario split-800-500-300 --backend split_merge --device sim --conf 'record:true,oom_dump:" + (dir / "oom\xff-%n.json").string() +
+                  "'").status == 0);
+  REQUIRE(fs::exists(dump));
+  const Run e = run_cli("explain '" + dump + "'");
+  CAPTURE(e.out);
+  CHECK(e.status == 0);
+  CHECK(e.out.find("is not there any more") == std::string::npos);
+  CHECK(e.out.find("on split_merge: 1 OOM, first verdict: fragmentation") != std::string::npos);
+  fs::remove_all(dir);
+}
