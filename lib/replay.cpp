@@ -73,7 +73,15 @@ Program compile(const Trace& trace, bool lenient) {
           if (!lenient)
             throw trace_error(trace.name, line,
                               "pointer " + hex(e.pointer) + " allocated again while live (allocated at line " + std::to_string(live_line[e.pointer]) + ")");
-          ++p.unknown_frees;  // the earlier allocation's free is missing: leave it live
+          // The allocator handed the pointer out again, so the earlier block had been freed: its
+          // free is missing (dropped, or logged late by another thread). Free it here, or the
+          // replay holds it to the end.
+          ++p.unknown_frees;
+          const std::uint32_t old = live[e.pointer];
+          p.ops.push_back(Op{OpKind::free, stream_index(e.stream), old, 0});
+          p.event_of.push_back(i);
+          free_slots.push_back(old);
+          live.erase(e.pointer);
         }
         std::uint32_t slot;
         if (!free_slots.empty()) {
