@@ -136,6 +136,16 @@ double churn_ns(int64_t iters, int64_t seed) {
   return std::chrono::duration<double, std::nano>(t1 - t0).count() / iters;
 }
 
+// The streams of the own-streams rounds: taken from PyTorch's pool once and reused by every round,
+// as expseg_bench's threads reuse their subject's streams. getStreamFromPool hands out its 32
+// streams round-robin: taken anew per round, every timed round ran on streams the cache-filling
+// round had never used (only the round's own untimed steps had warmed their cache).
+const std::vector<cudaStream_t>& pool_streams(size_t n) {
+  static std::vector<cudaStream_t> s;
+  while (s.size() < n) s.push_back(c10::cuda::getStreamFromPool(false).stream());
+  return s;
+}
+
 // `threads` threads, each with its own 64 slots (seed thread+1), on its own stream from PyTorch's
 // pool or all on the default stream: `warm` untimed steps each, a start line, then `steps` steps
 // each. Seconds from the start signal to the last thread's last step (expseg_bench's run_mt).
@@ -143,7 +153,7 @@ double mt_churn_s(int64_t threads, int64_t steps, int64_t warm, bool own_streams
   const size_t n = static_cast<size_t>(threads);
   std::vector<cudaStream_t> streams(n, nullptr);
   if (own_streams)
-    for (size_t i = 0; i < n; i++) streams[i] = c10::cuda::getStreamFromPool(false).stream();
+    for (size_t i = 0; i < n; i++) streams[i] = pool_streams(n)[i];
   std::atomic<size_t> ready{0};
   std::atomic<bool> go{false};
   std::vector<Clock::time_point> end(n);

@@ -120,12 +120,12 @@ Allocator::Impl::~Impl() {
   oom_observer.reset();
   // Pending frees hold events; the backend gives all memory back in its destructor.
   for (StreamEvents& se : pending)
-    for (PendingFree& pf : se.queue) {
+    se.queue.for_each([&](const PendingFree& pf) {
       try {
         driver->event_destroy(pf.event);
       } catch (...) {
       }
-    }
+    });
   for (driver::event_t e : spare_events) {
     try {
       driver->event_destroy(e);
@@ -198,7 +198,8 @@ void Allocator::Impl::deallocate(void* ptr) {
     // Record an event on every stream that used the block; the free completes when all have passed.
     // Everything that can fail (host memory, the driver) happens before the block changes state,
     // and is undone when it fails: the block then stays live, as if the call had not been made.
-    std::vector<driver::event_t> events;
+    std::vector<driver::event_t>& events = free_events;
+    events.clear();
     std::size_t queued = 0;
     auto queue_of = [&](driver::stream_t s) {
       return std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == s; });
@@ -436,8 +437,9 @@ void Allocator::validate() const {
   std::size_t queued = 0;
   for (const Impl::StreamEvents& se : m.pending) {
     queued += se.queue.size();
-    for (const Impl::PendingFree& pf : se.queue)
+    se.queue.for_each([&](const Impl::PendingFree& pf) {
       if (pf.block->status != BlockStatus::pending_free || pf.block->pending_events == 0) fail("pending queue holds a block not pending");
+    });
   }
   if (queued != m.pending_count) fail("pending_count is wrong");
   const Stats& s = m.stats;

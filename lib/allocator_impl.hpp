@@ -2,8 +2,8 @@
 // reports) and detail::AllocatorAccess, through which tests and the replay engine reach the driver.
 #pragma once
 
+#include <algorithm>
 #include <array>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -58,13 +58,51 @@ struct Allocator::Impl final : backends::FrontendHooks {
     driver::event_t event;
     core::Block* block;
   };
+  // A stream's pending frees in record order: a ring whose buffer grows only at a new high-water
+  // mark (std::deque gives a node back every 32 pops and takes one every 32 pushes: heap traffic
+  // on the cross-stream free path).
+  class PendingQueue {
+   public:
+    bool empty() const noexcept { return count_ == 0; }
+    std::size_t size() const noexcept { return count_; }
+    const PendingFree& front() const noexcept { return buf_[head_]; }
+    void pop_front() noexcept {
+      head_ = head_ + 1 == buf_.size() ? 0 : head_ + 1;
+      --count_;
+    }
+    void pop_back() noexcept { --count_; }
+    // May throw std::bad_alloc before anything changed.
+    void push_back(const PendingFree& pf) {
+      if (count_ == buf_.size()) grow();
+      buf_[(head_ + count_) % buf_.size()] = pf;
+      ++count_;
+    }
+    template <class F>
+    void for_each(F&& f) const {
+      for (std::size_t i = 0; i < count_; ++i) f(buf_[(head_ + i) % buf_.size()]);
+    }
+
+   private:
+    void grow() {
+      std::vector<PendingFree> next(std::max<std::size_t>(8, 2 * buf_.size()));
+      for (std::size_t i = 0; i < count_; ++i) next[i] = buf_[(head_ + i) % buf_.size()];
+      buf_.swap(next);
+      head_ = 0;
+    }
+    std::vector<PendingFree> buf_;
+    std::size_t head_ = 0;
+    std::size_t count_ = 0;
+  };
   struct StreamEvents {
     driver::stream_t stream;
-    std::deque<PendingFree> queue;
+    PendingQueue queue;
   };
   alignas(64) std::vector<StreamEvents> pending;  // per stream, in record order
   std::size_t pending_count = 0;
   std::vector<driver::event_t> spare_events;
+  // deallocate()'s events of the block being freed, kept between calls so that a cross-stream free
+  // does not allocate (used under the lock only).
+  std::vector<driver::event_t> free_events;
 
   // Recently freed addresses, to tell a double free from a foreign pointer (0 = empty slot).
   std::array<std::uint64_t, 64> recent_frees{};

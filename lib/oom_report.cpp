@@ -123,7 +123,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   } else if (config.oom_counterfactual) {
     live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
     for (const StreamEvents& se : pending)
-      for (const PendingFree& pf : se.queue) live_set.push_back({pf.block->addr, pf.block->requested, pf.block->stream});
+      se.queue.for_each([&](const PendingFree& pf) { live_set.push_back({pf.block->addr, pf.block->requested, pf.block->stream}); });
     std::sort(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr < b.addr; });
     live_set.erase(std::unique(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr == b.addr; }),
                    live_set.end());
