@@ -8,7 +8,9 @@
 // waits for events recorded on those streams.
 //
 // Thread safety: every method may be called from any thread; one lock per allocator, held for the
-// cached malloc/free path only as long as the free-block index update takes.
+// cached malloc/free path only as long as the free-block index update takes. (expandable also
+// updates the live bytes of each physical handle under the block: one to three for most blocks,
+// up to ~100 for a large block reusing memory that grew in small handles; see add_live.)
 //
 // Errors: allocate() throws expseg::out_of_memory (a std::bad_alloc) with a report saying why;
 // deallocate()/record_stream() of a pointer that is not a live allocation throw

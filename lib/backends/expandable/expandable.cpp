@@ -274,6 +274,11 @@ Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
   return b;
 }
 
+// The hot path's one walk: each handle under the block. Replaying the shipped ResNet-50 and GPT-2
+// traces (simulator, with and without a limit), 1.9-2.8 handles per call on average, over 95% of
+// calls 8 or fewer, the most 123: a large block on memory that grew in small handles, ~19 ns per
+// handle for an alloc+free pair (a 1 GiB block on 512 handles: 19.5 us). An O(1) form would track
+// idleness per free block instead of per handle; not done yet.
 inline void ExpandableBackend::add_live(const Block& b) noexcept {
   const auto& seg = *static_cast<const ExpSegment*>(b.segment);
   for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
