@@ -154,6 +154,7 @@ class Harness {
   void finish(bool free_all = true);
 
   const Counters& counters() const noexcept { return counters_; }
+  std::size_t live_allocations() const noexcept { return live_.size(); }  // in the model, now
   const Options& options() const noexcept { return options_; }
   expseg::Allocator& allocator() { return *alloc_; }
 

@@ -8,10 +8,15 @@
 #include <string>
 
 #include "driver/driver.hpp"
+#include "gpu_skip.hpp"
 
 int main(int argc, char** argv) {
   std::string why;
   if (!expseg::driver::cuda_usable(&why)) {
+    if (!gpu_test::no_gpu_to_test(why)) {
+      std::printf("FAILED: two-GPU tests: a CUDA driver is there, but expseg cannot use it: %s\n", why.c_str());
+      return 1;
+    }
     std::printf("SKIPPED: two-GPU tests: no usable CUDA device (%s)\n", why.c_str());
     return 77;
   }

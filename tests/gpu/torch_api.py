@@ -28,6 +28,8 @@ MiB = 1 << 20
 
 
 def child(backend, tmp):
+    if not __debug__:  # python -O / PYTHONOPTIMIZE strips every assert below: the run would check nothing
+        raise SystemExit("%s: the checks are asserts; run without -O and PYTHONOPTIMIZE" % os.path.basename(__file__))
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import pickle
     import expseg
@@ -152,8 +154,10 @@ def main():
     import tempfile
     tmp = tempfile.mkdtemp(prefix="expseg-torch-api-")
     failed = 0
+    child_env = {k: v for k, v in os.environ.items() if k != "PYTHONOPTIMIZE"}  # the child's asserts must run
     for backend in ("split_merge", "expandable"):
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", backend, tmp], timeout=300)
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", backend, tmp], timeout=300,
+                           env=child_env)
         if r.returncode != 0:
             print("torch_api %s: FAIL (exit %d)" % (backend, r.returncode), flush=True)
             failed += 1

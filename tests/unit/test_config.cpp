@@ -1,7 +1,6 @@
 // Configuration: the options table, EXPSEG_ALLOC_CONF syntax, PyTorch's keys, sizes (config.hpp).
 #include <doctest/doctest.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -467,8 +466,9 @@ TEST_CASE("config: later keys win, and a failed apply leaves the config unchange
   CHECK(c == before);
 }
 
-TEST_CASE("config: hostile input fails fast with a short, clear message") {
-  const auto t0 = std::chrono::steady_clock::now();
+// How fast these fail is measured by benchmarks/bench_parse.cpp (parse/config_hostile), not by a
+// wall-clock bound here.
+TEST_CASE("config: hostile input fails with a short, clear message") {
   const std::string mb(1 << 20, 'a');
   {
     const Failure f = parse_failure(mb);
@@ -495,7 +495,6 @@ TEST_CASE("config: hostile input fails fast with a short, clear message") {
   for (int i = 0; i < 20000; ++i) many += "record:true,";
   many += "record:false";
   CHECK_FALSE(Config::parse(many).record);
-  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
 }
 
 TEST_CASE("config: from_env reads EXPSEG_ALLOC_CONF") {

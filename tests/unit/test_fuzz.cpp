@@ -44,6 +44,8 @@ TEST_CASE("fuzz: destroying the allocator with live allocations after a run leak
       fuzz::Harness h(o);
       fuzz::RngSource src(42 + i);
       h.run(src, 400);
+      CHECK(h.counters().ops == 400);
+      CHECK(h.live_allocations() > 0);  // else the destruction below frees nothing live
       h.finish(false);
     } catch (const fuzz::Failure& f) {
       FAIL(std::string(f.what()));
@@ -53,6 +55,7 @@ TEST_CASE("fuzz: destroying the allocator with live allocations after a run leak
 
 TEST_CASE("fuzz: the libFuzzer byte decoding drives the same harness") {
   // A few fixed inputs through options_from/ByteSource, as tests/fuzz/fuzz_allocator.cpp reads them.
+  fuzz::Counters total;
   for (std::uint64_t seed : {7u, 8u, 9u, 10u, 11u, 12u}) {
     std::string bytes(1500, '\0');
     fuzz::RngSource rng(seed);
@@ -62,17 +65,26 @@ TEST_CASE("fuzz: the libFuzzer byte decoding drives the same harness") {
       fuzz::ByteSource src(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
       fuzz::Harness h(fuzz::options_from(src));
       h.run(src, 2000);
+      // The input drives operations until its bytes run out (each takes a few): not none, not all 2000.
+      CHECK(h.counters().ops > 100);
+      CHECK(h.counters().ops < 2000);
+      CHECK(src.exhausted());
       h.finish(src.byte() % 4 != 0);
+      total.add(h.counters());
     } catch (const fuzz::Failure& f) {
       FAIL(std::string(f.what()));
     }
   }
+  MESSAGE("fuzz (byte inputs): " << total.to_string());
+  CHECK(total.allocs > 100);
+  CHECK(total.frees > 20);
   // Empty and one-byte inputs are valid too.
   for (std::size_t n : {0u, 1u, 2u}) {
     const std::uint8_t data[2] = {0xff, 0x01};
     fuzz::ByteSource src(data, n);
     fuzz::Harness h(fuzz::options_from(src));
     h.run(src, 10);
+    CHECK(h.counters().ops == 0);  // the options took what bytes there were
     h.finish();
   }
 }

@@ -1,7 +1,6 @@
 // JSON writer and parser (lib/core/json.hpp).
 #include <doctest/doctest.h>
 
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -220,18 +219,18 @@ TEST_CASE("json: malformed input is an error that names the byte offset") {
   }
 }
 
-TEST_CASE("json: nesting is limited to 256 levels, and deep hostile input fails fast") {
+TEST_CASE("json: nesting is limited to 256 levels, and deep hostile input stops where it turns bad") {
   const auto nested = [](int depth) { return std::string(static_cast<std::size_t>(depth), '[') + std::string(static_cast<std::size_t>(depth), ']'); };
   CHECK_NOTHROW(parse_json(nested(256)));
   CHECK(parse_error(nested(257)).find("nesting") != std::string::npos);
   std::string objs;
   for (int i = 0; i < 300; ++i) objs += "{\"a\":";
   CHECK(parse_error(objs).find("nesting") != std::string::npos);
-  const auto t0 = std::chrono::steady_clock::now();
-  CHECK(parse_error(std::string(1 << 20, '[')).find("nesting") != std::string::npos);
+  // The parse stops where the input turns bad, not at its end (the time these take is measured by
+  // benchmarks/bench_parse.cpp, parse/json_hostile: no wall-clock bound here).
+  CHECK(parse_error(std::string(1 << 20, '[')).find("at byte 256: nesting") != std::string::npos);
   CHECK(parse_error(std::string(1 << 20, 'a')).find("at byte 0") != std::string::npos);
-  CHECK(parse_error("\"" + std::string(1 << 20, 'a')).find("unterminated") != std::string::npos);
-  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2));
+  CHECK(parse_error("\"" + std::string(1 << 20, 'a')).find("at byte 0: unterminated") != std::string::npos);
 }
 
 TEST_CASE("json: accessors check types and bounds") {

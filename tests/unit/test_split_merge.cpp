@@ -345,6 +345,21 @@ TEST_CASE("split_merge: garbage_collection_threshold frees the cached blocks old
   a.validate();
 }
 
+TEST_CASE("split_merge: garbage_collection_threshold frees cached blocks as old as the average too") {
+  // PyTorch's garbage_collect_cached_blocks frees the blocks whose age is >= the average: blocks all
+  // of one age all go (a strict > would free none of them, and the collection would do nothing).
+  Allocator a = make("limit:1GiB,garbage_collection_threshold:0.5");  // GC above 512 MiB reserved
+  void* p = a.allocate(300 * MiB);
+  void* q = a.allocate(300 * MiB);
+  a.deallocate(p);
+  a.deallocate(q);  // both cached, of the same age
+  void* big = a.allocate(400 * MiB);  // a miss with 600 MiB reserved: collects
+  CHECK(a.stats().num_device_free == 2);
+  CHECK(reserved(a) == static_cast<std::int64_t>(400 * MiB));
+  a.deallocate(big);
+  a.validate();
+}
+
 TEST_CASE("split_merge: release_cached gives back unsplit segments only") {
   Allocator a = make();
   void* x = a.allocate(4 * MiB);  // in a 20 MiB segment, split
