@@ -54,7 +54,7 @@ std::string write_file_atomically(const std::string& path, const std::string& te
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) return std::string("cannot create ") + tmp + ": " + (errno ? std::strerror(errno) : "unknown error");
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.flush();
+    out.close();  // checked: on NFS or under a quota, a write can fail only when the file is closed
     if (!out) {
       const int err = errno;
       std::remove(tmp.c_str());
