@@ -46,6 +46,10 @@ std::string hex(std::uint64_t v) {
   return buf;
 }
 
+// What the strict replay's refusals suggest: most such traces are partial, not corrupt.
+constexpr const char* kPartialHint =
+    "; a partial trace (a recorder ring, a late start) replays with --lenient";
+
 Program compile(const Trace& trace, bool lenient) {
   Program p;
   p.ops.reserve(trace.events.size());
@@ -72,7 +76,8 @@ Program compile(const Trace& trace, bool lenient) {
         if (live.count(e.pointer)) {
           if (!lenient)
             throw trace_error(trace.name, line,
-                              "pointer " + hex(e.pointer) + " allocated again while live (allocated at line " + std::to_string(live_line[e.pointer]) + ")");
+                              "pointer " + hex(e.pointer) + " allocated again while live (allocated at line " + std::to_string(live_line[e.pointer]) + ")" +
+                                  kPartialHint);
           // The allocator handed the pointer out again, so the earlier block had been freed: its
           // free is missing (dropped, or logged late by another thread). Free it here, or the
           // replay holds it to the end.
@@ -99,7 +104,9 @@ Program compile(const Trace& trace, bool lenient) {
       case TraceAction::free: {
         auto it = live.find(e.pointer);
         if (it == live.end()) {
-          if (!lenient) throw trace_error(trace.name, line, "free of pointer " + hex(e.pointer) + " that is not live (never allocated, or already freed)");
+          if (!lenient)
+            throw trace_error(trace.name, line,
+                              "free of pointer " + hex(e.pointer) + " that is not live (never allocated, or already freed)" + kPartialHint);
           ++p.unknown_frees;
           break;
         }

@@ -272,6 +272,7 @@ TEST_CASE("cli: a malformed trace exits 2 with file:line") {
   r = run_cli("replay '" + p.string() + "' --device sim --json");
   CHECK(r.status == 2);
   CHECK(r.err.find(":3") != std::string::npos);
+  CHECK(r.err.find("--lenient") != std::string::npos);  // the way out is named
   r = run_cli("replay '" + p.string() + "' --device sim --json --lenient");
   CHECK(r.status == 0);
   CHECK(lines(r.out).size() == 2);
