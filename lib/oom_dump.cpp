@@ -377,16 +377,11 @@ SeededBlocks seed_live_before_trace(Trace& trace, const Snapshot& at_oom) {
     std::uint64_t address, size, stream;
   };
   std::vector<Seed> seeds;
-  std::unordered_set<std::uint64_t> seen, live;  // pointers the trace mentions / holds at its end
+  std::unordered_set<std::uint64_t> seen;  // pointers the trace mentions
   for (const TraceEvent& e : trace.events) {
     if (e.pointer == 0 || (e.action != TraceAction::allocate && e.action != TraceAction::free)) continue;
-    if (e.action == TraceAction::allocate) {
-      live.insert(e.pointer);
-    } else if (!seen.count(e.pointer)) {
+    if (e.action == TraceAction::free && !seen.count(e.pointer))
       seeds.push_back(Seed{e.pointer, e.size, e.stream});  // its first appearance is its free
-    } else {
-      live.erase(e.pointer);
-    }
     seen.insert(e.pointer);
   }
   for (const SegmentInfo& seg : at_oom.segments)
