@@ -46,27 +46,27 @@ std::string temporary_name(const std::string& path) {
   return path + ".tmp" + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
 }
 
-// Writes `text` to `path` through a temporary file and a rename. Returns "" or why it failed.
-std::string write_file_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = temporary_name(path);
+// Writes `text` to temporary file `tmp`. Returns "" or why it failed (then no file is left).
+std::string write_temporary(const std::string& tmp, const std::string& text) {
   errno = 0;
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return std::string("cannot create ") + tmp + ": " + (errno ? std::strerror(errno) : "unknown error");
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.close();  // checked: on NFS or under a quota, a write can fail only when the file is closed
-    if (!out) {
-      const int err = errno;
-      std::remove(tmp.c_str());
-      return std::string("cannot write ") + tmp + ": " + (err ? std::strerror(err) : "unknown error");
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  if (!out) return std::string("cannot create ") + tmp + ": " + (errno ? std::strerror(errno) : "unknown error");
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  out.close();  // checked: on NFS or under a quota, a write can fail only when the file is closed
+  if (!out) {
     const int err = errno;
     std::remove(tmp.c_str());
-    return std::string("cannot rename ") + tmp + " to " + path + ": " + std::strerror(err);
+    return std::string("cannot write ") + tmp + ": " + (err ? std::strerror(err) : "unknown error");
   }
   return "";
+}
+
+// Renames `tmp` to `path`. Returns "" or why it failed (then `tmp` is removed).
+std::string rename_into_place(const std::string& tmp, const std::string& path) {
+  if (std::rename(tmp.c_str(), path.c_str()) == 0) return "";
+  const int err = errno;
+  std::remove(tmp.c_str());
+  return std::string("cannot rename ") + tmp + " to " + path + ": " + std::strerror(err);
 }
 
 }  // namespace
@@ -82,6 +82,8 @@ std::string oom_dump_trace_path(const std::string& dump_path) {
 void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
   std::string path;
   std::string trace_path;
+  std::string trace_tmp;  // the trace, written, not yet renamed to trace_path
+  bool trace_renamed = false;
   std::string message_before;
   bool saved = false;
   try {
@@ -100,18 +102,15 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
       const std::vector<TraceEvent> events = recorder.events();
       trace_events = events.size();
       trace_path = oom_dump_trace_path(path);
-      const std::string tmp = temporary_name(trace_path);
+      trace_tmp = temporary_name(trace_path);
       try {
-        write_trace_file(tmp, events);
-        if (std::rename(tmp.c_str(), trace_path.c_str()) != 0) {
-          trace_error = std::string("cannot rename ") + tmp + " to " + trace_path + ": " + std::strerror(errno);
-          std::remove(tmp.c_str());
-        }
+        write_trace_file(trace_tmp, events);
       } catch (const std::exception& e) {
         trace_error = e.what();
-        std::remove(tmp.c_str());
+        std::remove(trace_tmp.c_str());
+        trace_tmp.clear();
+        trace_path.clear();
       }
-      if (!trace_error.empty()) trace_path.clear();
     }
 
     // The message says where the dump is before the dump is written, so that the copy inside it
@@ -153,11 +152,26 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     std::string text = w.take();
     text += '\n';
 
-    const std::string failure = write_file_atomically(path, text);
+    // Both files are complete under temporary names before either is renamed, so a failed write
+    // leaves an earlier dump at the same path (a path without %n) whole, with its own trace.
+    const std::string json_tmp = temporary_name(path);
+    std::string failure = write_temporary(json_tmp, text);
+    if (!failure.empty()) throw std::runtime_error(failure);
+    if (!trace_tmp.empty()) {
+      failure = rename_into_place(trace_tmp, trace_path);
+      trace_tmp.clear();
+      if (!failure.empty()) {
+        std::remove(json_tmp.c_str());
+        throw std::runtime_error(failure);
+      }
+      trace_renamed = true;
+    }
+    failure = rename_into_place(json_tmp, path);
     if (!failure.empty()) throw std::runtime_error(failure);
   } catch (...) {
     // Half a dump is no dump: no trace without its JSON, and a message that says so.
-    if (!trace_path.empty()) std::remove(trace_path.c_str());
+    if (!trace_tmp.empty()) std::remove(trace_tmp.c_str());
+    if (trace_renamed) std::remove(trace_path.c_str());  // rare: the JSON's rename failed after the trace's
     report.dump_path.clear();
     try {
       std::string why = "unknown error";

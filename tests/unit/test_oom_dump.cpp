@@ -1,7 +1,10 @@
 // What a user gets at an OOM besides the exception: the oom_dump file (report, snapshot, config,
 // recorded trace; lib/oom_dump.cpp) and the OOM observer (Allocator::set_oom_observer).
 #include <doctest/doctest.h>
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <atomic>
 #include <filesystem>
@@ -220,6 +223,48 @@ TEST_CASE("oom_dump: a dump that cannot be written leaves an OOM that says why, 
     for (void* p : live) a.deallocate(p);
     a.validate();
   }
+}
+
+TEST_CASE("oom_dump: a dump whose JSON cannot be written leaves the earlier dump at that path whole, with its own trace") {
+  // A path without %n: each OOM replaces the last dump. When the new JSON cannot be written (a full
+  // disk or a quota, here a file size limit the trace fits under and the JSON does not), the earlier
+  // dump must keep its trace: explain reads the two together.
+  TempDir dir("keep-earlier");
+  const std::string path = (dir.path / "oom.json").string();
+  const std::string trace_path = expseg::oom_dump_trace_path(path);
+  const std::string conf = "limit:2064MiB,record:true,oom_dump:" + path;
+  {
+    Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, conf));
+    std::vector<void*> live;
+    (void)run_800_500_300(a, live);
+    for (void* p : live) a.deallocate(p);
+  }
+  const std::string earlier_json = read_file(path);
+  const std::string earlier_trace = read_file(trace_path);
+  REQUIRE(parse_json(earlier_json)["trace"].as_string() == trace_path);
+  Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, conf));
+  std::vector<void*> live;
+  live.push_back(a.allocate(3 * MiB));  // a different run: a longer trace, another snapshot
+  const auto limit = static_cast<rlim_t>(earlier_trace.size() + 256);
+  REQUIRE(limit < earlier_json.size());
+  rlimit old{};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+  const rlimit small{limit, old.rlim_max};
+  auto* const old_handler = std::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+  std::string what;
+  try {
+    what = run_800_500_300(a, live).what();
+  } catch (...) {  // restore the limit before anything else fails
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  CHECK(what.find("the dump of this OOM could not be written to " + path) != std::string::npos);
+  CHECK(read_file(path) == earlier_json);
+  CHECK(read_file(trace_path) == earlier_trace);
+  CHECK(dir.files() == std::set<std::string>{"oom.json", "oom.trace.csv"});  // no temporary left
+  for (void* p : live) a.deallocate(p);
+  a.validate();
 }
 
 TEST_CASE("oom_dump: the other-backend check does not write a dump of its own") {
