@@ -77,10 +77,15 @@ void SplitMergeBackend::insert_free(const Pool& pool, core::SizeIndex& index, Bl
   index.insert(*block);
 }
 
+// PyTorch collects garbage only under a memory fraction below 1 (setMemoryFraction leaves
+// allowed_memory_maximum unset at 1.0): a limit of all the device's memory is none.
+bool SplitMergeBackend::gc_enabled() const noexcept {
+  return ctx_.limit != 0 && ctx_.limit < ctx_.device_total && ctx_.config.garbage_collection_threshold > 0.0;
+}
+
 bool SplitMergeBackend::get_free_block(Params& p) {
   Pool& pool = *p.pool;
-  const bool gc_enabled = ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0;
-  if (gc_enabled) ++pool.get_free_blocks_calls;
+  if (gc_enabled()) ++pool.get_free_blocks_calls;
   Block* b = p.index->lower_bound(p.size);
   if (b == nullptr) return false;
   if (!cupy()) {
@@ -276,7 +281,7 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   const bool cached = found;
   if (!found) {
     blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
-    if (ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0 && !cupy()) garbage_collect_cached_blocks();
+    if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
     if (cupy()) {
       // CuPy (_try_malloc): over the limit -> OutOfMemoryError at once, the cache kept; out of device
       // memory -> free all unsplit cached blocks and retry once.

@@ -81,6 +81,7 @@ class SplitMergeBackend final : public Backend {
   Pool& pool_for(std::size_t size) noexcept;
   std::size_t allocation_size(std::size_t size) const noexcept;
   bool should_split(const core::Block& block, std::size_t size) const noexcept;
+  bool gc_enabled() const noexcept;
   bool get_free_block(Params& p);
   bool alloc_block(Params& p, bool is_retry);
   bool release_available_cached_blocks(const Params& p);
