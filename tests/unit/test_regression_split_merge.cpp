@@ -156,4 +156,24 @@ TEST_CASE("split_merge regression: a limit of all the device's memory is no limi
   a.validate();
 }
 
+TEST_CASE("split_merge regression: policy:cupy over the limit frees its unsplit cache and retries, as CuPy does") {
+  // CuPy's SingleDeviceMemoryPool._try_malloc since cupy/cupy#7679 (July 2023, "Fix memory pool to
+  // try resolve fragmentation when limit is set"): over the limit it calls free_all_blocks() (then
+  // gc.collect() and free_all_blocks() again) and retries before raising OutOfMemoryError.
+  Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "policy:cupy,limit:100MiB"));
+  a.deallocate(a.allocate(60 * MiB));  // 60 MiB cached, unsplit
+  void* p = nullptr;
+  CHECK_NOTHROW(p = a.allocate(70 * MiB));  // was: out_of_memory, the cache kept
+  CHECK(a.stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(70 * MiB));
+  CHECK(a.stats().num_device_free == 1);
+  CHECK(a.stats().num_alloc_retries == 1);
+  a.deallocate(p);
+  // Split cached blocks cannot be freed: still over the limit, OutOfMemoryError.
+  void* x = a.allocate(40 * MiB);  // 40 MiB from the cached 70 MiB segment, 30 MiB cached behind it
+  CHECK_THROWS_AS((void)a.allocate(40 * MiB), expseg::out_of_memory);
+  CHECK(a.stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(70 * MiB));
+  a.deallocate(x);
+  a.validate();
+}
+
 }  // TEST_SUITE

@@ -13,8 +13,8 @@
 //   - freed blocks merge with free neighbours, never across two driver allocations.
 // policy:cupy follows CuPy's SingleDeviceMemoryPool: 512 B rounding, one pool, segments of exactly
 // the rounded size, best fit with split and merge, and a limit that counts everything the pool
-// holds (total_bytes); a miss over the limit fails at once (the cache is kept), a miss the device
-// cannot serve frees all unsplit cached segments and retries once.
+// holds (total_bytes); a miss over the limit or beyond the device frees all unsplit cached
+// segments and retries once (CuPy's _try_malloc since cupy/cupy#7679, July 2023).
 #pragma once
 
 #include <boost/intrusive/list.hpp>
