@@ -124,4 +124,56 @@ TEST_CASE("split_merge regression: a bad_alloc while splitting a cached block ch
   a.validate();
 }
 
+TEST_CASE("split_merge regression: a limit of all the device's memory is no limit to garbage collection") {
+  // PyTorch 2.9+ (CUDACachingAllocator.cpp, setMemoryFraction): `allowed_memory_maximum =
+  // std::nullopt; if (fraction < 1.0) allowed_memory_maximum = ...`, and malloc collects only
+  // `if (allowed_memory_maximum.has_value() && garbage_collection_threshold() > 0.0)`: with a
+  // fraction of 1 (PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:1) nothing is collected.
+  for (const std::string conf : {"per_process_memory_fraction:1,garbage_collection_threshold:0.5",
+                           "limit:100%,garbage_collection_threshold:0.5", "limit:1GiB,garbage_collection_threshold:0.5"}) {
+    CAPTURE(conf);
+    Allocator a(sim_config(BackendKind::split_merge, 1 * GiB, conf));
+    void* p = a.allocate(300 * MiB);
+    void* q = a.allocate(300 * MiB);
+    a.deallocate(p);
+    a.deallocate(q);
+    // 600 MiB cached, above half the device: the miss fits the device, so PyTorch just allocates.
+    void* big = a.allocate(400 * MiB);
+    CHECK(a.stats().num_device_free == 0);  // was 2: both cached blocks collected
+    CHECK(a.stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(1000 * MiB));
+    a.deallocate(big);
+    a.validate();
+  }
+  // A fraction below 1 is a limit, and the same run collects both cached blocks.
+  Allocator a(sim_config(BackendKind::split_merge, 1 * GiB, "per_process_memory_fraction:0.99,garbage_collection_threshold:0.5"));
+  void* p = a.allocate(300 * MiB);
+  void* q = a.allocate(300 * MiB);
+  a.deallocate(p);
+  a.deallocate(q);
+  void* big = a.allocate(400 * MiB);
+  CHECK(a.stats().num_device_free == 2);
+  a.deallocate(big);
+  a.validate();
+}
+
+TEST_CASE("split_merge regression: policy:cupy over the limit frees its unsplit cache and retries, as CuPy does") {
+  // CuPy's SingleDeviceMemoryPool._try_malloc since cupy/cupy#7679 (July 2023, "Fix memory pool to
+  // try resolve fragmentation when limit is set"): over the limit it calls free_all_blocks() (then
+  // gc.collect() and free_all_blocks() again) and retries before raising OutOfMemoryError.
+  Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "policy:cupy,limit:100MiB"));
+  a.deallocate(a.allocate(60 * MiB));  // 60 MiB cached, unsplit
+  void* p = nullptr;
+  CHECK_NOTHROW(p = a.allocate(70 * MiB));  // was: out_of_memory, the cache kept
+  CHECK(a.stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(70 * MiB));
+  CHECK(a.stats().num_device_free == 1);
+  CHECK(a.stats().num_alloc_retries == 1);
+  a.deallocate(p);
+  // Split cached blocks cannot be freed: still over the limit, OutOfMemoryError.
+  void* x = a.allocate(40 * MiB);  // 40 MiB from the cached 70 MiB segment, 30 MiB cached behind it
+  CHECK_THROWS_AS((void)a.allocate(40 * MiB), expseg::out_of_memory);
+  CHECK(a.stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(70 * MiB));
+  a.deallocate(x);
+  a.validate();
+}
+
 }  // TEST_SUITE

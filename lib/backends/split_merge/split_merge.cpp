@@ -77,10 +77,15 @@ void SplitMergeBackend::insert_free(const Pool& pool, core::SizeIndex& index, Bl
   index.insert(*block);
 }
 
+// PyTorch collects garbage only under a memory fraction below 1 (setMemoryFraction leaves
+// allowed_memory_maximum unset at 1.0): a limit of all the device's memory is none.
+bool SplitMergeBackend::gc_enabled() const noexcept {
+  return ctx_.limit != 0 && ctx_.limit < ctx_.device_total && ctx_.config.garbage_collection_threshold > 0.0;
+}
+
 bool SplitMergeBackend::get_free_block(Params& p) {
   Pool& pool = *p.pool;
-  const bool gc_enabled = ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0;
-  if (gc_enabled) ++pool.get_free_blocks_calls;
+  if (gc_enabled()) ++pool.get_free_blocks_calls;
   Block* b = p.index->lower_bound(p.size);
   if (b == nullptr) return false;
   if (!cupy()) {
@@ -276,16 +281,12 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   const bool cached = found;
   if (!found) {
     blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
-    if (ctx_.limit != 0 && ctx_.config.garbage_collection_threshold > 0.0 && !cupy()) garbage_collect_cached_blocks();
-    if (cupy()) {
-      // CuPy (_try_malloc): over the limit -> OutOfMemoryError at once, the cache kept; out of device
-      // memory -> free all unsplit cached blocks and retry once.
-      const bool over_limit = ctx_.limit != 0 && (p.alloc_size > ctx_.limit || total_allocated_memory_ > ctx_.limit - p.alloc_size);
-      found = alloc_block(p, false) || (!over_limit && release_cached_blocks() && alloc_block(p, true));
-    } else {
-      found = alloc_block(p, false) || (release_available_cached_blocks(p) && alloc_block(p, false)) ||
-              (release_cached_blocks() && alloc_block(p, true));
-    }
+    if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
+    // CuPy (_try_malloc, since cupy/cupy#7679) has no oversize blocks to release first
+    // (release_available_cached_blocks does nothing for it): over the limit or out of device memory,
+    // it frees all unsplit cached blocks (free_all_blocks) and retries, as PyTorch's last step does.
+    found = alloc_block(p, false) || (release_available_cached_blocks(p) && alloc_block(p, false)) ||
+            (release_cached_blocks() && alloc_block(p, true));
   }
   if (!found) return nullptr;
   // A cached block's split may throw bad_alloc (a new Block chunk) before anything changed: count the

@@ -13,8 +13,8 @@
 //   - freed blocks merge with free neighbours, never across two driver allocations.
 // policy:cupy follows CuPy's SingleDeviceMemoryPool: 512 B rounding, one pool, segments of exactly
 // the rounded size, best fit with split and merge, and a limit that counts everything the pool
-// holds (total_bytes); a miss over the limit fails at once (the cache is kept), a miss the device
-// cannot serve frees all unsplit cached segments and retries once.
+// holds (total_bytes); a miss over the limit or beyond the device frees all unsplit cached
+// segments and retries once (CuPy's _try_malloc since cupy/cupy#7679, July 2023).
 #pragma once
 
 #include <boost/intrusive/list.hpp>
@@ -81,6 +81,7 @@ class SplitMergeBackend final : public Backend {
   Pool& pool_for(std::size_t size) noexcept;
   std::size_t allocation_size(std::size_t size) const noexcept;
   bool should_split(const core::Block& block, std::size_t size) const noexcept;
+  bool gc_enabled() const noexcept;
   bool get_free_block(Params& p);
   bool alloc_block(Params& p, bool is_retry);
   bool release_available_cached_blocks(const Params& p);
