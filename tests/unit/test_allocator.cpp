@@ -251,6 +251,26 @@ TEST_CASE("allocator: limit changes give back cached memory above the new limit"
   }
 }
 
+TEST_CASE("allocator: a lower limit gives back only the cached memory above it, on both backends") {
+  for (BackendKind b : {BackendKind::split_merge}) {
+    INFO(std::string(name(b)));
+    Allocator a(sim_config(b));
+    void* keep = a.allocate(100 * MiB);
+    for (void* p : {a.allocate(400 * MiB), a.allocate(60 * MiB), a.allocate(40 * MiB)}) a.deallocate(p);
+    const auto reserved = [&] { return a.stats().reserved_bytes[kAllPools].current; };
+    REQUIRE(reserved() == static_cast<std::int64_t>(600 * MiB));
+    // 50 MiB over: the 60 MiB cache is enough on its own (expandable: whole handles, at most 64 MiB)
+    a.set_limit(550 * MiB);
+    CHECK(reserved() <= static_cast<std::int64_t>(550 * MiB));
+    CHECK(reserved() >= static_cast<std::int64_t>(536 * MiB));
+    a.set_limit(150 * MiB);  // nothing alone is enough for the rest: the largest first
+    CHECK(reserved() <= static_cast<std::int64_t>(150 * MiB));
+    CHECK(reserved() >= static_cast<std::int64_t>(100 * MiB));
+    a.deallocate(keep);
+    a.validate();
+  }
+}
+
 TEST_CASE("allocator: the recorder's trace replays to the same peaks as the recorded run") {
   for (BackendKind b : kBackends) {
     CAPTURE(name(b));
