@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -96,6 +97,30 @@ TEST_CASE("cli: --help, COMMAND --help, --version") {
   CHECK(r.out.rfind("expseg ", 0) == 0);
   r = run_cli("");
   CHECK(r.status == 2);
+}
+
+TEST_CASE("cli: every option a command's --help names is one the command accepts") {
+  // `OPT=x --zz-unknown`: a known option is parsed (or refused for its value) and then the unknown
+  // one stops the command before anything runs; an option the command does not have is named.
+  for (const char* c : {"info", "config", "replay", "scenario", "study", "explain"}) {
+    const Run h = run_cli(std::string(c) + " --help");
+    REQUIRE(h.status == 0);
+    std::vector<std::string> options;
+    for (std::size_t at = h.out.find("--"); at != std::string::npos; at = h.out.find("--", at + 2)) {
+      std::size_t end = at + 2;
+      while (end < h.out.size() && (std::isalnum(static_cast<unsigned char>(h.out[end])) || h.out[end] == '-')) ++end;
+      const std::string opt = h.out.substr(at, end - at);
+      if (opt.size() > 2 && opt != "--help") options.push_back(opt);
+    }
+    CHECK(!options.empty());
+    for (const std::string& opt : options) {
+      const std::string what = std::string(c) + " " + opt;
+      INFO(what);
+      const Run r = run_cli(std::string(c) + " " + opt + "=x --zz-unknown");
+      CHECK(r.status == 2);
+      CHECK(r.err.find("unknown option '" + opt + "'") == std::string::npos);
+    }
+  }
 }
 
 TEST_CASE("cli: scenario --list lists the six scenarios") {
