@@ -263,6 +263,14 @@ TEST_CASE("cli: usage errors exit 2 and name the bad argument") {
   }
 }
 
+TEST_CASE("cli: a --seed too large for 64 bits is called too large, not a non-integer") {
+  const Run r = run_cli("scenario random-churn --device sim --seed 99999999999999999999");
+  INFO(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find("too large") != std::string::npos);
+  CHECK(r.err.find("expected a non-negative integer") == std::string::npos);
+}
+
 TEST_CASE("cli: bad configuration exits 2 naming the key") {
   Run r = run_cli("scenario split-800-500-300 --device sim --conf bogus_key:1");
   CHECK(r.status == 2);
