@@ -231,9 +231,12 @@ void print_replay_failures(const std::vector<ReplayGroup>& groups) {
       } else {
         std::printf("\n  %s on %s:\n", r.trace.c_str(), r.backend.c_str());
       }
+      // skipped_frees also counts, under --lenient, the frees missing before a pointer was allocated again,
+      // which the replay supplies: the note names both.
       if (r.skipped_frees)
-        std::printf("    (%zu free%s skipped: of allocations that failed here, or of pointers the trace never allocated)\n", r.skipped_frees,
-                    r.skipped_frees == 1 ? " was" : "s were");
+        std::printf("    (%zu free%s skipped or supplied: frees of allocations that failed here, or of pointers the trace never\n"
+                    "    allocated, are skipped; with --lenient, a free missing before a pointer is allocated again is supplied)\n",
+                    r.skipped_frees, r.skipped_frees == 1 ? "" : "s");
     }
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -70,6 +71,9 @@ Args parse_args(int argc, char** argv, int first, const std::vector<OptionSpec>&
 std::uint64_t parse_u64(const std::string& option, const std::string& text) {
   std::uint64_t v = 0;
   auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  // A number of digits only that does not fit is not "not an integer": say what the bound is.
+  if (ec == std::errc::result_out_of_range && p == text.data() + text.size())
+    throw UsageError("bad " + option + " value '" + text + "': the number is too large (at most " + std::to_string(UINT64_MAX) + ")");
   if (ec != std::errc() || p != text.data() + text.size())
     throw UsageError("bad " + option + " value '" + text + "': expected a non-negative integer");
   return v;

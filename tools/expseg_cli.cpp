@@ -32,6 +32,9 @@ constexpr const char* kDeviceHelp =
 constexpr const char* kBackendHelp =
     "  --backend B[,B]   split_merge, expandable, or both (default: both, so every run is an A/B;\n"
     "                    a --conf backend:B or expandable_segments:B alone picks that one)\n";
+// explain takes no --conf: the replay runs the dump's own configuration.
+constexpr const char* kExplainBackendHelp =
+    "  --backend B[,B]   split_merge, expandable, or both (default: both, so every run is an A/B)\n";
 constexpr const char* kConfHelp =
     "  --conf K:V,...    configuration applied over EXPSEG_ALLOC_CONF (see 'expseg config'); repeatable\n";
 
@@ -98,7 +101,7 @@ const CommandHelp* find_help(std::string_view name) {
                    "backends on a simulated device of the dump's device size under its limit, and says which backend fails\n"
                    "where and why.\n\n"
                    "Options:\n") +
-           kBackendHelp +
+           kExplainBackendHelp +
            "  --html FILE       also write the replay's A/B picture (a self-contained HTML page) to FILE\n"
            "  --no-replay       print the dump only\n\n"
            "Example:\n  EXPSEG_ALLOC_CONF=record:true,record_ring:1000000,oom_dump:/tmp/oom-%p.json python3 train.py\n"

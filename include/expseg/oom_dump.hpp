@@ -22,7 +22,7 @@ struct OomDump {
   std::string version;       // expseg's version that wrote it
   std::int64_t pid = 0;
   int device = 0;
-  std::uint64_t oom_number = 0;  // the allocator's num_ooms at this OOM
+  std::uint64_t oom_number = 0;  // this OOM's number in the allocator's life (%n); unlike stats' num_ooms, never reset
   std::string config;        // the allocator's configuration, canonical key:value form
   OomReport report;          // report.snapshot is left empty: the snapshot is below
   Snapshot snapshot;         // the allocator at the OOM

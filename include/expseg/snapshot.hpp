@@ -21,7 +21,7 @@ const char* to_string(BlockState) noexcept;
 struct BlockInfo {
   std::uint64_t address = 0;
   std::size_t size = 0;
-  std::size_t requested = 0;  // requested size of an allocated block, 0 otherwise
+  std::size_t requested = 0;  // requested size of an allocated or pending_free block, 0 otherwise
   BlockState state = BlockState::free_mapped;
   std::uint64_t stream = 0;
   bool operator==(const BlockInfo&) const = default;

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -680,3 +682,37 @@ TEST_CASE("config: oom_dump takes a path pattern, none turns it off, and a bad %
   CHECK(expseg::expand_oom_dump_path("100%%-%n%n", 1, 0, 2) == "100%-22");
   CHECK(expseg::expand_oom_dump_path("plain.json", 1, 0, 2) == "plain.json");
 }
+
+#ifdef EXPSEG_SOURCE_DIR
+TEST_CASE("config: every option `expseg config` lists is in README's configuration table, and every key there is an option") {
+  std::ifstream f(EXPSEG_SOURCE_DIR "/README.md");
+  REQUIRE(f.good());
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string readme = ss.str();
+  const std::size_t begin = readme.find("\n## Configuration\n");
+  REQUIRE(begin != std::string::npos);
+  const std::size_t end = readme.find("\n## ", begin + 1);
+  std::set<std::string> documented;  // the backticked names in the first column of the table
+  std::stringstream section(readme.substr(begin, end - begin));
+  for (std::string line; std::getline(section, line);) {
+    if (line.rfind("| `", 0) != 0) continue;
+    const std::string first = line.substr(1, line.find('|', 1) - 1);
+    for (std::size_t at = first.find('`'); at != std::string::npos; at = first.find('`', first.find('`', at + 1) + 1)) {
+      const std::size_t close = first.find('`', at + 1);
+      REQUIRE(close != std::string::npos);
+      documented.insert(first.substr(at + 1, close - at - 1));
+    }
+  }
+  std::set<std::string> options;
+  for (const Config::Option& o : Config::options()) options.insert(o.name);
+  for (const std::string& name : options) {
+    INFO(name);
+    CHECK(documented.count(name) == 1);
+  }
+  for (const std::string& name : documented) {
+    INFO(name);
+    CHECK(options.count(name) == 1);
+  }
+}
+#endif
