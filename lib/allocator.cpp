@@ -412,9 +412,14 @@ void Allocator::enable_peer_access(int peer) {
     throw error(what + "device " + std::to_string(peer) + " cannot access memory of device " + std::to_string(self) +
                 " (cuDeviceCanAccessPeer: no peer-to-peer path between them, e.g. no NVLink/PCIe P2P, or P2P "
                 "disabled by the platform)");
-  // The driver's access list gains the peer (and, on CUDA, the peer's context enables access to this
-  // device's cuMemAlloc memory); then the backend extends it to what is already mapped. If that fails
-  // halfway, the peer is not recorded as granted and a later call grants everything again.
+  // Memory reached through contexts (split_merge's cuMemAlloc, cuda_ipc imports) needs
+  // cuCtxEnablePeerAccess, which CUDA allows for at most 8 peers of a device: an expandable
+  // allocator asks for it only once it has imported such memory. First, as the step that can be
+  // refused. Then the driver's access list gains the peer: all that expandable memory (and what
+  // import_ipc mapped from posix_fd/fabric handles) needs; and the backend extends the grant to what
+  // is already mapped. If that fails halfway, the peer is not recorded as granted and a later call
+  // grants everything again.
+  if (impl_->config.backend == BackendKind::split_merge || impl_->context_imports) (void)d.enable_context_peer(peer);
   (void)d.add_access_device(peer);
   std::vector<int>& granted = impl_->peers;
   if (std::find(granted.begin(), granted.end(), peer) != granted.end()) return;

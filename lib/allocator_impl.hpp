@@ -114,6 +114,9 @@ struct Allocator::Impl final : backends::FrontendHooks {
   bool limit_changed_while_recording = false;  // the trace's events did not all run under the current limit
   std::shared_ptr<const Allocator::OomObserver> oom_observer;  // null: none
   std::vector<int> peers;  // devices granted access to everything mapped (enable_peer_access completed)
+  // import_ipc opened a cuda_ipc handle: memory reached through contexts, so peers need
+  // cuCtxEnablePeerAccess for it whatever the backend (expandable's own memory does not).
+  bool context_imports = false;
   // Mappings of import_ipc still open: enable_peer_access grants them too.
   std::shared_ptr<detail::ImportRegistry> imports = std::make_shared<detail::ImportRegistry>();
 };

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <new>
 #include <optional>
@@ -29,6 +30,7 @@
 #include "expseg/allocator.hpp"
 #include "expseg/config.hpp"
 #include "expseg/errors.hpp"
+#include "expseg/ipc.hpp"
 #include "expseg/snapshot.hpp"
 #include "expseg/stats.hpp"
 #include "expseg/trace.hpp"
@@ -64,6 +66,17 @@ OomCallback& oom_callback() {
   return *c;
 }
 
+// What expseg_ipc_import mapped, by (device, pointer), until expseg_ipc_close. A multimap: CUDA may
+// hand out the same address for a handle opened twice.
+struct Imports {
+  std::mutex mu;
+  std::multimap<std::pair<int, std::uintptr_t>, ImportedMemory> open;
+};
+Imports& imports() {
+  static Imports* i = new Imports();  // never destroyed (see the file comment)
+  return *i;
+}
+
 // Calls the OOM callback, if one is set, with the report as JSON. Never throws: the caller is on
 // its way to report the OOM itself.
 void notify_oom(int device, const OomReport& report) noexcept {
@@ -89,7 +102,7 @@ void notify_oom(int device, const OomReport& report) noexcept {
 }
 
 // One buffer per string-returning function (see "Strings" in expseg.h).
-enum Buffer : int { kConfigBuf, kStatsBuf, kSnapshotBuf, kOomTextBuf, kOomJsonBuf, kLastErrorBuf, kBufferCount };
+enum Buffer : int { kConfigBuf, kStatsBuf, kSnapshotBuf, kOomTextBuf, kOomJsonBuf, kLastErrorBuf, kIpcHandleBuf, kBufferCount };
 
 // Trivially destructible: still readable after the thread's thread_local objects are destroyed.
 thread_local bool t_state_destroyed = false;
@@ -98,6 +111,7 @@ struct ThreadState {
   int code = EXPSEG_SUCCESS;
   std::string message;
   std::array<std::string, kBufferCount> buffers;
+  std::vector<int> ipc_fds;  // expseg_ipc_export's descriptors
   ThreadState* next_late = nullptr;  // the list of states made for late calls
   ThreadState() = default;
   ThreadState(const ThreadState&) = delete;
@@ -152,6 +166,9 @@ int fail_current(const char* fn) noexcept {
   } catch (const invalid_pointer& e) {
     set_error(EXPSEG_ERROR_INVALID_POINTER, fn, e.what());
     return EXPSEG_ERROR_INVALID_POINTER;
+  } catch (const ipc_error& e) {
+    set_error(EXPSEG_ERROR_IPC, fn, e.what());
+    return EXPSEG_ERROR_IPC;
   } catch (const driver_error& e) {
     const int code = e.is_out_of_memory() ? EXPSEG_ERROR_OUT_OF_MEMORY : EXPSEG_ERROR_DRIVER;
     set_error(code, fn, e.what());
@@ -274,6 +291,15 @@ void deallocate(void* ptr, int device, const char* fn) noexcept {
 void reset_for_tests() noexcept {
   Shared& s = shared();
   std::lock_guard<std::mutex> lock(s.mu);
+  {
+    // Imports first: they were mapped through the allocators. Closed outside the registry's lock.
+    decltype(Imports::open) open;
+    {
+      std::lock_guard<std::mutex> ilock(imports().mu);
+      open.swap(imports().open);
+    }
+    open.clear();  // ~ImportedMemory ignores errors
+  }
   for (auto& slot : g_alloc) delete slot.exchange(nullptr, std::memory_order_acq_rel);
   s.conf.clear();
   s.record_default.reset();
@@ -281,6 +307,10 @@ void reset_for_tests() noexcept {
   ThreadState& t = tls();
   t.code = EXPSEG_SUCCESS;
   t.message.clear();
+}
+
+Allocator* allocator_for_tests(int device) noexcept {
+  return device >= 0 && device < kMaxDevices ? existing(device) : nullptr;
 }
 
 void set_oom_stderr(bool on) noexcept { g_oom_stderr.store(on, std::memory_order_relaxed); }
@@ -604,6 +634,158 @@ int expseg_record_write(int device, const char* path) noexcept {
       set_error(EXPSEG_ERROR_IO, fn, e.what());
       return EXPSEG_ERROR_IO;
     }
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_enable_peer_access(int device, int peer) noexcept {
+  constexpr const char* fn = "expseg_enable_peer_access";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  if (peer < 0 || peer >= kMaxDevices) {  // checked before the allocator is created
+    set_error(EXPSEG_ERROR_INVALID_DEVICE, fn,
+              "peer device " + std::to_string(peer) + " is out of range (0 .. " + std::to_string(kMaxDevices - 1) + ")");
+    return EXPSEG_ERROR_INVALID_DEVICE;
+  }
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->enable_peer_access(peer);
+    return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // the allocator's own checks: `peer` is not a device, or cannot reach this one
+    set_error(EXPSEG_ERROR_INVALID_DEVICE, fn, e.what());
+    return EXPSEG_ERROR_INVALID_DEVICE;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_ipc_export(void* ptr, int device, const void** handle, size_t* handle_size, const int** fds,
+                      size_t* nfds) noexcept {
+  constexpr const char* fn = "expseg_ipc_export";
+  if (handle == nullptr || handle_size == nullptr || fds == nullptr || nfds == nullptr) {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "handle, handle_size, fds and nfds must not be NULL");
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  }
+  *handle = nullptr;
+  *handle_size = 0;
+  *fds = nullptr;
+  *nfds = 0;
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = existing(device);
+  if (a == nullptr) {
+    char text[200];
+    std::snprintf(text, sizeof text,
+                  "export of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one from "
+                  "another device's allocator", ptr, device);
+    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
+    return EXPSEG_ERROR_INVALID_POINTER;
+  }
+  try {
+    IpcMemHandle h = a->export_ipc(ptr);
+    const std::vector<std::uint8_t> bytes = h.serialize();
+    std::vector<int> out = h.fds();  // until they are handed over, `h` owns (and on a throw closes) them
+    ThreadState& t = tls();
+    std::string& buf = t.buffers[kIpcHandleBuf];
+    buf.assign(bytes.begin(), bytes.end());
+    t.ipc_fds = std::move(out);
+    for (IpcPiece& piece : h.pieces) (void)piece.fd.release();  // the caller's now
+    *handle = buf.data();
+    *handle_size = buf.size();
+    *fds = t.ipc_fds.empty() ? nullptr : t.ipc_fds.data();
+    *nfds = t.ipc_fds.size();
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, size_t nfds, int device, void** ptr,
+                      size_t* size) noexcept {
+  constexpr const char* fn = "expseg_ipc_import";
+  auto invalid = [](const std::string& what) {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, "expseg_ipc_import", what);
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  };
+  try {
+    if (ptr == nullptr) return invalid("ptr must not be NULL");
+    *ptr = nullptr;
+    if (size != nullptr) *size = 0;
+    if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+    if (handle == nullptr || handle_size == 0) return invalid("no handle given (NULL, or 0 bytes)");
+    if (nfds > 0 && fds == nullptr) return invalid(std::to_string(nfds) + " descriptors announced, but fds is NULL");
+    IpcMemHandle h = IpcMemHandle::deserialize({static_cast<const std::uint8_t*>(handle), handle_size});
+    if (nfds > 0) {
+      if (!h.needs_fds())
+        return invalid(std::string("the handle (") + to_string(h.kind) + ") takes no file descriptors, but " +
+                       std::to_string(nfds) + " were given");
+      if (nfds != h.pieces.size()) {
+        set_error(EXPSEG_ERROR_IPC, fn,
+                  "the handle has " + std::to_string(h.pieces.size()) + " file descriptors, " + std::to_string(nfds) +
+                      " were given (all of them travel, in the order expseg_ipc_export gave them)");
+        return EXPSEG_ERROR_IPC;
+      }
+      for (std::size_t i = 0; i < nfds; ++i)
+        if (fds[i] < 0) return invalid("file descriptor " + std::to_string(i) + " is negative");
+    }
+    // The caller's descriptors are lent to the handle for the import, never closed by it.
+    struct Lent {
+      IpcMemHandle& h;
+      bool on = false;
+      ~Lent() {
+        if (on)
+          for (IpcPiece& piece : h.pieces) (void)piece.fd.release();
+      }
+    } lent{h};
+    if (nfds > 0) {
+      lent.on = true;
+      for (std::size_t i = 0; i < nfds; ++i) h.pieces[i].fd.reset(fds[i]);
+    } else if (h.needs_fds()) {
+      h.fetch_fds_from_exporter();  // pidfd_getfd: these are `h`'s own, closed with it
+    }
+    Allocator* a = get_or_create(device, fn);
+    if (a == nullptr) return tls().code;
+    ImportedMemory m = a->import_ipc(h);
+    void* const p = m.get();
+    const std::size_t n = m.size();
+    {
+      Imports& im = imports();
+      std::lock_guard<std::mutex> lock(im.mu);
+      im.open.emplace(std::make_pair(device, reinterpret_cast<std::uintptr_t>(p)), std::move(m));
+    }
+    *ptr = p;
+    if (size != nullptr) *size = n;
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_ipc_close(void* ptr, int device) noexcept {
+  constexpr const char* fn = "expseg_ipc_close";
+  if (ptr == nullptr) return EXPSEG_SUCCESS;
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  try {
+    ImportedMemory m;
+    {
+      Imports& im = imports();
+      std::lock_guard<std::mutex> lock(im.mu);
+      auto it = im.open.find(std::make_pair(device, reinterpret_cast<std::uintptr_t>(ptr)));
+      if (it == im.open.end()) {
+        char text[200];
+        std::snprintf(text, sizeof text,
+                      "pointer %p is not memory expseg_ipc_import mapped on device %d (not imported there, or "
+                      "already closed)", ptr, device);
+        set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
+        return EXPSEG_ERROR_INVALID_POINTER;
+      }
+      m = std::move(it->second);
+      im.open.erase(it);
+    }
+    m.close();  // outside the lock: driver calls
     return EXPSEG_SUCCESS;
   } catch (...) {
     return fail_current(fn);

@@ -557,6 +557,13 @@ IpcMemHandle Allocator::export_ipc(void* ptr) {
 ImportedMemory Allocator::import_ipc(const IpcMemHandle& handle) {
   // Under the lock: set_access reads the driver's access list, which enable_peer_access changes.
   std::lock_guard<core::Mutex> lock(impl_->mu);
+  if (handle.kind == IpcKind::cuda_ipc) {
+    // cuIpcOpenMemHandle'd memory is reached through contexts: the peers granted so far (by an
+    // expandable allocator, through cuMemSetAccess alone) need context peer access for it, and so
+    // do peers granted later. First, so that a refusal leaves nothing open.
+    for (int peer : impl_->peers) (void)impl_->driver->enable_context_peer(peer);
+    impl_->context_imports = true;
+  }
   return detail::IpcAccess::import_with(impl_->driver, handle, impl_->imports);
 }
 

@@ -20,14 +20,15 @@ __all__ = [
     "ExpsegError", "library_path", "load", "version", "configure", "config", "install_torch", "install_cupy",
     "stats", "snapshot", "oom_report", "oom_report_json", "on_oom", "release_cached", "set_limit", "get_limit",
     "reset_peak_stats", "reset_accumulated_stats", "record_start", "record_stop", "record_write", "torch_memory_stats",
-    "torch_snapshot", "initialized_devices",
+    "torch_snapshot", "initialized_devices", "enable_peer_access", "ipc_export", "ipc_import", "ipc_close",
 ]
 
 # expseg_status (include/expseg/expseg.h)
-SUCCESS, INVALID_ARGUMENT, INVALID_DEVICE, CONFIG, ALREADY_INITIALIZED, OUT_OF_MEMORY, INVALID_POINTER, DRIVER, IO, INTERNAL = range(10)
+SUCCESS, INVALID_ARGUMENT, INVALID_DEVICE, CONFIG, ALREADY_INITIALIZED, OUT_OF_MEMORY, INVALID_POINTER, DRIVER, IO, INTERNAL, \
+    IPC = range(11)
 MAX_DEVICES = 64  # EXPSEG_MAX_DEVICES
 _CODE_NAMES = ["SUCCESS", "INVALID_ARGUMENT", "INVALID_DEVICE", "CONFIG", "ALREADY_INITIALIZED", "OUT_OF_MEMORY",
-               "INVALID_POINTER", "DRIVER", "IO", "INTERNAL"]
+               "INVALID_POINTER", "DRIVER", "IO", "INTERNAL", "IPC"]
 
 _lib = None
 _lib_path = None
@@ -108,6 +109,12 @@ def _declare(lib):
         "expseg_clear_error": (None, []),
         "expseg_version": (c_char_p, []),
         "expseg_set_oom_callback": (c_int, [_OOM_CALLBACK, c_void_p]),
+        "expseg_enable_peer_access": (c_int, [c_int, c_int]),
+        "expseg_ipc_export": (c_int, [c_void_p, c_int, ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t),
+                                      ctypes.POINTER(ctypes.POINTER(c_int)), ctypes.POINTER(c_size_t)]),
+        "expseg_ipc_import": (c_int, [c_char_p, c_size_t, ctypes.POINTER(c_int), c_size_t, c_int,
+                                      ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]),
+        "expseg_ipc_close": (c_int, [c_void_p, c_int]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)  # AttributeError here: an old or foreign libexpseg.so
@@ -292,6 +299,53 @@ def record_stop(device=0):
 def record_write(path, device=0):
     """Writes the recorded events as an RMM CSV trace (gzip when path ends in .gz)."""
     _check(load().expseg_record_write(_device(device), os.fspath(path).encode()), "expseg_record_write")
+
+
+def enable_peer_access(peer, device=0):
+    """Lets device `peer` read and write everything `device`'s allocator maps, now and later (a peer enabled
+    before, or peer == device, does nothing)."""
+    _check(load().expseg_enable_peer_access(_device(device), _device(peer)), "expseg_enable_peer_access")
+
+
+def _pointer(ptr, what):
+    """A device address as an int (tensor.data_ptr()): ctypes would wrap a negative or too large int around."""
+    if isinstance(ptr, bool) or not isinstance(ptr, int) or not 0 <= ptr < 1 << 64:
+        raise ExpsegError("%s must be a device address (an int from 0 to 2**64-1), not %r" % (what, ptr),
+                          INVALID_ARGUMENT)
+    return ptr
+
+
+def ipc_export(ptr, device=0):
+    """The live allocation that starts at `ptr` (e.g. tensor.data_ptr()) as (handle: bytes, fds: list of int),
+    for ipc_import in another process. The bytes travel any way. The descriptors (ipc_handle:posix_fd; none for
+    split_merge or fabric) are the caller's: send them (socket.send_fds), or keep them open until the importer has
+    taken them (ipc_import without fds), then os.close them. Keep the allocation alive while it is imported."""
+    lib = load()
+    handle, size = ctypes.c_void_p(), ctypes.c_size_t(0)
+    fds, nfds = ctypes.POINTER(ctypes.c_int)(), ctypes.c_size_t(0)
+    _check(lib.expseg_ipc_export(_pointer(ptr, "ptr"), _device(device), ctypes.byref(handle), ctypes.byref(size),
+                                 ctypes.byref(fds), ctypes.byref(nfds)), "expseg_ipc_export")
+    return ctypes.string_at(handle, size.value), [fds[i] for i in range(nfds.value)]
+
+
+def ipc_import(handle, fds=(), device=0):
+    """Maps what ipc_export gave in another process on `device`; returns (ptr, size). `fds` (received with the
+    handle, in order) stay the caller's; without them a posix_fd handle's descriptors are taken from the exporting
+    process (pidfd_getfd, Linux >= 5.6). Close with ipc_close(ptr, device)."""
+    if not isinstance(handle, (bytes, bytearray)):
+        raise ExpsegError("handle must be the bytes ipc_export returned, not %r" % type(handle).__name__,
+                          INVALID_ARGUMENT)
+    fds = list(fds)
+    array = (ctypes.c_int * len(fds))(*fds) if fds else None
+    ptr, size = ctypes.c_void_p(), ctypes.c_size_t(0)
+    _check(load().expseg_ipc_import(bytes(handle), len(handle), array, len(fds), _device(device), ctypes.byref(ptr),
+                                    ctypes.byref(size)), "expseg_ipc_import")
+    return ptr.value, size.value
+
+
+def ipc_close(ptr, device=0):
+    """Unmaps memory ipc_import mapped on `device`."""
+    _check(load().expseg_ipc_close(_pointer(ptr, "ptr"), _device(device)), "expseg_ipc_close")
 
 
 def initialized_devices():

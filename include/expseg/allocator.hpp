@@ -106,9 +106,11 @@ class Allocator {
   std::vector<TraceEvent> recorded() const;
 
   // Grants device `peer` access to everything this allocator maps, now and later: expandable memory
-  // through cuMemSetAccess (once per mapped range now, and on every later growth), cuMemAlloc memory
-  // (split_merge) through cuCtxEnablePeerAccess from the peer's primary context. Enabling a peer
-  // twice, or the allocator's own device, does nothing. Throws expseg::error when `peer` is not a
+  // through cuMemSetAccess alone (once per mapped range now, and on every later growth; any number
+  // of peers), cuMemAlloc memory (split_merge, and cuda_ipc imports of either backend) through
+  // cuCtxEnablePeerAccess from the peer's primary context, which CUDA allows for at most 8 peers of
+  // a device (driver_error CUDA_ERROR_TOO_MANY_PEERS past them). Enabling a peer twice, or the
+  // allocator's own device, does nothing. Throws expseg::error when `peer` is not a
   // device or cannot reach this one (no P2P path), driver_error when the driver refuses.
   void enable_peer_access(int peer);
 

@@ -10,8 +10,9 @@
  *   Python   tools/expseg.py does both (install_torch / install_cupy) and wraps the rest.
  *
  * State. One allocator per device index (0 .. EXPSEG_MAX_DEVICES-1), created on first use (the
- * first malloc, set_limit or record_start for that device) from the configuration: the defaults,
- * then EXPSEG_ALLOC_CONF, then the string given to expseg_configure(). Creation is thread-safe;
+ * first malloc, set_limit, record_start, enable_peer_access or ipc_import for that device) from
+ * the configuration: the defaults, then EXPSEG_ALLOC_CONF, then the string given to
+ * expseg_configure(). Creation is thread-safe;
  * after it, malloc/free take no lock of the C API, only the allocator's own. Allocators live until
  * the process exits (they are never destroyed, so frees that arrive during interpreter or library
  * teardown stay valid); the operating system reclaims device memory at exit. Queries (stats,
@@ -68,10 +69,13 @@ enum expseg_status {
   EXPSEG_ERROR_CONFIG = 3,              /* a bad configuration string: the message names the key */
   EXPSEG_ERROR_ALREADY_INITIALIZED = 4, /* expseg_configure after an allocator was created */
   EXPSEG_ERROR_OUT_OF_MEMORY = 5,       /* see expseg_last_oom_report() */
-  EXPSEG_ERROR_INVALID_POINTER = 6,     /* free/record_stream of a pointer that is not a live allocation */
+  EXPSEG_ERROR_INVALID_POINTER = 6,     /* free/record_stream/ipc_export of a pointer that is not a live
+                                           allocation, ipc_close of one that is not an open import */
   EXPSEG_ERROR_DRIVER = 7,              /* a CUDA driver call failed (or no usable driver/device) */
   EXPSEG_ERROR_IO = 8,                  /* a trace file could not be written */
-  EXPSEG_ERROR_INTERNAL = 9             /* anything else; the message says what */
+  EXPSEG_ERROR_INTERNAL = 9,            /* anything else; the message says what */
+  EXPSEG_ERROR_IPC = 10                 /* IPC: a malformed or mismatched handle, an allocator that cannot
+                                           export as configured, descriptors refused (the message says which) */
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -173,6 +177,52 @@ EXPSEG_API int expseg_record_stop(int device) EXPSEG_NOEXCEPT;
  * so that devices first used later record too. */
 EXPSEG_API int expseg_set_record_default(int on, size_t ring) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_record_write(int device, const char* path) EXPSEG_NOEXCEPT;
+
+/* ---------------------------------------------------------------------------------------------
+ * Several GPUs and several processes (C++: Allocator::enable_peer_access, expseg/ipc.hpp).
+ *
+ * expseg_enable_peer_access: lets device `peer` read and write everything `device`'s allocator
+ * maps, now and later; creates the allocator when needed. Expandable memory is granted with
+ * cuMemSetAccess (to any number of peers); split_merge memory, reached through contexts, needs
+ * cuCtxEnablePeerAccess, which CUDA allows for at most 8 peers of a device (then
+ * EXPSEG_ERROR_DRIVER, CUDA_ERROR_TOO_MANY_PEERS). `peer` == `device`, or a peer enabled before,
+ * does nothing. EXPSEG_ERROR_INVALID_DEVICE: `device` or `peer` out of range, `peer` not a visible
+ * device, or no peer-to-peer path from `peer` to `device` (cuDeviceCanAccessPeer). */
+EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
+
+/* IPC: hand a live allocation to another process (PyTorch's own cudaIpcGetMemHandle sharing does
+ * not work through a pluggable allocator; these do, for both backends).
+ *
+ * expseg_ipc_export: the live allocation that starts at `ptr` on `device` as a handle: `*handle`
+ *   points to `*handle_size` bytes that may travel any way (a pipe, a queue, a file). With
+ *   ipc_handle:posix_fd (expandable) the handle also needs file descriptors: `*fds` points to
+ *   `*nfds` descriptors (0 and NULL for split_merge and for ipc_handle:fabric). Both buffers belong
+ *   to the calling thread and stay valid until its next expseg_ipc_export. The descriptors are the
+ *   caller's: send them with the bytes (SCM_RIGHTS over a Unix socket, e.g. Python's
+ *   socket.send_fds), or keep them open until the importer has taken them with pidfd_getfd; then
+ *   close them (an open descriptor keeps the physical memory alive). The allocation must stay
+ *   allocated until every importer has closed it. An expandable allocator exports only when
+ *   configured with ipc_handle:posix_fd or ipc_handle:fabric (else EXPSEG_ERROR_IPC, saying so).
+ *   EXPSEG_ERROR_INVALID_POINTER: `ptr` is not the start of a live allocation of `device`;
+ *   EXPSEG_ERROR_INVALID_ARGUMENT: a NULL output pointer.
+ * expseg_ipc_import: maps an exported allocation into this process on `device`, through that
+ *   device's allocator (created when needed; its peers reach the memory too), and sets `*ptr` (and
+ *   `*size` when not NULL) to the allocation's start and size here (NULL and 0 on error). `fds`
+ *   are the `nfds` descriptors received with the handle, in order; they stay the caller's (close
+ *   them after the call). With nfds 0 a posix_fd handle's descriptors are taken from the exporting
+ *   process with pidfd_getfd (Linux >= 5.6, needs ptrace access to it). A split_merge handle
+ *   cannot be imported by the process that exported it (CUDA refuses). EXPSEG_ERROR_IPC: malformed
+ *   bytes, the wrong number of descriptors, a handle of another device kind, pidfd_getfd refused
+ *   (the message names the way out); EXPSEG_ERROR_INVALID_ARGUMENT: NULL `ptr`, no handle bytes,
+ *   NULL `fds` with nfds > 0, a negative descriptor, descriptors for a handle that takes none.
+ * expseg_ipc_close: unmaps memory that expseg_ipc_import mapped on `device` (`ptr` as it was
+ *   returned). NULL does nothing. EXPSEG_ERROR_INVALID_POINTER: `ptr` is not an open import of `device`.
+ * All three are thread-safe. */
+EXPSEG_API int expseg_ipc_export(void* ptr, int device, const void** handle, size_t* handle_size, const int** fds,
+                                 size_t* nfds) EXPSEG_NOEXCEPT;
+EXPSEG_API int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, size_t nfds, int device,
+                                 void** ptr, size_t* size) EXPSEG_NOEXCEPT;
+EXPSEG_API int expseg_ipc_close(void* ptr, int device) EXPSEG_NOEXCEPT;
 
 /* ---------------------------------------------------------------------------------------------
  * Errors and version. */

@@ -378,16 +378,9 @@ class CudaDriver final : public Driver {
     check(api_, api_.cuDeviceCanAccessPeer(&can, peer_dev, dev_), "cuDeviceCanAccessPeer");
     return can != 0;
   }
-  // Grants `peer` access to this device's memory, both kinds of it:
-  //   - VMM memory (expandable): the access descriptor list that set_access() passes to cuMemSetAccess
-  //     gains `peer` (the backend re-grants what is already mapped);
-  //   - cuMemAlloc memory (split_merge, cuIpcOpenMemHandle'd memory): reached through contexts, so
-  //     the peer's primary context enables peer access to this device's primary context
-  //     (cuCtxEnablePeerAccess, made from the peer's context). The peer's primary context is retained
-  //     for this driver's lifetime: releasing it could destroy it, and the peer access with it.
-  bool add_access_device(int peer) override {
-    for (int d : devices_)
-      if (d == peer) return false;
+  // `peer` as a CUdevice, once it is known to be a device that can reach this one's memory
+  // (cuDeviceCanAccessPeer); both kinds of grant need that. Throws driver_error otherwise.
+  CUdevice checked_peer(int peer) {
     const int count = device_count();
     if (peer < 0 || peer >= count)
       throw driver_error("cuDeviceGet", CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE",
@@ -402,29 +395,57 @@ class CudaDriver final : public Driver {
                              "platform, e.g. IOMMU/ACS settings or a virtualised GPU)");
     CUdevice peer_dev = 0;
     check(api_, api_.cuDeviceGet(&peer_dev, peer), "cuDeviceGet");
+    return peer_dev;
+  }
+  // Grants `peer` access to this device's virtual memory management memory (expandable, and what
+  // import_ipc maps from posix_fd/fabric handles): the access descriptor list that set_access()
+  // passes to cuMemSetAccess gains `peer` (the backend re-grants what is already mapped).
+  // cuMemSetAccess needs no context-level peer access, so neither the peer's context nor CUDA's
+  // limit of 8 cuCtxEnablePeerAccess peers is involved.
+  bool add_access_device(int peer) override {
+    for (int d : devices_)
+      if (d == peer) return false;
+    (void)checked_peer(peer);
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = peer;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    access_.reserve(access_.size() + 1);  // reserve first: the pushes below then cannot throw halfway
+    devices_.reserve(devices_.size() + 1);
+    devices_.push_back(peer);
+    access_.push_back(desc);
+    return true;
+  }
+  // cuMemAlloc memory (split_merge, cuIpcOpenMemHandle'd memory) is reached through contexts: the
+  // peer's primary context enables peer access to this device's primary context. The peer's primary
+  // context is retained for this driver's lifetime: releasing it could destroy it, and the peer
+  // access with it.
+  bool enable_context_peer(int peer) override {
+    if (peer == ordinal_) return false;
+    for (int d : ctx_peers_)
+      if (d == peer) return false;
+    const CUdevice peer_dev = checked_peer(peer);
     CUcontext peer_ctx = nullptr;
     check(api_, api_.cuDevicePrimaryCtxRetain(&peer_ctx, peer_dev), "cuDevicePrimaryCtxRetain");
     try {
-      CUmemAccessDesc desc{};
-      desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-      desc.location.id = peer;
-      desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      // Reserve first: the pushes below then cannot throw halfway.
-      access_.reserve(access_.size() + 1);
-      devices_.reserve(devices_.size() + 1);
+      ctx_peers_.reserve(ctx_peers_.size() + 1);  // reserve first: the pushes below then cannot throw halfway
       peer_devs_.reserve(peer_devs_.size() + 1);
-
       check(api_, api_.cuCtxPushCurrent(peer_ctx), "cuCtxPushCurrent");
       const CUresult r = api_.cuCtxEnablePeerAccess(ctx_, 0);
       CUcontext popped = nullptr;
       (void)api_.cuCtxPopCurrent(&popped);  // cannot fail: pushed above on this thread
+      const std::string what = " (enabling access from device " + std::to_string(peer) + "'s primary context to device " +
+                               std::to_string(ordinal_) + "'s, for its cuMemAlloc memory";
+      if (r == CUDA_ERROR_TOO_MANY_PEERS)
+        throw driver_error("cuCtxEnablePeerAccess", static_cast<int>(r), error_name(api_, r),
+                           error_string(api_, r) + what +
+                               ": CUDA allows a device at most 8 peers this way. Memory of the expandable backend "
+                               "needs no context peer access: backend:expandable shares memory with any number of peers)");
+      // Already enabled (by the application, PyTorch, or another driver of this device): it is enabled, as asked.
       if (r != CUDA_SUCCESS && r != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
         throw driver_error("cuCtxEnablePeerAccess", static_cast<int>(r), error_name(api_, r),
-                           error_string(api_, r) + " (enabling access from device " + std::to_string(peer) +
-                               "'s primary context to device " + std::to_string(ordinal_) +
-                               "'s, for its cuMemAlloc memory)");
-      devices_.push_back(peer);
-      access_.push_back(desc);
+                           error_string(api_, r) + what + ")");
+      ctx_peers_.push_back(peer);
       peer_devs_.push_back(peer_dev);
     } catch (...) {
       (void)api_.cuDevicePrimaryCtxRelease(peer_dev);
@@ -432,6 +453,7 @@ class CudaDriver final : public Driver {
     }
     return true;
   }
+  std::vector<int> context_peers() const override { return ctx_peers_; }
   std::vector<int> access_devices() const override { return devices_; }
 
   ShareableHandle shareable_handle_type() const noexcept override { return shareable_; }
@@ -595,6 +617,7 @@ class CudaDriver final : public Driver {
   std::string fallback_reason_;
   std::vector<int> devices_;             // this device first; devices_[i] is access_[i]'s location
   std::vector<CUmemAccessDesc> access_;  // READWRITE for each of devices_
+  std::vector<int> ctx_peers_;           // enable_context_peer's peers; ctx_peers_[i] is peer_devs_[i]
   std::vector<CUdevice> peer_devs_;      // peers whose primary context this driver retains
 };
 

@@ -146,9 +146,18 @@ class Driver {
   // --- peers ---
   virtual int device_count() = 0;
   virtual bool can_access_peer(int peer) = 0;
-  // From now on set_access() also grants `peer`; returns false if it was already granted.
+  // From now on set_access() also grants `peer`; returns false if it was already granted. This is
+  // all that virtual memory management (expandable) needs: no context-level peer access, so none
+  // of its limit of 8 peers. Throws driver_error when `peer` is not a device or cannot reach this one.
   virtual bool add_access_device(int peer) = 0;
   virtual std::vector<int> access_devices() const = 0;  // this device first
+  // Lets `peer` reach this device's memory that is reached through contexts (mem_alloc, ipc_open):
+  // cuCtxEnablePeerAccess from the peer's primary context to this device's. Returns false if it
+  // was already enabled by this driver, or `peer` is this device; access already enabled by someone
+  // else in the process (CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) is taken as enabled now. CUDA
+  // allows a device at most 8 such peers: past them, driver_error CUDA_ERROR_TOO_MANY_PEERS.
+  virtual bool enable_context_peer(int peer) = 0;
+  virtual std::vector<int> context_peers() const = 0;  // enabled by enable_context_peer, in order
 
   // --- sharing with other processes ---
   virtual ShareableHandle shareable_handle_type() const noexcept = 0;  // what create() makes

@@ -29,6 +29,7 @@ namespace {
 constexpr int kInvalidValue = 1;
 constexpr int kOutOfMemory = 2;
 constexpr int kInvalidDevice = 101;
+constexpr int kTooManyPeers = 711;  // CUDA_ERROR_TOO_MANY_PEERS
 constexpr int kUnknown = 999;
 constexpr dev_ptr kFirstFakeAddress = 0x100000000000;
 // Bookkeeping mode: device d hands out addresses from its own span [kFirstFakeAddress + d * kDeviceSpan,
@@ -164,7 +165,8 @@ struct SimDriver::Impl {
   std::unordered_set<std::uintptr_t> busy_streams;
   std::unordered_map<std::uintptr_t, Event> events;
   std::uint64_t record_seq = 0;
-  std::vector<int> peers;
+  std::vector<int> peers;          // add_access_device: what set_access grants
+  std::vector<int> context_peers;  // enable_context_peer (cuCtxEnablePeerAccess)
 
   std::size_t gran() const noexcept { return opt.granularity; }
 
@@ -725,6 +727,31 @@ bool SimDriver::add_access_device(int peer) {
   if (peer == options_.device || std::find(s.peers.begin(), s.peers.end(), peer) != s.peers.end()) return false;
   s.peers.push_back(peer);
   return true;
+}
+
+bool SimDriver::enable_context_peer(int peer) {
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  if (peer < 0 || peer >= options_.device_count)
+    throw driver_error("cuDeviceGet", kInvalidDevice, "CUDA_ERROR_INVALID_DEVICE",
+                       "no simulated device " + std::to_string(peer) + " (device_count " +
+                           std::to_string(options_.device_count) + ")");
+  if (peer == options_.device || std::find(s.context_peers.begin(), s.context_peers.end(), peer) != s.context_peers.end())
+    return false;
+  // As cuCtxEnablePeerAccess: a device has at most kSimMaxContextPeers peers this way.
+  if (s.context_peers.size() >= static_cast<std::size_t>(kSimMaxContextPeers))
+    throw driver_error("cuCtxEnablePeerAccess", kTooManyPeers, "CUDA_ERROR_TOO_MANY_PEERS",
+                       "simulated device " + std::to_string(options_.device) + " already has peer access enabled to " +
+                           std::to_string(kSimMaxContextPeers) + " devices, the most CUDA allows (device " +
+                           std::to_string(peer) + " asked, for cuMemAlloc memory). Memory of the expandable backend "
+                           "needs no context peer access: backend:expandable shares memory with any number of peers");
+  s.context_peers.push_back(peer);
+  return true;
+}
+
+std::vector<int> SimDriver::context_peers() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->context_peers;
 }
 
 std::vector<int> SimDriver::access_devices() const {

@@ -40,6 +40,8 @@ inline constexpr std::size_t kSimAddressSpan = std::size_t{1} << 56;
 inline constexpr std::size_t kSimMaxGranularity = std::size_t{1} << 40;
 // Devices 0 .. kSimMaxDevices-1 (each has its own span).
 inline constexpr int kSimMaxDevices = 255;
+// Peers enable_context_peer accepts per device, as CUDA's cuCtxEnablePeerAccess (then CUDA_ERROR_TOO_MANY_PEERS).
+inline constexpr int kSimMaxContextPeers = 8;
 
 struct SimOptions {
   std::size_t capacity = std::size_t{80} << 30;   // bytes of simulated device memory
@@ -92,6 +94,8 @@ class SimDriver final : public Driver {
   bool can_access_peer(int peer) override;
   bool add_access_device(int peer) override;
   std::vector<int> access_devices() const override;
+  bool enable_context_peer(int peer) override;
+  std::vector<int> context_peers() const override;
   ShareableHandle shareable_handle_type() const noexcept override { return options_.shareable; }
   ExportedHandle export_handle(phys_handle handle) override;
   phys_handle import_handle(const ExportedHandle& exported) override;

@@ -63,6 +63,8 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
   REQUIRE_FALSE(access.empty());
   CHECK(access.front() == d.device());
   CHECK_FALSE(d.add_access_device(d.device()));  // this device is always granted
+  CHECK_FALSE(d.enable_context_peer(d.device()));  // and reaches its own cuMemAlloc memory
+  CHECK(d.context_peers().empty());
   CHECK_FALSE(d.can_access_peer(d.device()));
 
   // --- reserve 8 granules; map 3 handles (1, 1 and 2 granules) at granules 0, 1, 2-3 ---

@@ -289,6 +289,8 @@ class Spy final : public expseg::driver::Driver {
   int device_count() override { return sim_->device_count(); }
   bool can_access_peer(int peer) override { return sim_->can_access_peer(peer); }
   bool add_access_device(int peer) override { return sim_->add_access_device(peer); }
+  bool enable_context_peer(int peer) override { return sim_->enable_context_peer(peer); }
+  std::vector<int> context_peers() const override { return sim_->context_peers(); }
   std::vector<int> access_devices() const override { return sim_->access_devices(); }
   expseg::driver::ShareableHandle shareable_handle_type() const noexcept override { return sim_->shareable_handle_type(); }
   expseg::driver::ExportedHandle export_handle(expseg::driver::phys_handle handle) override { return sim_->export_handle(handle); }

@@ -1,5 +1,6 @@
 // Two GPUs (issue 8; expseg_gpu_multi): peer access to memory allocated through expseg on device 0,
-// written from device 1's context with cuMemsetD32 and read back on device 0, for both backends,
+// written from device 1's context with cuMemsetD32 and read back on device 0, for both backends
+// (expandable without cuCtxEnablePeerAccess, split_merge with it),
 // for memory mapped before enable_peer_access (re-granted) and after it (growth); the same from
 // device 1 to device 0; and IPC to a process that imports on the other GPU.
 #include <doctest/doctest.h>
@@ -39,6 +40,12 @@ void peer_writes(const std::string& conf, int owner, int peer) {
   CHECK(info.access_devices.size() == 2);
   CHECK(info.access_devices.back() == peer);
   a.enable_peer_access(peer);  // twice: nothing to do
+  // Only cuMemAlloc memory needs cuCtxEnablePeerAccess (at most 8 peers per device); expandable
+  // memory is reached through cuMemSetAccess alone, which the writes below prove.
+  if (a.backend() == expseg::BackendKind::split_merge)
+    CHECK(own.context_peers() == std::vector<int>{peer});
+  else
+    CHECK(own.context_peers().empty());
 
   void* after = a.allocate(after_bytes);  // growth after the grant
   auto other = make_cuda_driver(peer);     // device `peer`'s primary context, no allocator

@@ -38,6 +38,46 @@ class GlueTest(unittest.TestCase):
         self.assertRegex(expseg.version(), r"^\d+\.\d+\.\d+$")
         self.assertTrue(expseg.library_path())
 
+    def test_peer_access_and_ipc(self):
+        expseg.configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd")
+        expseg.enable_peer_access(1, device=0)
+        expseg.enable_peer_access(0, device=0)  # its own device: nothing to do
+        for peer in (8, 64, -1):  # not on the simulated 8-device host; out of range
+            with self.assertRaises(expseg.ExpsegError) as e:
+                expseg.enable_peer_access(peer, device=0)
+            self.assertEqual(e.exception.code, expseg.INVALID_DEVICE)
+        p = self.lib.expseg_malloc(3 * MiB, 0, None)
+        ctypes.memset(p, 0x5A, 3 * MiB)  # host-backed: the simulated device's memory is host memory
+        handle, fds = expseg.ipc_export(p)
+        self.assertIsInstance(handle, bytes)
+        self.assertTrue(fds)
+        try:
+            q, size = expseg.ipc_import(handle, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)  # the caller's: lent to the import only
+        self.assertEqual(size, 3 * MiB)
+        self.assertEqual(ctypes.string_at(q, 3 * MiB), b"\x5a" * (3 * MiB))
+        expseg.ipc_close(q)
+        with self.assertRaises(expseg.ExpsegError) as e:
+            expseg.ipc_close(q)
+        self.assertEqual(e.exception.code, expseg.INVALID_POINTER)
+        with self.assertRaises(expseg.ExpsegError) as e:
+            expseg.ipc_export(p + 4096)
+        self.assertEqual(e.exception.code, expseg.INVALID_POINTER)
+        with self.assertRaises(expseg.ExpsegError) as e:
+            expseg.ipc_import(b"garbage" * 10)
+        self.assertEqual(e.exception.code, expseg.IPC)
+        for bad in ("text", None):
+            with self.assertRaises(expseg.ExpsegError) as e:
+                expseg.ipc_import(bad)
+            self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT)
+        with self.assertRaises(expseg.ExpsegError) as e:
+            expseg.ipc_export(-1)
+        self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT)
+        self.lib.expseg_free(p, 0, 0, None)
+        self.assertEqual(expseg.stats()["allocation.all.current"], 0)
+
     def test_malloc_free_and_stats(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable")
         self.assertIn("backend:expandable", expseg.config())

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,7 @@
 
 #include "c_api_internal.hpp"
 #include "core/json.hpp"
+#include "expseg/allocator.hpp"
 #include "expseg/errors.hpp"
 #include "expseg/expseg.h"
 #include "expseg/trace.hpp"
@@ -62,6 +64,8 @@ std::string temp_path(const std::string& name) {
 }
 
 const char* const kBackends[] = {"split_merge", "expandable"};
+
+bool fd_open(int fd) { return ::lseek(fd, 0, SEEK_CUR) != -1 || errno != EBADF; }
 
 }  // namespace
 
@@ -736,6 +740,240 @@ TEST_CASE_FIXTURE(CApiFixture, "a huge record_ring works; inconsistent simulated
   }
   // The same settings on the CUDA device are not the simulator's business.
   CHECK(expseg_configure("device:cuda,sim_granularity:1TiB") == EXPSEG_SUCCESS);
+}
+
+// --- peers and IPC ------------------------------------------------------------------------------
+
+TEST_CASE_FIXTURE(CApiFixture, "expseg_enable_peer_access grants a peer, on both backends; bad devices change nothing") {
+  for (const char* backend : kBackends) {
+    const std::string name = backend;
+    CAPTURE(name);
+    expseg::capi::reset_for_tests();
+    REQUIRE(expseg_configure((std::string("device:sim,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
+    // Out-of-range indexes: refused before any allocator is created.
+    CHECK(expseg_enable_peer_access(-1, 1) == EXPSEG_ERROR_INVALID_DEVICE);
+    CHECK(expseg_enable_peer_access(EXPSEG_MAX_DEVICES, 1) == EXPSEG_ERROR_INVALID_DEVICE);
+    CHECK(expseg_enable_peer_access(0, -1) == EXPSEG_ERROR_INVALID_DEVICE);
+    CHECK(last_error().find("peer device -1") != std::string::npos);
+    CHECK(expseg_enable_peer_access(0, EXPSEG_MAX_DEVICES) == EXPSEG_ERROR_INVALID_DEVICE);
+    CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_DEVICE);
+    CHECK(expseg_device_initialized(0) == 0);
+
+    // A device the (simulated, 8-device) host does not have: named, and nothing granted.
+    CHECK(expseg_enable_peer_access(0, 8) == EXPSEG_ERROR_INVALID_DEVICE);
+    CHECK(last_error().find("expseg_enable_peer_access") != std::string::npos);
+    CHECK(last_error().find("no device 8") != std::string::npos);
+    expseg::Allocator* a = expseg::capi::allocator_for_tests(0);  // created by the call: "now and later"
+    REQUIRE(a != nullptr);
+    CHECK(a->device_info().access_devices == std::vector<int>{0});
+
+    // The device itself: nothing to do. A peer: granted, also to memory allocated before it.
+    void* before = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
+    REQUIRE(before != nullptr);
+    expseg_clear_error();
+    CHECK(expseg_enable_peer_access(0, 0) == EXPSEG_SUCCESS);
+    CHECK(a->device_info().access_devices == std::vector<int>{0});
+    CHECK(expseg_enable_peer_access(0, 3) == EXPSEG_SUCCESS);
+    CHECK(expseg_enable_peer_access(0, 3) == EXPSEG_SUCCESS);  // again: nothing to do
+    CHECK(a->device_info().access_devices == std::vector<int>{0, 3});
+    CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+    // Another device's allocator is created for its own grant, and is separate.
+    CHECK(expseg_device_initialized(5) == 0);
+    CHECK(expseg_enable_peer_access(5, 0) == EXPSEG_SUCCESS);
+    CHECK(expseg_device_initialized(5) == 1);
+    CHECK(expseg::capi::allocator_for_tests(5)->device_info().access_devices == std::vector<int>{5, 0});
+    expseg_free(before, 0, 0, nullptr);
+    CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  }
+}
+
+// Host-backed: the simulated device's addresses are host memory, so the importer reads the bytes.
+TEST_CASE_FIXTURE(CApiFixture, "expseg_ipc_export / import / close round trip, both backends, with and without descriptors") {
+  struct Case {
+    const char* conf;
+    bool fds;
+  };
+  const Case cases[] = {
+      {"device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:split_merge", false},
+      {"device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd,expandable_max_handle:2MiB", true},
+      {"device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:fabric", false},
+  };
+  for (const Case& c : cases) {
+    const std::string conf = c.conf;
+    CAPTURE(conf);
+    expseg::capi::reset_for_tests();
+    REQUIRE(expseg_configure(c.conf) == EXPSEG_SUCCESS);
+    const std::size_t n = 5 * MiB + 12345;
+    void* p = expseg_malloc(static_cast<ssize_t>(n), 0, nullptr);
+    REQUIRE(p != nullptr);
+    for (std::size_t i = 0; i < n; ++i) static_cast<unsigned char*>(p)[i] = static_cast<unsigned char>(i * 7 + 1);
+
+    const void* handle = nullptr;
+    std::size_t handle_size = 0;
+    const int* fds = nullptr;
+    std::size_t nfds = 0;
+    REQUIRE(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_SUCCESS);
+    REQUIRE(handle != nullptr);
+    CHECK(handle_size > 0);
+    const std::vector<unsigned char> bytes(static_cast<const unsigned char*>(handle),
+                                           static_cast<const unsigned char*>(handle) + handle_size);
+    const std::vector<int> own(fds, fds + nfds);  // the caller's descriptors
+    CHECK((nfds > 0) == c.fds);
+    if (c.fds) CHECK(nfds >= 3);  // 2 MiB handles under 5 MiB and a bit
+    for (int fd : own) CHECK(fd_open(fd));
+
+    void* q = nullptr;
+    std::size_t size = 0;
+    REQUIRE(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 0, &q, &size) == EXPSEG_SUCCESS);
+    REQUIRE(q != nullptr);
+    CHECK(size == n);
+    CHECK(std::memcmp(p, q, n) == 0);
+    for (int fd : own) CHECK(fd_open(fd));  // lent for the import, not closed by it
+
+    if (c.fds) {
+      // Without descriptors: taken from the exporter (this process) with pidfd_getfd, where allowed.
+      void* r = nullptr;
+      const int rc = expseg_ipc_import(bytes.data(), bytes.size(), nullptr, 0, 0, &r, nullptr);
+      if (rc == EXPSEG_SUCCESS) {
+        CHECK(std::memcmp(p, r, n) == 0);
+        CHECK(expseg_ipc_close(r, 0) == EXPSEG_SUCCESS);
+      } else {
+        CHECK(rc == EXPSEG_ERROR_IPC);
+        CHECK(r == nullptr);
+        CHECK(last_error().find("SCM_RIGHTS") != std::string::npos);
+        MESSAGE("pidfd_getfd refused here: " << last_error());
+      }
+    }
+    for (int fd : own) ::close(fd);
+
+    // Closed once; a second close, or one on another device, is refused and changes nothing.
+    CHECK(expseg_ipc_close(q, 1) == EXPSEG_ERROR_INVALID_POINTER);
+    CHECK(last_error().find("device 1") != std::string::npos);
+    CHECK(expseg_ipc_close(q, 0) == EXPSEG_SUCCESS);
+    CHECK(expseg_ipc_close(q, 0) == EXPSEG_ERROR_INVALID_POINTER);
+    CHECK(last_error().find("already closed") != std::string::npos);
+    expseg_clear_error();
+    expseg_free(p, 0, 0, nullptr);
+    CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+    CHECK(stat(0, "allocation.all.current") == 0);
+  }
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "expseg_ipc_export / import / close: every bad input is a code and a message") {
+  REQUIRE(expseg_configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd,"
+                           "expandable_max_handle:2MiB") == EXPSEG_SUCCESS);
+  const void* handle = nullptr;
+  std::size_t handle_size = 0;
+  const int* fds = nullptr;
+  std::size_t nfds = 0;
+  int on_the_stack = 0;
+
+  // Export. A device with no allocator yet: the pointer cannot be one of its allocations.
+  CHECK(expseg_ipc_export(&on_the_stack, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_ERROR_INVALID_POINTER);
+  CHECK(last_error().find("no expseg allocator") != std::string::npos);
+  CHECK(expseg_device_initialized(0) == 0);
+  void* p = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  CHECK(expseg_ipc_export(p, 0, nullptr, &handle_size, &fds, &nfds) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_ipc_export(p, 0, &handle, nullptr, &fds, &nfds) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_ipc_export(p, 0, &handle, &handle_size, nullptr, &nfds) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_ipc_export(p, -1, &handle, &handle_size, &fds, &nfds) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_ipc_export(p, EXPSEG_MAX_DEVICES, &handle, &handle_size, &fds, &nfds) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_ipc_export(p, 3, &handle, &handle_size, &fds, &nfds) == EXPSEG_ERROR_INVALID_POINTER);  // another device
+  CHECK(expseg_ipc_export(nullptr, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_ERROR_INVALID_POINTER);
+  CHECK(expseg_ipc_export(&on_the_stack, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_ERROR_INVALID_POINTER);
+  CHECK(expseg_ipc_export(static_cast<char*>(p) + 4096, 0, &handle, &handle_size, &fds, &nfds) ==
+        EXPSEG_ERROR_INVALID_POINTER);  // inside an allocation, not its start
+  CHECK(last_error().find("expseg_ipc_export") != std::string::npos);
+  CHECK(handle == nullptr);
+  CHECK(nfds == 0);
+
+  REQUIRE(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_SUCCESS);
+  const std::vector<unsigned char> bytes(static_cast<const unsigned char*>(handle),
+                                         static_cast<const unsigned char*>(handle) + handle_size);
+  const std::vector<int> own(fds, fds + nfds);
+  REQUIRE(own.size() >= 2);  // 2 MiB handles under 4 MiB
+
+  // Import.
+  void* q = &on_the_stack;
+  std::size_t size = 99;
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 0, nullptr, &size) ==
+        EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_ipc_import(nullptr, bytes.size(), own.data(), own.size(), 0, &q, &size) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(q == nullptr);  // set on every error
+  CHECK(size == 0);
+  CHECK(expseg_ipc_import(bytes.data(), 0, own.data(), own.size(), 0, &q, &size) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), nullptr, own.size(), 0, &q, &size) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), -1, &q, &size) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), EXPSEG_MAX_DEVICES, &q, &size) ==
+        EXPSEG_ERROR_INVALID_DEVICE);
+  const std::vector<unsigned char> garbage(64, 0xab);
+  CHECK(expseg_ipc_import(garbage.data(), garbage.size(), nullptr, 0, 0, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size() - 1, own.data(), own.size(), 0, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), 1, 0, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(last_error().find(std::to_string(own.size()) + " file descriptors, 1 were given") != std::string::npos);
+  const int negative[2] = {own[0], -5};
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), negative, 2, 0, &q, &size) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(q == nullptr);
+  // A descriptor that does not name the exported memory: the driver refuses, nothing is left mapped.
+  const int swapped[2] = {own[1], own[0]};
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), swapped, 2, 0, &q, &size) == EXPSEG_ERROR_DRIVER);
+  CHECK(q == nullptr);
+  for (int fd : own) CHECK(fd_open(fd));  // none of the failures closed the caller's descriptors
+  // Imported on a device whose simulated driver did not export it: refused (the sim imports in-process
+  // only through the exporting device); the device's allocator is created for the import.
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 2, &q, &size) != EXPSEG_SUCCESS);
+  CHECK(q == nullptr);
+
+  // Close.
+  CHECK(expseg_ipc_close(nullptr, 0) == EXPSEG_SUCCESS);  // as free(NULL)
+  CHECK(expseg_ipc_close(nullptr, EXPSEG_MAX_DEVICES) == EXPSEG_SUCCESS);
+  CHECK(expseg_ipc_close(p, -1) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_ipc_close(p, 0) == EXPSEG_ERROR_INVALID_POINTER);  // an allocation, not an import
+  CHECK(expseg_ipc_close(&on_the_stack, 6) == EXPSEG_ERROR_INVALID_POINTER);  // a device with no allocator
+  CHECK(last_error().find("expseg_ipc_close") != std::string::npos);
+
+  // After all that, the real thing still works, and the allocation is intact.
+  REQUIRE(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 0, &q, &size) == EXPSEG_SUCCESS);
+  CHECK(size == 4 * MiB);
+  CHECK(expseg_ipc_close(q, 0) == EXPSEG_SUCCESS);
+  for (int fd : own) ::close(fd);
+  CHECK(stat(0, "allocation.all.current") == 1);
+  expseg_clear_error();
+  expseg_free(p, 0, 0, nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "expseg_ipc_export: an expandable allocator without a shareable handle type says which key to set") {
+  REQUIRE(expseg_configure("device:sim,backend:expandable") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  const void* handle = nullptr;
+  std::size_t handle_size = 0;
+  const int* fds = nullptr;
+  std::size_t nfds = 0;
+  CHECK(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_IPC);
+  CHECK(last_error().find("ipc_handle:posix_fd") != std::string::npos);
+  // A split_merge handle carries no descriptors: giving some is a mistake of the caller.
+  expseg::capi::reset_for_tests();
+  REQUIRE(expseg_configure("device:sim,backend:split_merge") == EXPSEG_SUCCESS);
+  p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  REQUIRE(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_SUCCESS);
+  CHECK(nfds == 0);
+  CHECK(fds == nullptr);
+  const std::vector<unsigned char> bytes(static_cast<const unsigned char*>(handle),
+                                         static_cast<const unsigned char*>(handle) + handle_size);
+  const int one = 0;
+  void* q = nullptr;
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), &one, 1, 0, &q, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("takes no file descriptors") != std::string::npos);
+  REQUIRE(expseg_ipc_import(bytes.data(), bytes.size(), nullptr, 0, 0, &q, nullptr) == EXPSEG_SUCCESS);
+  CHECK(q == p);  // in-process on the simulator: cuIpcOpenMemHandle gives the same address
+  // Imports still open when the state is reset (a test's reset_for_tests) are closed with it.
+  expseg_free(p, 0, 0, nullptr);
 }
 
 }  // TEST_SUITE

@@ -111,3 +111,70 @@ TEST_CASE("ipc: imports closed while peers are granted (the registry's lock)") {
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("multi_device") {
+
+// CUDA lets a device enable peer access (cuCtxEnablePeerAccess) to at most 8 others: the 9th gets
+// CUDA_ERROR_TOO_MANY_PEERS. Only memory reached through contexts needs it (cuMemAlloc: split_merge,
+// and cuIpcOpenMemHandle'd imports); expandable memory is granted per mapping with cuMemSetAccess,
+// so on a host of 16 GPUs an expandable allocator must grant all 15 others, before and after growth.
+TEST_CASE("regression: an expandable allocator grants more than 8 peers (no cuCtxEnablePeerAccess)") {
+  SimOptions o;
+  o.device = 0;
+  o.device_count = 16;
+  auto e = make_sim_allocator(sim_config(BackendKind::expandable), o);
+  void* before = e->allocate(5 * MiB);
+  for (int peer = 1; peer < 16; ++peer) {
+    CAPTURE(peer);
+    CHECK_NOTHROW(e->enable_peer_access(peer));
+  }
+  CHECK(e->device_info().access_devices.size() == 16);
+  CHECK(e.sim->granted_devices(addr(before)).size() == 16);
+  void* after = e->allocate(100 * MiB);  // growth maps new memory: granted to all of them
+  CHECK(e.sim->granted_devices(addr(after)).size() == 16);
+  CHECK(e.sim->context_peers().empty());  // never asked for cuCtxEnablePeerAccess
+  e->deallocate(before);
+  e->deallocate(after);
+  e->validate();
+
+  // split_merge needs cuCtxEnablePeerAccess: the 9th peer is refused, with the way out named.
+  auto s = make_sim_allocator(sim_config(BackendKind::split_merge), o);
+  for (int peer = 1; peer <= 8; ++peer) CHECK_NOTHROW(s->enable_peer_access(peer));
+  std::string what;
+  int code = 0;
+  try {
+    s->enable_peer_access(9);
+  } catch (const expseg::driver_error& err) {
+    what = err.what();
+    code = err.code();
+  }
+  CHECK(code == 711);  // CUDA_ERROR_TOO_MANY_PEERS
+  CHECK(what.find("backend:expandable") != std::string::npos);
+  CHECK(s->device_info().access_devices.size() == 9);  // device 9 is not listed
+  CHECK(s.sim->context_peers().size() == 8);
+  CHECK(s.sim->access_devices().size() == 9);  // nor granted to what an import_ipc maps later
+}
+
+// Memory an expandable allocator imports from a split_merge exporter (cuda_ipc: cuIpcOpenMemHandle)
+// is reached through contexts, so the peers it grants need cuCtxEnablePeerAccess for that memory:
+// those granted before the import, and those granted after it. (The simulated device imports
+// cuda_ipc handles through the exporting driver: both allocators share it here.)
+TEST_CASE("peer: an expandable allocator holding a cuda_ipc import enables context peer access for it") {
+  SimOptions o;
+  o.device_count = 4;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto exporter = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::split_merge), sim);
+  auto importer = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::expandable), sim);
+  void* p = exporter->allocate(3 * MiB);
+  importer->enable_peer_access(1);
+  CHECK(sim->context_peers().empty());
+  ImportedMemory m = importer->import_ipc(exporter->export_ipc(p));
+  CHECK(sim->context_peers() == std::vector<int>{1});  // the peer granted before the import
+  importer->enable_peer_access(2);
+  CHECK(sim->context_peers() == std::vector<int>{1, 2});  // and one granted after it
+  CHECK(importer->device_info().access_devices == std::vector<int>{0, 1, 2});
+  m.close();
+  exporter->deallocate(p);
+}
+
+}  // TEST_SUITE

@@ -725,6 +725,29 @@ TEST_SUITE("sim") {
     CHECK(err->code() == 101);
     CHECK(d.access_devices().size() == 3);
 
+    // Context peer access (cuCtxEnablePeerAccess) is separate from the access list.
+    CHECK(d.context_peers().empty());
+    CHECK(d.enable_context_peer(2));
+    CHECK_FALSE(d.enable_context_peer(2));
+    CHECK_FALSE(d.enable_context_peer(1));
+    CHECK(d.context_peers() == std::vector<int>{2});
+    CHECK(d.access_devices() == std::vector<int>{1, 3, 0});
+    err = catch_driver_error([&] { (void)d.enable_context_peer(4); });
+    REQUIRE(err.has_value());
+    CHECK(err->code() == 101);
+    // As on CUDA, at most 8 of them: the 9th is CUDA_ERROR_TOO_MANY_PEERS and changes nothing.
+    SimOptions many;
+    many.device_count = 12;
+    SimDriver big(many);
+    for (int peer = 1; peer <= expseg::driver::kSimMaxContextPeers; ++peer) CHECK(big.enable_context_peer(peer));
+    err = catch_driver_error([&] { (void)big.enable_context_peer(9); });
+    REQUIRE(err.has_value());
+    CHECK(err->code() == 711);
+    CHECK(std::string(err->what()).find("CUDA_ERROR_TOO_MANY_PEERS") != std::string::npos);
+    CHECK(big.context_peers().size() == 8);
+    CHECK_FALSE(big.enable_context_peer(8));  // one already enabled is still fine
+    for (int peer = 1; peer < 12; ++peer) CHECK(big.add_access_device(peer));  // the access list has no such limit
+
     SimDriver single;
     CHECK_FALSE(single.can_access_peer(1));
     CHECK(single.access_devices() == std::vector<int>{0});
