@@ -1,6 +1,6 @@
 // Regression tests of the simulated device: its addresses depend only on the calls it was given, not
 // on ASLR or on what else the process mapped, so a fixed-seed run replays exactly
-// (tests/common/fuzz_harness.hpp).
+// (tests/common/fuzz_harness.hpp); and the simulated host looks the same from every device.
 #include <doctest/doctest.h>
 #include <sys/mman.h>
 
@@ -10,6 +10,9 @@
 #include <vector>
 
 #include "driver/sim_driver.hpp"
+#include "expseg/allocator.hpp"
+#include "expseg/config.hpp"
+#include "expseg/errors.hpp"
 
 using namespace expseg::driver;
 
@@ -128,6 +131,23 @@ TEST_CASE("regression: simulated devices alive at once hand out disjoint address
       CHECK(ranges[4].first != ranges[0].first);
     }
   }
+}
+
+TEST_CASE("regression: every simulated device of a process counts the same devices, so any two may be peers") {
+  // Was: the driver of device d counted max(d + 1, 8) devices, so device 9 could grant device 0
+  // access but device 0 refused device 9 ("no device 9 (8 sim devices visible)"); CUDA's device
+  // count is one number for the whole process.
+  const expseg::Config c = expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:expandable");
+  expseg::Allocator a0(c, 0), a9(c, 9);
+  CHECK_NOTHROW(a9.enable_peer_access(0));
+  CHECK_NOTHROW(a0.enable_peer_access(9));
+  CHECK(a0.device_info().access_devices == std::vector<int>{0, 9});
+  CHECK(a9.device_info().access_devices == std::vector<int>{9, 0});
+  // The highest device index an allocator may have is a peer too; one past it is not a device.
+  const int last = kSimMaxDevices - 1;
+  CHECK_NOTHROW(a0.enable_peer_access(last));
+  CHECK_THROWS_AS(a0.enable_peer_access(last + 1), expseg::error);
+  CHECK_THROWS_AS(expseg::Allocator(c, last + 1), expseg::error);
 }
 
 }  // TEST_SUITE
