@@ -181,6 +181,8 @@ struct SimDriver::Impl {
   dev_ptr arena = 0;
   std::size_t arena_size = 0;
   std::map<dev_ptr, std::size_t> taken;
+  // Host-backed mode: ranges the arena had no room for, each mapped on its own (start -> length).
+  std::map<dev_ptr, std::size_t> outside;
   std::size_t foreign = 0;
   std::size_t physical = 0;  // bytes of live Phys + live Allocs
 
@@ -250,21 +252,60 @@ struct SimDriver::Impl {
       align = gran();
     }
   }
-  // Host-backed mode: the lowest range of the arena with room for `bytes`, granularity-aligned and
-  // followed by a one-granule guard gap (as in bookkeeping mode). The caller records it in `taken`
-  // once the call succeeds. Freed ranges are reused, lowest first: the same calls give the same addresses.
-  dev_ptr find_in_arena(const char* call, std::size_t bytes) {
+  // Host-backed mode: `bytes` of PROT_NONE address space, granularity-aligned. Normally the lowest
+  // range of the arena with room for it and a one-granule guard gap after it (as in bookkeeping
+  // mode): freed ranges are reused, lowest first, so the same calls give the same addresses. The
+  // caller records it in `taken` once the call succeeds. Only when the arena has no room (a
+  // reservation of terabytes) is it mapped on its own, where mmap puts it (`own` is set; the caller
+  // records it in `outside`, or unmaps it if the call fails).
+  dev_ptr place(const char* call, std::size_t bytes, bool& own) {
     make_arena(call);
-    if (bytes > arena_size - gran()) out_of_memory(call, no_room(bytes));
-    const std::size_t span = arena_span(bytes);
-    const dev_ptr end = arena + arena_size;
-    dev_ptr cur = arena;
-    for (const auto& [start, length] : taken) {
-      if (start - cur >= span) break;
-      cur = start + length;
+    own = false;
+    if (bytes <= arena_size - gran()) {
+      const std::size_t span = arena_span(bytes);
+      dev_ptr cur = arena;
+      for (const auto& [start, length] : taken) {
+        if (start - cur >= span) break;
+        cur = start + length;
+      }
+      if (arena + arena_size - cur >= span) return cur;
     }
-    if (end - cur < span) out_of_memory(call, no_room(bytes));
-    return cur;
+    const std::size_t g = gran();
+    if (bytes > std::numeric_limits<std::size_t>::max() - g) out_of_memory(call, "reservation too large");
+    void* p = ::mmap(nullptr, bytes + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) host_failure(call, "mmap", errno);
+    const auto raw = reinterpret_cast<std::uintptr_t>(p);
+    const std::uintptr_t base = (raw + g - 1) & ~static_cast<std::uintptr_t>(g - 1);
+    if (base > raw) ::munmap(p, base - raw);
+    ::munmap(reinterpret_cast<void*>(base + bytes), raw + g - base);
+    own = true;
+    return base;
+  }
+  // Host-backed mode: records what place() gave.
+  void record(dev_ptr base, std::size_t bytes, bool own) {
+    if (!own) {
+      taken.emplace(base, arena_span(bytes));
+      return;
+    }
+    try {
+      outside.emplace(base, bytes);
+    } catch (...) {
+      ::munmap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(base)), bytes);
+      throw;
+    }
+  }
+  // Host-backed mode: undoes place() and record(); false (errno set) if the host refused.
+  bool forget(dev_ptr base) noexcept {
+    if (auto o = outside.find(base); o != outside.end()) {
+      if (::munmap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(base)), o->second) != 0) return false;
+      outside.erase(o);
+      return true;
+    }
+    auto t = taken.find(base);
+    if (t == taken.end()) return true;
+    if (!clear_host(base, t->second - gran())) return false;
+    taken.erase(t);
+    return true;
   }
   // Host-backed: [ptr, ptr+bytes) of the arena becomes fresh PROT_NONE anonymous memory again.
   static bool clear_host(dev_ptr ptr, std::size_t bytes) noexcept {
@@ -274,10 +315,6 @@ struct SimDriver::Impl {
   std::size_t arena_span(std::size_t bytes) const noexcept {
     const std::size_t g = gran();
     return (bytes / g * g + (bytes % g ? g : 0)) + g;
-  }
-  std::string no_room(std::size_t bytes) const {
-    return "the address space of simulated device " + std::to_string(opt.device) + " has no room for " + std::to_string(bytes) +
-           " bytes (its host arena " + range(arena, arena_size) + " holds " + std::to_string(taken.size()) + " ranges)";
   }
 
   // Counts the call; throws the injected fault if this is the call it was aimed at.
@@ -415,6 +452,7 @@ struct SimDriver::Impl {
   void release_host_resources() noexcept {
     if (!opt.host_backed) return;
     if (arena != 0) ::munmap(reinterpret_cast<void*>(arena), arena_size);  // reservations, mappings, cuMemAllocs
+    for (auto& [base, size] : outside) ::munmap(reinterpret_cast<void*>(base), size);
     for (auto& [id, p] : phys)
       if (p.fd >= 0) ::close(p.fd);
   }
@@ -469,12 +507,13 @@ dev_ptr SimDriver::reserve(std::size_t bytes) {
   dev_ptr base = 0;
   if (options_.host_backed) {
     // The arena's free part is PROT_NONE already: taking a range of it needs no system call.
-    base = s.find_in_arena(call, bytes);
-    auto t = s.taken.emplace(base, s.arena_span(bytes)).first;
+    bool own = false;
+    base = s.place(call, bytes, own);
     try {
+      s.record(base, bytes, own);
       s.reservations.emplace(base, bytes);
     } catch (...) {
-      s.taken.erase(t);
+      s.forget(base);
       throw;
     }
   } else {
@@ -503,9 +542,9 @@ void SimDriver::free_reserve(dev_ptr base, std::size_t bytes) {
   auto m = s.mappings.lower_bound(base);
   if (m != s.mappings.end() && m->first < base + bytes)
     invalid(call, "reservation " + range(base, bytes) + " still has a mapping at " + hex(m->first));
-  // Host-backed: nothing is mapped in it, so the range is PROT_NONE anonymous memory again; it
-  // stays so, part of the arena.
-  if (options_.host_backed) s.taken.erase(base);
+  // Host-backed: nothing is mapped in it, so a range of the arena is PROT_NONE anonymous memory
+  // again (forget() maps it so once more; it stays part of the arena).
+  if (options_.host_backed && !s.forget(base)) host_failure(call, "munmap", errno);
   s.reservations.erase(it);
 }
 
@@ -652,20 +691,16 @@ dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
   if (options_.host_backed) {
     const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
     a.host_size = (bytes + page - 1) / page * page;
-    p = s.find_in_arena(call, bytes);
+    bool own = false;
+    p = s.place(call, a.host_size, own);
     void* want = reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
-    if (::mmap(want, a.host_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
-      host_failure(call, "mmap", errno);
     try {
-      auto t = s.taken.emplace(p, s.arena_span(bytes)).first;
-      try {
-        s.allocs.emplace(p, a);
-      } catch (...) {
-        s.taken.erase(t);
-        throw;
-      }
+      s.record(p, a.host_size, own);
+      if (::mmap(want, a.host_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
+        host_failure(call, "mmap", errno);
+      s.allocs.emplace(p, a);
     } catch (...) {
-      s.clear_host(p, a.host_size);
+      s.forget(p);
       throw;
     }
   } else {
@@ -691,8 +726,7 @@ void SimDriver::mem_free(dev_ptr ptr) {
   auto it = s.allocs.find(ptr);
   if (it == s.allocs.end()) invalid(call, hex(ptr) + " is not a live cuMemAlloc pointer");
   // Host-backed: back to PROT_NONE (the bytes go), not unmapped: the range stays part of the arena.
-  if (options_.host_backed && !s.clear_host(ptr, it->second.host_size)) host_failure(call, "mmap", errno);
-  if (options_.host_backed) s.taken.erase(ptr);
+  if (options_.host_backed && !s.forget(ptr)) host_failure(call, "mmap", errno);
   s.physical -= it->second.size;
   s.charge_table(kAllocSizes, kMemFreeUs, it->second.size);
   s.allocs.erase(it);

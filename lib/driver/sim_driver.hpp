@@ -17,7 +17,8 @@
 // (the device's slot; drivers alive at once take further slots, and where none can be had, e.g.
 // under a sanitizer that moves fixed mappings, the arena lies elsewhere, 1 TiB aligned, or smaller
 // under an address space limit such as ulimit -v), lowest free range first, reusing freed ranges.
-// Both leave a one-granule gap after every range.
+// Both leave a one-granule gap after every range. A reservation larger than the arena's free room
+// (terabytes) is still made, mapped on its own where mmap puts it: that address is not reproducible.
 //
 // It enforces the CUDA rules the allocator must respect (map only inside a reservation, on
 // granularity boundaries, never over a mapping; unmap whole mappings; free a reservation only when

@@ -108,6 +108,36 @@ TEST_CASE("regression: host-backed address ranges are reused once freed, the sam
   d.mem_free(q);
 }
 
+TEST_CASE("regression: a host-backed reservation larger than the address arena is still made") {
+  // The arena (1 TiB here) bounds which addresses are reproducible, not what may be reserved: CUDA
+  // reserves terabytes of virtual address space, and expandable_va_size may ask for up to 1 PiB.
+  SimDriver d(options(true));
+  const std::size_t g = d.granularity();
+  const std::size_t huge = std::size_t{3} << 40;
+  const dev_ptr small = d.reserve(4 * g);
+  const dev_ptr big = d.reserve(huge);
+  CHECK(big % g == 0);
+  CHECK((big + huge <= small || small + 4 * g <= big));
+  const dev_ptr last = big + huge - g;
+  const phys_handle h = d.create(g);
+  d.map(last, g, h);
+  d.set_access(last, g);
+  d.memset_d32(last, 0x1234u, g / 4, nullptr);
+  std::uint32_t word = 0;
+  d.copy_to_host(&word, big + huge - 4, 4);
+  CHECK(word == 0x1234u);
+  d.unmap(last, g);
+  d.release(h);
+  d.free_reserve(big, huge);
+  d.free_reserve(small, 4 * g);
+  // Given back each time: it can be made again and again.
+  for (int i = 0; i < 3; ++i) {
+    const dev_ptr again = d.reserve(huge);
+    d.free_reserve(again, huge);
+  }
+  CHECK(d.live().reservations == 0);
+}
+
 TEST_CASE("regression: simulated devices alive at once hand out disjoint addresses") {
   for (const bool host : {false, true}) {
     CAPTURE(host);
