@@ -88,9 +88,10 @@ std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
     o.host_backed = config.sim_host_backed;
     o.latency_model = config.sim_latency;
     o.device = device;
-    // A simulated host of (at least) 8 devices, like an HGX board: allocators of different device
+    // A simulated host of every device index an allocator may have: allocators of different device
     // indices are separate devices with disjoint addresses, and any two may be granted peer access.
-    o.device_count = std::max(device + 1, 8);
+    // The count is the same from every device, as cuDeviceGetCount's is.
+    o.device_count = driver::kSimMaxDevices;
     o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
     try {
       return std::make_unique<driver::SimDriver>(o);

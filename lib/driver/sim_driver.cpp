@@ -23,6 +23,10 @@
 #include <unordered_set>
 #include <utility>
 
+#ifndef MAP_FIXED_NOREPLACE
+#define MAP_FIXED_NOREPLACE 0x100000  // Linux 4.17; older kernels take the address as a hint
+#endif
+
 namespace expseg::driver {
 namespace {
 
@@ -39,6 +43,18 @@ constexpr dev_ptr kDeviceSpan = kSimAddressSpan;
 constexpr int kMaxDevices = kSimMaxDevices;
 static_assert(kFirstFakeAddress % kSimMaxGranularity == 0 && kDeviceSpan % kSimMaxGranularity == 0,
               "every device's span must start on a granule");
+// Host-backed mode: each SimDriver carves its reservations and cuMemAllocs from one PROT_NONE arena
+// of its own, reserved at first use, so its addresses follow from its calls alone (not from ASLR or
+// the process's other mappings) and a fixed-seed run replays exactly. The arena goes to a fixed
+// slot of [32 TiB, 64 TiB) (above ASan's shadow, below PIE binaries and mmap's usual area): the
+// device's own slot when free, so a driver alone in its process gets the same addresses every time.
+// Drivers alive at once take further slots, and where no slot can be had (sanitizers that move
+// fixed mappings, an old kernel) the arena goes wherever mmap puts it: still 1 TiB aligned, so
+// only a constant offset differs.
+constexpr std::uintptr_t kArenaRegion = std::uintptr_t{1} << 45;
+constexpr std::size_t kArenaSlot = std::size_t{1} << 40;
+constexpr std::size_t kArenaSlots = 32;
+static_assert(kArenaSlot % kSimMaxGranularity == 0, "every arena must start on a granule");
 constexpr int kFakeFdBase = 1 << 30;  // above any real fd limit: close() on it is a harmless EBADF
 constexpr std::uint32_t kHandleMagic = 0x45534831;  // "ESH1": an exported physical handle
 constexpr std::uint32_t kIpcMagic = 0x45534931;     // "ESI1": an exported cuMemAlloc pointer
@@ -133,6 +149,15 @@ struct SimDriver::Impl {
     std::uint64_t seq = 0;  // order of recording, across streams
   };
 
+  // The host arena's size: room for the expandable backend's default reservations (2x the device
+  // each) on several streams and the cuMemAllocs of a full device, with their guard granules.
+  static std::size_t arena_bytes(const SimOptions& o) noexcept {
+    constexpr std::size_t kMax = kArenaSlots * kArenaSlot;
+    if (o.capacity >= kMax / 16 || o.granularity >= kMax / 64) return kMax;
+    const std::size_t want = std::max({kArenaSlot, 16 * o.capacity, 64 * o.granularity});
+    return (want + kArenaSlot - 1) / kArenaSlot * kArenaSlot;
+  }
+
   explicit Impl(const SimOptions& o)
       : opt(o), instance(g_next_instance.fetch_add(1)),
         next_address(kFirstFakeAddress + static_cast<dev_ptr>(o.device) * kDeviceSpan),
@@ -151,6 +176,14 @@ struct SimDriver::Impl {
   std::uint64_t next_id = 1;  // handles, physical allocations, events and streams: never reused
   dev_ptr next_address;  // bookkeeping mode: the next free address of this device's span
   const dev_ptr address_end;
+  // Host-backed mode: the arena (0 until first use) and the ranges taken in it, start -> length
+  // with the guard granule. Free parts of the arena are PROT_NONE anonymous memory, never unmapped,
+  // so no other mapping of the process can land in it.
+  dev_ptr arena = 0;
+  std::size_t arena_size = 0;
+  std::map<dev_ptr, std::size_t> taken;
+  // Host-backed mode: ranges the arena had no room for, each mapped on its own (start -> length).
+  std::map<dev_ptr, std::size_t> outside;
   std::size_t foreign = 0;
   std::size_t physical = 0;  // bytes of live Phys + live Allocs
 
@@ -180,6 +213,110 @@ struct SimDriver::Impl {
       out_of_memory(call, "the address space of simulated device " + std::to_string(opt.device) + " is exhausted");
     next_address = base + span + g;
     return base;
+  }
+
+  // Host-backed mode: reserves the arena (once). Throws CUDA_ERROR_OUT_OF_MEMORY if the host has no
+  // room for it.
+  void make_arena(const char* call) {
+    if (arena != 0) return;
+    const std::size_t size = arena_bytes(opt);
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    for (std::size_t k = 0; k < kArenaSlots; ++k) {
+      const std::size_t slot = (static_cast<std::size_t>(opt.device) + k) % kArenaSlots;
+      if (size > (kArenaSlots - slot) * kArenaSlot) continue;
+      void* want = reinterpret_cast<void*>(kArenaRegion + slot * kArenaSlot);
+      void* p = ::mmap(want, size, PROT_NONE, flags | MAP_FIXED_NOREPLACE, -1, 0);
+      if (p == want) {
+        arena = reinterpret_cast<std::uintptr_t>(p);
+        arena_size = size;
+        return;
+      }
+      if (p != MAP_FAILED) ::munmap(p, size);  // a kernel before 4.17 took the address as a hint
+      else if (errno != EEXIST) break;          // not a slot taken by another driver: look no further
+    }
+    // Anywhere, aligned like a slot; under an address space limit (ulimit -v), smaller and aligned
+    // to the granularity, down to 64 granules. The excess on both sides is trimmed.
+    std::size_t want = size, align = kArenaSlot;
+    for (;;) {
+      void* p = ::mmap(nullptr, want + align, PROT_NONE, flags, -1, 0);
+      if (p != MAP_FAILED) {
+        const auto raw = reinterpret_cast<std::uintptr_t>(p);
+        const std::uintptr_t base = (raw + align - 1) & ~static_cast<std::uintptr_t>(align - 1);
+        if (base > raw) ::munmap(p, base - raw);
+        ::munmap(reinterpret_cast<void*>(base + want), raw + align - base);
+        arena = base;
+        arena_size = want;
+        return;
+      }
+      const int err = errno;
+      if (err != ENOMEM || want / 2 < 64 * gran()) host_failure(call, "mmap (the simulated device's address arena)", err);
+      want = want / 2 / gran() * gran();
+      align = gran();
+    }
+  }
+  // Host-backed mode: `bytes` of PROT_NONE address space, granularity-aligned. Normally the lowest
+  // range of the arena with room for it and a one-granule guard gap after it (as in bookkeeping
+  // mode): freed ranges are reused, lowest first, so the same calls give the same addresses. The
+  // caller records it in `taken` once the call succeeds. Only when the arena has no room (a
+  // reservation of terabytes) is it mapped on its own, where mmap puts it (`own` is set; the caller
+  // records it in `outside`, or unmaps it if the call fails).
+  dev_ptr place(const char* call, std::size_t bytes, bool& own) {
+    make_arena(call);
+    own = false;
+    if (bytes <= arena_size - gran()) {
+      const std::size_t span = arena_span(bytes);
+      dev_ptr cur = arena;
+      for (const auto& [start, length] : taken) {
+        if (start - cur >= span) break;
+        cur = start + length;
+      }
+      if (arena + arena_size - cur >= span) return cur;
+    }
+    const std::size_t g = gran();
+    if (bytes > std::numeric_limits<std::size_t>::max() - g) out_of_memory(call, "reservation too large");
+    void* p = ::mmap(nullptr, bytes + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) host_failure(call, "mmap", errno);
+    const auto raw = reinterpret_cast<std::uintptr_t>(p);
+    const std::uintptr_t base = (raw + g - 1) & ~static_cast<std::uintptr_t>(g - 1);
+    if (base > raw) ::munmap(p, base - raw);
+    ::munmap(reinterpret_cast<void*>(base + bytes), raw + g - base);
+    own = true;
+    return base;
+  }
+  // Host-backed mode: records what place() gave.
+  void record(dev_ptr base, std::size_t bytes, bool own) {
+    if (!own) {
+      taken.emplace(base, arena_span(bytes));
+      return;
+    }
+    try {
+      outside.emplace(base, bytes);
+    } catch (...) {
+      ::munmap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(base)), bytes);
+      throw;
+    }
+  }
+  // Host-backed mode: undoes place() and record(); false (errno set) if the host refused.
+  bool forget(dev_ptr base) noexcept {
+    if (auto o = outside.find(base); o != outside.end()) {
+      if (::munmap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(base)), o->second) != 0) return false;
+      outside.erase(o);
+      return true;
+    }
+    auto t = taken.find(base);
+    if (t == taken.end()) return true;
+    if (!clear_host(base, t->second - gran())) return false;
+    taken.erase(t);
+    return true;
+  }
+  // Host-backed: [ptr, ptr+bytes) of the arena becomes fresh PROT_NONE anonymous memory again.
+  static bool clear_host(dev_ptr ptr, std::size_t bytes) noexcept {
+    return ::mmap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr)), bytes, PROT_NONE,
+                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) != MAP_FAILED;
+  }
+  std::size_t arena_span(std::size_t bytes) const noexcept {
+    const std::size_t g = gran();
+    return (bytes / g * g + (bytes % g ? g : 0)) + g;
   }
 
   // Counts the call; throws the injected fault if this is the call it was aimed at.
@@ -316,8 +453,8 @@ struct SimDriver::Impl {
 
   void release_host_resources() noexcept {
     if (!opt.host_backed) return;
-    for (auto& [base, size] : reservations) ::munmap(reinterpret_cast<void*>(base), size);
-    for (auto& [p, a] : allocs) ::munmap(reinterpret_cast<void*>(p), a.host_size);
+    if (arena != 0) ::munmap(reinterpret_cast<void*>(arena), arena_size);  // reservations, mappings, cuMemAllocs
+    for (auto& [base, size] : outside) ::munmap(reinterpret_cast<void*>(base), size);
     for (auto& [id, p] : phys)
       if (p.fd >= 0) ::close(p.fd);
   }
@@ -369,21 +506,16 @@ dev_ptr SimDriver::reserve(std::size_t bytes) {
   s.enter(Op::reserve, call);
   if (bytes == 0) invalid(call, "size is 0");
   s.check_granular(call, "size", bytes);
-  const std::size_t g = s.gran();
   dev_ptr base = 0;
   if (options_.host_backed) {
-    if (bytes > std::numeric_limits<std::size_t>::max() - g) out_of_memory(call, "reservation too large");
-    const std::size_t over = bytes + g;  // room to align the start to the granularity
-    void* p = ::mmap(nullptr, over, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) host_failure(call, "mmap", errno);
-    const auto raw = reinterpret_cast<std::uintptr_t>(p);
-    base = (raw + g - 1) & ~static_cast<std::uintptr_t>(g - 1);
-    if (base > raw) ::munmap(p, base - raw);
-    if (raw + over > base + bytes) ::munmap(reinterpret_cast<void*>(base + bytes), raw + over - (base + bytes));
+    // The arena's free part is PROT_NONE already: taking a range of it needs no system call.
+    bool own = false;
+    base = s.place(call, bytes, own);
     try {
+      s.record(base, bytes, own);
       s.reservations.emplace(base, bytes);
     } catch (...) {
-      ::munmap(reinterpret_cast<void*>(base), bytes);
+      s.forget(base);
       throw;
     }
   } else {
@@ -412,7 +544,9 @@ void SimDriver::free_reserve(dev_ptr base, std::size_t bytes) {
   auto m = s.mappings.lower_bound(base);
   if (m != s.mappings.end() && m->first < base + bytes)
     invalid(call, "reservation " + range(base, bytes) + " still has a mapping at " + hex(m->first));
-  if (options_.host_backed && ::munmap(reinterpret_cast<void*>(base), bytes) != 0) host_failure(call, "munmap", errno);
+  // Host-backed: nothing is mapped in it, so a range of the arena is PROT_NONE anonymous memory
+  // again (forget() maps it so once more; it stays part of the arena).
+  if (options_.host_backed && !s.forget(base)) host_failure(call, "munmap", errno);
   s.reservations.erase(it);
 }
 
@@ -559,13 +693,16 @@ dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
   if (options_.host_backed) {
     const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
     a.host_size = (bytes + page - 1) / page * page;
-    void* m = ::mmap(nullptr, a.host_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (m == MAP_FAILED) host_failure(call, "mmap", errno);
-    p = reinterpret_cast<std::uintptr_t>(m);
+    bool own = false;
+    p = s.place(call, a.host_size, own);
+    void* want = reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
     try {
+      s.record(p, a.host_size, own);
+      if (::mmap(want, a.host_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
+        host_failure(call, "mmap", errno);
       s.allocs.emplace(p, a);
     } catch (...) {
-      ::munmap(m, a.host_size);
+      s.forget(p);
       throw;
     }
   } else {
@@ -590,8 +727,8 @@ void SimDriver::mem_free(dev_ptr ptr) {
   s.enter(Op::mem_free, call);
   auto it = s.allocs.find(ptr);
   if (it == s.allocs.end()) invalid(call, hex(ptr) + " is not a live cuMemAlloc pointer");
-  if (options_.host_backed && ::munmap(reinterpret_cast<void*>(ptr), it->second.host_size) != 0)
-    host_failure(call, "munmap", errno);
+  // Host-backed: back to PROT_NONE (the bytes go), not unmapped: the range stays part of the arena.
+  if (options_.host_backed && !s.forget(ptr)) host_failure(call, "mmap", errno);
   s.physical -= it->second.size;
   s.charge_table(kAllocSizes, kMemFreeUs, it->second.size);
   s.allocs.erase(it);

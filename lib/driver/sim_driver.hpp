@@ -3,11 +3,22 @@
 //
 // Modes:
 //   - bookkeeping (default): addresses and handles are numbers; capacity may be 141 GB on a laptop.
-//   - host-backed: reserve = mmap(PROT_NONE), physical handle = memfd, map = mmap(MAP_FIXED|MAP_SHARED),
-//     set_access = mprotect(READ|WRITE), unmap = mmap(PROT_NONE) over the range again. Device
-//     addresses are host addresses, so tests write patterns into allocations and prove that no two
-//     live blocks overlap and that no data moves when segments grow or pages are remapped. Memory
-//     touched before set_access, or after unmap, faults like it would on the GPU.
+//   - host-backed: reserve = a range of the driver's PROT_NONE address arena, physical handle = memfd,
+//     map = mmap(MAP_FIXED|MAP_SHARED), set_access = mprotect(READ|WRITE), unmap = mmap(PROT_NONE)
+//     over the range again. Device addresses are host addresses, so tests write patterns into
+//     allocations and prove that no two live blocks overlap and that no data moves when segments
+//     grow or pages are remapped. Memory touched before set_access, or after unmap, faults like it
+//     would on the GPU.
+//
+// Addresses follow from the calls made alone, in both modes: a fresh SimDriver fed the same calls
+// returns the same addresses whatever ASLR or the rest of the process did, so a fixed-seed fuzz run
+// or a trace replay is reproducible. Bookkeeping mode takes them from the device's own span, never
+// reusing any; host-backed mode from one arena per driver, reserved at first use at a fixed address
+// (the device's slot; drivers alive at once take further slots, and where none can be had, e.g.
+// under a sanitizer that moves fixed mappings, the arena lies elsewhere, 1 TiB aligned, or smaller
+// under an address space limit such as ulimit -v), lowest free range first, reusing freed ranges.
+// Both leave a one-granule gap after every range. A reservation larger than the arena's free room
+// (terabytes) is still made, mapped on its own where mmap puts it: that address is not reproducible.
 //
 // It enforces the CUDA rules the allocator must respect (map only inside a reservation, on
 // granularity boundaries, never over a mapping; unmap whole mappings; free a reservation only when

@@ -182,6 +182,7 @@ void Counters::add(const Counters& o) {
   full_checks += o.full_checks;
   bytes_checked += o.bytes_checked;
   unmaps += o.unmaps;
+  digest = (digest ^ o.digest) * 0x100000001b3ULL;
 }
 
 std::string Counters::to_string() const {
@@ -190,7 +191,8 @@ std::string Counters::to_string() const {
      << " OOMs (" << fragmentation_ooms << " fragmentation), " << faults_armed << " faults armed, " << faults_fired
      << " fired (" << driver_errors << " reached the caller, " << faults_absorbed << " absorbed), " << invalid_pointer_checks
      << " bad pointers, " << release_cached << " release_cached, " << limit_changes << " limit changes, " << unmaps
-     << " unmaps/cuMemFree, " << full_checks << " full checks, " << bytes_checked << " pattern bytes checked";
+     << " unmaps/cuMemFree, " << full_checks << " full checks, " << bytes_checked << " pattern bytes checked, digest "
+     << hex(digest);
   return os.str();
 }
 
@@ -385,6 +387,21 @@ void Harness::note(const std::string& op) {
   if (options_.verbose) std::fprintf(stderr, "%s\n", op_text_.c_str());
   history_.push_back(op_text_);
   if (history_.size() > 40) history_.pop_front();
+  mix(op_text_);
+}
+
+void Harness::mix(const std::string& text) {
+  for (unsigned char c : text) counters_.digest = (counters_.digest ^ c) * 0x100000001b3ULL;
+}
+
+// What allocate returned, in the digest, the history and the verbose log: a replay can be compared
+// with the failing run address by address.
+void Harness::note_result(std::uint64_t addr) {
+  const std::string result = " -> " + hex(addr);
+  op_text_ += result;
+  if (!history_.empty()) history_.back() = op_text_;
+  if (options_.verbose) std::fprintf(stderr, "  %s\n", result.c_str());
+  mix(result);
 }
 
 void Harness::fail(const std::string& what) {
@@ -739,6 +756,7 @@ void Harness::op_allocate(Source& src) {
     return;
   }
   const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p));
+  note_result(addr);
   if (p == nullptr) fail("allocate returned nullptr");
   if (addr % 512 != 0) fail("allocation " + hex(addr) + " is not 512-byte aligned");
   if (size > options_.capacity) fail("an allocation larger than the device succeeded");

@@ -27,7 +27,9 @@
 //
 // The decisions come from a Source: a seeded generator (unit and stress suites) or the bytes of a
 // libFuzzer input (tests/fuzz/fuzz_allocator.cpp). A broken check throws fuzz::Failure whose message
-// names the option set, the operation index and the recent operations.
+// names the option set, the operation index and the recent operations (with the addresses allocate
+// returned). A seed replays exactly: the simulated device's addresses depend only on the calls made
+// (sim_driver.hpp), and Counters::digest tells whether two runs were the same.
 #pragma once
 
 #include <cstddef>
@@ -132,6 +134,9 @@ struct Counters {
   std::uint64_t full_checks = 0;
   std::uint64_t bytes_checked = 0;
   std::uint64_t unmaps = 0;          // driver unmaps / cuMemFree seen (memory really moved)
+  // FNV-1a of every operation's text and every address allocate returned: equal digests mean the
+  // same run (a replay reproduces it only if the simulated device hands out the same addresses).
+  std::uint64_t digest = 0xcbf29ce484222325ULL;
   void add(const Counters& o);
   std::string to_string() const;
 };
@@ -206,6 +211,8 @@ class Harness {
   void* pick_stream(Source& src);
   [[noreturn]] void fail(const std::string& what);
   void note(const std::string& op);
+  void note_result(std::uint64_t addr);
+  void mix(const std::string& text);
 
   // Called by the spy driver.
   void spy_unmap(const char* call, std::uint64_t addr, std::size_t bytes, bool check_hazards);

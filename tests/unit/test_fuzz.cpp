@@ -4,8 +4,13 @@
 // each operation. The long runs are in the stress suite (tests/stress/test_fuzz_stress.cpp).
 #include <doctest/doctest.h>
 
-#include <string>
+#include <sys/mman.h>
 
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "driver/sim_driver.hpp"
 #include "fuzz_harness.hpp"
 
 TEST_SUITE("fuzz") {
@@ -34,6 +39,62 @@ TEST_CASE("fuzz: fixed seeds on every preset of both backends") {
   CHECK(total.driver_errors > 5);
   CHECK(total.unmaps > 100);
   CHECK(total.invalid_pointer_checks > 100);
+}
+
+TEST_CASE("fuzz: a seed gives the same run again, whatever else the process mapped in between") {
+  // Was: the host-backed simulated device handed out the addresses mmap chose, which move with ASLR
+  // and with every other mapping of the process, and best fit and the harness's choices follow
+  // address order: the replay command a failing run printed could run another operation sequence.
+  for (std::size_t i = 0; i < fuzz::preset_count(); ++i) {
+    const fuzz::Options o = fuzz::preset(i);
+    CAPTURE(o.describe());
+    try {
+      const fuzz::Counters first = fuzz::run_seed(o, 3, 200);
+      // Mappings the run knows nothing of (another test's, the program's) shift where mmap places memory.
+      std::vector<std::pair<void*, std::size_t>> held;
+      for (std::size_t bytes : {std::size_t{3} << 12, std::size_t{9} << 20, std::size_t{65} << 20}) {
+        void* m = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        REQUIRE(m != MAP_FAILED);
+        held.emplace_back(m, bytes);
+      }
+      const fuzz::Counters second = fuzz::run_seed(o, 3, 200);
+      for (auto [m, bytes] : held) ::munmap(m, bytes);
+      CHECK(second.allocs == first.allocs);
+      CHECK(second.ooms == first.ooms);
+      CHECK(second.to_string() == first.to_string());  // the digest covers every address allocate returned
+    } catch (const fuzz::Failure& f) {
+      FAIL(std::string(f.what()));
+    }
+  }
+}
+
+TEST_CASE("fuzz: a seed run beside another simulated device takes the same path") {
+  // The stress suite runs harnesses in parallel, each on its own device 0; its replay runs alone.
+  // A driver alive at the same time puts the arena elsewhere: every address moves by the same
+  // amount and nothing else changes (the digest, which holds the addresses, aside).
+  auto without_digest = [](const fuzz::Counters& c) {
+    const std::string s = c.to_string();
+    return s.substr(0, s.rfind(", digest "));
+  };
+  for (std::size_t i = 0; i < fuzz::preset_count(); ++i) {
+    const fuzz::Options o = fuzz::preset(i);
+    CAPTURE(o.describe());
+    try {
+      const fuzz::Counters alone = fuzz::run_seed(o, 4, 200);
+      expseg::driver::SimOptions so;
+      so.host_backed = true;
+      so.capacity = o.capacity;
+      so.granularity = o.granularity;
+      expseg::driver::SimDriver other(so);
+      const auto held = other.mem_alloc(o.granularity);  // its arena now holds device 0's slot
+      const fuzz::Counters beside = fuzz::run_seed(o, 4, 200);
+      other.mem_free(held);
+      CHECK(without_digest(beside) == without_digest(alone));
+      CHECK(beside.digest != alone.digest);  // it did run elsewhere
+    } catch (const fuzz::Failure& f) {
+      FAIL(std::string(f.what()));
+    }
+  }
 }
 
 TEST_CASE("fuzz: destroying the allocator with live allocations after a run leaks nothing") {
