@@ -759,17 +759,14 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_enable_peer_access grants a peer, on both
     CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_DEVICE);
     CHECK(expseg_device_initialized(0) == 0);
 
-    // A device the (simulated, 8-device) host does not have: named, and nothing granted.
-    CHECK(expseg_enable_peer_access(0, 8) == EXPSEG_ERROR_INVALID_DEVICE);
-    CHECK(last_error().find("expseg_enable_peer_access") != std::string::npos);
-    CHECK(last_error().find("no device 8") != std::string::npos);
-    expseg::Allocator* a = expseg::capi::allocator_for_tests(0);  // created by the call: "now and later"
-    REQUIRE(a != nullptr);
-    CHECK(a->device_info().access_devices == std::vector<int>{0});
-
+    // (Every simulated device 0..254 exists, so no in-range peer is missing here; the C++ side's
+    // "no device N" refusal is tested in test_multi_device.cpp.)
     // The device itself: nothing to do. A peer: granted, also to memory allocated before it.
     void* before = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
     REQUIRE(before != nullptr);
+    expseg::Allocator* a = expseg::capi::allocator_for_tests(0);
+    REQUIRE(a != nullptr);
+    CHECK(a->device_info().access_devices == std::vector<int>{0});
     expseg_clear_error();
     CHECK(expseg_enable_peer_access(0, 0) == EXPSEG_SUCCESS);
     CHECK(a->device_info().access_devices == std::vector<int>{0});
