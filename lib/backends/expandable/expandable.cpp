@@ -177,6 +177,7 @@ ExpandableBackend::~ExpandableBackend() {
       }
     }
   };
+  free_lru_.clear();  // its blocks go with their arenas below
   // Orphans first: one may still be mapped inside a reservation freed below.
   while (!orphans_.empty()) {
     ExpHandle* h = &orphans_.front();
@@ -198,7 +199,6 @@ ExpandableBackend::~ExpandableBackend() {
         f = h->first_frame + h->nframes;
         quietly([&] { ctx_.driver.unmap(frame_addr(*seg, h->first_frame), h->bytes); });
         quietly([&] { ctx_.driver.release(h->handle); });
-        if (h->hook.is_linked()) idle_.erase(idle_.iterator_to(*h));
         delete h;
       }
       quietly([&] { ctx_.driver.free_reserve(seg->base, seg->va_bytes); });
@@ -234,7 +234,19 @@ ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
   return *a;
 }
 
-void ExpandableBackend::insert_free(ExpArena& arena, Block* b) noexcept {
+// Idle memory without a walk of handles. A handle maps whole and adjacent free blocks of one
+// mapped state merge, so a mapped handle holding no live byte lies wholly inside one mapped free
+// block, and every handle lying wholly inside one is idle: idleness is a property of the free
+// blocks, not stored per handle. The cached paths then do a constant amount of work whatever the
+// block covers (per-handle live bytes cost ~19 ns per handle per pair: 19.5 us for a 1 GiB block
+// over 512 handles). What the handle list ordered, free_lru_ orders by block: mapped free blocks,
+// least recently freed first. A block freed alone goes last; one merged with a free neighbour
+// keeps that neighbour's place (the lower one's when both), so that a free that undoes a cached
+// allocation touches no list; a split keeps both parts in the block's place. Reclaim walks the
+// list oldest first and takes the handles lying wholly inside each block (for_each_idle).
+
+// The free block indexes alone (the size index or the unmapped set), not free_lru_.
+void ExpandableBackend::index_free(ExpArena& arena, Block* b) noexcept {
   b->status = BlockStatus::free;
   if (b->mapped) {
     arena.mapped_free.insert(*b);
@@ -244,7 +256,7 @@ void ExpandableBackend::insert_free(ExpArena& arena, Block* b) noexcept {
   }
 }
 
-void ExpandableBackend::erase_free(ExpArena& arena, Block* b) noexcept {
+void ExpandableBackend::unindex_free(ExpArena& arena, Block* b) noexcept {
   if (b->mapped) {
     arena.mapped_free.erase(*b);
     ctx_.stats.num_free_blocks -= 1;
@@ -253,11 +265,41 @@ void ExpandableBackend::erase_free(ExpArena& arena, Block* b) noexcept {
   }
 }
 
-// Merges free block `b` (not in an index) with free neighbours of the same mapped state; the lower
-// block object survives. Returns the merged block (still not in an index).
-Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
-  if (Block* p = b->prev; p && p->is_free() && p->mapped == b->mapped) {
-    erase_free(arena, p);
+// Indexes free block `b`; a mapped one goes last in free_lru_ (most recently freed).
+void ExpandableBackend::insert_free(ExpArena& arena, Block* b) noexcept { insert_free_at(arena, b, free_lru_.end()); }
+
+// Indexes free block `b`; a mapped one goes just before `lru_place` in free_lru_.
+void ExpandableBackend::insert_free_at(ExpArena& arena, Block* b, BlockLru::iterator lru_place) noexcept {
+  index_free(arena, b);
+  if (b->mapped) free_lru_.insert(lru_place, *b);
+}
+
+void ExpandableBackend::erase_free(ExpArena& arena, Block* b) noexcept {
+  unindex_free(arena, b);
+  if (b->mapped) free_lru_.erase(free_lru_.iterator_to(*b));
+}
+
+// Splits indexed free block `b` at `at` (inside it): both parts stay indexed, and a mapped upper
+// part takes the place right after `b` in free_lru_ (its handles were idle as long). Returns it.
+Block* ExpandableBackend::split_free(ExpArena& arena, Block* b, std::uint64_t at) noexcept {
+  unindex_free(arena, b);
+  Block* upper = split_after(arena.blocks, b, at);
+  index_free(arena, b);
+  index_free(arena, upper);
+  if (b->mapped) free_lru_.insert(std::next(free_lru_.iterator_to(*b)), *upper);
+  return upper;
+}
+
+// Merges free block `b` (in no index, not in free_lru_) with free neighbours of the same mapped
+// state and indexes the result. The lower block object survives (a Placement's anchor->next stays
+// the first block of its run); a mapped result keeps the free_lru_ place of the neighbour it
+// absorbs (the lower one's when both), or goes last when it absorbs none.
+void ExpandableBackend::merge_and_insert_free(ExpArena& arena, Block* b) noexcept {
+  Block* p = b->prev;
+  const bool merge_prev = p && p->is_free() && p->mapped == b->mapped;
+  BlockLru::iterator lru_place = free_lru_.end();
+  if (merge_prev) {
+    unindex_free(arena, p);  // p keeps its free_lru_ place
     p->size += b->size;
     p->next = b->next;
     if (b->next) b->next->prev = p;
@@ -265,52 +307,42 @@ Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
     b = p;
   }
   if (Block* n = b->next; n && n->is_free() && n->mapped == b->mapped) {
+    if (n->mapped && !merge_prev) lru_place = std::next(free_lru_.iterator_to(*n));
     erase_free(arena, n);
     b->size += n->size;
     b->next = n->next;
     if (n->next) n->next->prev = b;
     arena.blocks.recycle(n);
   }
-  return b;
+  index_free(arena, b);
+  if (b->mapped && !merge_prev) free_lru_.insert(lru_place, *b);
 }
 
-// The hot path's one walk: each handle under the block. Replaying the shipped ResNet-50 and GPT-2
-// traces (simulator, with and without a limit), 1.9-2.8 handles per call on average, over 95% of
-// calls 8 or fewer, the most 123: a large block on memory that grew in small handles, ~19 ns per
-// handle for an alloc+free pair (a 1 GiB block on 512 handles: 19.5 us). An O(1) form would track
-// idleness per free block instead of per handle; not done yet.
-inline void ExpandableBackend::add_live(const Block& b) noexcept {
-  const auto& seg = *static_cast<const ExpSegment*>(b.segment);
-  for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
-    ExpHandle* h = seg.frames[f];
-    const std::uint64_t lo = frame_addr(seg, h->first_frame);
-    if (h->live_bytes == 0) idle_.erase(idle_.iterator_to(*h));
-    h->live_bytes += std::min(lo + h->bytes, b.end()) - std::max(lo, b.addr);
-    f = h->first_frame + h->nframes;
-  }
-}
-
-inline void ExpandableBackend::remove_live(const Block& b) noexcept {
-  const auto& seg = *static_cast<const ExpSegment*>(b.segment);
-  for (std::size_t f = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); f <= last;) {
-    ExpHandle* h = seg.frames[f];
-    const std::uint64_t lo = frame_addr(seg, h->first_frame);
-    h->live_bytes -= std::min(lo + h->bytes, b.end()) - std::max(lo, b.addr);
-    if (h->live_bytes == 0) idle_.push_back(*h);
-    f = h->first_frame + h->nframes;
+template <class F>
+void ExpandableBackend::for_each_idle(F&& f) const {
+  for (const Block& b : free_lru_) {
+    const auto& seg = *static_cast<const ExpSegment*>(b.segment);
+    for (std::size_t fr = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); fr <= last;) {
+      ExpHandle* h = seg.frames[fr];
+      fr = h->first_frame + h->nframes;
+      const std::uint64_t lo = frame_addr(seg, h->first_frame);
+      if (lo >= b.addr && lo + h->bytes <= b.end()) f(*h);
+    }
   }
 }
 
 // Bytes of idle handles that a block at [lo, hi) would use only partly: memory that could not be
 // given back while the block lives.
 // Only the handles under the first and the last byte can be covered partly: every handle between
-// them lies wholly inside [lo, hi).
-inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
+// them lies wholly inside [lo, hi). A handle under [lo, hi) is idle iff it lies wholly inside the
+// free block `free` that holds [lo, hi).
+inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, const Block& free, std::uint64_t lo, std::uint64_t hi,
                                                     std::size_t max_shared_frames) const noexcept {
   auto pin_of = [&](const ExpHandle* h) -> std::size_t {
-    if (h->live_bytes != 0) return 0;
+    ++cached_path_handles_;
     const std::uint64_t hlo = frame_addr(seg, h->first_frame);
     const std::uint64_t hhi = hlo + h->bytes;
+    if (hlo < free.addr || hhi > free.end()) return 0;  // a live block uses it already
     const std::size_t pin = h->bytes - (std::min(hhi, hi) - std::max(hlo, lo));
     return pin != 0 && h->nframes > max_shared_frames ? kNoPlace : pin;
   };
@@ -323,8 +355,15 @@ inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, std::
 }
 
 // Under a limit: unmaps the idle bulk (multi-frame) handles that a block at [lo, hi) would cover
-// only partly, so that the block maps frames of its own there instead of sharing them.
-void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) {
+// only partly, so that the block maps frames of its own there instead of sharing them. [lo, hi)
+// lies in the run of free blocks after `anchor` (the first block when nullptr).
+void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, const Block* anchor, std::uint64_t lo, std::uint64_t hi) {
+  // A handle under [lo, hi) is idle iff it lies wholly inside the run (unmapping changes only the
+  // mapped state of the run's blocks, not the run).
+  const Block* r = anchor ? anchor->next : seg.first;
+  const std::uint64_t run_lo = r->addr;
+  while (r->next && r->next->is_free()) r = r->next;
+  const std::uint64_t run_hi = r->end();
   for (std::size_t f = frame_of(seg, lo), last = frame_of(seg, hi - 1); f <= last;) {
     ExpHandle* h = frame_handle(seg, f);
     if (h == nullptr) {
@@ -332,9 +371,9 @@ void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t 
       continue;
     }
     f = h->first_frame + h->nframes;
-    if (h->live_bytes != 0) continue;
     const std::uint64_t hlo = frame_addr(seg, h->first_frame);
     const std::uint64_t hhi = hlo + h->bytes;
+    if (hlo < run_lo || hhi > run_hi) continue;  // not idle
     if (h->nframes == 1 || (hlo >= lo && hhi <= hi)) continue;
     synchronize_once(seg.arena->stream);  // work queued there may still use the memory
     unmap_handle(h);
@@ -370,12 +409,11 @@ Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std
       b->addr += size;
     }
     b->size -= size;
-    arena.mapped_free.reposition(*b);
+    arena.mapped_free.reposition(*b);  // the remainder keeps its free_lru_ place
   }
   c->status = BlockStatus::allocated;
   c->requested = requested;
   c->pool = pool_of_size(size);
-  add_live(*c);
   account_allocated(*c);
   return c;
 }
@@ -393,8 +431,8 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
   Block* b = arena.mapped_free.lower_bound(size);
   for (int k = 0; b != nullptr && k < kPlacementCandidates; b = arena.mapped_free.next(*b), ++k) {
     const auto& seg = *static_cast<const ExpSegment*>(b->segment);
-    const std::size_t front = new_pin_bytes(seg, b->addr, b->addr + size, max_shared_frames);
-    const std::size_t back = b->size > size && front != 0 ? new_pin_bytes(seg, b->end() - size, b->end(), max_shared_frames) : front;
+    const std::size_t front = new_pin_bytes(seg, *b, b->addr, b->addr + size, max_shared_frames);
+    const std::size_t back = b->size > size && front != 0 ? new_pin_bytes(seg, *b, b->end() - size, b->end(), max_shared_frames) : front;
     if (front < best_pin || back < best_pin) {
       best = b;
       best_back = back < front;
@@ -416,9 +454,12 @@ std::size_t ExpandableBackend::frames_needed(const ExpSegment& seg, std::uint64_
 // Under a limit, the driver calls that placing a block at [lo, hi) costs: the idle bulk handles it
 // covers only partly (grow_and_carve unmaps them first) and the handles map_range then maps, at most
 // `max_frames` each (their frames, and the unmapped ones, go to `frames`). Idle handles it covers
-// wholly cost nothing. The count stops early (frames then partial) once it exceeds `bound`.
-std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t max_frames,
-                                               std::size_t& frames, std::size_t bound) const noexcept {
+// wholly cost nothing. [lo, hi) lies in the run of free blocks [run_lo, run_hi): a handle is idle
+// iff it lies wholly inside the run. The count stops early (frames then partial) once it exceeds
+// `bound`.
+std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint64_t run_lo, std::uint64_t run_hi, std::uint64_t lo,
+                                               std::uint64_t hi, std::size_t max_frames, std::size_t& frames,
+                                               std::size_t bound) const noexcept {
   const std::size_t first = frame_of(seg, lo);
   const std::size_t end = frame_of(seg, hi - 1) + 1;
   const bool first_partial = (lo - seg.base) % frame_ != 0;
@@ -447,7 +488,8 @@ std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint6
     }
     const std::size_t n = std::min(h->first_frame + h->nframes, end) - f;
     const std::uint64_t hlo = frame_addr(seg, h->first_frame);
-    if (h->nframes > 1 && h->live_bytes == 0 && (hlo < lo || hlo + h->bytes > hi)) {
+    const bool idle = hlo >= run_lo && hlo + h->bytes <= run_hi;
+    if (h->nframes > 1 && idle && (hlo < lo || hlo + h->bytes > hi)) {
       run += n;
       if (++calls > bound) return calls;  // already worse than a place found
     } else if (run != 0) {
@@ -500,7 +542,7 @@ bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placem
     }
     auto consider = [&](std::uint64_t start) {
       std::size_t frames = 0;
-      const std::size_t calls = placement_calls(*seg, start, start + size, max_frames, frames, found ? out.calls : kNoPlace);
+      const std::size_t calls = placement_calls(*seg, lo, hi, start, start + size, max_frames, frames, found ? out.calls : kNoPlace);
       if (!found || calls < out.calls || (calls == out.calls && frames < out.new_frames)) {
         out = Placement{seg, first->prev, start, frames, calls};
         found = true;
@@ -518,7 +560,8 @@ bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placem
       for (std::size_t f = frame_of(*seg, b->addr); f <= frame_of(*seg, b->end() - 1) && out.calls != 0;) {
         const ExpHandle* h = seg->frames[f];
         const std::uint64_t at = frame_addr(*seg, f);
-        if (h->first_frame == f && h->live_bytes == 0 && at > lo && at >= b->addr && at + size <= hi) consider(at);
+        // Idle: wholly inside the run.
+        if (h->first_frame == f && at + h->bytes <= hi && at > lo && at >= b->addr && at + size <= hi) consider(at);
         f = h->first_frame + h->nframes;
       }
     }
@@ -636,7 +679,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   // mapped past a block is for later, not part of the working set). It costs a stream
   // synchronization and driver calls, so it only runs when a new peak would be set — rarely, once
   // a workload has warmed up. Under a limit, make_room below reclaims when the limit requires it.
-  if (ctx_.limit == 0 && !idle_.empty()) {
+  if (ctx_.limit == 0 && !free_lru_.empty()) {
     const std::size_t need = frames_needed(*pl.seg, pl.start, map_hi) * frame_;
     if (reserved_ + need > high_water_) {
       const auto in_use = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current) + size;
@@ -647,7 +690,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
       if (reserved_ + need > soft) reclaim_idle(reserved_ + need - soft, Exclusion{pl.seg, pl.start, map_hi}, &arena);
     }
   }
-  if (ctx_.limit != 0) unmap_bulk_handles_under(*pl.seg, pl.start, pl.start + size);
+  if (ctx_.limit != 0) unmap_bulk_handles_under(*pl.seg, pl.anchor, pl.start, pl.start + size);
   if (map_hi > pl.start + size &&
       !make_room(frames_needed(*pl.seg, pl.start, map_hi) * frame_, Exclusion{pl.seg, pl.start, map_hi}))
     map_hi = pl.start + size;  // no room for the extra: map just what the request needs
@@ -675,13 +718,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
   while (b->end() <= pl.start) b = b->next;
   if (!b->is_free() || !b->mapped || b->end() < pl.start + size) broken("mapped run at " + hex(pl.start) + " is not one free block");
-  if (b->addr < pl.start) {
-    erase_free(arena, b);
-    Block* upper = split_after(arena.blocks, b, pl.start);
-    insert_free(arena, b);
-    insert_free(arena, upper);
-    b = upper;
-  }
+  if (b->addr < pl.start) b = split_free(arena, b, pl.start);
   return carve(arena, b, size, requested, false);
 }
 
@@ -765,12 +802,12 @@ bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t 
 std::size_t ExpandableBackend::move_idle_handle(ExpSegment& seg, std::size_t frame, std::size_t nframes, Block* anchor,
                                                 const Exclusion& ex) {
   ExpHandle* best = nullptr;
-  for (ExpHandle& h : idle_) {
-    if (h.nframes > nframes || 4 * h.nframes < 3 * nframes || (best != nullptr && h.nframes <= best->nframes)) continue;
-    if (excluded(h, ex)) continue;
+  for_each_idle([&](ExpHandle& h) {
+    if (best != nullptr && best->nframes == nframes) return;  // an exact fit, the least recently idle
+    if (h.nframes > nframes || 4 * h.nframes < 3 * nframes || (best != nullptr && h.nframes <= best->nframes)) return;
+    if (excluded(h, ex)) return;
     best = &h;
-    if (best->nframes == nframes) break;
-  }
+  });
   if (best == nullptr) return 0;
   // The memory was freed on its arena's stream: work queued there may still use it.
   synchronize_once(best->seg->arena->stream);
@@ -828,7 +865,6 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   ExpArena& arena = *seg.arena;
   h->seg = &seg;
   h->mapped = true;
-  h->live_bytes = 0;
   if (seg.frames.size() < h->first_frame + h->nframes) seg.frames.resize(h->first_frame + h->nframes, nullptr);
   for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = h;
   seg.mapped_bytes += h->bytes;
@@ -838,7 +874,6 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   ++handles_;
   account_reserved(kLargePool, static_cast<std::int64_t>(h->bytes));
   ctx_.stats.physical_handles.increase(1);
-  idle_.push_back(*h);
   const std::uint64_t lo = frame_addr(seg, h->first_frame);
   const std::uint64_t hi = lo + h->bytes;
   if (ctx_.hooks) ctx_.hooks->on_map(lo, h->bytes, arena.stream);
@@ -855,25 +890,26 @@ void ExpandableBackend::set_range_mapped(ExpSegment& seg, Block* from, std::uint
   while (b->end() <= lo) b = b->next;
   if (!b->is_free() || b->mapped == mapped || b->addr > lo || b->end() < hi)
     broken("frames at " + hex(lo) + " are not inside one free " + (mapped ? "unmapped" : "mapped") + " block");
+  // The parts that stay mapped (unmapping) keep the block's free_lru_ place.
+  const BlockLru::iterator lru_place = b->mapped ? std::next(free_lru_.iterator_to(*b)) : free_lru_.end();
   erase_free(arena, b);
   Block* mid = b;
   if (b->addr < lo) {
     mid = split_after(arena.blocks, b, lo);
-    insert_free(arena, b);
+    insert_free_at(arena, b, lru_place);
   }
-  if (mid->end() > hi) insert_free(arena, split_after(arena.blocks, mid, hi));
+  if (mid->end() > hi) insert_free_at(arena, split_after(arena.blocks, mid, hi), lru_place);
   mid->mapped = mapped;
-  insert_free(arena, merge_free(arena, mid));
+  merge_and_insert_free(arena, mid);
 }
 
 // Bytes that could be mapped under the limit once every idle handle outside `ex` is given back.
 std::size_t ExpandableBackend::room_after_reclaim(const Exclusion& ex) const noexcept {
   const std::size_t limit = ctx_.effective_limit();
   std::size_t idle = 0;
-  for (const ExpHandle& h : idle_) {
-    if (excluded(h, ex)) continue;
-    idle += h.bytes;
-  }
+  for_each_idle([&](const ExpHandle& h) {
+    if (!excluded(h, ex)) idle += h.bytes;
+  });
   const std::size_t held = reserved_ - idle;
   return limit > held ? limit - held : 0;
 }
@@ -894,11 +930,9 @@ bool ExpandableBackend::make_room(std::size_t bytes, const Exclusion& ex) {
 std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only, bool largest_first) {
   std::size_t freed = 0;
   std::vector<ExpHandle*> order;
-  for (ExpHandle& h : idle_) {
-    if (only != nullptr && h.seg->arena != only) continue;
-    if (excluded(h, ex)) continue;
-    order.push_back(&h);
-  }
+  for_each_idle([&](ExpHandle& h) {
+    if ((only == nullptr || h.seg->arena == only) && !excluded(h, ex)) order.push_back(&h);
+  });
   if (largest_first) std::stable_sort(order.begin(), order.end(), [](const ExpHandle* a, const ExpHandle* b) { return a->bytes > b->bytes; });
   for (ExpHandle* h : order) {
     if (freed >= bytes) break;
@@ -920,7 +954,6 @@ void ExpandableBackend::unmap_mapping(ExpHandle* h) {
   const std::uint64_t lo = frame_addr(seg, h->first_frame);
   const std::uint64_t hi = lo + h->bytes;
   ctx_.driver.unmap(lo, h->bytes);  // throws with nothing changed
-  idle_.erase(idle_.iterator_to(*h));
   for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = nullptr;
   seg.mapped_bytes -= h->bytes;
   ctx_.stats.num_device_free += 1;
@@ -1019,11 +1052,11 @@ void ExpandableBackend::retry_orphans() {
 
 void ExpandableBackend::free(Block* b) {
   leave_active(*b);
-  remove_live(*b);
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   ExpArena& arena = *seg.arena;
-  // An allocated block is mapped: it merges with mapped free neighbours, and the merged block takes
-  // the index node of a neighbour it absorbs (no rebalancing when the rank allows).
+  // An allocated block is mapped: it merges with mapped free neighbours. The merged block is a
+  // neighbour it absorbs, keeping that neighbour's index node (no rebalancing when the rank allows)
+  // and free_lru_ place, so a free that undoes a cached allocation touches no list.
   Block* p = b->prev;
   Block* n = b->next;
   const bool merge_prev = p && p->is_free() && p->mapped;
@@ -1032,27 +1065,29 @@ void ExpandableBackend::free(Block* b) {
     insert_free(arena, b);
     return;
   }
-  b->status = BlockStatus::free;
-  Block* keep = b;
-  if (merge_next) {  // b absorbs n, and takes n's node
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next) n->next->prev = b;
-    arena.mapped_free.replace(*n, *b);
+  if (!merge_prev) {  // n absorbs b
+    n->addr = b->addr;
+    n->size += b->size;
+    n->prev = p;
+    if (p) p->next = n;
+    else seg.first = n;
+    arena.blocks.recycle(b);
+    arena.mapped_free.reposition(*n);
+    return;
+  }
+  // p absorbs b (and n)
+  p->size += b->size;
+  p->next = n;
+  if (n) n->prev = p;
+  if (merge_next) {
+    p->size += n->size;
+    p->next = n->next;
+    if (n->next) n->next->prev = p;
+    erase_free(arena, n);
     arena.blocks.recycle(n);
   }
-  if (merge_prev) {  // p absorbs b (and n): p keeps its node
-    p->size += b->size;
-    p->next = b->next;
-    if (b->next) b->next->prev = p;
-    if (merge_next) {
-      arena.mapped_free.erase(*b);
-      ctx_.stats.num_free_blocks -= 1;
-    }
-    arena.blocks.recycle(b);
-    keep = p;
-  }
-  arena.mapped_free.reposition(*keep);
+  arena.blocks.recycle(b);
+  arena.mapped_free.reposition(*p);
 }
 
 void ExpandableBackend::release_cached() {
@@ -1123,9 +1158,10 @@ void ExpandableBackend::validate() const {
       ++segments;
       if (seg->arena != arena) broken("segment points to another arena");
       if (seg->frames.size() * frame_ > seg->va_bytes) broken("frame table is larger than the segment");
-      // Handles: frames -> handle consistency, live bytes recomputed below.
+      // Handles: frames -> handle consistency; live bytes and idleness recomputed below.
       std::size_t mapped = 0;
       std::vector<std::size_t> live(seg->frames.size(), 0);  // live bytes per handle, by first frame
+      std::vector<char> in_free(seg->frames.size(), 0);      // lies wholly inside a mapped free block
       for (std::size_t f = 0; f < seg->frames.size();) {
         const ExpHandle* h = seg->frames[f];
         if (h == nullptr) {
@@ -1139,8 +1175,7 @@ void ExpandableBackend::validate() const {
         mapped += h->bytes;
         reserved += h->bytes;
         ++handles;
-        if ((h->live_bytes == 0) != h->hook.is_linked()) broken("idle list membership disagrees with live bytes");
-        if (h->live_bytes == 0) ++idle;
+        if (h->hook.is_linked()) broken("a mapped handle is on the orphan list");
         if ((f + h->nframes) * frame_ > seg->high_water) broken("high-water mark below a mapping");
         f += h->nframes;
       }
@@ -1157,6 +1192,15 @@ void ExpandableBackend::validate() const {
         expect = b->end();
         const std::size_t f0 = frame_of(*seg, b->addr);
         const std::size_t f1 = frame_of(*seg, b->end() - 1);
+        if (b->lru_hook.is_linked() != (b->is_free() && b->mapped)) broken("free_lru_ membership is wrong at " + hex(b->addr));
+        if (b->is_free() && b->mapped) {
+          for (std::size_t f = f0; f <= f1;) {
+            const ExpHandle* h = seg->frames[f];
+            const std::uint64_t lo = frame_addr(*seg, h->first_frame);
+            if (lo >= b->addr && lo + h->bytes <= b->end()) in_free[h->first_frame] = 1;
+            f = h->first_frame + h->nframes;
+          }
+        }
         if (b->is_free()) {
           if (!b->free_hook.is_linked()) broken("free block not in an index");
           if (prev && prev->is_free() && prev->mapped == b->mapped) broken("adjacent free blocks of one state not merged at " + hex(b->addr));
@@ -1195,7 +1239,9 @@ void ExpandableBackend::validate() const {
           ++f;
           continue;
         }
-        if (live[f] != h->live_bytes) broken("handle live_bytes is wrong at frame " + std::to_string(f));
+        // What for_each_idle relies on: a handle without live bytes lies inside one mapped free block.
+        if ((live[f] == 0) != (in_free[f] != 0)) broken("handle at frame " + std::to_string(f) + " is idle but not inside one free block");
+        if (live[f] == 0) ++idle;
         f += h->nframes;
       }
     }
@@ -1218,7 +1264,15 @@ void ExpandableBackend::validate() const {
     }
   }
   if (indexed_mapped != mapped_free_blocks || indexed_unmapped != unmapped_blocks) broken("free indexes hold blocks not in any segment");
-  if (idle != idle_.size()) broken("idle list holds handles that are not idle");
+  std::size_t lru_blocks = 0;
+  for (const Block& b : free_lru_) {
+    if (!b.is_free() || !b.mapped) broken("free_lru_ holds a block that is not free and mapped at " + hex(b.addr));
+    ++lru_blocks;
+  }
+  if (lru_blocks != mapped_free_blocks) broken("free_lru_ holds blocks that are not in any segment");
+  std::size_t enumerated = 0;
+  for_each_idle([&](const ExpHandle&) { ++enumerated; });
+  if (enumerated != idle) broken("the idle handles found through free_lru_ are not the idle ones");
   for (const ExpHandle& h : orphans_) {
     reserved += h.bytes;
     ++handles;
@@ -1337,7 +1391,7 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
       s.largest_free_block = std::max(s.largest_free_block, b.size);
     });
   }
-  for (const ExpHandle& h : idle_) s.releasable_bytes += h.bytes;
+  for_each_idle([&](const ExpHandle& h) { s.releasable_bytes += h.bytes; });
   return s;
 }
 

@@ -22,8 +22,10 @@
 //   - no two adjacent free blocks have the same mapped state
 //   - a mapped free block is in its arena's mapped_free index, an unmapped one in unmapped, no other
 //     block is in an index
-//   - handle.live_bytes = bytes of allocated/pending blocks inside the handle; a mapped handle is in
-//     the idle list iff live_bytes == 0
+//   - a block is in the backend's free_lru list iff it is free and mapped
+//   - (follows from the above, not stored) a mapped handle is idle, holding no byte of an allocated
+//     or pending block, iff it lies wholly inside one mapped free block: a handle maps whole, and
+//     the free blocks covering it are mapped and merged
 //   - reserved_ = bytes of every handle held (mapped or waiting for a retried release)
 //   - a mapped orphan (its access grant and its unmap failed) lies inside a reservation still held,
 //     and no handle is mapped over its frames until its unmap succeeds
@@ -49,10 +51,9 @@ struct ExpHandle {
   ExpSegment* seg = nullptr;   // nullptr once unmapped (orphans)
   std::size_t first_frame = 0;
   std::size_t nframes = 0;
-  std::size_t live_bytes = 0;  // bytes of allocated/pending blocks inside
   bool mapped = false;         // orphans: whether the mapping still exists
   std::uint64_t orphan_addr = 0;  // orphans that are still mapped: where
-  core::bi::list_member_hook<> hook;  // idle list (mapped, no live bytes) or orphan list
+  core::bi::list_member_hook<> hook;  // orphan list
 };
 
 struct ExpSegment {
@@ -103,6 +104,9 @@ class ExpandableBackend final : public Backend {
   // The largest physical handle growth creates (the handle policy, see expandable.cpp).
   std::size_t max_handle_bytes(std::size_t request = 0) const noexcept;
   std::size_t growth_granule() const noexcept;
+  // Physical handles the cached paths (an allocation from cached memory, a free) have looked at:
+  // a few per call, however many handles lie under the block (tests check it).
+  std::uint64_t cached_path_handles() const noexcept { return cached_path_handles_; }
 
  private:
   struct Placement {
@@ -133,12 +137,12 @@ class ExpandableBackend final : public Backend {
   [[gnu::noinline]] ExpArena& new_arena(driver::stream_t stream);
   core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back);
   static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
-  // Bytes of idle handles a block at [lo, hi) would use only partly; kNoPlace when it would use
-  // only part of an idle handle of more than `max_shared_frames` frames (under a limit: 1, so that
-  // bulk handles serve one block at a time).
-  std::size_t new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
-                            std::size_t max_shared_frames = std::numeric_limits<std::size_t>::max()) const noexcept;
-  void unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi);
+  // Bytes of idle handles a block at [lo, hi), inside free block `free`, would use only partly;
+  // kNoPlace when it would use only part of an idle handle of more than `max_shared_frames` frames
+  // (under a limit: 1, so that bulk handles serve one block at a time).
+  std::size_t new_pin_bytes(const ExpSegment& seg, const core::Block& free, std::uint64_t lo, std::uint64_t hi,
+                            std::size_t max_shared_frames) const noexcept;
+  void unmap_bulk_handles_under(ExpSegment& seg, const core::Block* anchor, std::uint64_t lo, std::uint64_t hi);
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
@@ -146,8 +150,8 @@ class ExpandableBackend final : public Backend {
   void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
-  std::size_t placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t max_frames, std::size_t& frames,
-                              std::size_t bound) const noexcept;
+  std::size_t placement_calls(const ExpSegment& seg, std::uint64_t run_lo, std::uint64_t run_hi, std::uint64_t lo, std::uint64_t hi,
+                              std::size_t max_frames, std::size_t& frames, std::size_t bound) const noexcept;
   bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor,
                  std::vector<ExpHandle*>* mapped_now = nullptr);
   void unmap_new_handles(const std::vector<ExpHandle*>& handles) noexcept;
@@ -171,11 +175,19 @@ class ExpandableBackend final : public Backend {
   void synchronize_once(driver::stream_t stream);
   void begin_operation() noexcept { synced_ = {}; }
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
-  void add_live(const core::Block& b) noexcept;
-  void remove_live(const core::Block& b) noexcept;
+  using BlockLru = core::bi::list<core::Block, core::bi::member_hook<core::Block, core::LruHook, &core::Block::lru_hook>,
+                                  core::bi::constant_time_size<false>>;
   void insert_free(ExpArena& arena, core::Block* b) noexcept;
+  void insert_free_at(ExpArena& arena, core::Block* b, BlockLru::iterator lru_place) noexcept;
   void erase_free(ExpArena& arena, core::Block* b) noexcept;
-  core::Block* merge_free(ExpArena& arena, core::Block* b) noexcept;
+  void index_free(ExpArena& arena, core::Block* b) noexcept;
+  void unindex_free(ExpArena& arena, core::Block* b) noexcept;
+  core::Block* split_free(ExpArena& arena, core::Block* b, std::uint64_t at) noexcept;
+  void merge_and_insert_free(ExpArena& arena, core::Block* b) noexcept;
+  // Calls f(handle) for each idle handle (one lying wholly inside a mapped free block), those of
+  // the least recently freed blocks first, by address inside a block.
+  template <class F>
+  void for_each_idle(F&& f) const;
   static ExpHandle* frame_handle(const ExpSegment& seg, std::size_t f) noexcept { return f < seg.frames.size() ? seg.frames[f] : nullptr; }
   std::uint64_t frame_addr(const ExpSegment& seg, std::size_t f) const noexcept { return seg.base + (f << frame_shift_); }
   std::size_t frame_of(const ExpSegment& seg, std::uint64_t addr) const noexcept { return (addr - seg.base) >> frame_shift_; }
@@ -192,11 +204,14 @@ class ExpandableBackend final : public Backend {
     ExpArena* arena;
   };
   std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
-  HandleList idle_;     // mapped handles without live bytes, least recently idle first
+  // Mapped free blocks, least recently freed first: the idle handles are those lying wholly
+  // inside one (see for_each_idle), so the cached paths never visit the handles under a block.
+  BlockLru free_lru_;
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
   std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
+  mutable std::uint64_t cached_path_handles_ = 0;
   struct SyncedStreams {         // synchronize_once's streams in the current operation
     driver::stream_t streams[8];
     std::size_t count = 0;
