@@ -33,7 +33,6 @@ enum class BlockStatus : std::uint8_t {
 
 using FreeHook = bi::set_member_hook<bi::link_mode<bi::safe_link>>;
 using PendingHook = bi::list_member_hook<bi::link_mode<bi::safe_link>>;
-using LruHook = bi::list_member_hook<bi::link_mode<bi::safe_link>>;
 
 // Laid out for the cached paths: everything they read or write sits in the first two cache lines
 // of a 64-byte aligned block; record_stream's list and the pending-free hook come after.
@@ -54,7 +53,6 @@ struct alignas(64) Block {
   std::uint64_t gc_base = 0;                // split_merge garbage collection: call count at insertion
   std::vector<driver::stream_t> stream_uses;  // record_stream(); empty on the hot path (no heap)
   PendingHook pending_hook;
-  LruHook lru_hook;  // expandable: its list of mapped free blocks, least recently freed first
 
   bool is_free() const noexcept { return status == BlockStatus::free; }
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
@@ -62,7 +60,6 @@ struct alignas(64) Block {
 };
 
 static_assert(offsetof(Block, gc_base) + sizeof(std::uint64_t) <= 128, "the cached paths' fields span two cache lines");
-static_assert(sizeof(Block) == 192, "lru_hook fits in the third cache line's spare bytes");
 
 // Recycles Block objects so the cached allocation path never touches the heap: blocks come from
 // chunks that are only allocated when the number of blocks alive reaches a new high-water mark.

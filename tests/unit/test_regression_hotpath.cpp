@@ -266,6 +266,9 @@ TEST_CASE("hotpath: a cached pair of a block over 256 handles looks at a few of 
     for (void* p : ps) sa->deallocate(p);
     REQUIRE(sa->stats().physical_handles.current >= 256);
     const auto& be = dynamic_cast<const expseg::backends::ExpandableBackend&>(expseg::detail::AllocatorAccess::backend(*sa.alloc));
+    // The first allocation also ends the 256 idle runs the frees made (one each, amortized: a run
+    // ends once); from then on each pair looks at a constant number of handles and runs.
+    sa->deallocate(sa->allocate(512 * MiB));
     const std::uint64_t seen0 = be.cached_path_handles();
     const std::uint64_t driver0 = driver_calls(*sa.sim);
     constexpr int kPairs = 10;
@@ -273,7 +276,7 @@ TEST_CASE("hotpath: a cached pair of a block over 256 handles looks at a few of 
     CHECK(driver_calls(*sa.sim) == driver0);  // cached pairs
     const std::uint64_t seen = be.cached_path_handles() - seen0;
     CAPTURE(seen);
-    CHECK(seen <= 16 * kPairs);  // a few per pair (the edges of a few candidates), not 256
+    CHECK(seen <= 32 * kPairs);  // a few per pair (the ends of the block and of a few candidates), not 256
     sa->validate();
   }
 }

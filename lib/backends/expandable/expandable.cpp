@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "expseg/errors.hpp"
@@ -177,7 +178,6 @@ ExpandableBackend::~ExpandableBackend() {
       }
     }
   };
-  free_lru_.clear();  // its blocks go with their arenas below
   // Orphans first: one may still be mapped inside a reservation freed below.
   while (!orphans_.empty()) {
     ExpHandle* h = &orphans_.front();
@@ -206,6 +206,8 @@ ExpandableBackend::~ExpandableBackend() {
     }
     delete arena;
   }
+  idle_runs_.clear_and_dispose([](IdleRun* r) { delete r; });
+  spare_runs_.clear_and_dispose([](IdleRun* r) { delete r; });
 }
 
 std::size_t ExpandableBackend::round_size(std::size_t size) const noexcept {
@@ -234,19 +236,7 @@ ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
   return *a;
 }
 
-// Idle memory without a walk of handles. A handle maps whole and adjacent free blocks of one
-// mapped state merge, so a mapped handle holding no live byte lies wholly inside one mapped free
-// block, and every handle lying wholly inside one is idle: idleness is a property of the free
-// blocks, not stored per handle. The cached paths then do a constant amount of work whatever the
-// block covers (per-handle live bytes cost ~19 ns per handle per pair: 19.5 us for a 1 GiB block
-// over 512 handles). What the handle list ordered, free_lru_ orders by block: mapped free blocks,
-// least recently freed first. A block freed alone goes last; one merged with a free neighbour
-// keeps that neighbour's place (the lower one's when both), so that a free that undoes a cached
-// allocation touches no list; a split keeps both parts in the block's place. Reclaim walks the
-// list oldest first and takes the handles lying wholly inside each block (for_each_idle).
-
-// The free block indexes alone (the size index or the unmapped set), not free_lru_.
-void ExpandableBackend::index_free(ExpArena& arena, Block* b) noexcept {
+void ExpandableBackend::insert_free(ExpArena& arena, Block* b) noexcept {
   b->status = BlockStatus::free;
   if (b->mapped) {
     arena.mapped_free.insert(*b);
@@ -256,7 +246,7 @@ void ExpandableBackend::index_free(ExpArena& arena, Block* b) noexcept {
   }
 }
 
-void ExpandableBackend::unindex_free(ExpArena& arena, Block* b) noexcept {
+void ExpandableBackend::erase_free(ExpArena& arena, Block* b) noexcept {
   if (b->mapped) {
     arena.mapped_free.erase(*b);
     ctx_.stats.num_free_blocks -= 1;
@@ -265,41 +255,11 @@ void ExpandableBackend::unindex_free(ExpArena& arena, Block* b) noexcept {
   }
 }
 
-// Indexes free block `b`; a mapped one goes last in free_lru_ (most recently freed).
-void ExpandableBackend::insert_free(ExpArena& arena, Block* b) noexcept { insert_free_at(arena, b, free_lru_.end()); }
-
-// Indexes free block `b`; a mapped one goes just before `lru_place` in free_lru_.
-void ExpandableBackend::insert_free_at(ExpArena& arena, Block* b, BlockLru::iterator lru_place) noexcept {
-  index_free(arena, b);
-  if (b->mapped) free_lru_.insert(lru_place, *b);
-}
-
-void ExpandableBackend::erase_free(ExpArena& arena, Block* b) noexcept {
-  unindex_free(arena, b);
-  if (b->mapped) free_lru_.erase(free_lru_.iterator_to(*b));
-}
-
-// Splits indexed free block `b` at `at` (inside it): both parts stay indexed, and a mapped upper
-// part takes the place right after `b` in free_lru_ (its handles were idle as long). Returns it.
-Block* ExpandableBackend::split_free(ExpArena& arena, Block* b, std::uint64_t at) noexcept {
-  unindex_free(arena, b);
-  Block* upper = split_after(arena.blocks, b, at);
-  index_free(arena, b);
-  index_free(arena, upper);
-  if (b->mapped) free_lru_.insert(std::next(free_lru_.iterator_to(*b)), *upper);
-  return upper;
-}
-
-// Merges free block `b` (in no index, not in free_lru_) with free neighbours of the same mapped
-// state and indexes the result. The lower block object survives (a Placement's anchor->next stays
-// the first block of its run); a mapped result keeps the free_lru_ place of the neighbour it
-// absorbs (the lower one's when both), or goes last when it absorbs none.
-void ExpandableBackend::merge_and_insert_free(ExpArena& arena, Block* b) noexcept {
-  Block* p = b->prev;
-  const bool merge_prev = p && p->is_free() && p->mapped == b->mapped;
-  BlockLru::iterator lru_place = free_lru_.end();
-  if (merge_prev) {
-    unindex_free(arena, p);  // p keeps its free_lru_ place
+// Merges free block `b` (not in an index) with free neighbours of the same mapped state; the lower
+// block object survives. Returns the merged block (still not in an index).
+Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
+  if (Block* p = b->prev; p && p->is_free() && p->mapped == b->mapped) {
+    erase_free(arena, p);
     p->size += b->size;
     p->next = b->next;
     if (b->next) b->next->prev = p;
@@ -307,26 +267,114 @@ void ExpandableBackend::merge_and_insert_free(ExpArena& arena, Block* b) noexcep
     b = p;
   }
   if (Block* n = b->next; n && n->is_free() && n->mapped == b->mapped) {
-    if (n->mapped && !merge_prev) lru_place = std::next(free_lru_.iterator_to(*n));
     erase_free(arena, n);
     b->size += n->size;
     b->next = n->next;
     if (n->next) n->next->prev = b;
     arena.blocks.recycle(n);
   }
-  index_free(arena, b);
-  if (b->mapped && !merge_prev) free_lru_.insert(lru_place, *b);
+  return b;
+}
+
+// Idle handles without a walk of the handles under a block. A handle maps whole and adjacent
+// mapped free blocks merge, so a mapped handle holding no byte of a live block is one lying wholly
+// inside a mapped free block: the cached paths never count live bytes per handle (that walk cost
+// ~19 ns per handle per pair: 19.5 us for a 1 GiB block over 512 handles). What remains is the
+// order reclaim takes idle handles in, least recently idle first: the handles a free makes idle
+// (those under the block that now lie wholly inside the merged free block: all but perhaps the two
+// end ones) form one IdleRun, appended to idle_runs_; an allocation removes the handles under it
+// from the runs of its free block, at the block's front or back (make_busy). Handles go in and out
+// of the runs exactly where they went in and out of a list of handles, so the order is the same,
+// and each call does a constant amount of work: two end handles, and the runs it removes whole,
+// each of which a free or a mapping added (amortized, one per call).
+
+void ExpandableBackend::whole_handles(const ExpSegment& seg, const Block& b, std::uint64_t& lo, std::uint64_t& hi) const noexcept {
+  cached_path_handles_ += 2;
+  const ExpHandle* first = handle_at(seg, b.addr);
+  lo = frame_addr(seg, first->first_frame);
+  if (lo < b.addr) lo += first->bytes;
+  const ExpHandle* last = handle_at(seg, b.end() - 1);
+  hi = frame_addr(seg, last->first_frame) + last->bytes;
+  if (hi > b.end()) hi -= last->bytes;
+}
+
+// Makes sure `n` idle runs are at hand, so that the changes that follow cannot fail for one.
+void ExpandableBackend::reserve_runs(std::size_t n) {
+  for (auto it = spare_runs_.begin(); it != spare_runs_.end() && n != 0; ++it) --n;
+  for (; n != 0; --n) spare_runs_.push_front(*new IdleRun);
+}
+
+void ExpandableBackend::set_run_edges(IdleRun* r) noexcept {
+  handle_at(*r->seg, r->lo)->run_first = r;
+  handle_at(*r->seg, r->hi - 1)->run_last = r;
+}
+
+// Adds the idle handles of [lo, hi) as a run: last in idle_runs_, or right after `after` (the rest
+// of a run that was split). Takes a spare run (reserve_runs).
+void ExpandableBackend::add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after) noexcept {
+  IdleRun* r = &spare_runs_.front();
+  spare_runs_.pop_front();
+  r->seg = &seg;
+  r->lo = lo;
+  r->hi = hi;
+  idle_runs_.insert(after ? std::next(idle_runs_.iterator_to(*after)) : idle_runs_.end(), *r);
+  set_run_edges(r);
+}
+
+void ExpandableBackend::drop_idle_run(IdleRun* r) noexcept {
+  idle_runs_.erase(idle_runs_.iterator_to(*r));
+  spare_runs_.push_front(*r);
+}
+
+// The handles of [lo, hi) stop being idle: a block is carved over them, or one is unmapped. [wlo,
+// whi) are the whole handles of their free block, which the runs there tile; lo and hi lie on
+// handle boundaries inside it. From the front or the back the runs are trimmed or dropped; a range
+// strictly inside a run splits it (a spare run, see reserve_runs), the slow paths only.
+void ExpandableBackend::make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept {
+  if (lo >= hi) return;
+  if (hi == whi && lo != wlo) {  // from the back
+    for (std::uint64_t at = whi; at > lo;) {
+      IdleRun* r = handle_at(seg, at - 1)->run_last;
+      ++cached_path_handles_;
+      at = r->lo;
+      if (r->lo >= lo) {
+        drop_idle_run(r);
+      } else {
+        r->hi = lo;
+        handle_at(seg, lo - 1)->run_last = r;
+      }
+    }
+    return;
+  }
+  for (std::uint64_t at = wlo; at < hi;) {
+    IdleRun* r = handle_at(seg, at)->run_first;
+    ++cached_path_handles_;
+    at = r->hi;
+    if (r->hi <= lo) continue;
+    if (r->lo >= lo && r->hi <= hi) {
+      drop_idle_run(r);
+    } else if (r->lo < lo && r->hi > hi) {
+      const std::uint64_t end = r->hi;
+      r->hi = lo;
+      handle_at(seg, lo - 1)->run_last = r;
+      add_idle_run(seg, hi, end, r);
+    } else if (r->lo < lo) {
+      r->hi = lo;
+      handle_at(seg, lo - 1)->run_last = r;
+    } else {
+      r->lo = hi;
+      handle_at(seg, hi)->run_first = r;
+    }
+  }
 }
 
 template <class F>
 void ExpandableBackend::for_each_idle(F&& f) const {
-  for (const Block& b : free_lru_) {
-    const auto& seg = *static_cast<const ExpSegment*>(b.segment);
-    for (std::size_t fr = frame_of(seg, b.addr), last = frame_of(seg, b.end() - 1); fr <= last;) {
-      ExpHandle* h = seg.frames[fr];
-      fr = h->first_frame + h->nframes;
-      const std::uint64_t lo = frame_addr(seg, h->first_frame);
-      if (lo >= b.addr && lo + h->bytes <= b.end()) f(*h);
+  for (const IdleRun& r : idle_runs_) {
+    for (std::uint64_t a = r.lo; a < r.hi;) {
+      ExpHandle* h = handle_at(*r.seg, a);
+      a += h->bytes;
+      f(*h);
     }
   }
 }
@@ -358,8 +406,8 @@ inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, const
 // only partly, so that the block maps frames of its own there instead of sharing them. [lo, hi)
 // lies in the run of free blocks after `anchor` (the first block when nullptr).
 void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, const Block* anchor, std::uint64_t lo, std::uint64_t hi) {
-  // A handle under [lo, hi) is idle iff it lies wholly inside the run (unmapping changes only the
-  // mapped state of the run's blocks, not the run).
+  // A handle under [lo, hi) is idle iff it lies wholly inside the run of free blocks (unmapping
+  // changes only the mapped state of the run's blocks, not the run).
   const Block* r = anchor ? anchor->next : seg.first;
   const std::uint64_t run_lo = r->addr;
   while (r->next && r->next->is_free()) r = r->next;
@@ -383,7 +431,24 @@ void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, const Block* a
 // Hands out `size` bytes of free mapped block `b`, at its front or (back) at its end. The
 // remainder keeps b's index node (repositioned only when its new size changes its rank), so a
 // cached allocation usually costs no tree rebalancing.
-Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std::size_t requested, bool back) {
+Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done) {
+  auto& seg = *static_cast<ExpSegment*>(b->segment);
+  if (!runs_done) {
+    // The idle handles the new block covers (those wholly inside b, at its front or its back).
+    std::uint64_t wlo = 0;
+    std::uint64_t whi = 0;
+    whole_handles(seg, *b, wlo, whi);
+    if (wlo < whi) {
+      ++cached_path_handles_;
+      if (back) {
+        const ExpHandle* h = handle_at(seg, b->end() - size);
+        make_busy(seg, wlo, whi, std::max(frame_addr(seg, h->first_frame), wlo), whi);
+      } else {
+        const ExpHandle* h = handle_at(seg, b->addr + size - 1);
+        make_busy(seg, wlo, whi, wlo, std::min(frame_addr(seg, h->first_frame) + h->bytes, whi));
+      }
+    }
+  }
   Block* c = b;
   if (b->size == size) {
     erase_free(arena, b);
@@ -404,12 +469,12 @@ Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std
       c->prev = b->prev;
       c->next = b;
       if (b->prev) b->prev->next = c;
-      else static_cast<ExpSegment*>(b->segment)->first = c;
+      else seg.first = c;
       b->prev = c;
       b->addr += size;
     }
     b->size -= size;
-    arena.mapped_free.reposition(*b);  // the remainder keeps its free_lru_ place
+    arena.mapped_free.reposition(*b);
   }
   c->status = BlockStatus::allocated;
   c->requested = requested;
@@ -679,7 +744,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   // mapped past a block is for later, not part of the working set). It costs a stream
   // synchronization and driver calls, so it only runs when a new peak would be set — rarely, once
   // a workload has warmed up. Under a limit, make_room below reclaims when the limit requires it.
-  if (ctx_.limit == 0 && !free_lru_.empty()) {
+  if (ctx_.limit == 0 && !idle_runs_.empty()) {
     const std::size_t need = frames_needed(*pl.seg, pl.start, map_hi) * frame_;
     if (reserved_ + need > high_water_) {
       const auto in_use = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current) + size;
@@ -718,8 +783,26 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
   while (b->end() <= pl.start) b = b->next;
   if (!b->is_free() || !b->mapped || b->end() < pl.start + size) broken("mapped run at " + hex(pl.start) + " is not one free block");
-  if (b->addr < pl.start) b = split_free(arena, b, pl.start);
-  return carve(arena, b, size, requested, false);
+  // The idle handles under the new block leave their runs here, against b as a whole: once b is
+  // split, a handle across pl.start would lie wholly inside neither part.
+  reserve_runs(1);
+  std::uint64_t wlo = 0;
+  std::uint64_t whi = 0;
+  whole_handles(*pl.seg, *b, wlo, whi);
+  if (wlo < whi) {
+    const ExpHandle* first = handle_at(*pl.seg, pl.start);
+    const ExpHandle* last = handle_at(*pl.seg, pl.start + size - 1);
+    make_busy(*pl.seg, wlo, whi, std::max(frame_addr(*pl.seg, first->first_frame), wlo),
+              std::min(frame_addr(*pl.seg, last->first_frame) + last->bytes, whi));
+  }
+  if (b->addr < pl.start) {
+    erase_free(arena, b);
+    Block* upper = split_after(arena.blocks, b, pl.start);
+    insert_free(arena, b);
+    insert_free(arena, upper);
+    b = upper;
+  }
+  return carve(arena, b, size, requested, false, true);
 }
 
 // Maps every unmapped frame of [lo, map_hi). [lo, hi) is the block being allocated: the frames it
@@ -838,6 +921,7 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
     keep_as_orphan(h.release(), still_mapped, addr);
   };
   try {
+    reserve_runs(1);                // register_mapping's, so that it cannot fail
     unmap_orphans_in(addr, bytes);  // throws: the frames still hold that mapping, the error says why
   } catch (...) {
     give_up(false);
@@ -879,6 +963,7 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   if (ctx_.hooks) ctx_.hooks->on_map(lo, h->bytes, arena.stream);
 
   set_range_mapped(seg, anchor ? anchor->next : seg.first, lo, hi, true);
+  add_idle_run(seg, lo, hi);  // idle since now (map_handle reserved the run)
 }
 
 // The free block holding [lo, hi) (in the other mapped state) becomes up to three: the parts
@@ -890,17 +975,15 @@ void ExpandableBackend::set_range_mapped(ExpSegment& seg, Block* from, std::uint
   while (b->end() <= lo) b = b->next;
   if (!b->is_free() || b->mapped == mapped || b->addr > lo || b->end() < hi)
     broken("frames at " + hex(lo) + " are not inside one free " + (mapped ? "unmapped" : "mapped") + " block");
-  // The parts that stay mapped (unmapping) keep the block's free_lru_ place.
-  const BlockLru::iterator lru_place = b->mapped ? std::next(free_lru_.iterator_to(*b)) : free_lru_.end();
   erase_free(arena, b);
   Block* mid = b;
   if (b->addr < lo) {
     mid = split_after(arena.blocks, b, lo);
-    insert_free_at(arena, b, lru_place);
+    insert_free(arena, b);
   }
-  if (mid->end() > hi) insert_free_at(arena, split_after(arena.blocks, mid, hi), lru_place);
+  if (mid->end() > hi) insert_free(arena, split_after(arena.blocks, mid, hi));
   mid->mapped = mapped;
-  merge_and_insert_free(arena, mid);
+  insert_free(arena, merge_free(arena, mid));
 }
 
 // Bytes that could be mapped under the limit once every idle handle outside `ex` is given back.
@@ -953,7 +1036,17 @@ void ExpandableBackend::unmap_mapping(ExpHandle* h) {
   ExpArena& arena = *seg.arena;
   const std::uint64_t lo = frame_addr(seg, h->first_frame);
   const std::uint64_t hi = lo + h->bytes;
+  reserve_runs(1);                  // make_busy's, when h splits its run
   ctx_.driver.unmap(lo, h->bytes);  // throws with nothing changed
+  {
+    // h leaves its run; it lies wholly inside one free mapped block.
+    const Block* b = seg.first;
+    while (b->end() <= lo) b = b->next;
+    std::uint64_t wlo = 0;
+    std::uint64_t whi = 0;
+    whole_handles(seg, *b, wlo, whi);
+    make_busy(seg, wlo, whi, lo, hi);
+  }
   for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = nullptr;
   seg.mapped_bytes -= h->bytes;
   ctx_.stats.num_device_free += 1;
@@ -1051,43 +1144,53 @@ void ExpandableBackend::retry_orphans() {
 }
 
 void ExpandableBackend::free(Block* b) {
+  if (spare_runs_.empty()) reserve_runs(1);  // before any change; only past the most runs ever used
   leave_active(*b);
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   ExpArena& arena = *seg.arena;
-  // An allocated block is mapped: it merges with mapped free neighbours. The merged block is a
-  // neighbour it absorbs, keeping that neighbour's index node (no rebalancing when the rank allows)
-  // and free_lru_ place, so a free that undoes a cached allocation touches no list.
+  const std::uint64_t lo = b->addr;
+  const std::uint64_t hi = b->end();
+  // An allocated block is mapped: it merges with mapped free neighbours, and the merged block takes
+  // the index node of a neighbour it absorbs (no rebalancing when the rank allows).
   Block* p = b->prev;
   Block* n = b->next;
   const bool merge_prev = p && p->is_free() && p->mapped;
   const bool merge_next = n && n->is_free() && n->mapped;
+  Block* keep = b;
   if (!merge_prev && !merge_next) {
     insert_free(arena, b);
-    return;
+  } else {
+    b->status = BlockStatus::free;
+    if (merge_next) {  // b absorbs n, and takes n's node
+      b->size += n->size;
+      b->next = n->next;
+      if (n->next) n->next->prev = b;
+      arena.mapped_free.replace(*n, *b);
+      arena.blocks.recycle(n);
+    }
+    if (merge_prev) {  // p absorbs b (and n): p keeps its node
+      p->size += b->size;
+      p->next = b->next;
+      if (b->next) b->next->prev = p;
+      if (merge_next) {
+        arena.mapped_free.erase(*b);
+        ctx_.stats.num_free_blocks -= 1;
+      }
+      arena.blocks.recycle(b);
+      keep = p;
+    }
+    arena.mapped_free.reposition(*keep);
   }
-  if (!merge_prev) {  // n absorbs b
-    n->addr = b->addr;
-    n->size += b->size;
-    n->prev = p;
-    if (p) p->next = n;
-    else seg.first = n;
-    arena.blocks.recycle(b);
-    arena.mapped_free.reposition(*n);
-    return;
-  }
-  // p absorbs b (and n)
-  p->size += b->size;
-  p->next = n;
-  if (n) n->prev = p;
-  if (merge_next) {
-    p->size += n->size;
-    p->next = n->next;
-    if (n->next) n->next->prev = p;
-    erase_free(arena, n);
-    arena.blocks.recycle(n);
-  }
-  arena.blocks.recycle(b);
-  arena.mapped_free.reposition(*p);
+  // Idle since now: the handles under the block that lie wholly inside the merged free block (all
+  // but perhaps the two end ones, which may hold bytes of live neighbours).
+  const ExpHandle* first = handle_at(seg, lo);
+  const ExpHandle* last = handle_at(seg, hi - 1);
+  cached_path_handles_ += 2;
+  std::uint64_t run_lo = frame_addr(seg, first->first_frame);
+  if (run_lo < keep->addr) run_lo += first->bytes;
+  std::uint64_t run_hi = frame_addr(seg, last->first_frame) + last->bytes;
+  if (run_hi > keep->end()) run_hi -= last->bytes;
+  if (run_lo < run_hi) add_idle_run(seg, run_lo, run_hi);
 }
 
 void ExpandableBackend::release_cached() {
@@ -1153,6 +1256,7 @@ void ExpandableBackend::validate() const {
   std::size_t handles = 0;
   std::size_t idle = 0;
   std::size_t segments = 0;
+  std::map<const ExpSegment*, std::vector<char>> idle_of;  // per segment, by first frame: 1 idle, 2 seen in a run
   for (const ExpArena* arena : arenas_) {
     for (const ExpSegment* seg : arena->segments) {
       ++segments;
@@ -1192,7 +1296,6 @@ void ExpandableBackend::validate() const {
         expect = b->end();
         const std::size_t f0 = frame_of(*seg, b->addr);
         const std::size_t f1 = frame_of(*seg, b->end() - 1);
-        if (b->lru_hook.is_linked() != (b->is_free() && b->mapped)) broken("free_lru_ membership is wrong at " + hex(b->addr));
         if (b->is_free() && b->mapped) {
           for (std::size_t f = f0; f <= f1;) {
             const ExpHandle* h = seg->frames[f];
@@ -1233,15 +1336,20 @@ void ExpandableBackend::validate() const {
         }
       }
       if (expect != seg->base + seg->va_bytes) broken("blocks do not cover segment " + hex(seg->base));
+      std::vector<char>& idle_here = idle_of[seg];
+      idle_here.assign(seg->frames.size(), 0);
       for (std::size_t f = 0; f < seg->frames.size();) {
         const ExpHandle* h = seg->frames[f];
         if (h == nullptr) {
           ++f;
           continue;
         }
-        // What for_each_idle relies on: a handle without live bytes lies inside one mapped free block.
+        // What the idle runs rely on: a handle without live bytes lies inside one mapped free block.
         if ((live[f] == 0) != (in_free[f] != 0)) broken("handle at frame " + std::to_string(f) + " is idle but not inside one free block");
-        if (live[f] == 0) ++idle;
+        if (live[f] == 0) {
+          ++idle;
+          idle_here[f] = 1;
+        }
         f += h->nframes;
       }
     }
@@ -1264,15 +1372,24 @@ void ExpandableBackend::validate() const {
     }
   }
   if (indexed_mapped != mapped_free_blocks || indexed_unmapped != unmapped_blocks) broken("free indexes hold blocks not in any segment");
-  std::size_t lru_blocks = 0;
-  for (const Block& b : free_lru_) {
-    if (!b.is_free() || !b.mapped) broken("free_lru_ holds a block that is not free and mapped at " + hex(b.addr));
-    ++lru_blocks;
+  // The idle runs partition the idle handles, and the handles at their ends point to them.
+  std::size_t in_runs = 0;
+  for (const IdleRun& r : idle_runs_) {
+    auto it = idle_of.find(r.seg);
+    if (it == idle_of.end() || r.lo >= r.hi || r.lo < r.seg->base || r.hi > r.seg->base + r.seg->frames.size() * frame_)
+      broken("an idle run lies outside the mapped frames of its segment");
+    for (std::uint64_t a = r.lo; a < r.hi;) {
+      const ExpHandle* h = frame_handle(*r.seg, frame_of(*r.seg, a));
+      if (h == nullptr || frame_addr(*r.seg, h->first_frame) != a || a + h->bytes > r.hi) broken("idle run at " + hex(r.lo) + " does not hold whole handles");
+      if (it->second[h->first_frame] != 1) broken("idle run at " + hex(r.lo) + " holds a busy handle, or one twice, at " + hex(a));
+      it->second[h->first_frame] = 2;
+      ++in_runs;
+      a += h->bytes;
+    }
+    if (handle_at(*r.seg, r.lo)->run_first != &r || handle_at(*r.seg, r.hi - 1)->run_last != &r)
+      broken("the end handles of the idle run at " + hex(r.lo) + " do not point to it");
   }
-  if (lru_blocks != mapped_free_blocks) broken("free_lru_ holds blocks that are not in any segment");
-  std::size_t enumerated = 0;
-  for_each_idle([&](const ExpHandle&) { ++enumerated; });
-  if (enumerated != idle) broken("the idle handles found through free_lru_ are not the idle ones");
+  if (in_runs != idle) broken("idle handles missing from the idle runs");
   for (const ExpHandle& h : orphans_) {
     reserved += h.bytes;
     ++handles;

@@ -22,10 +22,11 @@
 //   - no two adjacent free blocks have the same mapped state
 //   - a mapped free block is in its arena's mapped_free index, an unmapped one in unmapped, no other
 //     block is in an index
-//   - a block is in the backend's free_lru list iff it is free and mapped
-//   - (follows from the above, not stored) a mapped handle is idle, holding no byte of an allocated
-//     or pending block, iff it lies wholly inside one mapped free block: a handle maps whole, and
-//     the free blocks covering it are mapped and merged
+//   - a mapped handle is idle (holds no byte of an allocated or pending block) iff it lies wholly
+//     inside one mapped free block (a handle maps whole; the free blocks over it are mapped and
+//     merged); not stored per handle
+//   - the idle runs partition the idle handles: each run is a range of whole handles inside one
+//     mapped free block, its first handle's run_first and its last handle's run_last point to it
 //   - reserved_ = bytes of every handle held (mapped or waiting for a retried release)
 //   - a mapped orphan (its access grant and its unmap failed) lies inside a reservation still held,
 //     and no handle is mapped over its frames until its unmap succeeds
@@ -44,6 +45,17 @@ namespace expseg::backends {
 struct ExpSegment;
 struct ExpArena;
 
+// Idle handles that became idle together (one free, one mapping), by address: the handles of
+// [lo, hi) in `seg`. The runs, least recently idle first, order reclaim as a list of handles would,
+// but a free adds one run and an allocation trims the runs at its ends: O(1) whatever the number
+// of handles under the block (see expandable.cpp).
+struct IdleRun {
+  ExpSegment* seg = nullptr;
+  std::uint64_t lo = 0;
+  std::uint64_t hi = 0;
+  core::bi::list_member_hook<> hook;  // the backend's idle_runs_, or its spare list
+};
+
 // One physical allocation (cuMemCreate), mapped as a whole at a run of frames of one segment.
 struct ExpHandle {
   driver::phys_handle handle = 0;
@@ -53,6 +65,8 @@ struct ExpHandle {
   std::size_t nframes = 0;
   bool mapped = false;         // orphans: whether the mapping still exists
   std::uint64_t orphan_addr = 0;  // orphans that are still mapped: where
+  IdleRun* run_first = nullptr;  // the idle run this handle begins (meaningful only there)
+  IdleRun* run_last = nullptr;   // the idle run this handle ends (meaningful only there)
   core::bi::list_member_hook<> hook;  // orphan list
 };
 
@@ -135,7 +149,7 @@ class ExpandableBackend final : public Backend {
     return new_arena(stream);
   }
   [[gnu::noinline]] ExpArena& new_arena(driver::stream_t stream);
-  core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back);
+  core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done = false);
   static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
   // Bytes of idle handles a block at [lo, hi), inside free block `free`, would use only partly;
   // kNoPlace when it would use only part of an idle handle of more than `max_shared_frames` frames
@@ -175,24 +189,26 @@ class ExpandableBackend final : public Backend {
   void synchronize_once(driver::stream_t stream);
   void begin_operation() noexcept { synced_ = {}; }
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
-  using BlockLru = core::bi::list<core::Block, core::bi::member_hook<core::Block, core::LruHook, &core::Block::lru_hook>,
-                                  core::bi::constant_time_size<false>>;
-  void insert_free(ExpArena& arena, core::Block* b) noexcept;
-  void insert_free_at(ExpArena& arena, core::Block* b, BlockLru::iterator lru_place) noexcept;
-  void erase_free(ExpArena& arena, core::Block* b) noexcept;
-  void index_free(ExpArena& arena, core::Block* b) noexcept;
-  void unindex_free(ExpArena& arena, core::Block* b) noexcept;
-  core::Block* split_free(ExpArena& arena, core::Block* b, std::uint64_t at) noexcept;
-  void merge_and_insert_free(ExpArena& arena, core::Block* b) noexcept;
-  // Calls f(handle) for each idle handle (one lying wholly inside a mapped free block), those of
-  // the least recently freed blocks first, by address inside a block.
+  // Idle runs (see IdleRun).
+  ExpHandle* handle_at(const ExpSegment& seg, std::uint64_t addr) const noexcept { return seg.frames[frame_of(seg, addr)]; }
+  // [lo, hi): the whole handles of mapped free block `b` (lo >= hi: none).
+  void whole_handles(const ExpSegment& seg, const core::Block& b, std::uint64_t& lo, std::uint64_t& hi) const noexcept;
+  void reserve_runs(std::size_t n);
+  void add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after = nullptr) noexcept;
+  void drop_idle_run(IdleRun* r) noexcept;
+  void set_run_edges(IdleRun* r) noexcept;
+  void make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
   template <class F>
   void for_each_idle(F&& f) const;
+  void insert_free(ExpArena& arena, core::Block* b) noexcept;
+  void erase_free(ExpArena& arena, core::Block* b) noexcept;
+  core::Block* merge_free(ExpArena& arena, core::Block* b) noexcept;
   static ExpHandle* frame_handle(const ExpSegment& seg, std::size_t f) noexcept { return f < seg.frames.size() ? seg.frames[f] : nullptr; }
   std::uint64_t frame_addr(const ExpSegment& seg, std::size_t f) const noexcept { return seg.base + (f << frame_shift_); }
   std::size_t frame_of(const ExpSegment& seg, std::uint64_t addr) const noexcept { return (addr - seg.base) >> frame_shift_; }
 
   using HandleList = core::bi::list<ExpHandle, core::bi::member_hook<ExpHandle, core::bi::list_member_hook<>, &ExpHandle::hook>>;
+  using RunList = core::bi::list<IdleRun, core::bi::member_hook<IdleRun, core::bi::list_member_hook<>, &IdleRun::hook>>;
 
   std::size_t frame_;        // allocation granularity, a power of two
   unsigned frame_shift_;     // log2(frame_)
@@ -204,9 +220,8 @@ class ExpandableBackend final : public Backend {
     ExpArena* arena;
   };
   std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
-  // Mapped free blocks, least recently freed first: the idle handles are those lying wholly
-  // inside one (see for_each_idle), so the cached paths never visit the handles under a block.
-  BlockLru free_lru_;
+  RunList idle_runs_;   // the idle handles, in runs, least recently idle first
+  RunList spare_runs_;  // recycled: the cached paths allocate a run only past the most ever used
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
