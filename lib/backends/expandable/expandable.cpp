@@ -207,7 +207,10 @@ ExpandableBackend::~ExpandableBackend() {
     delete arena;
   }
   idle_runs_.clear_and_dispose([](IdleRun* r) { delete r; });
-  spare_runs_.clear_and_dispose([](IdleRun* r) { delete r; });
+  while (IdleRun* r = spare_runs_) {
+    spare_runs_ = r->next_spare;
+    delete r;
+  }
 }
 
 std::size_t ExpandableBackend::round_size(std::size_t size) const noexcept {
@@ -288,7 +291,7 @@ Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
 // and each call does a constant amount of work: two end handles, and the runs it removes whole,
 // each of which a free or a mapping added (amortized, one per call).
 
-void ExpandableBackend::whole_handles(const ExpSegment& seg, const Block& b, std::uint64_t& lo, std::uint64_t& hi) const noexcept {
+inline void ExpandableBackend::whole_handles(const ExpSegment& seg, const Block& b, std::uint64_t& lo, std::uint64_t& hi) const noexcept {
   cached_path_handles_ += 2;
   const ExpHandle* first = handle_at(seg, b.addr);
   lo = frame_addr(seg, first->first_frame);
@@ -300,20 +303,24 @@ void ExpandableBackend::whole_handles(const ExpSegment& seg, const Block& b, std
 
 // Makes sure `n` idle runs are at hand, so that the changes that follow cannot fail for one.
 void ExpandableBackend::reserve_runs(std::size_t n) {
-  for (auto it = spare_runs_.begin(); it != spare_runs_.end() && n != 0; ++it) --n;
-  for (; n != 0; --n) spare_runs_.push_front(*new IdleRun);
+  for (const IdleRun* r = spare_runs_; r != nullptr && n != 0; r = r->next_spare) --n;
+  for (; n != 0; --n) {
+    auto* r = new IdleRun;
+    r->next_spare = spare_runs_;
+    spare_runs_ = r;
+  }
 }
 
-void ExpandableBackend::set_run_edges(IdleRun* r) noexcept {
+inline void ExpandableBackend::set_run_edges(IdleRun* r) noexcept {
   handle_at(*r->seg, r->lo)->run_first = r;
   handle_at(*r->seg, r->hi - 1)->run_last = r;
 }
 
 // Adds the idle handles of [lo, hi) as a run: last in idle_runs_, or right after `after` (the rest
 // of a run that was split). Takes a spare run (reserve_runs).
-void ExpandableBackend::add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after) noexcept {
-  IdleRun* r = &spare_runs_.front();
-  spare_runs_.pop_front();
+inline void ExpandableBackend::add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after) noexcept {
+  IdleRun* r = spare_runs_;
+  spare_runs_ = r->next_spare;
   r->seg = &seg;
   r->lo = lo;
   r->hi = hi;
@@ -321,34 +328,59 @@ void ExpandableBackend::add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uin
   set_run_edges(r);
 }
 
-void ExpandableBackend::drop_idle_run(IdleRun* r) noexcept {
+inline void ExpandableBackend::drop_idle_run(IdleRun* r) noexcept {
   idle_runs_.erase(idle_runs_.iterator_to(*r));
-  spare_runs_.push_front(*r);
+  r->next_spare = spare_runs_;
+  spare_runs_ = r;
 }
 
 // The handles of [lo, hi) stop being idle: a block is carved over them, or one is unmapped. [wlo,
 // whi) are the whole handles of their free block, which the runs there tile; lo and hi lie on
-// handle boundaries inside it. From the front or the back the runs are trimmed or dropped; a range
-// strictly inside a run splits it (a spare run, see reserve_runs), the slow paths only.
-void ExpandableBackend::make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept {
+// handle boundaries inside it. The cached paths take them from the front or the back, where runs
+// are trimmed or dropped; the slow paths' other ranges go to make_busy_inside.
+inline void ExpandableBackend::make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo,
+                                         std::uint64_t hi) noexcept {
   if (lo >= hi) return;
-  if (hi == whi && lo != wlo) {  // from the back
-    for (std::uint64_t at = whi; at > lo;) {
-      IdleRun* r = handle_at(seg, at - 1)->run_last;
-      ++cached_path_handles_;
-      at = r->lo;
-      if (r->lo >= lo) {
-        drop_idle_run(r);
-      } else {
-        r->hi = lo;
-        handle_at(seg, lo - 1)->run_last = r;
-      }
-    }
-    return;
-  }
-  for (std::uint64_t at = wlo; at < hi;) {
+  if (lo == wlo) make_busy_front(seg, lo, hi);
+  else if (hi == whi) make_busy_back(seg, lo, hi);
+  else make_busy_inside(seg, wlo, lo, hi);
+}
+
+// [lo, hi) at the front of the whole handles of a free block: the runs there begin at lo.
+inline void ExpandableBackend::make_busy_front(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept {
+  for (std::uint64_t at = lo; at < hi;) {
     IdleRun* r = handle_at(seg, at)->run_first;
     ++cached_path_handles_;
+    at = r->hi;
+    if (r->hi <= hi) {
+      drop_idle_run(r);
+    } else {
+      r->lo = hi;
+      handle_at(seg, hi)->run_first = r;
+    }
+  }
+}
+
+// [lo, hi) at the back of the whole handles of a free block: the runs there end at hi.
+inline void ExpandableBackend::make_busy_back(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept {
+  for (std::uint64_t at = hi; at > lo;) {
+    IdleRun* r = handle_at(seg, at - 1)->run_last;
+    ++cached_path_handles_;
+    at = r->lo;
+    if (r->lo >= lo) {
+      drop_idle_run(r);
+    } else {
+      r->hi = lo;
+      handle_at(seg, lo - 1)->run_last = r;
+    }
+  }
+}
+
+// make_busy of a range with handles of the block on both sides (slow paths): walks the runs from
+// the front; one that holds the range strictly inside splits (a spare run, see reserve_runs).
+[[gnu::noinline]] void ExpandableBackend::make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t lo, std::uint64_t hi) noexcept {
+  for (std::uint64_t at = wlo; at < hi;) {
+    IdleRun* r = handle_at(seg, at)->run_first;
     at = r->hi;
     if (r->hi <= lo) continue;
     if (r->lo >= lo && r->hi <= hi) {
@@ -434,19 +466,25 @@ void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, const Block* a
 Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done) {
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   if (!runs_done) {
-    // The idle handles the new block covers (those wholly inside b, at its front or its back).
-    std::uint64_t wlo = 0;
-    std::uint64_t whi = 0;
-    whole_handles(seg, *b, wlo, whi);
-    if (wlo < whi) {
-      ++cached_path_handles_;
-      if (back) {
-        const ExpHandle* h = handle_at(seg, b->end() - size);
-        make_busy(seg, wlo, whi, std::max(frame_addr(seg, h->first_frame), wlo), whi);
-      } else {
-        const ExpHandle* h = handle_at(seg, b->addr + size - 1);
-        make_busy(seg, wlo, whi, wlo, std::min(frame_addr(seg, h->first_frame) + h->bytes, whi));
-      }
+    // The idle handles the new block covers: those wholly inside b from its front (back) to the
+    // handle under the block's last (first) byte. Two handles to look at.
+    cached_path_handles_ += 2;
+    if (back) {
+      const ExpHandle* l = handle_at(seg, b->end() - 1);
+      std::uint64_t hi = frame_addr(seg, l->first_frame) + l->bytes;
+      if (hi > b->end()) hi -= l->bytes;
+      const ExpHandle* h = handle_at(seg, b->end() - size);
+      std::uint64_t lo = frame_addr(seg, h->first_frame);
+      if (lo < b->addr) lo += h->bytes;
+      if (lo < hi) make_busy_back(seg, lo, hi);
+    } else {
+      const ExpHandle* f = handle_at(seg, b->addr);
+      std::uint64_t lo = frame_addr(seg, f->first_frame);
+      if (lo < b->addr) lo += f->bytes;
+      const ExpHandle* h = handle_at(seg, b->addr + size - 1);
+      std::uint64_t hi = frame_addr(seg, h->first_frame) + h->bytes;
+      if (hi > b->end()) hi -= h->bytes;
+      if (lo < hi) make_busy_front(seg, lo, hi);
     }
   }
   Block* c = b;
@@ -1144,7 +1182,7 @@ void ExpandableBackend::retry_orphans() {
 }
 
 void ExpandableBackend::free(Block* b) {
-  if (spare_runs_.empty()) reserve_runs(1);  // before any change; only past the most runs ever used
+  if (spare_runs_ == nullptr) reserve_runs(1);  // before any change; only past the most runs ever used
   leave_active(*b);
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   ExpArena& arena = *seg.arena;

@@ -53,7 +53,8 @@ struct IdleRun {
   ExpSegment* seg = nullptr;
   std::uint64_t lo = 0;
   std::uint64_t hi = 0;
-  core::bi::list_member_hook<> hook;  // the backend's idle_runs_, or its spare list
+  IdleRun* next_spare = nullptr;  // the backend's spare runs
+  core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>> hook;  // the backend's idle_runs_
 };
 
 // One physical allocation (cuMemCreate), mapped as a whole at a run of frames of one segment.
@@ -198,6 +199,9 @@ class ExpandableBackend final : public Backend {
   void drop_idle_run(IdleRun* r) noexcept;
   void set_run_edges(IdleRun* r) noexcept;
   void make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
+  void make_busy_front(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept;
+  void make_busy_back(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept;
+  void make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t lo, std::uint64_t hi) noexcept;
   template <class F>
   void for_each_idle(F&& f) const;
   void insert_free(ExpArena& arena, core::Block* b) noexcept;
@@ -208,7 +212,9 @@ class ExpandableBackend final : public Backend {
   std::size_t frame_of(const ExpSegment& seg, std::uint64_t addr) const noexcept { return (addr - seg.base) >> frame_shift_; }
 
   using HandleList = core::bi::list<ExpHandle, core::bi::member_hook<ExpHandle, core::bi::list_member_hook<>, &ExpHandle::hook>>;
-  using RunList = core::bi::list<IdleRun, core::bi::member_hook<IdleRun, core::bi::list_member_hook<>, &IdleRun::hook>>;
+  using RunList = core::bi::list<IdleRun,
+                                 core::bi::member_hook<IdleRun, core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>>, &IdleRun::hook>,
+                                 core::bi::constant_time_size<false>>;
 
   std::size_t frame_;        // allocation granularity, a power of two
   unsigned frame_shift_;     // log2(frame_)
@@ -221,7 +227,7 @@ class ExpandableBackend final : public Backend {
   };
   std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
-  RunList spare_runs_;  // recycled: the cached paths allocate a run only past the most ever used
+  IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths allocate a run only past the most ever used
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
