@@ -4,6 +4,9 @@
 //
 //   expseg_hotpath pair  <split_merge|expandable> [iterations] [bytes]   cached allocate+free
 //   expseg_hotpath churn <split_merge|expandable> [iterations]           torch_anchor's 64-slot churn
+//   expseg_hotpath wide  <split_merge|expandable> [iterations] [handles] cached allocate+free of one
+//                                                                        block over [handles] (512)
+//                                                                        2 MiB handles
 //   expseg_hotpath replay <split_merge|expandable> [iterations] [trace]  replay() of a trace (default:
 //                                                                        the shipped ResNet-50 trace)
 //
@@ -16,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "bench_common.hpp"
 #include "expseg/trace.hpp"
@@ -48,7 +52,7 @@ using expseg::bench::ExpsegSubject;
 }
 
 int usage() {
-  std::fprintf(stderr, "usage: expseg_hotpath pair|churn|replay split_merge|expandable [iterations] [bytes|trace]\n");
+  std::fprintf(stderr, "usage: expseg_hotpath pair|churn|wide|replay split_merge|expandable [iterations] [bytes|trace]\n");
   return 2;
 }
 
@@ -66,8 +70,28 @@ int main(int argc, char** argv) {
   else if (backend == "expandable") cfg.backend = expseg::BackendKind::expandable;
   else return usage();
 
+  if (workload == "wide") cfg.max_handle_size = std::size_t{2} << 20;  // memory that grew in small handles
   ExpsegSubject s(cfg);
-  if (workload == "pair") {
+  if (workload == "wide") {
+    // Grows `handles` blocks of 2 MiB (one handle each on expandable), frees them into one free
+    // block, then times a cached pair of one block covering all of them.
+    const std::size_t handles = argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 512;
+    const std::size_t frame = std::size_t{2} << 20;
+    std::vector<void*> ps;
+    for (std::size_t i = 0; i < handles; ++i) ps.push_back(s.alloc(frame, nullptr));
+    for (void* p : ps) s.free(p, nullptr);
+    const std::size_t wide_bytes = handles * frame;
+    s.free(s.alloc(wide_bytes, nullptr), nullptr);
+    const auto before = s.allocator().stats();
+    const auto w = std::chrono::steady_clock::now();
+    hot_loop_pair(s, wide_bytes, iterations);
+    const auto t1 = std::chrono::steady_clock::now();
+    const auto after = s.allocator().stats();
+    std::printf("driver calls in the loop: %lld maps, %lld unmaps\n", static_cast<long long>(after.num_device_alloc - before.num_device_alloc),
+                static_cast<long long>(after.num_device_free - before.num_device_free));
+    std::printf("wide %s %zu x 2 MiB: %.1f ns/pair over %ld\n", backend.c_str(), handles,
+                std::chrono::duration<double, std::nano>(t1 - w).count() / static_cast<double>(iterations ? iterations : 1), iterations);
+  } else if (workload == "pair") {
     s.free(s.alloc(bytes, nullptr), nullptr);
     const auto w = std::chrono::steady_clock::now();
     hot_loop_pair(s, bytes, iterations);

@@ -394,6 +394,32 @@ TEST_CASE("expandable: under a limit reclaim gives back the largest idle handles
   sa->validate();
 }
 
+TEST_CASE("expandable: reclaim takes the least recently idle handle, not the one beside older idle memory") {
+  // Ten blocks of one 2 MiB handle each; freed: a[2], then a[7], then a[1] (which merges with
+  // a[2]'s free block). Idle since: a[2]'s handle longest, a[1]'s the shortest. Lowering the limit
+  // by one handle gives back a[2]'s, even though a[1]'s lies in the same free block as it.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "expandable_max_handle:2MiB"));
+  std::vector<void*> a;
+  for (int i = 0; i < 10; ++i) a.push_back(sa->allocate(2 * MiB));
+  REQUIRE(sa->stats().physical_handles.current == 10);
+  REQUIRE(reserved(*sa) == static_cast<std::int64_t>(20 * MiB));
+  for (int i : {2, 7, 1}) sa->deallocate(a[i]);
+  sa->set_limit(18 * MiB);
+  CHECK(reserved(*sa) == static_cast<std::int64_t>(18 * MiB));
+  auto mapped = [&](void* p) {
+    for (const auto& seg : sa->snapshot().segments)
+      for (const auto& r : seg.mapped_ranges)
+        if (addr(p) >= r.address && addr(p) < r.address + r.size) return true;
+    return false;
+  };
+  CHECK_FALSE(mapped(a[2]));
+  CHECK(mapped(a[1]));
+  CHECK(mapped(a[7]));
+  sa->validate();
+  for (int i : {0, 3, 4, 5, 6, 8, 9}) sa->deallocate(a[i]);
+  sa->validate();
+}
+
 TEST_CASE("expandable: data survives growth, reclaim and remapping (host-backed device)") {
   auto cfg = sim_config(BackendKind::expandable, 512 * MiB, "sim_host_backed:true,sim_granularity:64KiB,limit:96MiB");
   auto sa = make_sim_allocator(cfg);

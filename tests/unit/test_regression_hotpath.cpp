@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/expandable/expandable.hpp"
 #include "c_api_internal.hpp"
 #include "core/json.hpp"
 #include "expseg/expseg.h"
@@ -251,6 +252,32 @@ TEST_CASE("hotpath: the C API's malloc/free pairs allocate nothing and call no d
         CHECK(device_calls() == calls);
       }
     }
+  }
+}
+
+TEST_CASE("hotpath: a cached pair of a block over 256 handles looks at a few of them, not each") {
+  // Memory that grew in 2 MiB handles, all free and merged into one mapped free block: a cached
+  // allocation of a block covering the 256 handles, and its free, must not visit each of them.
+  for (const char* conf : {"expandable_max_handle:2MiB", "expandable_max_handle:2MiB,limit:4GiB"}) {
+    CAPTURE(std::string(conf));
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, conf));
+    std::vector<void*> ps;
+    for (int i = 0; i < 256; ++i) ps.push_back(sa->allocate(2 * MiB));
+    for (void* p : ps) sa->deallocate(p);
+    REQUIRE(sa->stats().physical_handles.current >= 256);
+    const auto& be = dynamic_cast<const expseg::backends::ExpandableBackend&>(expseg::detail::AllocatorAccess::backend(*sa.alloc));
+    // The first allocation also ends the 256 idle runs the frees made (one each, amortized: a run
+    // ends once); from then on each pair looks at a constant number of handles and runs.
+    sa->deallocate(sa->allocate(512 * MiB));
+    const std::uint64_t seen0 = be.cached_path_handles();
+    const std::uint64_t driver0 = driver_calls(*sa.sim);
+    constexpr int kPairs = 10;
+    for (int i = 0; i < kPairs; ++i) sa->deallocate(sa->allocate(512 * MiB));
+    CHECK(driver_calls(*sa.sim) == driver0);  // cached pairs
+    const std::uint64_t seen = be.cached_path_handles() - seen0;
+    CAPTURE(seen);
+    CHECK(seen <= 32 * kPairs);  // a few per pair (the ends of the block and of a few candidates), not 256
+    sa->validate();
   }
 }
 

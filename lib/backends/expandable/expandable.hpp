@@ -22,8 +22,11 @@
 //   - no two adjacent free blocks have the same mapped state
 //   - a mapped free block is in its arena's mapped_free index, an unmapped one in unmapped, no other
 //     block is in an index
-//   - handle.live_bytes = bytes of allocated/pending blocks inside the handle; a mapped handle is in
-//     the idle list iff live_bytes == 0
+//   - a mapped handle is idle (holds no byte of an allocated or pending block) iff it lies wholly
+//     inside one mapped free block (a handle maps whole; the free blocks over it are mapped and
+//     merged); not stored per handle
+//   - the idle runs partition the idle handles: each run is a range of whole handles inside one
+//     mapped free block, its first handle's run_first and its last handle's run_last point to it
 //   - reserved_ = bytes of every handle held (mapped or waiting for a retried release)
 //   - a mapped orphan (its access grant and its unmap failed) lies inside a reservation still held,
 //     and no handle is mapped over its frames until its unmap succeeds
@@ -42,6 +45,18 @@ namespace expseg::backends {
 struct ExpSegment;
 struct ExpArena;
 
+// Idle handles that became idle together (one free, one mapping), by address: the handles of
+// [lo, hi) in `seg`. The runs, least recently idle first, order reclaim as a list of handles would,
+// but a free adds one run and an allocation trims the runs at its ends: O(1) whatever the number
+// of handles under the block (see expandable.cpp).
+struct IdleRun {
+  ExpSegment* seg = nullptr;
+  std::uint64_t lo = 0;
+  std::uint64_t hi = 0;
+  IdleRun* next_spare = nullptr;  // the backend's spare runs
+  core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>> hook;  // the backend's idle_runs_
+};
+
 // One physical allocation (cuMemCreate), mapped as a whole at a run of frames of one segment.
 struct ExpHandle {
   driver::phys_handle handle = 0;
@@ -49,10 +64,11 @@ struct ExpHandle {
   ExpSegment* seg = nullptr;   // nullptr once unmapped (orphans)
   std::size_t first_frame = 0;
   std::size_t nframes = 0;
-  std::size_t live_bytes = 0;  // bytes of allocated/pending blocks inside
   bool mapped = false;         // orphans: whether the mapping still exists
   std::uint64_t orphan_addr = 0;  // orphans that are still mapped: where
-  core::bi::list_member_hook<> hook;  // idle list (mapped, no live bytes) or orphan list
+  IdleRun* run_first = nullptr;  // the idle run this handle begins (meaningful only there)
+  IdleRun* run_last = nullptr;   // the idle run this handle ends (meaningful only there)
+  core::bi::list_member_hook<> hook;  // orphan list
 };
 
 struct ExpSegment {
@@ -103,6 +119,9 @@ class ExpandableBackend final : public Backend {
   // The largest physical handle growth creates (the handle policy, see expandable.cpp).
   std::size_t max_handle_bytes(std::size_t request = 0) const noexcept;
   std::size_t growth_granule() const noexcept;
+  // Physical handles the cached paths (an allocation from cached memory, a free) have looked at:
+  // a few per call, however many handles lie under the block (tests check it).
+  std::uint64_t cached_path_handles() const noexcept { return cached_path_handles_; }
 
  private:
   struct Placement {
@@ -131,14 +150,14 @@ class ExpandableBackend final : public Backend {
     return new_arena(stream);
   }
   [[gnu::noinline]] ExpArena& new_arena(driver::stream_t stream);
-  core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back);
+  core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done = false);
   static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
-  // Bytes of idle handles a block at [lo, hi) would use only partly; kNoPlace when it would use
-  // only part of an idle handle of more than `max_shared_frames` frames (under a limit: 1, so that
-  // bulk handles serve one block at a time).
-  std::size_t new_pin_bytes(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi,
-                            std::size_t max_shared_frames = std::numeric_limits<std::size_t>::max()) const noexcept;
-  void unmap_bulk_handles_under(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi);
+  // Bytes of idle handles a block at [lo, hi), inside free block `free`, would use only partly;
+  // kNoPlace when it would use only part of an idle handle of more than `max_shared_frames` frames
+  // (under a limit: 1, so that bulk handles serve one block at a time).
+  std::size_t new_pin_bytes(const ExpSegment& seg, const core::Block& free, std::uint64_t lo, std::uint64_t hi,
+                            std::size_t max_shared_frames) const noexcept;
+  void unmap_bulk_handles_under(ExpSegment& seg, const core::Block* anchor, std::uint64_t lo, std::uint64_t hi);
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
@@ -146,8 +165,8 @@ class ExpandableBackend final : public Backend {
   void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
-  std::size_t placement_calls(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::size_t max_frames, std::size_t& frames,
-                              std::size_t bound) const noexcept;
+  std::size_t placement_calls(const ExpSegment& seg, std::uint64_t run_lo, std::uint64_t run_hi, std::uint64_t lo, std::uint64_t hi,
+                              std::size_t max_frames, std::size_t& frames, std::size_t bound) const noexcept;
   bool map_range(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t map_hi, core::Block* anchor,
                  std::vector<ExpHandle*>* mapped_now = nullptr);
   void unmap_new_handles(const std::vector<ExpHandle*>& handles) noexcept;
@@ -171,8 +190,20 @@ class ExpandableBackend final : public Backend {
   void synchronize_once(driver::stream_t stream);
   void begin_operation() noexcept { synced_ = {}; }
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
-  void add_live(const core::Block& b) noexcept;
-  void remove_live(const core::Block& b) noexcept;
+  // Idle runs (see IdleRun).
+  ExpHandle* handle_at(const ExpSegment& seg, std::uint64_t addr) const noexcept { return seg.frames[frame_of(seg, addr)]; }
+  // [lo, hi): the whole handles of mapped free block `b` (lo >= hi: none).
+  void whole_handles(const ExpSegment& seg, const core::Block& b, std::uint64_t& lo, std::uint64_t& hi) const noexcept;
+  void reserve_runs(std::size_t n);
+  void add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after = nullptr) noexcept;
+  void drop_idle_run(IdleRun* r) noexcept;
+  void set_run_edges(IdleRun* r) noexcept;
+  void make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
+  void make_busy_front(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept;
+  void make_busy_back(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept;
+  void make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t lo, std::uint64_t hi) noexcept;
+  template <class F>
+  void for_each_idle(F&& f) const;
   void insert_free(ExpArena& arena, core::Block* b) noexcept;
   void erase_free(ExpArena& arena, core::Block* b) noexcept;
   core::Block* merge_free(ExpArena& arena, core::Block* b) noexcept;
@@ -181,6 +212,9 @@ class ExpandableBackend final : public Backend {
   std::size_t frame_of(const ExpSegment& seg, std::uint64_t addr) const noexcept { return (addr - seg.base) >> frame_shift_; }
 
   using HandleList = core::bi::list<ExpHandle, core::bi::member_hook<ExpHandle, core::bi::list_member_hook<>, &ExpHandle::hook>>;
+  using RunList = core::bi::list<IdleRun,
+                                 core::bi::member_hook<IdleRun, core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>>, &IdleRun::hook>,
+                                 core::bi::constant_time_size<false>>;
 
   std::size_t frame_;        // allocation granularity, a power of two
   unsigned frame_shift_;     // log2(frame_)
@@ -192,11 +226,13 @@ class ExpandableBackend final : public Backend {
     ExpArena* arena;
   };
   std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
-  HandleList idle_;     // mapped handles without live bytes, least recently idle first
+  RunList idle_runs_;   // the idle handles, in runs, least recently idle first
+  IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths allocate a run only past the most ever used
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
   std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
+  mutable std::uint64_t cached_path_handles_ = 0;
   struct SyncedStreams {         // synchronize_once's streams in the current operation
     driver::stream_t streams[8];
     std::size_t count = 0;
