@@ -81,7 +81,8 @@ class Allocator {
   void reset_peak_stats();
   void reset_accumulated_stats();
   // Bytes of device memory this allocator may hold; 0 removes the limit. Lowering it gives back
-  // cached memory above the new limit at once.
+  // cached memory above the new limit at once, in whole cached pieces (split_merge's unsplit
+  // segments, expandable's idle handles), chosen to give back the least beyond the excess.
   void set_limit(std::size_t bytes);
   std::size_t limit() const;
 

@@ -140,7 +140,8 @@ EXPSEG_API int expseg_device_initialized(int device) EXPSEG_NOEXCEPT;
 /* Gives every cached byte that can be given back to the device (PyTorch's empty_cache()). */
 EXPSEG_API int expseg_release_cached(int device) EXPSEG_NOEXCEPT;
 /* Bytes of device memory `device`'s allocator may hold; 0 removes the limit. Creates the allocator
- * when needed. Lowering the limit gives back cached memory above it at once. */
+ * when needed. Lowering the limit gives back cached memory above it at once (see
+ * Allocator::set_limit). */
 EXPSEG_API int expseg_set_limit(int device, size_t bytes) EXPSEG_NOEXCEPT;
 /* The limit of `device`'s allocator (0: none) and the device's total memory, for PyTorch's
  * get/set_per_process_memory_fraction. Creates the allocator when needed; either pointer may be NULL. */

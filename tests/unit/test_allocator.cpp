@@ -252,7 +252,7 @@ TEST_CASE("allocator: limit changes give back cached memory above the new limit"
 }
 
 TEST_CASE("allocator: a lower limit gives back only the cached memory above it, on both backends") {
-  for (BackendKind b : {BackendKind::split_merge}) {
+  for (BackendKind b : kBackends) {
     INFO(std::string(name(b)));
     Allocator a(sim_config(b));
     void* keep = a.allocate(100 * MiB);

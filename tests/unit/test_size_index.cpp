@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/give_back.hpp"
 #include "core/size_index.hpp"
 
 using expseg::core::Block;
@@ -211,3 +212,39 @@ TEST_CASE("stream indexes: one index per stream, iterated in stream order") {
 }
 
 }  // TEST_SUITE
+
+// ---- core::pick_give_back (what a lower limit gives back) ----------------------------------------
+
+TEST_CASE("pick_give_back: the least memory beyond the excess, then the fewest pieces") {
+  using expseg::core::pick_give_back;
+  using V = std::vector<std::size_t>;
+  auto total = [](const V& sizes, const V& picked) {
+    std::size_t t = 0;
+    for (std::size_t i : picked) t += sizes.at(i);
+    return t;
+  };
+  // One piece covers the excess more tightly than packing: 60 of {400, 60, 40} for 50 (packing
+  // would take 40, then 60 for the rest: 100).
+  CHECK(pick_give_back({400, 60, 40}, 50) == V{1});
+  // Packing is tighter: 32 + 16 + 2 for 50, where the one piece that covers is 256.
+  const V handles{2, 256, 2, 16, 2, 32, 8};
+  const V picked = pick_give_back(handles, 50);
+  CHECK(total(handles, picked) == 50);
+  CHECK(picked.size() == 3);
+  // An exact single piece beats an exact packing of two.
+  CHECK(pick_give_back({30, 20, 50}, 50) == V{2});
+  // Nothing to give back, and not enough to cover: everything.
+  CHECK(pick_give_back({10, 20}, 0).empty());
+  const V all = pick_give_back({10, 20, 5}, 100);
+  CHECK(all.size() == 3);
+  CHECK(pick_give_back({}, 10).empty());
+  // Packing leaves a rest that only a large piece covers, and the single is that piece: the single.
+  CHECK(pick_give_back({100, 45}, 50) == V{0});
+}
+
+TEST_CASE("pick_give_back: among pieces of one size, the earliest listed goes") {
+  using V = std::vector<std::size_t>;
+  CHECK(expseg::core::pick_give_back({2, 2, 2}, 2) == V{0});
+  CHECK(expseg::core::pick_give_back({4, 2, 2, 2}, 3) == V{0});
+  CHECK(expseg::core::pick_give_back({8, 2, 8}, 7) == V{0});
+}

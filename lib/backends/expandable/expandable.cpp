@@ -6,6 +6,7 @@
 #include <map>
 #include <sstream>
 
+#include "core/give_back.hpp"
 #include "expseg/errors.hpp"
 
 namespace expseg::backends {
@@ -1246,10 +1247,20 @@ void ExpandableBackend::release_cached() {
     for (std::size_t i = arena->segments.size(); i-- > 1;) drop_segment(*arena, arena->segments[i]);
 }
 
+// Gives back just the idle memory above the new limit, in whole handles (core::pick_give_back:
+// the least memory beyond the excess; the same rule as split_merge's with its segments).
 void ExpandableBackend::on_limit_changed() {
   const std::size_t limit = ctx_.effective_limit();
   begin_operation();
-  if (reserved_ > limit) reclaim_idle(reserved_ - limit, Exclusion{});
+  if (reserved_ <= limit) return;
+  std::vector<ExpHandle*> idle;
+  for_each_idle([&](ExpHandle& h) { idle.push_back(&h); });
+  std::vector<std::size_t> sizes(idle.size());
+  for (std::size_t i = 0; i < idle.size(); ++i) sizes[i] = idle[i]->bytes;
+  for (std::size_t i : core::pick_give_back(sizes, reserved_ - limit)) {
+    synchronize_once(idle[i]->seg->arena->stream);  // work queued there may still use the memory
+    unmap_handle(idle[i]);
+  }
 }
 
 void ExpandableBackend::on_peer_added(int) {

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <utility>
 
+#include "core/give_back.hpp"
 #include "expseg/errors.hpp"
 
 namespace expseg::backends {
@@ -355,11 +356,11 @@ void SplitMergeBackend::free(Block* block) {
 
 void SplitMergeBackend::release_cached() { release_cached_blocks(); }
 
-// Gives back just the cached memory above the new limit, as the expandable backend does: the
-// smallest unsplit cached segment that is enough on its own, else the largest ones first (fewest
-// cuMemFree calls), the choice PyTorch's release_available_cached_blocks makes for a request.
-// (PyTorch's setMemoryFraction and CuPy's set_limit give back nothing; expseg documents the
-// give-back.) Throws with the allocator consistent when a cuMemFree fails.
+// Gives back just the cached memory above the new limit, in whole unsplit segments
+// (core::pick_give_back: the least memory beyond the excess, then the fewest cuMemFree calls; the
+// expandable backend follows the same rule with its idle handles). PyTorch's setMemoryFraction and
+// CuPy's set_limit give back nothing; expseg documents the give-back. Throws with the allocator
+// consistent when a cuMemFree fails.
 void SplitMergeBackend::on_limit_changed() {
   if (ctx_.limit == 0 || total_allocated_memory_ <= ctx_.limit) return;
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
@@ -368,17 +369,9 @@ void SplitMergeBackend::on_limit_changed() {
     pool->blocks.for_each_block([&](Block& b) {
       if (!b.is_split()) unsplit.push_back(&b);
     });
-  std::sort(unsplit.begin(), unsplit.end(), [](const Block* a, const Block* b) { return a->size > b->size; });
-  const std::size_t excess = total_allocated_memory_ - ctx_.limit;
-  auto enough = std::find_if(unsplit.rbegin(), unsplit.rend(), [&](const Block* b) { return b->size >= excess; });
-  if (enough != unsplit.rend()) {
-    release_block(*enough);
-    return;
-  }
-  for (Block* b : unsplit) {
-    if (total_allocated_memory_ <= ctx_.limit) break;
-    release_block(b);
-  }
+  std::vector<std::size_t> sizes(unsplit.size());
+  for (std::size_t i = 0; i < unsplit.size(); ++i) sizes[i] = unsplit[i]->size;
+  for (std::size_t i : core::pick_give_back(sizes, total_allocated_memory_ - ctx_.limit)) release_block(unsplit[i]);
 }
 
 void SplitMergeBackend::validate() const {
