@@ -178,3 +178,29 @@ TEST_CASE("peer: an expandable allocator holding a cuda_ipc import enables conte
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("multi_device") {
+
+// An expandable allocator asks for cuCtxEnablePeerAccess only once it holds a cuda_ipc import. An
+// import that fails (a stale handle: the exporter freed the allocation) maps nothing, so it must not
+// cap the allocator at CUDA's 8 context peers from then on.
+TEST_CASE("regression: a failed cuda_ipc import does not make an expandable allocator ask for context peers") {
+  SimOptions o;
+  o.device_count = 16;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto exporter = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::split_merge), sim);
+  auto importer = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::expandable), sim);
+  void* p = exporter->allocate(3 * MiB);
+  const IpcMemHandle h = exporter->export_ipc(p);
+  exporter->deallocate(p);
+  exporter->release_cached();  // the exported segment is gone
+  CHECK_THROWS_AS(importer->import_ipc(h), expseg::driver_error);
+  for (int peer = 1; peer < 16; ++peer) {
+    CAPTURE(peer);
+    CHECK_NOTHROW(importer->enable_peer_access(peer));
+  }
+  CHECK(sim->context_peers().empty());
+  CHECK(importer->device_info().access_devices.size() == 16);
+}
+
+}  // TEST_SUITE
