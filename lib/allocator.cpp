@@ -420,7 +420,10 @@ void Allocator::enable_peer_access(int peer) {
   // import_ipc mapped from posix_fd/fabric handles) needs; and the backend extends the grant to what
   // is already mapped. If that fails halfway, the peer is not recorded as granted and a later call
   // grants everything again.
-  if (impl_->config.backend == BackendKind::split_merge || impl_->context_imports) (void)d.enable_context_peer(peer);
+  if (impl_->config.backend == BackendKind::split_merge)
+    (void)d.enable_context_peer(peer);
+  else if (impl_->context_imports)
+    impl_->enable_context_peer_for_imports(peer);
   (void)d.add_access_device(peer);
   std::vector<int>& granted = impl_->peers;
   if (std::find(granted.begin(), granted.end(), peer) != granted.end()) return;
@@ -428,6 +431,24 @@ void Allocator::enable_peer_access(int peer) {
   impl_->backend->on_peer_added(peer);
   impl_->imports->grant_all(d);  // and what import_ipc mapped
   granted.push_back(peer);
+}
+
+void Allocator::Impl::enable_context_peer_for_imports(int peer) {
+  try {
+    (void)driver->enable_context_peer(peer);
+  } catch (const driver_error& e) {
+    // The driver's way out (backend:expandable) does not apply: this allocator is expandable; the
+    // split_merge exporter's memory is what needs the context peers.
+    constexpr int kTooManyPeers = 711;  // CUDA_ERROR_TOO_MANY_PEERS
+    if (e.code() != kTooManyPeers || config.backend == BackendKind::split_merge) throw;
+    throw driver_error(e.call(), e.code(), e.code_name(),
+                       "device " + std::to_string(peer) + " cannot get peer access to device " +
+                           std::to_string(driver->device()) + "'s context, which CUDA allows for at most 8 peers of a "
+                           "device: this expandable allocator needs it only for memory it imported from a split_merge "
+                           "exporter (cuda_ipc handles, opened with cuIpcOpenMemHandle). An exporter with "
+                           "backend:expandable and ipc_handle:posix_fd (or ipc_handle:fabric) hands out memory that "
+                           "any number of peers reach without it");
+  }
 }
 
 void Allocator::validate() const {

@@ -36,6 +36,9 @@ struct Allocator::Impl final : backends::FrontendHooks {
   void process_events();
   void finish_pending(core::Block* b);
   [[noreturn]] void throw_invalid_pointer(const char* op, std::uint64_t addr) const;
+  // Context peer access (cuCtxEnablePeerAccess) for `peer` because of cuda_ipc imports: what an
+  // expandable allocator needs only for them. Throws driver_error.
+  void enable_context_peer_for_imports(int peer);
   // Builds the report of a failed allocation (oom_report.cpp).
   std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream);
   Snapshot snapshot_locked() const;

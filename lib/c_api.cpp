@@ -711,9 +711,9 @@ int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, si
     return EXPSEG_ERROR_INVALID_ARGUMENT;
   };
   try {
+    if (size != nullptr) *size = 0;  // first: also when ptr is NULL (expseg.h: 0 on every error)
     if (ptr == nullptr) return invalid("ptr must not be NULL");
     *ptr = nullptr;
-    if (size != nullptr) *size = 0;
     if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
     if (handle == nullptr || handle_size == 0) return invalid("no handle given (NULL, or 0 bytes)");
     if (nfds > 0 && fds == nullptr) return invalid(std::to_string(nfds) + " descriptors announced, but fds is NULL");

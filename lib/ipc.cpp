@@ -561,10 +561,13 @@ ImportedMemory Allocator::import_ipc(const IpcMemHandle& handle) {
     // cuIpcOpenMemHandle'd memory is reached through contexts: the peers granted so far (by an
     // expandable allocator, through cuMemSetAccess alone) need context peer access for it, and so
     // do peers granted later. First, so that a refusal leaves nothing open.
-    for (int peer : impl_->peers) (void)impl_->driver->enable_context_peer(peer);
-    impl_->context_imports = true;
+    for (int peer : impl_->peers) impl_->enable_context_peer_for_imports(peer);
   }
-  return detail::IpcAccess::import_with(impl_->driver, handle, impl_->imports);
+  ImportedMemory m = detail::IpcAccess::import_with(impl_->driver, handle, impl_->imports);
+  // Only once such memory is mapped: a failed import (a stale handle) must not cap an expandable
+  // allocator at CUDA's 8 context peers from then on.
+  if (handle.kind == IpcKind::cuda_ipc) impl_->context_imports = true;
+  return m;
 }
 
 // --- passing descriptors ----------------------------------------------------------------------------------

@@ -315,6 +315,18 @@ def _pointer(ptr, what):
     return ptr
 
 
+def _fd(fd):
+    """A file descriptor as an int: ctypes would wrap fd + 2**32 around into fd, and take True as descriptor 1."""
+    try:
+        value = None if isinstance(fd, bool) else operator.index(fd)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < 1 << 31:
+        raise ExpsegError("a file descriptor must be an int from 0 to 2**31-1 (as ipc_export gave it), not %r" % (fd,),
+                          INVALID_ARGUMENT)
+    return value
+
+
 def ipc_export(ptr, device=0):
     """The live allocation that starts at `ptr` (e.g. tensor.data_ptr()) as (handle: bytes, fds: list of int),
     for ipc_import in another process. The bytes travel any way. The descriptors (ipc_handle:posix_fd; none for
@@ -335,7 +347,7 @@ def ipc_import(handle, fds=(), device=0):
     if not isinstance(handle, (bytes, bytearray)):
         raise ExpsegError("handle must be the bytes ipc_export returned, not %r" % type(handle).__name__,
                           INVALID_ARGUMENT)
-    fds = list(fds)
+    fds = [_fd(fd) for fd in fds]
     array = (ctypes.c_int * len(fds))(*fds) if fds else None
     ptr, size = ctypes.c_void_p(), ctypes.c_size_t(0)
     _check(load().expseg_ipc_import(bytes(handle), len(handle), array, len(fds), _device(device), ctypes.byref(ptr),

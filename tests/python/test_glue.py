@@ -78,6 +78,23 @@ class GlueTest(unittest.TestCase):
         self.lib.expseg_free(p, 0, 0, None)
         self.assertEqual(expseg.stats()["allocation.all.current"], 0)
 
+    def test_ipc_import_checks_the_descriptors(self):
+        expseg.configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd")
+        p = self.lib.expseg_malloc(2 * MiB, 0, None)
+        handle, fds = expseg.ipc_export(p)
+        try:
+            # ctypes would wrap fd + 2**32 around into fd itself and pass True as descriptor 1: the import
+            # must not use descriptors the caller did not give.
+            for bad in ([fd + (1 << 32) for fd in fds], [True] * len(fds), [1.5] * len(fds), ["3"] * len(fds)):
+                with self.assertRaises(expseg.ExpsegError) as e:
+                    expseg.ipc_import(handle, bad)
+                self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.lib.expseg_free(p, 0, 0, None)
+        self.assertEqual(expseg.stats()["allocation.all.current"], 0)
+
     def test_malloc_free_and_stats(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable")
         self.assertIn("backend:expandable", expseg.config())

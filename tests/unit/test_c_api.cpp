@@ -993,6 +993,17 @@ extern "C" void record_oom(int device, const char* report_json, void* user_data)
 }
 }  // namespace
 
+// expseg.h: "sets *ptr (and *size when not NULL) ... (NULL and 0 on error)": a caller that passes
+// only `size` (a NULL ptr is its mistake) must not read a stale or uninitialised size.
+TEST_CASE_FIXTURE(CApiFixture, "regression: expseg_ipc_import sets *size to 0 on every error, a NULL ptr included") {
+  std::size_t size = 99;
+  const unsigned char junk[16] = {};
+  CHECK(expseg_ipc_import(junk, sizeof junk, nullptr, 0, 0, nullptr, &size) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("ptr must not be NULL") != std::string::npos);
+  CHECK(size == 0);
+  CHECK(expseg_device_initialized(0) == 0);
+}
+
 TEST_CASE_FIXTURE(CApiFixture, "expseg_set_oom_callback: called with the report before malloc returns NULL, on every entry point") {
   OomCalls calls;
   REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB") == EXPSEG_SUCCESS);

@@ -178,3 +178,78 @@ TEST_CASE("peer: an expandable allocator holding a cuda_ipc import enables conte
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("multi_device") {
+
+// An expandable allocator asks for cuCtxEnablePeerAccess only once it holds a cuda_ipc import. An
+// import that fails (a stale handle: the exporter freed the allocation) maps nothing, so it must not
+// cap the allocator at CUDA's 8 context peers from then on.
+TEST_CASE("regression: a failed cuda_ipc import does not make an expandable allocator ask for context peers") {
+  SimOptions o;
+  o.device_count = 16;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto exporter = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::split_merge), sim);
+  auto importer = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::expandable), sim);
+  void* p = exporter->allocate(3 * MiB);
+  const IpcMemHandle h = exporter->export_ipc(p);
+  exporter->deallocate(p);
+  exporter->release_cached();  // the exported segment is gone
+  CHECK_THROWS_AS(importer->import_ipc(h), expseg::driver_error);
+  for (int peer = 1; peer < 16; ++peer) {
+    CAPTURE(peer);
+    CHECK_NOTHROW(importer->enable_peer_access(peer));
+  }
+  CHECK(sim->context_peers().empty());
+  CHECK(importer->device_info().access_devices.size() == 16);
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("multi_device") {
+
+// An expandable allocator needs cuCtxEnablePeerAccess only for a cuda_ipc import (memory of a
+// split_merge exporter). When CUDA's 8 context peers run out there, "use backend:expandable" (the
+// driver's advice for split_merge) is no way out: the allocator is expandable. The message must
+// say why this allocator needs context peers and what avoids them (an expandable exporter).
+TEST_CASE("regression: TOO_MANY_PEERS for an expandable allocator's cuda_ipc import names the import, not backend:expandable") {
+  SimOptions o;
+  o.device_count = 16;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto exporter = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::split_merge), sim);
+  auto importer = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::expandable), sim);
+  void* p = exporter->allocate(3 * MiB);
+  auto refusal = [](auto&& f) {
+    try {
+      f();
+    } catch (const expseg::driver_error& e) {
+      CHECK(e.code() == 711);  // CUDA_ERROR_TOO_MANY_PEERS
+      return std::string(e.what());
+    }
+    FAIL("not refused");
+    return std::string();
+  };
+  for (int peer = 1; peer <= 9; ++peer) REQUIRE_NOTHROW(importer->enable_peer_access(peer));  // cuMemSetAccess alone
+  // Peers granted before the import: the import is refused.
+  std::string what = refusal([&] { (void)importer->import_ipc(exporter->export_ipc(p)); });
+  CAPTURE(what);
+  CHECK(what.find("cuda_ipc") != std::string::npos);
+  CHECK(what.find("ipc_handle:posix_fd") != std::string::npos);
+  CHECK(what.find("backend:expandable shares memory") == std::string::npos);
+
+  // A peer granted after an import: refused the same way.
+  auto sim2 = std::make_shared<expseg::driver::SimDriver>(o);
+  auto exporter2 = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::split_merge), sim2);
+  auto importer2 = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::expandable), sim2);
+  void* p2 = exporter2->allocate(3 * MiB);
+  ImportedMemory m = importer2->import_ipc(exporter2->export_ipc(p2));
+  for (int peer = 1; peer <= 8; ++peer) REQUIRE_NOTHROW(importer2->enable_peer_access(peer));
+  what = refusal([&] { importer2->enable_peer_access(9); });
+  CHECK(what.find("cuda_ipc") != std::string::npos);
+  CHECK(what.find("ipc_handle:posix_fd") != std::string::npos);
+  CHECK(what.find("backend:expandable shares memory") == std::string::npos);
+  m.close();
+  exporter2->deallocate(p2);
+  exporter->deallocate(p);
+}
+
+}  // TEST_SUITE
