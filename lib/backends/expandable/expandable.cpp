@@ -470,28 +470,7 @@ void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, const Block* a
 // cached allocation usually costs no tree rebalancing.
 Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done) {
   auto& seg = *static_cast<ExpSegment*>(b->segment);
-  if (!runs_done) {
-    // The idle handles the new block covers: those wholly inside b from its front (back) to the
-    // handle under the block's last (first) byte. Two handles to look at.
-    cached_path_handles_ += 2;
-    if (back) {
-      const ExpHandle* l = handle_at(seg, b->end() - 1);
-      std::uint64_t hi = frame_addr(seg, l->first_frame) + l->bytes;
-      if (hi > b->end()) hi -= l->bytes;
-      const ExpHandle* h = handle_at(seg, b->end() - size);
-      std::uint64_t lo = frame_addr(seg, h->first_frame);
-      if (lo < b->addr) lo += h->bytes;
-      if (lo < hi) make_busy_back(seg, lo, hi);
-    } else {
-      const ExpHandle* f = handle_at(seg, b->addr);
-      std::uint64_t lo = frame_addr(seg, f->first_frame);
-      if (lo < b->addr) lo += f->bytes;
-      const ExpHandle* h = handle_at(seg, b->addr + size - 1);
-      std::uint64_t hi = frame_addr(seg, h->first_frame) + h->bytes;
-      if (hi > b->end()) hi -= h->bytes;
-      if (lo < hi) make_busy_front(seg, lo, hi);
-    }
-  }
+  // The Block first, the idle runs after it: a bad_alloc for the Block must leave them whole.
   Block* c = b;
   if (b->size == size) {
     erase_free(arena, b);
@@ -518,6 +497,29 @@ Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std
     }
     b->size -= size;
     arena.mapped_free.reposition(*b);
+  }
+  if (!runs_done) {
+    // The idle handles the new block covers: those wholly inside the free block it was carved
+    // from (c and what is left of b), from c's far end to the handle under its last (first) byte.
+    // Two handles to look at.
+    cached_path_handles_ += 2;
+    if (back) {
+      const ExpHandle* l = handle_at(seg, c->end() - 1);
+      std::uint64_t hi = frame_addr(seg, l->first_frame) + l->bytes;
+      if (hi > c->end()) hi -= l->bytes;
+      const ExpHandle* h = handle_at(seg, c->addr);
+      std::uint64_t lo = frame_addr(seg, h->first_frame);
+      if (lo < (c == b ? c->addr : b->addr)) lo += h->bytes;
+      if (lo < hi) make_busy_back(seg, lo, hi);
+    } else {
+      const ExpHandle* f = handle_at(seg, c->addr);
+      std::uint64_t lo = frame_addr(seg, f->first_frame);
+      if (lo < c->addr) lo += f->bytes;
+      const ExpHandle* h = handle_at(seg, c->end() - 1);
+      std::uint64_t hi = frame_addr(seg, h->first_frame) + h->bytes;
+      if (hi > b->end()) hi -= h->bytes;
+      if (lo < hi) make_busy_front(seg, lo, hi);
+    }
   }
   c->status = BlockStatus::allocated;
   c->requested = requested;
@@ -829,6 +831,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   // The idle handles under the new block leave their runs here, against b as a whole: once b is
   // split, a handle across pl.start would lie wholly inside neither part.
   reserve_runs(1);
+  arena.blocks.reserve_two();  // the split below and carve's new block: nothing may fail once the runs change
   std::uint64_t wlo = 0;
   std::uint64_t whi = 0;
   whole_handles(*pl.seg, *b, wlo, whi);
@@ -965,6 +968,7 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
   };
   try {
     reserve_runs(1);                // register_mapping's, so that it cannot fail
+    seg.arena->blocks.reserve_two();  // set_range_mapped's splits, so that they cannot fail once mapped
     unmap_orphans_in(addr, bytes);  // throws: the frames still hold that mapping, the error says why
   } catch (...) {
     give_up(false);
@@ -1080,6 +1084,7 @@ void ExpandableBackend::unmap_mapping(ExpHandle* h) {
   const std::uint64_t lo = frame_addr(seg, h->first_frame);
   const std::uint64_t hi = lo + h->bytes;
   reserve_runs(1);                  // make_busy's, when h splits its run
+  arena.blocks.reserve_two();       // set_range_mapped's splits, so that they cannot fail once unmapped
   ctx_.driver.unmap(lo, h->bytes);  // throws with nothing changed
   {
     // h leaves its run; it lies wholly inside one free mapped block.
