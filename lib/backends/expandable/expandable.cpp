@@ -309,10 +309,15 @@ inline void ExpandableBackend::whole_handles(const ExpSegment& seg, const Block&
 // Makes sure `n` idle runs are at hand, so that the changes that follow cannot fail for one.
 void ExpandableBackend::reserve_runs(std::size_t n) {
   for (const IdleRun* r = spare_runs_; r != nullptr && n != 0; r = r->next_spare) --n;
+  add_spare_runs(n);
+}
+
+void ExpandableBackend::add_spare_runs(std::size_t n) {
   for (; n != 0; --n) {
     auto* r = new IdleRun;
     r->next_spare = spare_runs_;
     spare_runs_ = r;
+    ++run_objects_;
   }
 }
 
@@ -967,7 +972,10 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
     keep_as_orphan(h.release(), still_mapped, addr);
   };
   try {
-    reserve_runs(1);                // register_mapping's, so that it cannot fail
+    // register_mapping's run, and one run object per handle held: a run holds whole idle handles,
+    // so the runs never outnumber the handles, and free() and run splits always find a spare
+    // (free must not fail: the caller has already forgotten the pointer).
+    if (run_objects_ < handles_ + 1) add_spare_runs(handles_ + 1 - run_objects_);
     seg.arena->blocks.reserve_two();  // set_range_mapped's splits, so that they cannot fail once mapped
     unmap_orphans_in(addr, bytes);  // throws: the frames still hold that mapping, the error says why
   } catch (...) {
@@ -1192,7 +1200,6 @@ void ExpandableBackend::retry_orphans() {
 }
 
 void ExpandableBackend::free(Block* b) {
-  if (spare_runs_ == nullptr) reserve_runs(1);  // before any change; only past the most runs ever used
   leave_active(*b);
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   ExpArena& arena = *seg.arena;

@@ -195,6 +195,7 @@ class ExpandableBackend final : public Backend {
   // [lo, hi): the whole handles of mapped free block `b` (lo >= hi: none).
   void whole_handles(const ExpSegment& seg, const core::Block& b, std::uint64_t& lo, std::uint64_t& hi) const noexcept;
   void reserve_runs(std::size_t n);
+  void add_spare_runs(std::size_t n);
   void add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after = nullptr) noexcept;
   void drop_idle_run(IdleRun* r) noexcept;
   void set_run_edges(IdleRun* r) noexcept;
@@ -227,7 +228,8 @@ class ExpandableBackend final : public Backend {
   };
   std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
-  IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths allocate a run only past the most ever used
+  IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths never allocate one
+  std::size_t run_objects_ = 0;    // IdleRun objects, in runs or spare: at least handles_ (map_handle)
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
