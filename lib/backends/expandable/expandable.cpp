@@ -353,7 +353,7 @@ inline void ExpandableBackend::make_busy(ExpSegment& seg, std::uint64_t wlo, std
   if (lo >= hi) return;
   if (lo == wlo) make_busy_front(seg, lo, hi);
   else if (hi == whi) make_busy_back(seg, lo, hi);
-  else make_busy_inside(seg, wlo, lo, hi);
+  else make_busy_inside(seg, wlo, whi, lo, hi);
 }
 
 // [lo, hi) at the front of the whole handles of a free block: the runs there begin at lo.
@@ -386,13 +386,15 @@ inline void ExpandableBackend::make_busy_back(ExpSegment& seg, std::uint64_t lo,
   }
 }
 
-// make_busy of a range with handles of the block on both sides (slow paths): walks the runs from
-// the front; one that holds the range strictly inside splits (a spare run, see reserve_runs).
-[[gnu::noinline]] void ExpandableBackend::make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t lo, std::uint64_t hi) noexcept {
-  for (std::uint64_t at = wlo; at < hi;) {
-    IdleRun* r = handle_at(seg, at)->run_first;
-    at = r->hi;
-    if (r->hi <= lo) continue;
+// make_busy of a range with handles of the block on both sides (slow paths): finds the run that
+// holds lo walking the runs from the front, or the one that holds hi - 1 from the back, whichever
+// comes first, then takes the range out from there; one that holds the range strictly inside
+// splits (a spare run, see reserve_runs). From both ends, unmaps that split a free block cost the
+// runs of its smaller part: from the front alone, reclaim unmapping handle after handle near the
+// end of a block of n runs walked ~n each time.
+[[gnu::noinline]] void ExpandableBackend::make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo,
+                                                           std::uint64_t hi) noexcept {
+  auto take = [&](IdleRun* r) {  // r holds part of [lo, hi)
     if (r->lo >= lo && r->hi <= hi) {
       drop_idle_run(r);
     } else if (r->lo < lo && r->hi > hi) {
@@ -406,6 +408,31 @@ inline void ExpandableBackend::make_busy_back(ExpSegment& seg, std::uint64_t lo,
     } else {
       r->lo = hi;
       handle_at(seg, hi)->run_first = r;
+    }
+  };
+  IdleRun* front = handle_at(seg, wlo)->run_first;
+  IdleRun* back = handle_at(seg, whi - 1)->run_last;
+  cached_path_handles_ += 2;
+  while (front->hi <= lo && back->lo >= hi) {
+    front = handle_at(seg, front->hi)->run_first;
+    back = handle_at(seg, back->lo - 1)->run_last;
+    cached_path_handles_ += 2;
+  }
+  if (front->hi > lo) {  // the runs from front on, up to hi
+    for (IdleRun* r = front;;) {
+      const std::uint64_t next = r->hi;
+      take(r);
+      if (next >= hi) break;
+      r = handle_at(seg, next)->run_first;
+      ++cached_path_handles_;
+    }
+  } else {  // the runs from back down, to lo
+    for (IdleRun* r = back;;) {
+      const std::uint64_t prev = r->lo;
+      take(r);
+      if (prev <= lo) break;
+      r = handle_at(seg, prev - 1)->run_last;
+      ++cached_path_handles_;
     }
   }
 }

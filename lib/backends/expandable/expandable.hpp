@@ -120,7 +120,8 @@ class ExpandableBackend final : public Backend {
   std::size_t max_handle_bytes(std::size_t request = 0) const noexcept;
   std::size_t growth_granule() const noexcept;
   // Physical handles the cached paths (an allocation from cached memory, a free) have looked at:
-  // a few per call, however many handles lie under the block (tests check it).
+  // a few per call, however many handles lie under the block (tests check it). Also counts the
+  // idle runs an unmap looks at (reclaim).
   std::uint64_t cached_path_handles() const noexcept { return cached_path_handles_; }
 
  private:
@@ -202,7 +203,7 @@ class ExpandableBackend final : public Backend {
   void make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
   void make_busy_front(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept;
   void make_busy_back(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept;
-  void make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t lo, std::uint64_t hi) noexcept;
+  void make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
   template <class F>
   void for_each_idle(F&& f) const;
   void insert_free(ExpArena& arena, core::Block* b) noexcept;
