@@ -26,9 +26,15 @@ using expseg::BackendKind;
 namespace {
 // Operator new calls on this thread, counted always (the replacements below).
 thread_local std::uint64_t g_heap_news = 0;
+// Fails the next operator new (non-array, unaligned) on this thread.
+thread_local bool g_fail_next_new = false;
 
 void* counted_new(std::size_t n) {
   ++g_heap_news;
+  if (g_fail_next_new) {
+    g_fail_next_new = false;
+    throw std::bad_alloc();
+  }
   void* p = std::malloc(n != 0 ? n : 1);
   if (p == nullptr) throw std::bad_alloc();
   return p;
@@ -279,6 +285,39 @@ TEST_CASE("hotpath: a cached pair of a block over 256 handles looks at a few of 
     CHECK(seen <= 32 * kPairs);  // a few per pair (the ends of the block and of a few candidates), not 256
     sa->validate();
   }
+}
+
+TEST_CASE("hotpath: an expandable free never allocates, even with more idle runs than ever before") {
+  // 20 blocks of one 2 MiB handle each, mapped in two growths: the second reused the first's spare
+  // idle runs. Every other block freed: 10 runs, about all the backend has.
+  Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "expandable_max_handle:2MiB"));
+  std::vector<void*> ps;
+  for (int i = 0; i < 20; ++i) ps.push_back(a.allocate(2 * MiB));
+  for (int i = 0; i < 20; i += 2) a.deallocate(ps[i]);
+  a.validate();
+  // Each of the others makes one more run. Was: past the spare runs, the free allocated one (heap
+  // on the hot path), and a bad_alloc there escaped after the pointer had left the live table: the
+  // block could never be freed.
+  std::uint64_t news = 0;
+  for (int i = 1; i < 20; i += 2) {
+    CAPTURE(i);
+    bool threw = false;
+    const std::uint64_t h0 = g_heap_news;
+    g_fail_next_new = true;
+    try {
+      a.deallocate(ps[i]);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    g_fail_next_new = false;
+    news += g_heap_news - h0;
+    CHECK_FALSE(threw);
+  }
+  CHECK(news == 0);
+  a.validate();
+  CHECK(a.stats().allocated_bytes[expseg::kAllPools].current == 0);
+  a.release_cached();
+  CHECK(a.stats().reserved_bytes[expseg::kAllPools].current == 0);
 }
 
 }  // TEST_SUITE

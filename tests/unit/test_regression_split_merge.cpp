@@ -15,10 +15,9 @@ using expseg::BackendKind;
 using expseg::kAllPools;
 using expseg::kLargePool;
 
-namespace {
-// Fails the next aligned array allocation (BlockPool's chunks of alignas(64) blocks) on this thread.
+// Fails the next aligned array allocation (BlockPool's chunks of alignas(64) blocks) on this thread
+// (test_regression_idle_runs.cpp uses it too).
 thread_local bool g_fail_next_aligned_array_new = false;
-}  // namespace
 
 // Replaced for the whole test binary; without the flag they behave as the library's own.
 void* operator new[](std::size_t n, std::align_val_t al) {

@@ -310,10 +310,15 @@ inline void ExpandableBackend::whole_handles(const ExpSegment& seg, const Block&
 // Makes sure `n` idle runs are at hand, so that the changes that follow cannot fail for one.
 void ExpandableBackend::reserve_runs(std::size_t n) {
   for (const IdleRun* r = spare_runs_; r != nullptr && n != 0; r = r->next_spare) --n;
+  add_spare_runs(n);
+}
+
+void ExpandableBackend::add_spare_runs(std::size_t n) {
   for (; n != 0; --n) {
     auto* r = new IdleRun;
     r->next_spare = spare_runs_;
     spare_runs_ = r;
+    ++run_objects_;
   }
 }
 
@@ -349,7 +354,7 @@ inline void ExpandableBackend::make_busy(ExpSegment& seg, std::uint64_t wlo, std
   if (lo >= hi) return;
   if (lo == wlo) make_busy_front(seg, lo, hi);
   else if (hi == whi) make_busy_back(seg, lo, hi);
-  else make_busy_inside(seg, wlo, lo, hi);
+  else make_busy_inside(seg, wlo, whi, lo, hi);
 }
 
 // [lo, hi) at the front of the whole handles of a free block: the runs there begin at lo.
@@ -382,13 +387,15 @@ inline void ExpandableBackend::make_busy_back(ExpSegment& seg, std::uint64_t lo,
   }
 }
 
-// make_busy of a range with handles of the block on both sides (slow paths): walks the runs from
-// the front; one that holds the range strictly inside splits (a spare run, see reserve_runs).
-[[gnu::noinline]] void ExpandableBackend::make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t lo, std::uint64_t hi) noexcept {
-  for (std::uint64_t at = wlo; at < hi;) {
-    IdleRun* r = handle_at(seg, at)->run_first;
-    at = r->hi;
-    if (r->hi <= lo) continue;
+// make_busy of a range with handles of the block on both sides (slow paths): finds the run that
+// holds lo walking the runs from the front, or the one that holds hi - 1 from the back, whichever
+// comes first, then takes the range out from there; one that holds the range strictly inside
+// splits (a spare run, see reserve_runs). From both ends, unmaps that split a free block cost the
+// runs of its smaller part: from the front alone, reclaim unmapping handle after handle near the
+// end of a block of n runs walked ~n each time.
+[[gnu::noinline]] void ExpandableBackend::make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo,
+                                                           std::uint64_t hi) noexcept {
+  auto take = [&](IdleRun* r) {  // r holds part of [lo, hi)
     if (r->lo >= lo && r->hi <= hi) {
       drop_idle_run(r);
     } else if (r->lo < lo && r->hi > hi) {
@@ -402,6 +409,31 @@ inline void ExpandableBackend::make_busy_back(ExpSegment& seg, std::uint64_t lo,
     } else {
       r->lo = hi;
       handle_at(seg, hi)->run_first = r;
+    }
+  };
+  IdleRun* front = handle_at(seg, wlo)->run_first;
+  IdleRun* back = handle_at(seg, whi - 1)->run_last;
+  cached_path_handles_ += 2;
+  while (front->hi <= lo && back->lo >= hi) {
+    front = handle_at(seg, front->hi)->run_first;
+    back = handle_at(seg, back->lo - 1)->run_last;
+    cached_path_handles_ += 2;
+  }
+  if (front->hi > lo) {  // the runs from front on, up to hi
+    for (IdleRun* r = front;;) {
+      const std::uint64_t next = r->hi;
+      take(r);
+      if (next >= hi) break;
+      r = handle_at(seg, next)->run_first;
+      ++cached_path_handles_;
+    }
+  } else {  // the runs from back down, to lo
+    for (IdleRun* r = back;;) {
+      const std::uint64_t prev = r->lo;
+      take(r);
+      if (prev <= lo) break;
+      r = handle_at(seg, prev - 1)->run_last;
+      ++cached_path_handles_;
     }
   }
 }
@@ -471,28 +503,7 @@ void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, const Block* a
 // cached allocation usually costs no tree rebalancing.
 Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done) {
   auto& seg = *static_cast<ExpSegment*>(b->segment);
-  if (!runs_done) {
-    // The idle handles the new block covers: those wholly inside b from its front (back) to the
-    // handle under the block's last (first) byte. Two handles to look at.
-    cached_path_handles_ += 2;
-    if (back) {
-      const ExpHandle* l = handle_at(seg, b->end() - 1);
-      std::uint64_t hi = frame_addr(seg, l->first_frame) + l->bytes;
-      if (hi > b->end()) hi -= l->bytes;
-      const ExpHandle* h = handle_at(seg, b->end() - size);
-      std::uint64_t lo = frame_addr(seg, h->first_frame);
-      if (lo < b->addr) lo += h->bytes;
-      if (lo < hi) make_busy_back(seg, lo, hi);
-    } else {
-      const ExpHandle* f = handle_at(seg, b->addr);
-      std::uint64_t lo = frame_addr(seg, f->first_frame);
-      if (lo < b->addr) lo += f->bytes;
-      const ExpHandle* h = handle_at(seg, b->addr + size - 1);
-      std::uint64_t hi = frame_addr(seg, h->first_frame) + h->bytes;
-      if (hi > b->end()) hi -= h->bytes;
-      if (lo < hi) make_busy_front(seg, lo, hi);
-    }
-  }
+  // The Block first, the idle runs after it: a bad_alloc for the Block must leave them whole.
   Block* c = b;
   if (b->size == size) {
     erase_free(arena, b);
@@ -519,6 +530,29 @@ Block* ExpandableBackend::carve(ExpArena& arena, Block* b, std::size_t size, std
     }
     b->size -= size;
     arena.mapped_free.reposition(*b);
+  }
+  if (!runs_done) {
+    // The idle handles the new block covers: those wholly inside the free block it was carved
+    // from (c and what is left of b), from c's far end to the handle under its last (first) byte.
+    // Two handles to look at.
+    cached_path_handles_ += 2;
+    if (back) {
+      const ExpHandle* l = handle_at(seg, c->end() - 1);
+      std::uint64_t hi = frame_addr(seg, l->first_frame) + l->bytes;
+      if (hi > c->end()) hi -= l->bytes;
+      const ExpHandle* h = handle_at(seg, c->addr);
+      std::uint64_t lo = frame_addr(seg, h->first_frame);
+      if (lo < (c == b ? c->addr : b->addr)) lo += h->bytes;
+      if (lo < hi) make_busy_back(seg, lo, hi);
+    } else {
+      const ExpHandle* f = handle_at(seg, c->addr);
+      std::uint64_t lo = frame_addr(seg, f->first_frame);
+      if (lo < c->addr) lo += f->bytes;
+      const ExpHandle* h = handle_at(seg, c->end() - 1);
+      std::uint64_t hi = frame_addr(seg, h->first_frame) + h->bytes;
+      if (hi > b->end()) hi -= h->bytes;
+      if (lo < hi) make_busy_front(seg, lo, hi);
+    }
   }
   c->status = BlockStatus::allocated;
   c->requested = requested;
@@ -830,6 +864,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   // The idle handles under the new block leave their runs here, against b as a whole: once b is
   // split, a handle across pl.start would lie wholly inside neither part.
   reserve_runs(1);
+  arena.blocks.reserve_two();  // the split below and carve's new block: nothing may fail once the runs change
   std::uint64_t wlo = 0;
   std::uint64_t whi = 0;
   whole_handles(*pl.seg, *b, wlo, whi);
@@ -965,7 +1000,11 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
     keep_as_orphan(h.release(), still_mapped, addr);
   };
   try {
-    reserve_runs(1);                // register_mapping's, so that it cannot fail
+    // register_mapping's run, and one run object per handle held: a run holds whole idle handles,
+    // so the runs never outnumber the handles, and free() and run splits always find a spare
+    // (free must not fail: the caller has already forgotten the pointer).
+    if (run_objects_ < handles_ + 1) add_spare_runs(handles_ + 1 - run_objects_);
+    seg.arena->blocks.reserve_two();  // set_range_mapped's splits, so that they cannot fail once mapped
     unmap_orphans_in(addr, bytes);  // throws: the frames still hold that mapping, the error says why
   } catch (...) {
     give_up(false);
@@ -1081,6 +1120,7 @@ void ExpandableBackend::unmap_mapping(ExpHandle* h) {
   const std::uint64_t lo = frame_addr(seg, h->first_frame);
   const std::uint64_t hi = lo + h->bytes;
   reserve_runs(1);                  // make_busy's, when h splits its run
+  arena.blocks.reserve_two();       // set_range_mapped's splits, so that they cannot fail once unmapped
   ctx_.driver.unmap(lo, h->bytes);  // throws with nothing changed
   {
     // h leaves its run; it lies wholly inside one free mapped block.
@@ -1188,7 +1228,6 @@ void ExpandableBackend::retry_orphans() {
 }
 
 void ExpandableBackend::free(Block* b) {
-  if (spare_runs_ == nullptr) reserve_runs(1);  // before any change; only past the most runs ever used
   leave_active(*b);
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   ExpArena& arena = *seg.arena;

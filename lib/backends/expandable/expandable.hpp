@@ -120,7 +120,8 @@ class ExpandableBackend final : public Backend {
   std::size_t max_handle_bytes(std::size_t request = 0) const noexcept;
   std::size_t growth_granule() const noexcept;
   // Physical handles the cached paths (an allocation from cached memory, a free) have looked at:
-  // a few per call, however many handles lie under the block (tests check it).
+  // a few per call, however many handles lie under the block (tests check it). Also counts the
+  // idle runs an unmap looks at (reclaim).
   std::uint64_t cached_path_handles() const noexcept { return cached_path_handles_; }
 
  private:
@@ -195,13 +196,14 @@ class ExpandableBackend final : public Backend {
   // [lo, hi): the whole handles of mapped free block `b` (lo >= hi: none).
   void whole_handles(const ExpSegment& seg, const core::Block& b, std::uint64_t& lo, std::uint64_t& hi) const noexcept;
   void reserve_runs(std::size_t n);
+  void add_spare_runs(std::size_t n);
   void add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after = nullptr) noexcept;
   void drop_idle_run(IdleRun* r) noexcept;
   void set_run_edges(IdleRun* r) noexcept;
   void make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
   void make_busy_front(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept;
   void make_busy_back(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) noexcept;
-  void make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t lo, std::uint64_t hi) noexcept;
+  void make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
   template <class F>
   void for_each_idle(F&& f) const;
   void insert_free(ExpArena& arena, core::Block* b) noexcept;
@@ -227,7 +229,8 @@ class ExpandableBackend final : public Backend {
   };
   std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
-  IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths allocate a run only past the most ever used
+  IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths never allocate one
+  std::size_t run_objects_ = 0;    // IdleRun objects, in runs or spare: at least handles_ (map_handle)
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
