@@ -153,6 +153,17 @@ void set_error(int code, std::string_view fn, std::string_view message) noexcept
   }
 }
 
+// A pointer passed with a device that has no allocator: it may well be expseg's, of another
+// device, so the message says what that device's allocator would. `what`: "free", "export", ...
+int no_allocator_for_pointer(const char* fn, const char* what, const void* ptr, int device) noexcept {
+  char text[200];
+  std::snprintf(text, sizeof text,
+                "%s of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one from another "
+                "device's allocator", what, ptr, device);
+  set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
+  return EXPSEG_ERROR_INVALID_POINTER;
+}
+
 // Translates the exception being handled into a status code and the thread's error message.
 int fail_current(const char* fn) noexcept {
   try {
@@ -271,12 +282,7 @@ void deallocate(void* ptr, int device, const char* fn) noexcept {
   if (!valid_device(device, fn)) return;
   Allocator* a = existing(device);
   if (a == nullptr) {
-    // The pointer may well be expseg's, of another device: say what the allocator would say.
-    char text[200];
-    std::snprintf(text, sizeof text,
-                  "free of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one from "
-                  "another device's allocator", ptr, device);
-    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
+    no_allocator_for_pointer(fn, "free", ptr, device);
     return;
   }
   try {
@@ -381,14 +387,7 @@ int expseg_record_stream(void* ptr, int device, expseg_stream_t stream) noexcept
   if (ptr == nullptr) return EXPSEG_SUCCESS;
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   Allocator* a = existing(device);
-  if (a == nullptr) {
-    char text[200];
-    std::snprintf(text, sizeof text,
-                  "record_stream of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one "
-                  "from another device's allocator", ptr, device);
-    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
-    return EXPSEG_ERROR_INVALID_POINTER;
-  }
+  if (a == nullptr) return no_allocator_for_pointer(fn, "record_stream", ptr, device);
   try {
     a->record_stream(ptr, stream);
     return EXPSEG_SUCCESS;
@@ -676,14 +675,7 @@ int expseg_ipc_export(void* ptr, int device, const void** handle, size_t* handle
   *nfds = 0;
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   Allocator* a = existing(device);
-  if (a == nullptr) {
-    char text[200];
-    std::snprintf(text, sizeof text,
-                  "export of pointer %p on device %d, which has no expseg allocator: a foreign pointer, or one from "
-                  "another device's allocator", ptr, device);
-    set_error(EXPSEG_ERROR_INVALID_POINTER, fn, text);
-    return EXPSEG_ERROR_INVALID_POINTER;
-  }
+  if (a == nullptr) return no_allocator_for_pointer(fn, "export", ptr, device);
   try {
     IpcMemHandle h = a->export_ipc(ptr);
     const std::vector<std::uint8_t> bytes = h.serialize();

@@ -854,13 +854,17 @@ bool SimDriver::can_access_peer(int peer) {
   return peer != options_.device && peer >= 0 && peer < options_.device_count;
 }
 
-bool SimDriver::add_access_device(int peer) {
-  std::lock_guard lock(impl_->mutex);
-  Impl& s = *impl_;
+void SimDriver::check_peer_index(int peer) const {
   if (peer < 0 || peer >= options_.device_count)
     throw driver_error("cuDeviceGet", kInvalidDevice, "CUDA_ERROR_INVALID_DEVICE",
                        "no simulated device " + std::to_string(peer) + " (device_count " +
                            std::to_string(options_.device_count) + ")");
+}
+
+bool SimDriver::add_access_device(int peer) {
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  check_peer_index(peer);
   if (peer == options_.device || std::find(s.peers.begin(), s.peers.end(), peer) != s.peers.end()) return false;
   s.peers.push_back(peer);
   return true;
@@ -869,10 +873,7 @@ bool SimDriver::add_access_device(int peer) {
 bool SimDriver::enable_context_peer(int peer) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
-  if (peer < 0 || peer >= options_.device_count)
-    throw driver_error("cuDeviceGet", kInvalidDevice, "CUDA_ERROR_INVALID_DEVICE",
-                       "no simulated device " + std::to_string(peer) + " (device_count " +
-                           std::to_string(options_.device_count) + ")");
+  check_peer_index(peer);
   if (peer == options_.device || std::find(s.context_peers.begin(), s.context_peers.end(), peer) != s.context_peers.end())
     return false;
   // As cuCtxEnablePeerAccess: a device has at most kSimMaxContextPeers peers this way.

@@ -147,6 +147,7 @@ class SimDriver final : public Driver {
   std::vector<int> granted_devices(dev_ptr addr) const;
 
  private:
+  void check_peer_index(int peer) const;  // throws CUDA_ERROR_INVALID_DEVICE past the device count
   struct Impl;
   SimOptions options_;
   std::unique_ptr<Impl> impl_;
