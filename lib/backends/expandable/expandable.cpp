@@ -291,8 +291,8 @@ Block* ExpandableBackend::merge_free(ExpArena& arena, Block* b) noexcept {
 // of the runs exactly where they went in and out of a list of handles, so the order is the same,
 // and each call does a constant amount of work: two end handles, and the runs it removes whole,
 // each of which a free or a mapping added (amortized, one per call). Measured (callgrind,
-// expseg_hotpath): a pair over 512 handles of 2 MiB 28,988 -> 935 instructions, the 1 MiB pair on
-// one handle 873 -> 921, the 64-slot churn 996 -> 1,012 per step. Ordering idle handles by their
+// expseg_hotpath): a pair over 512 handles of 2 MiB 28,988 -> 930 instructions, the 1 MiB pair on
+// one handle 873 -> 919, the 64-slot churn 996 -> 1,011 per step. Ordering idle handles by their
 // free block instead (a list of mapped free blocks, least recently freed first) cost fewer
 // instructions (746 a pair) but took other handles: every scenario's driver calls changed, the
 // 1-32 MiB mix's lowest fill fell from 96.6% to 96.0%, GPT-2 under 6 GiB had 553 OOMs instead of
