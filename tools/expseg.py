@@ -327,6 +327,18 @@ def _fd(fd):
     return value
 
 
+def _fd_list(fds):
+    """A sequence of descriptors as a list of checked ints (None: none)."""
+    if fds is None:
+        return []
+    try:
+        items = list(fds)
+    except TypeError:
+        raise ExpsegError("fds must be a list of file descriptors (as ipc_export gave it), not %r" % (fds,),
+                          INVALID_ARGUMENT) from None
+    return [_fd(fd) for fd in items]
+
+
 def ipc_export(ptr, device=0):
     """The live allocation that starts at `ptr` (e.g. tensor.data_ptr()) as (handle: bytes, fds: list of int),
     for ipc_import in another process. The bytes travel any way. The descriptors (ipc_handle:posix_fd; none for
@@ -342,15 +354,15 @@ def ipc_export(ptr, device=0):
 
 def ipc_import(handle, fds=(), device=0):
     """Maps what ipc_export gave in another process on `device`; returns (ptr, size). `fds` (received with the
-    handle, in order) stay the caller's; without them a posix_fd handle's descriptors are taken from the exporting
-    process (pidfd_getfd, Linux >= 5.6). Close with ipc_close(ptr, device)."""
+    handle, in order) stay the caller's; without them (None or ()) a posix_fd handle's descriptors are taken from
+    the exporting process (pidfd_getfd, Linux >= 5.6). Close with ipc_close(ptr, device)."""
     if not isinstance(handle, (bytes, bytearray)):
         raise ExpsegError("handle must be the bytes ipc_export returned, not %r" % type(handle).__name__,
                           INVALID_ARGUMENT)
-    fds = [_fd(fd) for fd in fds]
-    array = (ctypes.c_int * len(fds))(*fds) if fds else None
+    fds = _fd_list(fds)
+    c_fds = (ctypes.c_int * len(fds))(*fds) if fds else None
     ptr, size = ctypes.c_void_p(), ctypes.c_size_t(0)
-    _check(load().expseg_ipc_import(bytes(handle), len(handle), array, len(fds), _device(device), ctypes.byref(ptr),
+    _check(load().expseg_ipc_import(bytes(handle), len(handle), c_fds, len(fds), _device(device), ctypes.byref(ptr),
                                     ctypes.byref(size)), "expseg_ipc_import")
     return ptr.value, size.value
 

@@ -95,6 +95,38 @@ class GlueTest(unittest.TestCase):
         self.lib.expseg_free(p, 0, 0, None)
         self.assertEqual(expseg.stats()["allocation.all.current"], 0)
 
+    def test_bad_arguments_of_import_and_close_raise(self):
+        expseg.configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd")
+        p = self.lib.expseg_malloc(2 * MiB, 0, None)
+        handle, fds = expseg.ipc_export(p)
+        try:
+            for bad in (5, object()):  # not a list of descriptors
+                with self.assertRaises(expseg.ExpsegError) as e:
+                    expseg.ipc_import(handle, bad)
+                self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT)
+            try:  # None: no descriptors, taken from the exporter (this process) with pidfd_getfd
+                expseg.ipc_close(expseg.ipc_import(handle, None)[0])
+            except expseg.ExpsegError as e:  # where the platform refuses pidfd_getfd
+                self.assertEqual(e.code, expseg.IPC, str(e))
+            q, _ = expseg.ipc_import(handle, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for bad in (None, "0x1000", -1, 1 << 64, 1.5):
+            with self.assertRaises(expseg.ExpsegError) as e:
+                expseg.ipc_close(bad)
+            self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT, repr(bad))
+        for bad in (q + 1, p):  # not the start of an open import
+            with self.assertRaises(expseg.ExpsegError) as e:
+                expseg.ipc_close(bad)
+            self.assertEqual(e.exception.code, expseg.INVALID_POINTER)
+            self.assertIn("not memory expseg_ipc_import mapped", str(e.exception))
+        with self.assertRaises(expseg.ExpsegError) as e:
+            expseg.ipc_close(q, device=64)
+        self.assertEqual(e.exception.code, expseg.INVALID_DEVICE)
+        expseg.ipc_close(q)
+        self.lib.expseg_free(p, 0, 0, None)
+
     def test_malloc_free_and_stats(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable")
         self.assertIn("backend:expandable", expseg.config())
