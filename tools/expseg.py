@@ -9,11 +9,14 @@ The library is found through $EXPSEG_LIBRARY (a path to libexpseg.so), else <rep
 (built with `meson setup build && ninja -C build`), else the system library path. Configuration strings use
 EXPSEG_ALLOC_CONF's syntax and are applied over it. Every failure raises ExpsegError with expseg's message.
 """
+import array
 import ctypes
 import ctypes.util
 import json
 import operator
 import os
+import socket
+import struct
 import sys
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "stats", "snapshot", "oom_report", "oom_report_json", "on_oom", "release_cached", "set_limit", "get_limit",
     "reset_peak_stats", "reset_accumulated_stats", "record_start", "record_stop", "record_write", "torch_memory_stats",
     "torch_snapshot", "initialized_devices", "enable_peer_access", "ipc_export", "ipc_import", "ipc_close",
+    "ipc_send", "ipc_recv",
 ]
 
 # expseg_status (include/expseg/expseg.h)
@@ -342,8 +346,8 @@ def _fd_list(fds):
 def ipc_export(ptr, device=0):
     """The live allocation that starts at `ptr` (e.g. tensor.data_ptr()) as (handle: bytes, fds: list of int),
     for ipc_import in another process. The bytes travel any way. The descriptors (ipc_handle:posix_fd; none for
-    split_merge or fabric) are the caller's: send them (socket.send_fds), or keep them open until the importer has
-    taken them (ipc_import without fds), then os.close them. Keep the allocation alive while it is imported."""
+    split_merge or fabric) are the caller's: send them (ipc_send), or keep them open until the importer has taken
+    them (ipc_import without fds), then os.close them. Keep the allocation alive while it is imported."""
     lib = load()
     handle, size = ctypes.c_void_p(), ctypes.c_size_t(0)
     fds, nfds = ctypes.POINTER(ctypes.c_int)(), ctypes.c_size_t(0)
@@ -370,6 +374,130 @@ def ipc_import(handle, fds=(), device=0):
 def ipc_close(ptr, device=0):
     """Unmaps memory ipc_import mapped on `device`."""
     _check(load().expseg_ipc_close(_pointer(ptr, "ptr"), _device(device)), "expseg_ipc_close")
+
+
+# ipc_send / ipc_recv speak expseg::send_fds / recv_fds's wire format (lib/ipc.cpp), so C++'s send_ipc_handle /
+# recv_ipc_handle are the other end just as well: a header <magic "EXFD", descriptor count, byte count> (u32, u32,
+# u64, little-endian) carrying the first batch of descriptors as SCM_RIGHTS; one byte per further batch (the kernel
+# takes at most 253 descriptors a message, SCM_MAX_FD); then the bytes. The batch size is part of the format.
+_FD_HEADER = struct.Struct("<IIQ")
+_FD_MAGIC = 0x44465845
+_FD_BATCH = 250
+_FD_MAX = 1 << 20         # descriptors a message may announce
+_FD_MAX_BYTES = 1 << 30   # bytes a message may announce
+_HANDLE_MAGIC = b"EXPSGIPC"  # the start of every handle ipc_export gives (IpcMemHandle::serialize)
+
+
+def _unix_stream(sock, who):
+    """Raises unless `sock` is an open Unix stream socket.socket (SCM_RIGHTS and the framing need one)."""
+    if not isinstance(sock, socket.socket):
+        raise ExpsegError("expseg.%s: sock must be a socket.socket (a connected AF_UNIX stream socket), not %r"
+                          % (who, type(sock).__name__), INVALID_ARGUMENT)
+    if sock.fileno() < 0:
+        raise ExpsegError("expseg.%s: the socket is closed" % who, INVALID_ARGUMENT)
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+        raise ExpsegError("expseg.%s: descriptors travel only over an AF_UNIX SOCK_STREAM socket (e.g. "
+                          "socket.socketpair()), not %s %s" % (who, sock.family, sock.type), INVALID_ARGUMENT)
+
+
+def _close_fds(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _send_all(sock, data, fds):
+    """One write of `data` carrying `fds`, then the rest of `data` if the socket took only part of it."""
+    flags = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE as an error, never SIGPIPE
+    view = memoryview(data)
+    if fds:
+        view = view[sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], flags):]
+    while view:
+        view = view[sock.send(view, flags):]
+
+
+def _recv_exactly(sock, n, fds, what):
+    """`n` bytes from `sock`; every descriptor that comes with them is appended to `fds` (the caller closes them on
+    error). Reads at most 1 MiB at a time: a garbage header's byte count must not allocate that much up front."""
+    buf = bytearray()
+    ancbuf = socket.CMSG_SPACE(256 * array.array("i").itemsize)  # one SCM_RIGHTS batch at most per read
+    flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+    while len(buf) < n:
+        try:
+            data, ancdata, msg_flags, _ = sock.recvmsg(min(n - len(buf), 1 << 20), ancbuf, flags)
+        except OSError as e:
+            raise ExpsegError("expseg.ipc_recv: receiving %s failed: %s" % (what, e), IPC) from e
+        for level, kind, cdata in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(cdata[:len(cdata) - len(cdata) % got.itemsize])
+                fds.extend(got)
+        if msg_flags & socket.MSG_CTRUNC:
+            raise ExpsegError("expseg.ipc_recv: descriptors were dropped (MSG_CTRUNC): this process is at its open-file "
+                              "limit (RLIMIT_NOFILE), or the sender attached more than one batch to a byte", IPC)
+        if not data:
+            raise ExpsegError("expseg.ipc_recv: the peer closed the socket after %d of %d bytes of %s"
+                              % (len(buf), n, what), IPC)
+        buf += data
+    return bytes(buf)
+
+
+def ipc_send(sock, handle, fds=()):
+    """Sends what ipc_export gave (the handle's bytes and its descriptors, any number of them) as one message over a
+    connected Unix stream socket; ipc_recv, or C++'s expseg::recv_ipc_handle, receives it. The descriptors go as
+    SCM_RIGHTS (batches of 250) and stay the caller's: the receiver gets duplicates, so close them once sent. The
+    socket must block (a timeout is fine); one that fails midway cannot carry another message."""
+    _unix_stream(sock, "ipc_send")
+    if not isinstance(handle, (bytes, bytearray)):
+        raise ExpsegError("expseg.ipc_send: handle must be the bytes ipc_export returned, not %r"
+                          % type(handle).__name__, INVALID_ARGUMENT)
+    if not handle.startswith(_HANDLE_MAGIC):
+        raise ExpsegError("expseg.ipc_send: handle is not an expseg IPC handle (the bytes ipc_export returned start "
+                          "with %r, these with %r)" % (_HANDLE_MAGIC, bytes(handle[:len(_HANDLE_MAGIC)])),
+                          INVALID_ARGUMENT)
+    fds = _fd_list(fds)
+    if len(handle) > _FD_MAX_BYTES or len(fds) > _FD_MAX:
+        raise ExpsegError("expseg.ipc_send: a handle of %d bytes with %d descriptors is too large to send"
+                          % (len(handle), len(fds)), INVALID_ARGUMENT)
+    try:
+        _send_all(sock, _FD_HEADER.pack(_FD_MAGIC, len(fds), len(handle)), fds[:_FD_BATCH])
+        for i in range(_FD_BATCH, len(fds), _FD_BATCH):
+            _send_all(sock, b"\0", fds[i:i + _FD_BATCH])
+        _send_all(sock, handle, [])
+    except OSError as e:
+        raise ExpsegError("expseg.ipc_send: sending the handle and %d descriptors failed: %s" % (len(fds), e),
+                          IPC) from e
+
+
+def ipc_recv(sock):
+    """Receives one message of ipc_send (or of C++'s expseg::send_ipc_handle) from a Unix stream socket: returns
+    (handle, fds) for ipc_import. The descriptors are the caller's (close-on-exec): close them after ipc_import.
+    A peer that closes early or sends something else raises ExpsegError, and the descriptors that had come are
+    closed."""
+    _unix_stream(sock, "ipc_recv")
+    fds = []
+    try:
+        magic, nfds, nbytes = _FD_HEADER.unpack(_recv_exactly(sock, _FD_HEADER.size, fds, "the message header"))
+        if magic != _FD_MAGIC:
+            raise ExpsegError("expseg.ipc_recv: the message was not sent by ipc_send or expseg::send_ipc_handle "
+                              "(magic 0x%x)" % magic, IPC)
+        if nfds > _FD_MAX or nbytes > _FD_MAX_BYTES:
+            raise ExpsegError("expseg.ipc_recv: implausible message header (%d descriptors, %d bytes)"
+                              % (nfds, nbytes), IPC)
+        for _ in range(1, (nfds + _FD_BATCH - 1) // _FD_BATCH):
+            _recv_exactly(sock, 1, fds, "a batch of descriptors")
+        handle = _recv_exactly(sock, nbytes, fds, "the handle")
+        if len(fds) != nfds:
+            raise ExpsegError("expseg.ipc_recv: received %d descriptors, the sender sent %d" % (len(fds), nfds), IPC)
+        if not handle.startswith(_HANDLE_MAGIC):
+            raise ExpsegError("expseg.ipc_recv: the message does not hold an expseg IPC handle (it starts with %r)"
+                              % handle[:len(_HANDLE_MAGIC)], IPC)
+    except BaseException:  # noqa: B036  KeyboardInterrupt too: nothing received may leak
+        _close_fds(fds)
+        raise
+    return handle, fds
 
 
 def initialized_devices():

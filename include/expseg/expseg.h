@@ -199,8 +199,8 @@ EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
  *   ipc_handle:posix_fd (expandable) the handle also needs file descriptors: `*fds` points to
  *   `*nfds` descriptors (0 and NULL for split_merge and for ipc_handle:fabric). Both buffers belong
  *   to the calling thread and stay valid until its next expseg_ipc_export. The descriptors are the
- *   caller's: send them with the bytes (SCM_RIGHTS over a Unix socket, e.g. Python's
- *   socket.send_fds), or keep them open until the importer has taken them with pidfd_getfd; then
+ *   caller's: send them with the bytes (SCM_RIGHTS over a Unix socket, e.g. expseg.ipc_send in
+ *   Python), or keep them open until the importer has taken them with pidfd_getfd; then
  *   close them (an open descriptor keeps the physical memory alive). The allocation must stay
  *   allocated until every importer has closed it. An expandable allocator exports only when
  *   configured with ipc_handle:posix_fd or ipc_handle:fabric (else EXPSEG_ERROR_IPC, saying so).

@@ -8,9 +8,12 @@ import gzip
 import json
 import os
 import pickle
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import types
 import unittest
 
@@ -285,6 +288,243 @@ def flatten_like_torch(nested):
 
     add("", nested)
     return dict(sorted(result))
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+class IpcSendRecvTest(unittest.TestCase):
+    """expseg.ipc_send / ipc_recv: the handle and any number of descriptors over a Unix socket, in the wire format
+    of C++'s send_ipc_handle / recv_ipc_handle (interop through tests/python/ipc_echo.cpp, EXPSEG_IPC_ECHO)."""
+    # 2 MiB pages and physical handles: an allocation of 300 pages spans 300 handles, more than one SCM_RIGHTS
+    # message carries (253).
+    CONF = ("device:sim,sim_host_backed:true,sim_capacity:1GiB,sim_granularity:2MiB,backend:expandable,"
+            "ipc_handle:posix_fd,expandable_max_handle:2MiB")
+    PAGES = 300
+
+    def setUp(self):
+        os.environ.pop("EXPSEG_ALLOC_CONF", None)
+        self.lib = expseg.load()
+        self.lib.expseg_reset_for_tests.restype = None
+        self.lib.expseg_reset_for_tests()
+        self.a, self.b = socket.socketpair()
+
+    def tearDown(self):
+        self.a.close()
+        self.b.close()
+        self.lib.expseg_reset_for_tests()
+
+    def export_many(self):
+        """A live allocation spanning PAGES handles, each page marked with its number; (ptr, handle, fds)."""
+        expseg.configure(self.CONF)
+        p = self.lib.expseg_malloc(self.PAGES * 2 * MiB, 0, None)
+        self.assertTrue(p)
+        for i in range(self.PAGES):
+            ctypes.memset(p + i * 2 * MiB, i % 251, 16)
+        handle, fds = expseg.ipc_export(p)
+        self.assertEqual(len(fds), self.PAGES)
+        return p, handle, fds
+
+    def check_import(self, handle, fds):
+        q, size = expseg.ipc_import(handle, fds)
+        self.assertEqual(size, self.PAGES * 2 * MiB)
+        for i in range(self.PAGES):
+            self.assertEqual(ctypes.string_at(q + i * 2 * MiB, 16), bytes([i % 251]) * 16, "page %d" % i)
+        expseg.ipc_close(q)
+
+    def send_in_thread(self, fn):
+        errors = []
+
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: B036  reported by join()
+                errors.append(e)
+        t = threading.Thread(target=run)
+        t.start()
+        return lambda: (t.join(), errors and self.fail("sender: %r" % errors[0]))
+
+    def test_round_trip_with_more_descriptors_than_one_message_carries(self):
+        before = open_fds()
+        p, handle, fds = self.export_many()
+        join = self.send_in_thread(lambda: expseg.ipc_send(self.a, handle, fds))
+        got_handle, got = expseg.ipc_recv(self.b)
+        join()
+        self.assertEqual(got_handle, handle)
+        self.assertEqual(len(got), len(fds))
+        for mine, theirs in zip(fds, got):  # the same memory, in order; the sender's descriptors stay open
+            self.assertEqual(os.fstat(mine).st_ino, os.fstat(theirs).st_ino)
+            self.assertNotEqual(mine, theirs)
+        for fd in fds:
+            os.close(fd)
+        self.check_import(got_handle, got)
+        for fd in got:
+            os.close(fd)
+        self.lib.expseg_free(p, 0, 0, None)
+        self.assertEqual(expseg.stats()["allocation.all.current"], 0)
+        expseg.release_cached()  # the simulator's memory: a memfd per physical handle
+        self.assertEqual(open_fds(), before)
+
+    def test_partial_writes_are_reassembled(self):
+        # A stream socket may hand the message over in pieces: the header split, the handle byte by byte.
+        r, w = os.pipe()
+        handle = b"EXPSGIPC" + bytes(range(40))
+        header = struct.pack("<IIQ", 0x44465845, 1, len(handle))
+
+        def send():
+            self.a.sendmsg([header[:5]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", r))])
+            self.a.sendall(header[5:])
+            for i in range(len(handle)):
+                self.a.sendall(handle[i:i + 1])
+        join = self.send_in_thread(send)
+        got_handle, got = expseg.ipc_recv(self.b)
+        join()
+        self.assertEqual(got_handle, handle)
+        self.assertEqual(len(got), 1)
+        self.assertEqual(os.fstat(got[0]).st_ino, os.fstat(r).st_ino)
+        for fd in got + [r, w]:
+            os.close(fd)
+
+    def test_interop_with_cpp(self):
+        echo = os.environ.get("EXPSEG_IPC_ECHO")
+        if not echo:
+            self.skipTest("EXPSEG_IPC_ECHO is not set (meson sets it to build/tests/expseg_ipc_echo)")
+        before = open_fds()
+
+        def echo_through_cpp(mode, handle, fds):
+            a, b = socket.socketpair()
+            with a:
+                with b:
+                    child = subprocess.Popen([echo, str(b.fileno()), mode], pass_fds=[b.fileno()],
+                                             stderr=subprocess.PIPE, text=True)
+                a.settimeout(30)  # a disagreement on the framing hangs both ends: fail instead
+                try:
+                    join = self.send_in_thread(lambda: expseg.ipc_send(a, handle, fds))
+                    got = expseg.ipc_recv(a)
+                    join()
+                except expseg.ExpsegError as e:
+                    child.kill()
+                    self.fail("%s (expseg_ipc_echo: %s)" % (e, child.communicate()[1]))
+            _, err = child.communicate(timeout=60)
+            self.assertEqual(child.returncode, 0, err)
+            return got
+
+        # A real export: C++'s recv_ipc_handle parses it and takes its descriptors, send_ipc_handle sends it back.
+        p, handle, fds = self.export_many()
+        got_handle, got = echo_through_cpp("handle", handle, fds)
+        self.assertEqual(got_handle, handle)
+        self.assertEqual([os.fstat(fd).st_ino for fd in got], [os.fstat(fd).st_ino for fd in fds])
+        self.check_import(got_handle, got)
+        for fd in fds + got:
+            os.close(fd)
+        self.lib.expseg_free(p, 0, 0, None)
+        expseg.release_cached()
+        # The framing alone: C++'s recv_fds / send_fds. 252 descriptors are two batches of expseg's 250 but would
+        # fit one SCM_RIGHTS message (253): both ends must count the batches alike.
+        pipes = [os.pipe() for _ in range(252)]
+        synthetic = b"EXPSGIPC" + os.urandom(1000)
+        got_handle, got = echo_through_cpp("fds", synthetic, [r for r, _ in pipes])
+        self.assertEqual(got_handle, synthetic)
+        self.assertEqual([os.fstat(fd).st_ino for fd in got], [os.fstat(r).st_ino for r, _ in pipes])
+        for fd in got + [fd for pair in pipes for fd in pair]:
+            os.close(fd)
+        self.assertEqual(open_fds(), before)
+
+    def test_a_bad_peer_raises_and_leaks_nothing(self):
+        r, w = os.pipe()
+        header = struct.Struct("<IIQ")
+
+        def received_after(*messages, close=True):
+            """ipc_recv's error after the peer sent `messages` ((bytes, fds) each) and closed (or not)."""
+            a, b = socket.socketpair()
+            try:
+                for data, fds in messages:
+                    if fds:
+                        a.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("%di" % len(fds), *fds))])
+                    else:
+                        a.sendall(data)
+                if close:
+                    a.close()
+                else:
+                    b.settimeout(0.2)
+                before = open_fds()
+                with self.assertRaises(expseg.ExpsegError) as e:
+                    expseg.ipc_recv(b)
+                self.assertEqual(open_fds(), before, "descriptors received before the error must be closed")
+                self.assertEqual(e.exception.code, expseg.IPC)
+                return str(e.exception)
+            finally:
+                a.close()
+                b.close()
+
+        handle = b"EXPSGIPC" + bytes(20)
+        self.assertIn("closed the socket after 0 of 16 bytes", received_after())
+        self.assertIn("closed the socket after 4 of 16 bytes", received_after((b"\x45\x58\x46\x44", [r])))
+        self.assertIn("not sent by ipc_send", received_after((b"GET / HTTP/1.1\r\n\r\n", [r, w])))
+        self.assertIn("implausible", received_after((header.pack(0x44465845, 1 << 30, 10), [r])))
+        self.assertIn("implausible", received_after((header.pack(0x44465845, 1, 1 << 40), [r])))
+        # 300 descriptors announced, the first batch sent, then the peer goes away.
+        self.assertIn("closed the socket after 0 of 1 bytes of a batch",
+                      received_after((header.pack(0x44465845, 300, len(handle)), [r] * 250)))
+        self.assertIn("after 3 of %d bytes of the handle" % len(handle),
+                      received_after((header.pack(0x44465845, 2, len(handle)), [r, w]), (b"EXP", [])))
+        self.assertIn("received 3 descriptors, the sender sent 2",
+                      received_after((header.pack(0x44465845, 2, len(handle)), [r, w]), (handle, [r])))
+        self.assertIn("does not hold an expseg IPC handle",
+                      received_after((header.pack(0x44465845, 2, 5), [r, w]), (b"hello", [])))
+        self.assertIn("does not hold an expseg IPC handle", received_after((header.pack(0x44465845, 0, 0), [])))
+        self.assertIn("timed out", received_after((header.pack(0x44465845, 2, len(handle)), [r, w]), close=False))
+        os.close(r)
+        os.close(w)
+
+    def test_bad_arguments_raise(self):
+        r, w = os.pipe()
+        handle = b"EXPSGIPC" + bytes(20)
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        dgram = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        closed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        closed.close()
+        try:
+            for sock in (None, 3, "sock", udp, dgram[0], closed):
+                with self.assertRaises(expseg.ExpsegError) as e:
+                    expseg.ipc_send(sock, handle, [r])
+                self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT, repr(sock))
+                with self.assertRaises(expseg.ExpsegError) as e:
+                    expseg.ipc_recv(sock)
+                self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT, repr(sock))
+        finally:
+            for s in (udp,) + dgram:
+                s.close()
+        for bad in (None, "EXPSGIPC", [handle], b"garbage", b""):
+            with self.assertRaises(expseg.ExpsegError) as e:
+                expseg.ipc_send(self.a, bad, [r])
+            self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT, repr(bad))
+        for bad in ([-1], [True], [1.5], ["3"], [r + (1 << 32)], 5, r):
+            with self.assertRaises(expseg.ExpsegError) as e:
+                expseg.ipc_send(self.a, handle, bad)
+            self.assertEqual(e.exception.code, expseg.INVALID_ARGUMENT, repr(bad))
+        # A descriptor that is not open: the system call refuses, before anything is written.
+        with self.assertRaises(expseg.ExpsegError) as e:
+            expseg.ipc_send(self.a, handle, [w + 1000])
+        self.assertEqual(e.exception.code, expseg.IPC)
+        self.assertIn("Bad file descriptor", str(e.exception))
+        # The caller's descriptors stay open; None and () are no descriptors.
+        for fds in ([r, w], None, ()):
+            expseg.ipc_send(self.a, handle, fds)
+            got_handle, got = expseg.ipc_recv(self.b)
+            self.assertEqual((got_handle, len(got)), (handle, len(fds or ())))
+            for fd in got:
+                os.close(fd)
+        os.fstat(r)
+        os.fstat(w)
+        self.b.close()  # the peer has gone
+        with self.assertRaises(expseg.ExpsegError) as e:
+            expseg.ipc_send(self.a, handle, [r])
+        self.assertEqual(e.exception.code, expseg.IPC)
+        self.assertIn("Broken pipe", str(e.exception))
+        os.close(r)
+        os.close(w)
 
 
 class FakeTorch:
