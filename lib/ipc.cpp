@@ -600,8 +600,16 @@ std::vector<std::uint8_t> recv_fds(int socket, std::vector<OwnedFd>& fds) {
     char marker = 0;
     recv_collecting(socket, &marker, 1, got);
   }
-  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(header.nbytes));
-  if (!bytes.empty()) recv_collecting(socket, bytes.data(), bytes.size(), got);
+  // Grown as the bytes arrive, 1 MiB at a time: a header that claims a large message (up to
+  // kMaxMessageBytes) costs no memory before the sender has sent it.
+  constexpr std::size_t kChunk = std::size_t{1} << 20;
+  std::vector<std::uint8_t> bytes;
+  while (bytes.size() < header.nbytes) {
+    const std::size_t at = bytes.size();
+    const std::size_t n = std::min<std::size_t>(kChunk, static_cast<std::size_t>(header.nbytes) - at);
+    bytes.resize(at + n);
+    recv_collecting(socket, bytes.data() + at, n, got);
+  }
   if (got.size() != header.nfds)
     throw ipc_error("expseg: recv_fds: received " + std::to_string(got.size()) + " descriptors, the sender sent " +
                     std::to_string(header.nfds));

@@ -11,6 +11,7 @@
 #include <new>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/expandable/expandable.hpp"
@@ -26,11 +27,19 @@ using expseg::BackendKind;
 namespace {
 // Operator new calls on this thread, counted always (the replacements below).
 thread_local std::uint64_t g_heap_news = 0;
+}  // namespace
+
+// The largest operator new (non-array, unaligned) on this thread since the last call (other test files).
+thread_local std::size_t g_largest_new = 0;
+std::size_t largest_new_since_last_call() { return std::exchange(g_largest_new, 0); }
+
+namespace {
 // Fails the next operator new (non-array, unaligned) on this thread.
 thread_local bool g_fail_next_new = false;
 
 void* counted_new(std::size_t n) {
   ++g_heap_news;
+  if (n > g_largest_new) g_largest_new = n;
   if (g_fail_next_new) {
     g_fail_next_new = false;
     throw std::bad_alloc();

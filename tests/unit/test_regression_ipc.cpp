@@ -1,7 +1,11 @@
 // Regressions of IPC and peer access (audit of lib/ipc.cpp, enable_peer_access).
 #include <doctest/doctest.h>
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstdint>
 #include <string>
 #include <thread>
 #include <vector>
@@ -253,3 +257,28 @@ TEST_CASE("regression: TOO_MANY_PEERS for an expandable allocator's cuda_ipc imp
 }
 
 }  // TEST_SUITE
+
+std::size_t largest_new_since_last_call();  // test_regression_hotpath.cpp's operator new
+
+// recv_fds read a header's byte count into one buffer before the bytes came: a peer that sent a
+// header claiming 1 GiB and closed made the receiver allocate 1 GiB (or fail with bad_alloc
+// instead of the IPC error). It now grows the buffer as the bytes arrive.
+TEST_CASE("regression: recv_fds allocates no more than arrives for a header that claims a large message") {
+  int sv[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+  struct {
+    std::uint32_t magic = 0x44465845;  // send_fds's header: "EXFD", descriptors, bytes
+    std::uint32_t nfds = 0;
+    std::uint64_t nbytes = std::uint64_t{1} << 30;
+  } header;
+  const char some[10] = {};
+  REQUIRE(::write(sv[1], &header, sizeof header) == static_cast<ssize_t>(sizeof header));
+  REQUIRE(::write(sv[1], some, sizeof some) == static_cast<ssize_t>(sizeof some));
+  ::close(sv[1]);
+  std::vector<expseg::OwnedFd> fds;
+  (void)largest_new_since_last_call();
+  CHECK_THROWS_WITH_AS(expseg::recv_fds(sv[0], fds), doctest::Contains("closed socket"), expseg::ipc_error);
+  CHECK(largest_new_since_last_call() <= (std::size_t{1} << 20));
+  CHECK(fds.empty());
+  ::close(sv[0]);
+}
