@@ -123,6 +123,10 @@ class ExpandableBackend final : public Backend {
   // a few per call, however many handles lie under the block (tests check it). Also counts the
   // idle runs an unmap looks at (reclaim).
   std::uint64_t cached_path_handles() const noexcept { return cached_path_handles_; }
+  // Blocks and idle handles that the slow paths' lookups have looked at: the block an unmap takes
+  // its handle from, and room_after_reclaim's idle handles (tests check they stay near the work
+  // done, not the number of blocks or idle handles).
+  std::uint64_t slow_path_steps() const noexcept { return slow_path_steps_; }
 
  private:
   struct Placement {
@@ -178,10 +182,11 @@ class ExpandableBackend final : public Backend {
   void register_mapping(ExpSegment& seg, ExpHandle* h, core::Block* anchor);
   void set_range_mapped(ExpSegment& seg, core::Block* from, std::uint64_t lo, std::uint64_t hi, bool mapped);
   bool make_room(std::size_t bytes, const Exclusion& ex);
-  std::size_t room_after_reclaim(const Exclusion& ex) const noexcept;
+  bool room_after_reclaim(std::size_t bytes, const Exclusion& ex) const noexcept;
   std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr, bool largest_first = false);
   void unmap_handle(ExpHandle* h);
   void unmap_mapping(ExpHandle* h);
+  core::Block* mapped_block_at(ExpSegment& seg, std::uint64_t addr) const noexcept;
   void keep_as_orphan(ExpHandle* h, bool still_mapped, std::uint64_t addr);
   void retry_orphans();
   // Waits until work queued on `stream` before now is done, at most once per operation (a slow
@@ -236,6 +241,7 @@ class ExpandableBackend final : public Backend {
   std::size_t handles_ = 0;
   std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
   mutable std::uint64_t cached_path_handles_ = 0;
+  mutable std::uint64_t slow_path_steps_ = 0;
   struct SyncedStreams {         // synchronize_once's streams in the current operation
     driver::stream_t streams[8];
     std::size_t count = 0;
