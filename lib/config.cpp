@@ -483,11 +483,16 @@ void parse_gc_threshold(Config& c, Key key, std::string_view v) {
   c.garbage_collection_threshold = t;
 }
 
+// PyTorch 2.9+ (CUDAAllocatorConfig, DeviceCachingAllocator::setMemoryFraction) takes [0, 1]: 1 sets
+// no limit at all, 0 a limit of 0 bytes (no new memory at all). expseg's limit 0 is "none", so 0
+// becomes the smallest limit there is, 1 byte, as set_per_process_memory_fraction(0) does in the glue.
 void parse_memory_fraction(Config& c, Key key, std::string_view v) {
-  const char* what = "a fraction of device memory in (0, 1], e.g. 0.5";
+  const char* what = "a fraction of device memory in [0, 1], e.g. 0.5 (1: no limit; 0: nothing may be allocated)";
   const double f = parse_double(key, v, what);
-  if (!(f > 0.0 && f <= 1.0)) bad_value(key, v, what);
-  c.limit = Limit{0, f};
+  if (!(f >= 0.0 && f <= 1.0)) bad_value(key, v, what);
+  if (f == 1.0) c.limit = Limit{};
+  else if (f == 0.0) c.limit = Limit{1, 0.0};
+  else c.limit = Limit{0, f};
 }
 
 // The letters that may follow '%' in an oom_dump pattern (expand_oom_dump_path replaces them).
@@ -582,7 +587,7 @@ const Entry kEntries[] = {
    [](const Config& c) { return c.garbage_collection_threshold == 0.0 ? std::string("off") : format_double(c.garbage_collection_threshold); }},
   {{"expandable_segments", "bool", "False", "PyTorch: True = backend:expandable, False = backend:split_merge"},
    parse_expandable_segments, nullptr},
-  {{"per_process_memory_fraction", "float", "1", "PyTorch: limit to this fraction of device memory, in (0, 1] (= limit:N%)"},
+  {{"per_process_memory_fraction", "float", "1", "PyTorch: limit to this fraction of device memory, in [0, 1] (= limit:N%; 1 = none, 0 = nothing may be allocated)"},
    parse_memory_fraction, nullptr},
   // --- PyTorch's host-side keys: accepted and ignored ---
   {{"release_lock_on_cudamalloc", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},

@@ -56,3 +56,40 @@ TEST_CASE("fidelity regression: no 'allowed' figure in the OOM message at a memo
     }
   }
 }
+
+TEST_CASE("fidelity regression: per_process_memory_fraction takes PyTorch's [0, 1]: 1 is no limit, 0 lets nothing be allocated") {
+  // PyTorch 2.9+ parsePerProcessMemoryFraction: `val_env >= 0.0 && val_env <= 1.0` ("set it in
+  // [0.0, 1.0]"); setMemoryFraction(1.0) sets no limit, setMemoryFraction(0.0) a limit of 0 bytes.
+  CHECK(Config::parse("per_process_memory_fraction:1").limit == Limit{});  // was: 100% (of the device)
+  CHECK(Config::parse("limit:4GiB,per_process_memory_fraction:1").limit == Limit{});
+  CHECK(Config::parse("per_process_memory_fraction:1").to_string() == Config{}.to_string());
+
+  Config zero;
+  CHECK_NOTHROW(zero = Config::parse("per_process_memory_fraction:0"));  // was: config_error, "(0, 1]"
+  CHECK(zero.limit.is_set());
+  CHECK(Config::parse(zero.to_string()) == zero);
+  CHECK_NOTHROW((void)Config::parse("per_process_memory_fraction:0.0"));
+  for (BackendKind b : kBoth) {
+    CAPTURE(expseg::to_string(b));
+    Allocator a(sim_config(b, 80 * GiB, "per_process_memory_fraction:0"));
+    CHECK(a.limit() != 0);
+    try {
+      (void)a.allocate(512);
+      FAIL("an allocation succeeded under per_process_memory_fraction:0");
+    } catch (const expseg::out_of_memory& e) {
+      CHECK(e.report().verdict == expseg::OomVerdict::limit);
+    }
+    CHECK(a.stats().reserved_bytes[expseg::kAllPools].current == 0);
+    a.validate();
+  }
+  for (const char* bad : {"-0.5", "1.01"}) {
+    CAPTURE(bad);
+    try {
+      (void)Config::parse(std::string("per_process_memory_fraction:") + bad);
+      FAIL("accepted");
+    } catch (const expseg::config_error& e) {
+      CHECK(std::string(e.what()).find("[0, 1]") != std::string::npos);
+      CHECK(e.key() == "per_process_memory_fraction");
+    }
+  }
+}
