@@ -419,6 +419,7 @@ void parse_roundup(Config& c, Key key, std::string_view v) {
   const std::string_view inner = trim(v.substr(1, v.size() - 2));
   if (inner.find_first_of("[]") != std::string_view::npos) bad_value(key, v, std::string(kRoundupExpected) + " (nested brackets)");
   bool first = true;
+  bool any = false;
   std::size_t last_index = 0;
   std::size_t pos = 0;
   while (!inner.empty() && pos <= inner.size()) {
@@ -426,6 +427,9 @@ void parse_roundup(Config& c, Key key, std::string_view v) {
     if (comma == std::string_view::npos) comma = inner.size();
     const std::string_view entry = trim(inner.substr(pos, comma - pos));
     pos = comma + 1;
+    // PyTorch takes one comma after the last entry ("[256:1,>:8,]"), as after the last item.
+    if (entry.empty() && comma == inner.size() && any) break;
+    any = true;
     const std::size_t colon = entry.find(':');
     if (entry.empty() || colon == std::string_view::npos)
       bad_value(key, v, std::string(kRoundupExpected) + " (entry '" + clip(entry) + "' is not MB:divisions)");

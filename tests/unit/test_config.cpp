@@ -357,7 +357,8 @@ TEST_CASE("config: PyTorch's roundup_power2_divisions, single value and brackete
   check_fails("roundup_power2_divisions:256:1]", key, {"unbalanced ']'"});
   check_fails("roundup_power2_divisions:[256]", key, {"'256' is not MB:divisions"});
   check_fails("roundup_power2_divisions:[256:1,,512:2]", key, {"is not MB:divisions"});
-  check_fails("roundup_power2_divisions:[256:1,]", key, {"is not MB:divisions"});
+  check_fails("roundup_power2_divisions:[256:1,,]", key, {"is not MB:divisions"});  // one trailing comma only, as PyTorch
+  check_fails("roundup_power2_divisions:[,]", key, {"is not MB:divisions"});
   check_fails("roundup_power2_divisions:[[256:1]]", key, {"nested"});
   check_fails("roundup_power2_divisions:[256:-1]", key, {"negative"});
   check_fails("roundup_power2_divisions:[256:x]", key, {"[MB:divisions"});

@@ -2,6 +2,7 @@
 // (c10/core/AllocatorConfig.cpp, c10/cuda/CUDAAllocatorConfig.cpp, c10/cuda/CUDACachingAllocator.cpp).
 #include <doctest/doctest.h>
 
+#include <array>
 #include <string>
 
 #include "expseg/errors.hpp"
@@ -91,5 +92,24 @@ TEST_CASE("fidelity regression: per_process_memory_fraction takes PyTorch's [0, 
       CHECK(std::string(e.what()).find("[0, 1]") != std::string::npos);
       CHECK(e.key() == "per_process_memory_fraction");
     }
+  }
+}
+
+TEST_CASE("fidelity regression: roundup_power2_divisions takes one comma after the last entry of its list, as PyTorch does") {
+  // PyTorch's parseRoundUpPower2Divisions reads an entry, then `if (tokenizer[i + 1] != "]")
+  // checkToken(++i, ",")` and loops `while (++i < size && tokenizer[i] != "]")`: a comma before ']'
+  // ends the list like ']' alone. A second comma, or a comma with no entry, is an error there too.
+  using Arr = std::array<std::size_t, expseg::kRoundupIntervals>;
+  const Arr ex = Config::parse("roundup_power2_divisions:[256:1,512:2,>:8]").roundup_power2_divisions;
+  for (const char* conf : {"roundup_power2_divisions:[256:1,512:2,>:8,]", "roundup_power2_divisions:[256:1,512:2,>:8 , ]",
+                           "roundup_power2_divisions:[256:1,512:2,>:8,],expandable_segments:True,"}) {
+    CAPTURE(conf);
+    Arr got{};
+    CHECK_NOTHROW(got = Config::parse(conf).roundup_power2_divisions);  // was: config_error, "'' is not MB:divisions"
+    CHECK(got == ex);
+  }
+  for (const char* bad : {"roundup_power2_divisions:[,]", "roundup_power2_divisions:[256:1,,]", "roundup_power2_divisions:[,256:1]"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS((void)Config::parse(bad), expseg::config_error);
   }
 }
