@@ -419,6 +419,7 @@ void parse_roundup(Config& c, Key key, std::string_view v) {
   const std::string_view inner = trim(v.substr(1, v.size() - 2));
   if (inner.find_first_of("[]") != std::string_view::npos) bad_value(key, v, std::string(kRoundupExpected) + " (nested brackets)");
   bool first = true;
+  bool any = false;
   std::size_t last_index = 0;
   std::size_t pos = 0;
   while (!inner.empty() && pos <= inner.size()) {
@@ -426,6 +427,9 @@ void parse_roundup(Config& c, Key key, std::string_view v) {
     if (comma == std::string_view::npos) comma = inner.size();
     const std::string_view entry = trim(inner.substr(pos, comma - pos));
     pos = comma + 1;
+    // PyTorch takes one comma after the last entry ("[256:1,>:8,]"), as after the last item.
+    if (entry.empty() && comma == inner.size() && any) break;
+    any = true;
     const std::size_t colon = entry.find(':');
     if (entry.empty() || colon == std::string_view::npos)
       bad_value(key, v, std::string(kRoundupExpected) + " (entry '" + clip(entry) + "' is not MB:divisions)");
@@ -483,11 +487,16 @@ void parse_gc_threshold(Config& c, Key key, std::string_view v) {
   c.garbage_collection_threshold = t;
 }
 
+// PyTorch 2.9+ (CUDAAllocatorConfig, DeviceCachingAllocator::setMemoryFraction) takes [0, 1]: 1 sets
+// no limit at all, 0 a limit of 0 bytes (no new memory at all). expseg's limit 0 is "none", so 0
+// becomes the smallest limit there is, 1 byte, as set_per_process_memory_fraction(0) does in the glue.
 void parse_memory_fraction(Config& c, Key key, std::string_view v) {
-  const char* what = "a fraction of device memory in (0, 1], e.g. 0.5";
+  const char* what = "a fraction of device memory in [0, 1], e.g. 0.5 (1: no limit; 0: nothing may be allocated)";
   const double f = parse_double(key, v, what);
-  if (!(f > 0.0 && f <= 1.0)) bad_value(key, v, what);
-  c.limit = Limit{0, f};
+  if (!(f >= 0.0 && f <= 1.0)) bad_value(key, v, what);
+  if (f == 1.0) c.limit = Limit{};
+  else if (f == 0.0) c.limit = Limit{1, 0.0};
+  else c.limit = Limit{0, f};
 }
 
 // The letters that may follow '%' in an oom_dump pattern (expand_oom_dump_path replaces them).
@@ -582,7 +591,7 @@ const Entry kEntries[] = {
    [](const Config& c) { return c.garbage_collection_threshold == 0.0 ? std::string("off") : format_double(c.garbage_collection_threshold); }},
   {{"expandable_segments", "bool", "False", "PyTorch: True = backend:expandable, False = backend:split_merge"},
    parse_expandable_segments, nullptr},
-  {{"per_process_memory_fraction", "float", "1", "PyTorch: limit to this fraction of device memory, in (0, 1] (= limit:N%)"},
+  {{"per_process_memory_fraction", "float", "1", "PyTorch: limit to this fraction of device memory, in [0, 1] (= limit:N%; 1 = none, 0 = nothing may be allocated)"},
    parse_memory_fraction, nullptr},
   // --- PyTorch's host-side keys: accepted and ignored ---
   {{"release_lock_on_cudamalloc", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},

@@ -142,7 +142,9 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     const std::size_t tried = config.backend == BackendKind::split_merge ? std::max(r->rounded_bytes, fs.request_footprint) : r->rounded_bytes;
     os << "CUDA out of memory. Tried to allocate " << format_bytes(tried) << ". GPU " << r->device << " has a total capacity of "
        << format_bytes(mi.total) << " of which " << format_bytes(mi.free) << " is free. ";
-    if (ctx.limit) os << format_bytes(ctx.limit) << " allowed; ";
+    // PyTorch 2.9+ prints its allowed figure only under a memory fraction below 1 (at 1 it sets no
+    // limit): a limit of all the device's memory, or more, is none here too (as for garbage collection).
+    if (ctx.limit != 0 && ctx.limit < ctx.device_total) os << format_bytes(ctx.limit) << " allowed; ";
     os << "Of the allocated memory " << format_bytes(r->allocated_bytes) << " is allocated by expseg, and " << format_bytes(unallocated)
        << " is reserved by expseg but unallocated.";
     if (config.backend == BackendKind::split_merge && r->verdict == OomVerdict::fragmentation)

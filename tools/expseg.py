@@ -638,6 +638,8 @@ def _patch_torch(torch):
         limit, total = get_limit(device)
         if device in fractions and fractions[device][1] == limit:
             return fractions[device][0]
+        if limit == 1:
+            return 0.0  # expseg's smallest limit stands for PyTorch's 0 bytes (per_process_memory_fraction:0)
         return 1.0 if limit == 0 or total == 0 else limit / total
 
     def memory_snapshot(*_args, **_kwargs):

@@ -9,7 +9,7 @@
 //   expandable_segments:True, in either order); release_lock_on_cudamalloc, pinned_* and
 //   graph_capture_record_stream_reuse (host-side options of PyTorch with nothing to do in a device
 //   allocator, also in their ROCm spellings *_hipmalloc, *_hip_host_register) are accepted and
-//   ignored. As in PyTorch, one trailing comma is accepted.
+//   ignored. As in PyTorch, one trailing comma is accepted (also inside a roundup_power2_divisions list).
 // Unknown keys and bad values throw expseg::config_error naming the key and listing valid ones.
 // `expseg config` (tools) prints the table; Config::options() returns it.
 #pragma once

@@ -630,6 +630,18 @@ class TorchApiTest(unittest.TestCase):
         expseg.set_limit(3 << 30, 0)  # changed behind PyTorch's back: the fraction follows the limit
         self.assertEqual(C._cuda_getMemoryFraction(0), 0.75)
 
+    def test_memory_fraction_from_the_configuration_reads_back_as_pytorch_has_it(self):
+        # PyTorch's per_process_memory_fraction:0 is a limit of 0 bytes (expseg's: 1 byte), whose
+        # fraction get_per_process_memory_fraction() reads as 0.0; at 1 there is no limit.
+        C = self.torch._C
+        expseg.configure("device:sim,sim_capacity:4GiB,per_process_memory_fraction:0")
+        self.assertIsNone(self.lib.expseg_malloc(MiB, 0, None))
+        self.assertEqual(C._cuda_getMemoryFraction(0), 0.0)  # was: 1 / 4 GiB
+        self.lib.expseg_reset_for_tests()
+        expseg.configure("device:sim,sim_capacity:4GiB,per_process_memory_fraction:1")
+        self.assertEqual(expseg.get_limit(0), (0, 4 << 30))  # was: (4 GiB, 4 GiB)
+        self.assertEqual(C._cuda_getMemoryFraction(0), 1.0)
+
     def test_record_stream_reaches_expseg(self):
         expseg.configure("device:sim")
         p = self.lib.expseg_malloc(4 * MiB, 0, None)

@@ -357,7 +357,8 @@ TEST_CASE("config: PyTorch's roundup_power2_divisions, single value and brackete
   check_fails("roundup_power2_divisions:256:1]", key, {"unbalanced ']'"});
   check_fails("roundup_power2_divisions:[256]", key, {"'256' is not MB:divisions"});
   check_fails("roundup_power2_divisions:[256:1,,512:2]", key, {"is not MB:divisions"});
-  check_fails("roundup_power2_divisions:[256:1,]", key, {"is not MB:divisions"});
+  check_fails("roundup_power2_divisions:[256:1,,]", key, {"is not MB:divisions"});  // one trailing comma only, as PyTorch
+  check_fails("roundup_power2_divisions:[,]", key, {"is not MB:divisions"});
   check_fails("roundup_power2_divisions:[[256:1]]", key, {"nested"});
   check_fails("roundup_power2_divisions:[256:-1]", key, {"negative"});
   check_fails("roundup_power2_divisions:[256:x]", key, {"[MB:divisions"});
@@ -375,11 +376,12 @@ TEST_CASE("config: PyTorch's garbage_collection_threshold and per_process_memory
     check_fails(std::string("garbage_collection_threshold:") + bad, "garbage_collection_threshold", {bad, "(0, 1)"});
 
   CHECK(Config::parse("per_process_memory_fraction:0.5").limit == Limit{0, 0.5});
-  CHECK(Config::parse("per_process_memory_fraction:1").limit == Limit{0, 1.0});
+  CHECK(Config::parse("per_process_memory_fraction:1").limit == Limit{});  // PyTorch: 1 sets no limit
+  CHECK(Config::parse("per_process_memory_fraction:0").limit == Limit{1, 0.0});  // PyTorch: 0 bytes; ours: 1 byte
   CHECK(Config::parse("limit:4GiB,per_process_memory_fraction:0.5").limit == Limit{0, 0.5});
   CHECK(Config::parse("per_process_memory_fraction:0.5,limit:4GiB").limit == Limit{4 * GiB, 0});
-  for (const char* bad : {"0", "1.01", "-0.5", "nan", "50%"})
-    check_fails(std::string("per_process_memory_fraction:") + bad, "per_process_memory_fraction", {bad, "(0, 1]"});
+  for (const char* bad : {"1.01", "-0.5", "nan", "50%"})
+    check_fails(std::string("per_process_memory_fraction:") + bad, "per_process_memory_fraction", {bad, "[0, 1]"});
 }
 
 TEST_CASE("config: PyTorch's host-side keys are accepted and ignored, but their values are checked") {
