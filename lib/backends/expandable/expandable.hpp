@@ -179,6 +179,7 @@ class ExpandableBackend final : public Backend {
   void set_range_mapped(ExpSegment& seg, core::Block* from, std::uint64_t lo, std::uint64_t hi, bool mapped);
   bool make_room(std::size_t bytes, const Exclusion& ex);
   std::size_t room_after_reclaim(const Exclusion& ex) const noexcept;
+  bool room_for_placement(const Placement& pl, std::size_t size) const noexcept;
   std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr, bool largest_first = false);
   void unmap_handle(ExpHandle* h);
   void unmap_mapping(ExpHandle* h);
