@@ -710,7 +710,58 @@ bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placem
     }
     if (out.calls == 0) break;
   }
+  // Under a limit, rather than map and unmap, a place that costs nothing inside a mapped free
+  // block (those runs hold no unmapped block, so the search above never sees them): in the slow
+  // paths of random churn under 3 GiB, a third had such a place. Seeds 1-16, H200 latency model:
+  // 1,523 -> 1,437 ms of driver time (-5.6%); the size mixes 12-15% less (1-64 MiB, seeds 1-3:
+  // 152 -> 128 ms), kv-cache-decode 31 -> 25 ms, growing-buffer 16 -> 14 ms; the lowest fill at an
+  // OOM over seeds 1-16 the same or higher in every mix (1-64 MiB 96.89 -> 96.90%, 1-32 MiB 96.57
+  // -> 96.63%, 2-16 MiB 94.93 -> 95.27%, 1-4 MiB 92.96%), no fragmentation OOM.
+  if (limited && (!found || out.calls != 0)) {
+    Placement m;
+    if (find_mapped_place(arena, size, m)) {
+      out = m;
+      found = true;
+    }
+  }
   return found;
+}
+
+// Under a limit: a place inside one mapped free block that costs no driver call: it covers idle
+// bulk handles only wholly (single-frame handles may be shared), as the fast path requires, which
+// tries only both ends of the few best-fitting blocks. Here every mapped free block that fits is
+// tried at both ends and where each of its idle handles begins or ends; the place that leaves the
+// fewest bytes of idle handles partly used wins, the smallest block on ties (best fit).
+bool ExpandableBackend::find_mapped_place(ExpArena& arena, std::size_t size, Placement& out) {
+  Block* best = nullptr;
+  std::uint64_t best_start = 0;
+  std::size_t best_pin = kNoPlace;
+  for (Block* b = arena.mapped_free.lower_bound(size); b != nullptr && best_pin != 0; b = arena.mapped_free.next(*b)) {
+    const auto& seg = *static_cast<const ExpSegment*>(b->segment);
+    auto consider = [&](std::uint64_t start) {
+      if (start < b->addr || start + size > b->end()) return;
+      const std::size_t pin = new_pin_bytes(seg, *b, start, start + size, 1);
+      if (pin < best_pin) {
+        best = b;
+        best_start = start;
+        best_pin = pin;
+      }
+    };
+    consider(b->addr);
+    consider(b->end() - size);
+    for (std::size_t f = frame_of(seg, b->addr), last = frame_of(seg, b->end() - 1); f <= last && best_pin != 0;) {
+      const ExpHandle* h = seg.frames[f];
+      const std::uint64_t hlo = frame_addr(seg, h->first_frame);
+      consider(hlo);
+      if (hlo + h->bytes >= size) consider(hlo + h->bytes - size);
+      f = h->first_frame + h->nframes;
+    }
+  }
+  if (best == nullptr) return false;
+  Block* anchor = best->prev;  // the block before the run of free blocks around best
+  while (anchor != nullptr && anchor->is_free()) anchor = anchor->prev;
+  out = Placement{static_cast<ExpSegment*>(best->segment), anchor, best_start, 0, 0};
+  return true;
 }
 
 ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_bytes) {
@@ -1096,7 +1147,7 @@ bool ExpandableBackend::room_for_placement(const Placement& pl, std::size_t size
     frames += frame_of(seg, std::min(hlo + h.bytes, hi) - 1) - frame_of(seg, std::max(hlo, lo)) + 1;
   });
   const std::size_t held = reserved_ - freeable;
-  return held + frames * frame_ <= ctx_.effective_limit();
+  return frames == 0 || held + frames * frame_ <= ctx_.effective_limit();  // mapping nothing needs no room
 }
 
 // Bytes that could be mapped under the limit once every idle handle outside `ex` is given back.

@@ -165,6 +165,7 @@ class ExpandableBackend final : public Backend {
   core::Block* grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested);
   void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
+  bool find_mapped_place(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
   std::size_t placement_calls(const ExpSegment& seg, std::uint64_t run_lo, std::uint64_t run_hi, std::uint64_t lo, std::uint64_t hi,
                               std::size_t max_frames, std::size_t& frames, std::size_t bound) const noexcept;
