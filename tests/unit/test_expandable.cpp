@@ -244,6 +244,60 @@ TEST_CASE("expandable: at the limit an idle handle moves to where a request need
   CHECK(sim.live().mappings == 0);
 }
 
+TEST_CASE("expandable: a request that cannot fit under the limit gives back no idle memory") {
+  // limit 128 MiB: b (60 MiB) lives, a's 64 MiB are idle. 100 MiB cannot fit even with a's memory
+  // given back, so the request fails without unmapping it (giving it back first, the failure cost
+  // unmaps and releases, and the next 64 MiB request a create, map and grant for each handle).
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 512 * MiB, "limit:128MiB"));
+  auto& sim = *sa.sim;
+  void* a = sa->allocate(64 * MiB);
+  void* b = sa->allocate(60 * MiB);
+  sa->deallocate(a);
+  const std::int64_t held = reserved(*sa);
+  using expseg::driver::Op;
+  auto before = sim.call_stats();
+  CHECK_THROWS_AS(sa->allocate(100 * MiB), expseg::out_of_memory);
+  auto d = sim.call_stats().since(before);
+  CHECK(d.calls[static_cast<std::size_t>(Op::unmap)] == 0);
+  CHECK(d.calls[static_cast<std::size_t>(Op::release)] == 0);
+  CHECK(reserved(*sa) == held);
+  sa->validate();
+  // a's memory is still there for the next request of its size: no driver call.
+  before = sim.call_stats();
+  void* c = sa->allocate(64 * MiB);
+  d = sim.call_stats().since(before);
+  for (std::size_t op = 0; op < d.calls.size(); ++op) CHECK(d.calls[op] == 0);
+  sa->deallocate(c);
+  sa->deallocate(b);
+  sa->validate();
+}
+
+TEST_CASE("expandable: under a limit a request takes whole idle handles inside a free block, no driver call") {
+  // limit 128 MiB: bulk handles of up to 4 frames. l1 = [0, 1 MiB) in frame 0; a = [1, 21.5 MiB)
+  // maps frames 1-4, 5-8, 9 and 10 (its partly covered last frame) as handles of their own; l2
+  // packs after a in frame 10. With a freed, 8 MiB at either end of a's free block would cover an
+  // idle 4-frame handle partly (the fast path skips such places), but at frame 1 it covers that
+  // handle exactly: it goes there, mapping nothing, instead of mapping new frames past l2.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 512 * MiB, "limit:128MiB"));
+  auto& sim = *sa.sim;
+  void* l1 = sa->allocate(MiB);
+  void* a = sa->allocate(20 * MiB + MiB / 2);
+  void* l2 = sa->allocate(MiB / 4);
+  REQUIRE(addr(a) == addr(l1) + MiB);
+  REQUIRE(addr(l2) == addr(a) + 20 * MiB + MiB / 2);
+  sa->deallocate(a);
+  const std::int64_t held = reserved(*sa);
+  const auto before = sim.call_stats();
+  void* c = sa->allocate(8 * MiB);
+  const auto d = sim.call_stats().since(before);
+  CHECK(addr(c) == addr(l1) + 2 * MiB);
+  for (std::size_t op = 0; op < d.calls.size(); ++op) CHECK(d.calls[op] == 0);
+  CHECK(reserved(*sa) == held);
+  sa->validate();
+  for (void* p : {c, l1, l2}) sa->deallocate(p);
+  sa->validate();
+}
+
 TEST_CASE("expandable: small requests pack into shared frames") {
   {
     // Under a limit every mapped byte counts: 4000 x 512 B share one 2 MiB frame.

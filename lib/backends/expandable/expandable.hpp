@@ -169,6 +169,7 @@ class ExpandableBackend final : public Backend {
   core::Block* grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested);
   void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
+  bool find_mapped_place(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
   std::size_t placement_calls(const ExpSegment& seg, std::uint64_t run_lo, std::uint64_t run_hi, std::uint64_t lo, std::uint64_t hi,
                               std::size_t max_frames, std::size_t& frames, std::size_t bound) const noexcept;
@@ -183,10 +184,11 @@ class ExpandableBackend final : public Backend {
   void set_range_mapped(ExpSegment& seg, core::Block* from, std::uint64_t lo, std::uint64_t hi, bool mapped);
   bool make_room(std::size_t bytes, const Exclusion& ex);
   bool room_after_reclaim(std::size_t bytes, const Exclusion& ex) const noexcept;
+  bool room_for_placement(const Placement& pl, std::size_t size) const noexcept;
   std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr, bool largest_first = false);
   void unmap_handle(ExpHandle* h);
   void unmap_mapping(ExpHandle* h);
-  core::Block* mapped_block_at(ExpSegment& seg, std::uint64_t addr) const noexcept;
+  core::Block* mapped_block_at(const ExpSegment& seg, std::uint64_t addr) const noexcept;
   void keep_as_orphan(ExpHandle* h, bool still_mapped, std::uint64_t addr);
   void retry_orphans();
   // Waits until work queued on `stream` before now is done, at most once per operation (a slow
