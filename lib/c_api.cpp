@@ -647,6 +647,8 @@ int expseg_enable_peer_access(int device, int peer) noexcept {
               "peer device " + std::to_string(peer) + " is out of range (0 .. " + std::to_string(kMaxDevices - 1) + ")");
     return EXPSEG_ERROR_INVALID_DEVICE;
   }
+  // A device is its own peer already: nothing to grant, so no allocator to create (expseg.h).
+  if (peer == device) return EXPSEG_SUCCESS;
   Allocator* a = get_or_create(device, fn);
   if (a == nullptr) return tls().code;
   try {

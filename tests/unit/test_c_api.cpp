@@ -784,6 +784,17 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_enable_peer_access grants a peer, on both
   }
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "regression: expseg_enable_peer_access(d, d) does nothing, and creates no allocator") {
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  CHECK(expseg_enable_peer_access(2, 2) == EXPSEG_SUCCESS);
+  // Was: device 2's allocator was created, and the configuration could no longer be set.
+  CHECK(expseg_device_initialized(2) == 0);
+  CHECK(expseg_configure("device:sim,backend:expandable") == EXPSEG_SUCCESS);
+  CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  // Still checked: an out-of-range device is refused, whatever the peer.
+  CHECK(expseg_enable_peer_access(EXPSEG_MAX_DEVICES, EXPSEG_MAX_DEVICES) == EXPSEG_ERROR_INVALID_DEVICE);
+}
+
 // Host-backed: the simulated device's addresses are host memory, so the importer reads the bytes.
 TEST_CASE_FIXTURE(CApiFixture, "expseg_ipc_export / import / close round trip, both backends, with and without descriptors") {
   struct Case {
