@@ -140,11 +140,14 @@ void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   if (bytes == 0) return nullptr;
   std::unique_lock<core::Mutex> lock(mu);
   if (pending_count != 0) process_events();
+  // Room in the live table before the backend hands out a block: a bad_alloc growing it afterwards
+  // would leave the block allocated with no pointer to free it by.
+  live.reserve_one();
   // 1 EiB and more never reaches the backend (PyTorch refuses it up front too): no retry, no cache
   // flush for a request no device can serve.
   Block* b = bytes < kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
   if (b != nullptr) {
-    live.insert(b);
+    live.insert(b);  // room reserved: cannot throw
     if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, stream);
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
   }

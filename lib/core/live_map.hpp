@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "core/block.hpp"
 
@@ -19,9 +20,14 @@ class LiveMap {
  public:
   LiveMap() { rehash(64); }
 
+  // Makes room for one more entry, so that the next insert cannot fail. May throw std::bad_alloc,
+  // with nothing changed.
+  void reserve_one() {
+    if ((size_ + 1) * 4 > capacity_) rehash(capacity_ * 2);
+  }
   // Inserts; the address must not be present.
   void insert(Block* b) {
-    if ((size_ + 1) * 4 > capacity_) rehash(capacity_ * 2);
+    reserve_one();
     place(b);
     ++size_;
   }
@@ -82,9 +88,10 @@ class LiveMap {
     table_[i] = Entry{b->addr, b};
   }
   void rehash(std::size_t capacity) {
-    std::unique_ptr<Entry[]> old = std::move(table_);
+    // The new table first: a bad_alloc must leave the old one in place.
+    std::unique_ptr<Entry[]> next = std::make_unique<Entry[]>(capacity);
+    std::unique_ptr<Entry[]> old = std::exchange(table_, std::move(next));
     std::size_t old_capacity = capacity_;
-    table_ = std::make_unique<Entry[]>(capacity);
     capacity_ = capacity;
     mask_ = capacity - 1;
     for (std::size_t i = 0; i < old_capacity; ++i)

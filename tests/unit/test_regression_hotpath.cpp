@@ -24,6 +24,13 @@ using namespace testutil;
 using expseg::Allocator;
 using expseg::BackendKind;
 
+// Fails the nth operator new from now on this thread, of any form replaced here or in
+// test_regression_split_merge.cpp (0: none; it counts down to 0 at the one that fails, so a value
+// left above 0 says the call made fewer). test_regression_robust.cpp sweeps n over a whole call.
+thread_local std::uint64_t g_fail_nth_new = 0;
+
+bool fail_this_new() noexcept { return g_fail_nth_new != 0 && --g_fail_nth_new == 0; }
+
 namespace {
 // Operator new calls on this thread, counted always (the replacements below).
 thread_local std::uint64_t g_heap_news = 0;
@@ -40,7 +47,7 @@ thread_local bool g_fail_next_new = false;
 void* counted_new(std::size_t n) {
   ++g_heap_news;
   if (n > g_largest_new) g_largest_new = n;
-  if (g_fail_next_new) {
+  if (g_fail_next_new || fail_this_new()) {
     g_fail_next_new = false;
     throw std::bad_alloc();
   }
@@ -50,6 +57,7 @@ void* counted_new(std::size_t n) {
 }
 void* counted_new_aligned(std::size_t n, std::align_val_t al) {
   ++g_heap_news;
+  if (fail_this_new()) throw std::bad_alloc();
   const std::size_t a = static_cast<std::size_t>(al);
   void* p = std::aligned_alloc(a, (n + a - 1) / a * a);
   if (p == nullptr) throw std::bad_alloc();

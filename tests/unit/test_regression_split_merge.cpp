@@ -18,10 +18,11 @@ using expseg::kLargePool;
 // Fails the next aligned array allocation (BlockPool's chunks of alignas(64) blocks) on this thread
 // (test_regression_idle_runs.cpp uses it too).
 thread_local bool g_fail_next_aligned_array_new = false;
+bool fail_this_new() noexcept;  // test_regression_hotpath.cpp: the nth operator new of any form
 
 // Replaced for the whole test binary; without the flag they behave as the library's own.
 void* operator new[](std::size_t n, std::align_val_t al) {
-  if (g_fail_next_aligned_array_new) {
+  if (g_fail_next_aligned_array_new || fail_this_new()) {
     g_fail_next_aligned_array_new = false;
     throw std::bad_alloc();
   }
