@@ -210,7 +210,10 @@ void Allocator::Impl::deallocate(void* ptr) {
     };
     try {
       events.reserve(b->stream_uses.size());
-      spare_events.reserve(spare_events.size() + b->stream_uses.size());  // the undo below cannot throw
+      // Room for every event, spare or pending, in spare_events: the undo below cannot throw, and
+      // neither can the completion of a pending free (finish_pending's callers), which has already
+      // taken the block out of its queue when the event goes back to spare_events.
+      spare_events.reserve(spare_events.size() + pending_count + b->stream_uses.size());
       for (driver::stream_t s : b->stream_uses) {
         driver::event_t e = nullptr;
         if (spare_events.empty()) {
@@ -255,7 +258,8 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
 }
 
-void Allocator::Impl::finish_pending(Block* b) {
+// A block out of its queue must reach the backend: nothing from the pop to the free may throw.
+void Allocator::Impl::finish_pending(Block* b) noexcept {
   if (--b->pending_events == 0) backend->free(b);
 }
 
@@ -263,10 +267,10 @@ void Allocator::Impl::process_events() {
   for (StreamEvents& se : pending) {
     while (!se.queue.empty()) {
       PendingFree pf = se.queue.front();
-      if (!driver->event_query(pf.event)) break;
+      if (!driver->event_query(pf.event)) break;  // throws with the free still queued
       se.queue.pop_front();
       --pending_count;
-      spare_events.push_back(pf.event);
+      spare_events.push_back(pf.event);  // within the capacity deallocate reserved: cannot throw
       finish_pending(pf.block);
     }
   }
@@ -278,10 +282,10 @@ void Allocator::Impl::synchronize_pending_frees() {
   for (StreamEvents& se : pending) {
     while (!se.queue.empty()) {
       PendingFree pf = se.queue.front();
-      driver->event_synchronize(pf.event);
+      driver->event_synchronize(pf.event);  // throws with the free still queued
       se.queue.pop_front();
       --pending_count;
-      spare_events.push_back(pf.event);
+      spare_events.push_back(pf.event);  // within the capacity deallocate reserved: cannot throw
       finish_pending(pf.block);
     }
   }

@@ -34,7 +34,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
 
   // Completes pending frees whose events have completed (PyTorch's process_events).
   void process_events();
-  void finish_pending(core::Block* b);
+  void finish_pending(core::Block* b) noexcept;
   [[noreturn]] void throw_invalid_pointer(const char* op, std::uint64_t addr) const;
   // Context peer access (cuCtxEnablePeerAccess) for `peer` because of cuda_ipc imports: what an
   // expandable allocator needs only for them. Throws driver_error.
@@ -102,6 +102,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   };
   alignas(64) std::vector<StreamEvents> pending;  // per stream, in record order
   std::size_t pending_count = 0;
+  // Recycled events. Its capacity always holds every event, spare or pending (deallocate reserves
+  // it), so that completing a pending free never allocates.
   std::vector<driver::event_t> spare_events;
   // deallocate()'s events of the block being freed, kept between calls so that a cross-stream free
   // does not allocate (used under the lock only).

@@ -113,8 +113,9 @@ class Backend {
     account_caller_freed(*block);
     block->status = core::BlockStatus::pending_free;
   }
-  // allocated or pending_free -> free (cached for reuse, merged with free neighbours).
-  virtual void free(core::Block* block) = 0;
+  // allocated or pending_free -> free (cached for reuse, merged with free neighbours). Never
+  // fails: the caller has already forgotten the pointer (the live table, a pending queue).
+  virtual void free(core::Block* block) noexcept = 0;
   // Give every cached byte that can be given back to the device.
   virtual void release_cached() = 0;
   // The limit changed (ctx.limit already updated): give back cached memory above it if possible.

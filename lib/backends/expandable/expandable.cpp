@@ -1357,7 +1357,7 @@ void ExpandableBackend::retry_orphans() {
   }
 }
 
-void ExpandableBackend::free(Block* b) {
+void ExpandableBackend::free(Block* b) noexcept {
   leave_active(*b);
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   ExpArena& arena = *seg.arena;

@@ -103,7 +103,7 @@ class ExpandableBackend final : public Backend {
   BackendKind kind() const noexcept override { return BackendKind::expandable; }
   std::size_t round_size(std::size_t requested) const noexcept override;
   core::Block* allocate(std::size_t requested, driver::stream_t stream) override;
-  void free(core::Block* block) override;
+  void free(core::Block* block) noexcept override;
   void release_cached() override;
   void on_limit_changed() override;
   void on_peer_added(int peer) override;

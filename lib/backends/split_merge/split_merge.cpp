@@ -315,7 +315,7 @@ std::size_t SplitMergeBackend::try_merge_blocks(Block* dst, Block* src) noexcept
   return src->size;
 }
 
-void SplitMergeBackend::free(Block* block) {
+void SplitMergeBackend::free(Block* block) noexcept {
   leave_active(*block);
   Pool& pool = pool_of(*block);
   core::SizeIndex& index = index_of(*block);

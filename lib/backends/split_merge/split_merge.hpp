@@ -43,7 +43,7 @@ class SplitMergeBackend final : public Backend {
   BackendKind kind() const noexcept override { return BackendKind::split_merge; }
   std::size_t round_size(std::size_t requested) const noexcept override;
   core::Block* allocate(std::size_t requested, driver::stream_t stream) override;
-  void free(core::Block* block) override;
+  void free(core::Block* block) noexcept override;
   void release_cached() override;
   void on_limit_changed() override;
   void on_peer_added(int) override {}  // cuMemAlloc memory: peers are enabled per context by the driver
