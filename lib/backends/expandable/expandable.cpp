@@ -772,19 +772,16 @@ bool ExpandableBackend::find_mapped_place(ExpArena& arena, std::size_t size, Pla
 
 ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_bytes) {
   const std::size_t va = std::max(va_bytes_, round_up(min_bytes, frame_));
+  // Host memory first: a bad_alloc once the range is reserved would leak the reservation.
+  auto seg = std::make_unique<ExpSegment>();
+  seg->frames.reserve(64);  // grows with the mapped high-water mark, not with the reservation
+  arena.segments.reserve(arena.segments.size() + 1);
+  arena.blocks.reserve_two();  // the segment's free block
   driver::dev_ptr base = 0;
   try {
     base = ctx_.driver.reserve(va);
   } catch (const driver_error& e) {
     if (e.is_out_of_memory()) return nullptr;
-    throw;
-  }
-  auto seg = std::make_unique<ExpSegment>();
-  try {
-    seg->frames.reserve(64);  // grows with the mapped high-water mark, not with the reservation
-    arena.segments.reserve(arena.segments.size() + 1);
-  } catch (...) {
-    ctx_.driver.free_reserve(base, va);
     throw;
   }
   seg->base = base;
@@ -907,6 +904,12 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   bool mapped = false;
   try {
     mapped = map_range(*pl.seg, pl.start, pl.start + size, map_hi, pl.anchor, &mapped_now);
+    // The idle runs' spare and the two Blocks the split below and carve need: a bad_alloc for
+    // them must give back the new handles too, as any other failure of this growth does.
+    if (mapped) {
+      reserve_runs(1);
+      arena.blocks.reserve_two();  // nothing may fail once the runs change
+    }
   } catch (...) {
     unmap_new_handles(mapped_now);
     throw;
@@ -921,8 +924,6 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   if (!b->is_free() || !b->mapped || b->end() < pl.start + size) broken("mapped run at " + hex(pl.start) + " is not one free block");
   // The idle handles under the new block leave their runs here, against b as a whole: once b is
   // split, a handle across pl.start would lie wholly inside neither part.
-  reserve_runs(1);
-  arena.blocks.reserve_two();  // the split below and carve's new block: nothing may fail once the runs change
   std::uint64_t wlo = 0;
   std::uint64_t whi = 0;
   whole_handles(*pl.seg, *b, wlo, whi);
@@ -965,15 +966,18 @@ bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64
     while (run_end < limit && frame_handle(seg, run_end) == nullptr) ++run_end;
     while (f < run_end) {
       const std::size_t n = next_handle_frames(f, run_end, max_frames, first_frame, first_partial, block_end, last_partial);
+      // The handle's slot in mapped_now first (nullptr until mapped): a bad_alloc after the
+      // mapping would leave a handle the caller cannot give back.
+      if (mapped_now != nullptr) mapped_now->push_back(nullptr);
       if (ctx_.limit != 0 && reserved_ + n * frame_ > ctx_.effective_limit()) {
         if (const std::size_t moved = move_idle_handle(seg, f, n, anchor, ex); moved != 0) {
-          if (mapped_now != nullptr) mapped_now->push_back(seg.frames[f]);
+          if (mapped_now != nullptr) mapped_now->back() = seg.frames[f];
           f += moved;
           continue;
         }
       }
       if (!map_one(seg, f, n, anchor, ex)) return false;
-      if (mapped_now != nullptr) mapped_now->push_back(seg.frames[f]);
+      if (mapped_now != nullptr) mapped_now->back() = seg.frames[f];
       f += n;
     }
   }
@@ -987,6 +991,7 @@ bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t 
   const std::size_t bytes = nframes * frame_;
   if (!make_room(bytes, ex)) return false;
   driver::Driver& drv = ctx_.driver;
+  auto h = std::make_unique<ExpHandle>();  // before the memory: a bad_alloc after create would leak it
   driver::phys_handle ph = 0;
   try {
     ph = drv.create(bytes);
@@ -1001,7 +1006,6 @@ bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t 
       return false;
     }
   }
-  auto h = std::make_unique<ExpHandle>();
   h->handle = ph;
   h->bytes = bytes;
   h->nframes = nframes;
@@ -1063,16 +1067,23 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
     // (free must not fail: the caller has already forgotten the pointer).
     if (run_objects_ < handles_ + 1) add_spare_runs(handles_ + 1 - run_objects_);
     seg.arena->blocks.reserve_two();  // set_range_mapped's splits, so that they cannot fail once mapped
+    // register_mapping's frames (past the table's end: unmapped, as nullptr says)
+    if (seg.frames.size() < frame + h->nframes) seg.frames.resize(frame + h->nframes, nullptr);
     unmap_orphans_in(addr, bytes);  // throws: the frames still hold that mapping, the error says why
   } catch (...) {
     give_up(false);
     throw;
   }
+  // Any exception is undone, std::bad_alloc included (the driver's bookkeeping, or the message of
+  // its error): else the handle would stay created and mapped with nothing holding it.
   try {
     drv.map(addr, bytes, h->handle);
   } catch (const driver_error& e) {
     give_up(false);
     if (e.is_out_of_memory()) return false;
+    throw;
+  } catch (...) {
+    give_up(false);
     throw;
   }
   try {
@@ -1080,6 +1091,9 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
   } catch (const driver_error& e) {
     give_up(true);
     if (e.is_out_of_memory()) return false;
+    throw;
+  } catch (...) {
+    give_up(true);
     throw;
   }
   register_mapping(seg, h.release(), anchor);
@@ -1090,7 +1104,6 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   ExpArena& arena = *seg.arena;
   h->seg = &seg;
   h->mapped = true;
-  if (seg.frames.size() < h->first_frame + h->nframes) seg.frames.resize(h->first_frame + h->nframes, nullptr);
   for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = h;
   seg.mapped_bytes += h->bytes;
   seg.high_water = std::max(seg.high_water, (h->first_frame + h->nframes) * frame_);
@@ -1327,6 +1340,7 @@ void ExpandableBackend::unmap_orphans_in(std::uint64_t lo, std::size_t bytes) {
 // effort: one whose unmap fails stays mapped and idle, one whose release fails becomes an orphan.
 void ExpandableBackend::unmap_new_handles(const std::vector<ExpHandle*>& handles) noexcept {
   for (ExpHandle* h : handles) {
+    if (h == nullptr) continue;  // its mapping failed (map_range)
     try {
       unmap_handle(h);
     } catch (...) {
