@@ -213,7 +213,9 @@ void Allocator::Impl::deallocate(void* ptr) {
       // Room for every event, spare or pending, in spare_events: the undo below cannot throw, and
       // neither can the completion of a pending free (finish_pending's callers), which has already
       // taken the block out of its queue when the event goes back to spare_events.
-      spare_events.reserve(spare_events.size() + pending_count + b->stream_uses.size());
+      // Doubling: a new high-water mark of events costs a reallocation now and then, not each time.
+      if (const std::size_t n = spare_events.size() + pending_count + b->stream_uses.size(); n > spare_events.capacity())
+        spare_events.reserve(std::max(n, 2 * spare_events.capacity()));
       for (driver::stream_t s : b->stream_uses) {
         driver::event_t e = nullptr;
         if (spare_events.empty()) {
