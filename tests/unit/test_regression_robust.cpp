@@ -4,8 +4,10 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <functional>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "allocator_impl.hpp"
@@ -170,6 +172,93 @@ TEST_CASE("robust regression: a bad_alloc anywhere in an expandable growth gives
       sa->validate();
     }
     CHECK(n > 1);  // the growth allocates: else this case tests nothing
+  }
+}
+
+TEST_CASE("robust regression: a bad_alloc anywhere in any operation leaves each backend holding what the driver says, all of it freeable") {
+  // A run of operations; each one in turn is swept with the nth operator new failing (the ones
+  // before it run clean, the ones after it run on whatever it left). Was: the expandable growth's
+  // leaks above (handles, mappings, a reservation, idle cache of a failed request).
+  struct World {
+    SimAllocator sa;
+    void* side = nullptr;  // a stream for record_stream
+    std::vector<void*> ps;
+  };
+  using Step = std::function<void(World&)>;
+  const std::vector<std::pair<const char*, Step>> steps = {
+      {"growth", [](World& w) { w.ps.push_back(w.sa->allocate(300 * MiB)); }},
+      {"small", [](World& w) { w.ps.push_back(w.sa->allocate(4 * KiB)); }},
+      {"cached", [](World& w) { w.ps.push_back(w.sa->allocate(3 * MiB)); }},
+      {"record_stream", [](World& w) { if (!w.ps.empty()) w.sa->record_stream(w.ps.front(), w.side); }},
+      {"pending free", [](World& w) {
+         if (w.ps.empty()) return;
+         w.sa->deallocate(w.ps.front());
+         w.ps.erase(w.ps.begin());
+       }},
+      {"free", [](World& w) {
+         if (w.ps.empty()) return;
+         w.sa->deallocate(w.ps.back());
+         w.ps.pop_back();
+       }},
+      {"release_cached", [](World& w) { w.sa->release_cached(); }},
+      {"set_limit", [](World& w) { w.sa->set_limit(400 * MiB); }},
+      {"under the limit", [](World& w) { w.ps.push_back(w.sa->allocate(150 * MiB)); }},
+      {"enable_peer_access", [](World& w) { w.sa->enable_peer_access(1); }},
+      {"growth again", [](World& w) { w.ps.push_back(w.sa->allocate(100 * MiB)); }},
+      {"no limit", [](World& w) { w.sa->set_limit(0); }},
+  };
+  auto holds_what_the_driver_says = [](SimAllocator& sa, BackendKind b) {
+    REQUIRE_NOTHROW(sa->validate());
+    const auto s = sa->stats();
+    const auto live = sa.sim->live();
+    CHECK(static_cast<std::size_t>(s.reserved_bytes[kAllPools].current) == live.physical_bytes);
+    CHECK(static_cast<std::size_t>(s.physical_handles.current) == (b == BackendKind::expandable ? live.handles : live.mem_allocs));
+    if (b == BackendKind::expandable) CHECK(live.mappings == live.handles);
+  };
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    for (const char* conf : {"", "expandable_max_handle:2MiB,record:true"}) {
+      for (std::size_t k = 0; k < steps.size(); ++k) {
+        for (std::uint64_t n = 1;; ++n) {
+          CAPTURE(static_cast<int>(b));
+          CAPTURE(std::string(conf));
+          CAPTURE(std::string(steps[k].first));
+          CAPTURE(n);
+          World w;
+          expseg::driver::SimOptions o;
+          o.device_count = 2;
+          w.sa = make_sim_allocator(sim_config(b, 1 * GiB, conf), o);
+          w.side = w.sa.sim->stream_create();
+          w.ps.reserve(steps.size());  // the test's own push_back must not be the one that fails
+          for (std::size_t i = 0; i < k; ++i) steps[i].second(w);
+          const bool fired = with_nth_new_failing(n, [&] {
+            try {
+              steps[k].second(w);
+            } catch (const std::bad_alloc&) {  // expseg::out_of_memory too
+            }
+          });
+          holds_what_the_driver_says(w.sa, b);
+          for (std::size_t i = k + 1; i < steps.size(); ++i) {
+            try {
+              steps[i].second(w);
+            } catch (const expseg::out_of_memory&) {
+            }
+          }
+          for (void* p : w.ps) w.sa->deallocate(p);
+          w.sa->release_cached();
+          holds_what_the_driver_says(w.sa, b);
+          CHECK(reserved(w.sa) == 0);
+          w.sa.alloc.reset();
+          const auto live = w.sa.sim->live();
+          CHECK(live.handles == 0);
+          CHECK(live.mappings == 0);
+          CHECK(live.mem_allocs == 0);
+          CHECK(live.reservations == 0);
+          CHECK(live.events == 0);
+          w.sa.sim->stream_destroy(w.side);
+          if (!fired) break;
+        }
+      }
+    }
   }
 }
 
