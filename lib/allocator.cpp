@@ -147,7 +147,7 @@ void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   // flush for a request no device can serve.
   Block* b = bytes < kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
   if (b != nullptr) {
-    live.insert(b);  // room reserved: cannot throw
+    live.insert_reserved(b);
     if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, stream);
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
   }
@@ -236,7 +236,7 @@ void Allocator::Impl::deallocate(void* ptr) {
     } catch (...) {
       for (std::size_t i = queued; i-- > 0;) queue_of(b->stream_uses[i])->queue.pop_back();
       for (driver::event_t e : events) spare_events.push_back(e);
-      live.insert(b);  // right after its erase: no rehash, cannot throw
+      live.insert_reserved(b);  // right after its erase: room for it
       throw;
     }
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now

@@ -28,6 +28,11 @@ class LiveMap {
   // Inserts; the address must not be present.
   void insert(Block* b) {
     reserve_one();
+    insert_reserved(b);
+  }
+  // Inserts after reserve_one (or right after an erase): cannot fail, and the hot path checks the
+  // room once.
+  void insert_reserved(Block* b) noexcept {
     place(b);
     ++size_;
   }
@@ -87,7 +92,7 @@ class LiveMap {
     while (table_[i].block != nullptr) i = (i + 1) & mask_;
     table_[i] = Entry{b->addr, b};
   }
-  void rehash(std::size_t capacity) {
+  [[gnu::noinline]] void rehash(std::size_t capacity) {
     // The new table first: a bad_alloc must leave the old one in place.
     std::unique_ptr<Entry[]> next = std::make_unique<Entry[]>(capacity);
     std::unique_ptr<Entry[]> old = std::exchange(table_, std::move(next));
