@@ -84,9 +84,9 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     frames of its own), and a block's partly covered first and last frames get handles of their
 //     own. So only single-frame handles are ever shared, pinned memory stays below one frame per
 //     hole, and a request fails only when the frames live blocks touch plus the request exceed the
-//     limit. Random churn of 4 KiB-512 MiB blocks under 3 GiB (seeds 1-3) maps 1,043-1,272
-//     handles instead of ~9,700 with 2 MiB handles (H200 latency model: 94-117 ms instead of
-//     0.7 s). This rule is what the guarantee costs in driver calls: letting blocks share idle
+//     limit. Random churn of 4 KiB-512 MiB blocks under 3 GiB (seeds 1-3) maps 1,071-1,298
+//     handles instead of ~9,700 with 2 MiB handles (H200 latency model: 79-98 ms instead of
+//     0.7 s; with the room check before any unmap and the search of mapped free blocks below). This rule is what the guarantee costs in driver calls: letting blocks share idle
 //     bulk handles, that churn maps 108-202 handles (10-20 ms of modelled driver time; measured
 //     against 2,029-2,363 handles and 180-211 ms before the placement and reclaim order below)
 //     but 11-16 of its 13-20 OOMs become fragmentation OOMs (first at 91-94% of the limit);
@@ -106,6 +106,10 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //   - reclaim under a limit takes the largest idle handles first: the room costs the fewest unmap
 //     and release calls (with the placement above, 15% fewer handles in that churn than oldest
 //     first, over 16 seeds 19,455 instead of 22,848; 35,555 before both);
+//   - under a limit, a request that cannot fit fails before it gives back anything
+//     (room_for_placement), and the slow path first looks for a place inside a mapped free block
+//     that needs no driver call (find_mapped_place): random churn seeds 1-6 640 -> 532 ms of
+//     modelled driver time, the same OOMs (one more at 99.1% of the limit), mixes no worse;
 //   - never more than 1 GiB;
 //   - the frames a new block covers only partly (at its start and end) get handles of their own,
 //     so neighbours that later pack into them never keep a bulk handle mapped;
