@@ -64,11 +64,13 @@ void check_config(const Config& c) {
     throw config_error("sim_capacity", "sim_capacity: " + size_value(c.sim_capacity) + " is more than the simulated device can "
                                            "address: " + span + "; expected at most 65535TiB");
   if (c.backend == BackendKind::expandable) {
-    // As ExpandableBackend reserves: expandable_va_size, or 2x device memory when it is 0. Both are
-    // below 2^57 here (va_size by its own check), so neither the product nor the rounding overflows.
-    const std::size_t va = c.va_size != 0 ? c.va_size : 2 * c.sim_capacity;
+    // As ExpandableBackend reserves: expandable_va_size (bytes or a share of sim_capacity), or 2x
+    // sim_capacity when it is 0. Saturated at SIZE_MAX, so no product or rounding overflows.
+    const std::size_t va = c.expandable_va_bytes(c.sim_capacity);
     if (va > max_range) {
-      const std::string what = c.va_size != 0 ? size_value(va) : "the default, 2x sim_capacity = " + size_value(va) + ",";
+      const std::string what = c.va_size != 0        ? size_value(va)
+                               : c.va_fraction != 0.0 ? "a share of sim_capacity = " + size_value(va) + ","
+                                                      : "the default, 2x sim_capacity = " + size_value(va) + ",";
       throw config_error("expandable_va_size", "expandable_va_size: " + what + " is more than the simulated device can reserve: " +
                                                    span + "; set expandable_va_size (e.g. 1024TiB) or a smaller sim_capacity");
     }

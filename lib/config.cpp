@@ -55,6 +55,17 @@ const char* to_string(IpcHandle h) noexcept {
   return "unknown";
 }
 
+std::size_t Config::expandable_va_bytes(std::size_t device_total) const noexcept {
+  if (va_size != 0) return va_size;
+  constexpr double kSaturate = 9.0e18;  // below 2^63: the cast is exact enough and cannot overflow
+  if (va_fraction > 0.0) {
+    // Rounded up: PyTorch's expandable_segments_reserve gives at least the share asked for.
+    const double v = std::ceil(va_fraction * static_cast<double>(device_total));
+    return v >= kSaturate ? SIZE_MAX : static_cast<std::size_t>(v);
+  }
+  return device_total > SIZE_MAX / 2 ? SIZE_MAX : 2 * device_total;
+}
+
 std::size_t Limit::resolve(std::size_t device_total) const noexcept {
   if (bytes != 0) return bytes;
   if (fraction > 0.0) {
@@ -243,10 +254,10 @@ std::string format_size_exact(std::size_t n) {
 
 // Percentages are parsed from the decimal text shifted by two places ("12.5" -> 12.5e-2), not by
 // dividing a double by 100, so that every fraction the printer writes reads back bit-exact.
-std::optional<double> parse_percent(std::string_view key, std::string_view v) {
+std::optional<double> parse_percent(std::string_view key, std::string_view v,
+                                   const char* expected = "a percentage in (0%, 100%], e.g. 50%", double max_fraction = 1.0) {
   if (v.empty() || v.back() != '%') return std::nullopt;
   const std::string_view num = trim(v.substr(0, v.size() - 1));
-  const char* expected = "a percentage in (0%, 100%], e.g. 50%";
   if (!num.empty() && num.front() == '-') bad_value(key, v, std::string(expected) + " (negative percentages are not allowed)");
   const std::size_t dot = num.find('.');
   const std::string_view ip = num.substr(0, dot);
@@ -261,7 +272,7 @@ std::optional<double> parse_percent(std::string_view key, std::string_view v) {
     // Underflow of a nonzero value; overflow cannot pass the range check below anyway.
     bad_value(key, v, expected);
   }
-  if (r.ec != std::errc() || r.ptr != shifted.data() + shifted.size() || !(f <= 1.0)) bad_value(key, v, expected);
+  if (r.ec != std::errc() || r.ptr != shifted.data() + shifted.size() || !(f <= max_fraction)) bad_value(key, v, expected);
   return f;  // 0 for "0%": no limit
 }
 
@@ -324,10 +335,78 @@ void parse_sim_granularity(Config& c, Key key, std::string_view v) {
   c.sim_granularity = n;
 }
 
+constexpr const char* kVaExpected = "0 (2x device memory), a size of at most 1024TiB (1 PiB), e.g. 256GiB, or a share of "
+                                    "device memory, e.g. 112.5%";
+// Far beyond any device, yet small enough that the product with a device's size stays finite.
+constexpr double kMaxVaFraction = 1.0e6;
+
 void parse_va_size(Config& c, Key key, std::string_view v) {
+  if (auto f = parse_percent(key, v, kVaExpected, kMaxVaFraction)) {
+    c.va_size = 0;
+    c.va_fraction = *f;  // 0% is the default, as 0 is
+    return;
+  }
   const std::size_t n = parse_bytes_impl(key, v);
-  if (n > kMaxExpandableVaSize) bad_value(key, v, "0 (2x device memory) or a size of at most 1024TiB (1 PiB), e.g. 256GiB");
+  if (n > kMaxExpandableVaSize) bad_value(key, v, kVaExpected);
   c.va_size = n;
+  c.va_fraction = 0.0;
+}
+
+std::string format_va_size(const Config& c) {
+  return c.va_fraction != 0.0 ? format_percent(c.va_fraction) : format_size_exact(c.va_size);
+}
+
+// PyTorch's expandable_segments_reserve (after 2.11): a positive fraction of device memory (0.5) or
+// whole GiB with a G suffix (40G). PyTorch ignores a bad value with a warning; expseg refuses it, as
+// it does every bad value.
+constexpr const char* kReserveExpected = "a positive fraction of device memory (e.g. 0.5) or a size in GiB (e.g. 40G)";
+
+struct ReserveSpec {
+  bool gib;
+  double value;
+};
+
+ReserveSpec parse_reserve_spec(Key key, std::string_view v) {
+  const bool gib = !v.empty() && (v.back() == 'G' || v.back() == 'g');
+  const std::string_view num = gib ? v.substr(0, v.size() - 1) : v;
+  // Plain decimals only: from_chars would also take "inf", "nan" and hex floats.
+  const bool plain = !num.empty() && num.find_first_not_of("0123456789.") == std::string_view::npos;
+  const double d = plain ? parse_double(key, num, kReserveExpected) : 0.0;
+  if (!(d > 0.0) || (!gib && d > kMaxVaFraction)) bad_value(key, v, kReserveExpected);
+  if (gib && d * static_cast<double>(std::size_t{1} << 30) > static_cast<double>(kMaxExpandableVaSize))
+    bad_value(key, v, std::string(kReserveExpected) + " (at most 1048576G, 1 PiB)");
+  return {gib, d};
+}
+
+// = expandable_va_size: 0.5 is 50%, 40G is 40GiB.
+void parse_segments_reserve(Config& c, Key key, std::string_view v) {
+  const ReserveSpec r = parse_reserve_spec(key, v);
+  if (r.gib) {
+    c.va_size = std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(r.value * static_cast<double>(std::size_t{1} << 30))));
+    c.va_fraction = 0.0;
+  } else {
+    c.va_size = 0;
+    c.va_fraction = r.value;
+  }
+}
+
+// PyTorch's reserve per stream class, [name:F|NG,...]: expseg has no stream classes, so every
+// segment reserves expandable_va_size; the list is checked and dropped.
+void ignore_reserve_by_class(Config&, Key key, std::string_view v) {
+  const char* expected = "a list [name:fraction-or-GiB,...], e.g. [decode:0.5,prefill:40G]";
+  if (v.size() < 2 || v.front() != '[' || v.back() != ']') bad_value(key, v, expected);
+  std::string_view rest = v.substr(1, v.size() - 2);
+  if (trim(rest).empty()) return;
+  while (true) {
+    const std::size_t comma = rest.find(',');
+    const std::string_view item = trim(rest.substr(0, comma));
+    const std::size_t colon = item.find(':');
+    if (item.empty() && comma == std::string_view::npos) break;  // one trailing comma, as PyTorch
+    if (colon == std::string_view::npos || trim(item.substr(0, colon)).empty()) bad_value(key, v, expected);
+    (void)parse_reserve_spec(key, trim(item.substr(colon + 1)));
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
 }
 
 void parse_limit(Config& c, Key key, std::string_view v) {
@@ -361,27 +440,41 @@ std::size_t parse_mib(Key key, std::string_view v, const std::string& what) {
   return static_cast<std::size_t>(n) * kMiB;
 }
 
+// The MiB value of large_segment_size, the least max_split_size_mb and max_non_split_rounding_mb
+// PyTorch takes (20 unless large_segment_size_mb is set; Config::apply parses that key first).
+std::string large_mib(const Config& c) { return std::to_string(c.large_segment_size / kMiB); }
+
 void parse_max_split_size(Config& c, Key key, std::string_view v) {
   if (v == "unlimited") {
     c.max_split_size = SIZE_MAX;
     return;
   }
-  // PyTorch 2.9+ (AcceleratorAllocatorConfig): at least kLargeBuffer, 20 MiB.
-  const std::string what = "an integer number of MiB >= 20, or unlimited";
+  // PyTorch 2.9+ (AcceleratorAllocatorConfig): at least large_segment_size (kLargeBuffer, 20 MiB).
+  const std::string what = "an integer number of MiB >= " + large_mib(c) + ", or unlimited";
   const std::size_t n = parse_mib(key, v, what);
-  if (n < 20 * kMiB)
-    throw config_error(std::string(key), std::string(key) + ": max_split_size_mb too small, must be >= 20 (got '" +
-                                             clip(v) + "'); expected " + what);
+  if (n < c.large_segment_size)
+    throw config_error(std::string(key), std::string(key) + ": max_split_size_mb too small, must be >= " + large_mib(c) +
+                                             " (got '" + clip(v) + "'); expected " + what);
   c.max_split_size = n;
 }
 
 void parse_max_non_split_rounding(Config& c, Key key, std::string_view v) {
-  const std::string what = "an integer number of MiB >= 20";
+  const std::string what = "an integer number of MiB >= " + large_mib(c);
   const std::size_t n = parse_mib(key, v, what);
-  if (n < 20 * kMiB)
-    throw config_error(std::string(key), std::string(key) + ": max_non_split_rounding_mb too small, must be >= 20 (got '" +
-                                             clip(v) + "'); expected " + what);
+  if (n < c.large_segment_size)
+    throw config_error(std::string(key), std::string(key) + ": max_non_split_rounding_mb too small, must be >= " +
+                                             large_mib(c) + " (got '" + clip(v) + "'); expected " + what);
   c.max_non_split_rounding = n;
+}
+
+// PyTorch after 2.11 (AcceleratorAllocatorConfig::parseLargeSegmentSize): more than 10 MiB.
+void parse_large_segment_size(Config& c, Key key, std::string_view v) {
+  const std::string what = "an integer number of MiB > 10, e.g. 32";
+  const std::size_t n = parse_mib(key, v, what);
+  if (n <= 10 * kMiB)
+    throw config_error(std::string(key), std::string(key) + ": large_segment_size_mb must be > 10 (got '" + clip(v) +
+                                             "'); expected " + what);
+  c.large_segment_size = n;
 }
 
 constexpr const char* kRoundupExpected =
@@ -555,9 +648,8 @@ const Entry kEntries[] = {
    [](const Config& c) -> std::string { return format_bool(c.sim_latency); }},
   {{"limit", "bytes|N%", "0", "memory limit: bytes, or a percentage of device memory; 0 = none"},
    parse_limit, [](const Config& c) { return format_limit(c.limit); }},
-  {{"expandable_va_size", "bytes", "0", "virtual address range reserved per expandable segment (at most 1024TiB); 0 = 2x device memory"},
-   parse_va_size,
-   [](const Config& c) { return format_size_exact(c.va_size); }},
+  {{"expandable_va_size", "bytes|N%", "0", "virtual address range reserved per expandable segment: bytes (at most 1024TiB) or a percentage of device memory; 0 = 2x device memory"},
+   parse_va_size, format_va_size},
   {{"expandable_max_handle", "bytes", "0", "largest physical handle of the expandable backend (multiple of 2MiB); 0 = policy default"},
    parse_max_handle, [](const Config& c) { return format_size_exact(c.max_handle_size); }},
   {{"ipc_handle", "none|posix_fd|fabric", "none", "shareable handle type of expandable physical memory"},
@@ -579,10 +671,12 @@ const Entry kEntries[] = {
     "at every OOM write report, snapshot, config and recorded trace to this file (%p pid, %d device, %n OOM number)"},
    parse_oom_dump, [](const Config& c) { return c.oom_dump.empty() ? std::string("none") : c.oom_dump; }},
   // --- PyTorch's keys, with PyTorch's meaning ---
-  {{"max_split_size_mb", "MiB|unlimited", "unlimited", "PyTorch: blocks this large or larger are never split (>= 20)"},
+  {{"large_segment_size_mb", "MiB", "20", "PyTorch: the segment split_merge gives a request of 1-10 MiB (> 10); also the least max_split_size_mb and the default max_non_split_rounding_mb"},
+   parse_large_segment_size, [](const Config& c) { return large_mib(c); }},
+  {{"max_split_size_mb", "MiB|unlimited", "unlimited", "PyTorch: blocks this large or larger are never split (>= large_segment_size_mb)"},
    parse_max_split_size,
    [](const Config& c) { return c.max_split_size == SIZE_MAX ? std::string("unlimited") : std::to_string(c.max_split_size / kMiB); }},
-  {{"max_non_split_rounding_mb", "MiB", "20", "PyTorch: an oversize request may reuse a cached block up to this much larger"},
+  {{"max_non_split_rounding_mb", "MiB", "20", "PyTorch: an oversize request may reuse a cached block up to this much larger (>= large_segment_size_mb, its default)"},
    parse_max_non_split_rounding, [](const Config& c) { return std::to_string(c.max_non_split_rounding / kMiB); }},
   {{"roundup_power2_divisions", "N|[MB:N,...,>:N]", "0", "PyTorch: round sizes up to 1/N steps between powers of two, per 1MiB..64GiB interval"},
    parse_roundup, format_roundup},
@@ -593,6 +687,12 @@ const Entry kEntries[] = {
    parse_expandable_segments, nullptr},
   {{"per_process_memory_fraction", "float", "1", "PyTorch: limit to this fraction of device memory, in [0, 1] (= limit:N%; 1 = none, 0 = nothing may be allocated)"},
    parse_memory_fraction, nullptr},
+  {{"expandable_segments_reserve", "float|NG", "2", "PyTorch: = expandable_va_size, as a fraction of device memory (0.5) or GiB (40G)"},
+   parse_segments_reserve, nullptr},
+  {{"expandable_segments_reserve_by_class", "[name:float|NG,...]", "[]", "PyTorch: VA reserve per stream class; expseg has no stream classes: checked, then ignored"},
+   ignore_reserve_by_class, nullptr},
+  {{"throw_on_cudamalloc_oom", "bool", "False", "PyTorch: refuse a request over the limit before calling the driver; expseg always does: checked, then ignored"},
+   ignore_bool, nullptr},
   // --- PyTorch's host-side keys: accepted and ignored ---
   {{"release_lock_on_cudamalloc", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   {{"pinned_use_cuda_host_register", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
@@ -600,6 +700,7 @@ const Entry kEntries[] = {
   {{"pinned_use_background_threads", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   {{"pinned_reserve_segment_size_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
   {{"graph_capture_record_stream_reuse", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
+  {{"pinned_free_catch_all", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   // PyTorch accepts its ROCm spellings in CUDA builds too.
   {{"release_lock_on_hipmalloc", "bool", "False", "PyTorch host-side option (ROCm spelling); ignored"}, ignore_bool, nullptr},
   {{"pinned_use_hip_host_register", "bool", "False", "PyTorch host-side option (ROCm spelling); ignored"}, ignore_bool, nullptr},
@@ -706,6 +807,11 @@ std::string format_bytes(std::size_t bytes) {
 
 void Config::apply(std::string_view text) {
   Config next = *this;  // a failed apply leaves *this as it was
+  struct Item {
+    const Entry* entry;
+    std::string_view key, value;
+  };
+  std::vector<Item> parsed;
   for (std::string_view item : split_items(text)) {
     const std::size_t colon = item.find(':');
     const std::string_view key = trim(item.substr(0, colon));
@@ -719,7 +825,27 @@ void Config::apply(std::string_view text) {
     const std::string_view value = trim(item.substr(colon + 1));
     if (value.empty())
       throw config_error(std::string(key), std::string(key) + ": empty value; expected a value of type " + e->opt.type);
-    e->parse(next, key, value);
+    parsed.push_back({e, key, value});
+  }
+  // As PyTorch: large_segment_size_mb first, wherever it stands, since it bounds max_split_size_mb and
+  // max_non_split_rounding_mb from below and sets the latter's default.
+  bool large_set = false;
+  for (const Item& it : parsed)
+    if (it.entry->parse == parse_large_segment_size) {
+      it.entry->parse(next, it.key, it.value);
+      large_set = true;
+    }
+  if (large_set) next.max_non_split_rounding = next.large_segment_size;
+  for (const Item& it : parsed)
+    if (it.entry->parse != parse_large_segment_size) it.entry->parse(next, it.key, it.value);
+  // Only values kept from before this text can be below it here (this text's own are checked as parsed).
+  if (next.max_split_size < next.large_segment_size || next.max_non_split_rounding < next.large_segment_size) {
+    const bool split = next.max_split_size < next.large_segment_size;
+    const std::size_t other = split ? next.max_split_size : next.max_non_split_rounding;
+    throw config_error("large_segment_size_mb", "large_segment_size_mb: " + large_mib(next) + " is more than " +
+                                                    (split ? "max_split_size_mb" : "max_non_split_rounding_mb") + " (" +
+                                                    std::to_string(other / kMiB) + ", set before); PyTorch requires " +
+                                                    "both to be at least large_segment_size_mb");
   }
   *this = next;
 }

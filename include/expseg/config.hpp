@@ -5,11 +5,14 @@
 // PyTorch's own keys are accepted with their meaning, so a PYTORCH_CUDA_ALLOC_CONF can be pasted:
 //   expandable_segments:True|False, max_split_size_mb:N, roundup_power2_divisions:N or [a:b,...,>:c],
 //   garbage_collection_threshold:F, max_non_split_rounding_mb:N, per_process_memory_fraction:F,
+//   large_segment_size_mb:N and expandable_segments_reserve:F|NG (PyTorch after 2.11),
 //   backend:native (PyTorch's caching allocator: keeps the backend, split_merge unless
-//   expandable_segments:True, in either order); release_lock_on_cudamalloc, pinned_* and
-//   graph_capture_record_stream_reuse (host-side options of PyTorch with nothing to do in a device
-//   allocator, also in their ROCm spellings *_hipmalloc, *_hip_host_register) are accepted and
-//   ignored. As in PyTorch, one trailing comma is accepted (also inside a roundup_power2_divisions list).
+//   expandable_segments:True, in either order). Accepted, their values checked, and ignored:
+//   release_lock_on_cudamalloc, pinned_* and graph_capture_record_stream_reuse (host-side options of
+//   PyTorch with nothing to do in a device allocator, also in their ROCm spellings *_hipmalloc,
+//   *_hip_host_register), throw_on_cudamalloc_oom (what expseg always does) and
+//   expandable_segments_reserve_by_class (expseg has no stream classes). As in PyTorch, one trailing
+//   comma is accepted (also inside a roundup_power2_divisions list).
 // Unknown keys and bad values throw expseg::config_error naming the key and listing valid ones.
 // `expseg config` (tools) prints the table; Config::options() returns it.
 #pragma once
@@ -70,12 +73,20 @@ struct Config {
 
   // --- split_merge, PyTorch semantics ---
   std::size_t max_split_size = SIZE_MAX;              // max_split_size_mb (MiB, >= 20)
-  std::size_t max_non_split_rounding = std::size_t{20} << 20;  // max_non_split_rounding_mb
+  std::size_t max_non_split_rounding = std::size_t{20} << 20;  // max_non_split_rounding_mb (>= large_segment_size)
+  // large_segment_size_mb: the segment a request of more than 1 MiB and less than 10 MiB gets
+  // (PyTorch's kLargeBuffer, a key in PyTorch after 2.11). Invariant: > 10 MiB, and at most
+  // max_split_size and max_non_split_rounding (PyTorch refuses smaller ones).
+  std::size_t large_segment_size = std::size_t{20} << 20;
   std::array<std::size_t, kRoundupIntervals> roundup_power2_divisions{};  // 0 = off
   double garbage_collection_threshold = 0.0;          // in (0, 1); 0 = off
 
   // --- expandable ---
-  std::size_t va_size = 0;          // expandable_va_size: VA reserved per segment; 0 = 2x device memory
+  // expandable_va_size: VA reserved per segment, in bytes (va_size) or as a share of device memory
+  // (va_fraction, "N%", PyTorch's expandable_segments_reserve:F). At most one is nonzero; both 0 =
+  // 2x device memory. expandable_va_bytes() resolves them.
+  std::size_t va_size = 0;
+  double va_fraction = 0.0;
   std::size_t max_handle_size = 0;  // expandable_max_handle: largest physical handle; 0 = policy default
   IpcHandle ipc_handle = IpcHandle::none;  // ipc_handle:none|posix_fd|fabric
 
@@ -97,6 +108,9 @@ struct Config {
   void apply(std::string_view text);
   // Canonical `key:value,...` form; parse(to_string()) == *this.
   std::string to_string() const;
+  // The VA an expandable segment reserves on a device of `device_total` bytes, before rounding to
+  // pages; saturates at SIZE_MAX (callers bound it by kMaxExpandableVaSize).
+  std::size_t expandable_va_bytes(std::size_t device_total) const noexcept;
 
   bool operator==(const Config&) const = default;
 

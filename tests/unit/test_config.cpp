@@ -115,11 +115,13 @@ TEST_CASE("config: the options table lists every key once with its type, default
                           "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
                           "pinned_num_register_threads", "pinned_use_background_threads",
                           "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse",
-                          "release_lock_on_hipmalloc", "pinned_use_hip_host_register"}) {
+                          "release_lock_on_hipmalloc", "pinned_use_hip_host_register", "large_segment_size_mb",
+                          "expandable_segments_reserve", "expandable_segments_reserve_by_class",
+                          "throw_on_cudamalloc_oom", "pinned_free_catch_all"}) {
     CAPTURE(key);
     CHECK(seen.count(key) == 1);
   }
-  CHECK(seen.size() == 30);
+  CHECK(seen.size() == 35);
 }
 
 TEST_CASE("config: documented defaults are the defaults of Config and of to_string") {
@@ -134,8 +136,8 @@ TEST_CASE("config: documented defaults are the defaults of Config and of to_stri
         "backend:split_merge,policy:pytorch,device:cuda,sim_capacity:80GiB,sim_granularity:2MiB,"
         "sim_host_backed:false,sim_latency:false,limit:0,expandable_va_size:0,expandable_max_handle:0,"
         "ipc_handle:none,record:false,record_ring:0,oom_snapshot:false,oom_counterfactual:true,"
-        "oom_dump:none,max_split_size_mb:unlimited,max_non_split_rounding_mb:20,roundup_power2_divisions:0,"
-        "garbage_collection_threshold:off");
+        "oom_dump:none,large_segment_size_mb:20,max_split_size_mb:unlimited,max_non_split_rounding_mb:20,"
+        "roundup_power2_divisions:0,garbage_collection_threshold:off");
 }
 
 TEST_CASE("config: expseg keys") {

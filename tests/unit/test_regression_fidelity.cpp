@@ -113,3 +113,147 @@ TEST_CASE("fidelity regression: roundup_power2_divisions takes one comma after t
     CHECK_THROWS_AS((void)Config::parse(bad), expseg::config_error);
   }
 }
+
+// ---- keys of PyTorch releases after 2.11 (c10/core/AllocatorConfig.cpp, c10/cuda/CUDAAllocatorConfig.cpp) ----
+
+namespace {
+
+void check_config_fails(const std::string& text, const std::string& key, const std::string& part) {
+  CAPTURE(text);
+  try {
+    (void)Config::parse(text);
+    FAIL("accepted: " << text);
+  } catch (const expseg::config_error& e) {
+    CHECK(e.key() == key);
+    CHECK_MESSAGE(std::string(e.what()).find(part) != std::string::npos, e.what());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("fidelity regression: large_segment_size_mb is parsed first and bounds max_split_size_mb and max_non_split_rounding_mb") {
+  // parseLargeSegmentSize: more than kMinLargeAlloc (10 MiB); parseArgs reads it before every other
+  // key and then sets max_non_split_rounding_size_ to it; parseMaxSplitSize and
+  // parseMaxNonSplitRoundingSize require at least large_segment_size_.
+  const Config c = Config::parse("large_segment_size_mb:32");
+  CHECK(c.large_segment_size == 32 * MiB);
+  CHECK(c.max_non_split_rounding == 32 * MiB);
+  CHECK(c.max_split_size == SIZE_MAX);
+  CHECK(Config::parse("large_segment_size_mb:11").large_segment_size == 11 * MiB);
+  check_config_fails("large_segment_size_mb:10", "large_segment_size_mb", "must be > 10");
+  check_config_fails("large_segment_size_mb:0", "large_segment_size_mb", "must be > 10");
+  check_config_fails("large_segment_size_mb:1.5", "large_segment_size_mb", "integer number of MiB");
+  // Below 20 is allowed once the large segment is smaller (a PyTorch user's large_segment_size_mb:12).
+  const Config small = Config::parse("max_split_size_mb:16,max_non_split_rounding_mb:14,large_segment_size_mb:12");
+  CHECK(small.large_segment_size == 12 * MiB);
+  CHECK(small.max_split_size == 16 * MiB);
+  CHECK(small.max_non_split_rounding == 14 * MiB);
+  // The order does not matter: large_segment_size_mb is applied first.
+  check_config_fails("max_split_size_mb:24,large_segment_size_mb:32", "max_split_size_mb", "must be >= 32");
+  check_config_fails("max_non_split_rounding_mb:24,large_segment_size_mb:32", "max_non_split_rounding_mb", "must be >= 32");
+  CHECK(Config::parse("max_non_split_rounding_mb:64,large_segment_size_mb:32").max_non_split_rounding == 64 * MiB);
+  CHECK(Config::parse("large_segment_size_mb:32,max_non_split_rounding_mb:64").max_non_split_rounding == 64 * MiB);
+  // Without it the old bound stands.
+  check_config_fails("max_split_size_mb:19", "max_split_size_mb", "must be >= 20");
+  // Applied over an earlier max_split_size_mb below it: refused, and the config is left as it was.
+  Config layered = Config::parse("max_split_size_mb:20");
+  check_config_fails("max_split_size_mb:20,large_segment_size_mb:32", "max_split_size_mb", "must be >= 32");
+  try {
+    layered.apply("large_segment_size_mb:32");
+    FAIL("a large segment above the max_split_size_mb set before was accepted");
+  } catch (const expseg::config_error& e) {
+    CHECK(e.key() == "large_segment_size_mb");
+    CHECK(std::string(e.what()).find("max_split_size_mb (20, set before)") != std::string::npos);
+  }
+  CHECK(layered == Config::parse("max_split_size_mb:20"));
+  // The canonical form reads back.
+  CHECK(Config::parse(small.to_string()) == small);
+  CHECK(Config::parse(c.to_string()) == c);
+}
+
+TEST_CASE("fidelity regression: split_merge gives a 1-10 MiB request a segment of large_segment_size_mb") {
+  // get_allocation_size: size <= kSmallSize -> kSmallBuffer; size < kMinLargeAlloc ->
+  // large_segment_size(); otherwise rounded up to kRoundLarge.
+  for (const auto& [conf, segment] : {std::pair<const char*, std::size_t>{"", 20 * MiB},
+                                      std::pair<const char*, std::size_t>{"large_segment_size_mb:12", 12 * MiB},
+                                      std::pair<const char*, std::size_t>{"large_segment_size_mb:64", 64 * MiB}}) {
+    CAPTURE(conf);
+    Allocator a(sim_config(BackendKind::split_merge, 8 * GiB, conf));
+    void* p = a.allocate(5 * MiB);
+    CHECK(a.stats().reserved_bytes[expseg::kAllPools].current == static_cast<std::int64_t>(segment));
+    void* s = a.allocate(512 * KiB);  // the small pool's 2 MiB segment, whatever the setting
+    CHECK(a.stats().reserved_bytes[expseg::kAllPools].current == static_cast<std::int64_t>(segment + 2 * MiB));
+    a.deallocate(p);
+    a.deallocate(s);
+    a.validate();
+    Allocator b(sim_config(BackendKind::split_merge, 8 * GiB, conf));
+    void* q = b.allocate(12 * MiB + 1);  // 10 MiB and more: rounded up to 2 MiB, whatever the setting
+    CHECK(b.stats().reserved_bytes[expseg::kAllPools].current == static_cast<std::int64_t>(14 * MiB));
+    b.deallocate(q);
+  }
+}
+
+TEST_CASE("fidelity regression: expandable_segments_reserve sets the virtual range of an expandable segment") {
+  // parseReserveSpec: a trailing G means GiB, otherwise a fraction of device memory; positive and
+  // finite. (PyTorch keeps its default on a bad value, with a warning; expseg refuses bad values.)
+  const Config half = Config::parse("expandable_segments_reserve:0.5");
+  CHECK(half.va_fraction == 0.5);
+  CHECK(half.va_size == 0);
+  CHECK(half.expandable_va_bytes(80 * GiB) == 40 * GiB);
+  CHECK(half.to_string().find("expandable_va_size:50%") != std::string::npos);
+  CHECK(Config::parse(half.to_string()) == half);
+  CHECK(Config::parse("expandable_va_size:50%") == half);
+  CHECK(Config::parse("expandable_segments_reserve:40G").va_size == 40 * GiB);
+  CHECK(Config::parse("expandable_segments_reserve:1.5g").va_size == 3 * GiB / 2);
+  CHECK(Config::parse("expandable_segments_reserve:2").expandable_va_bytes(8 * GiB) == 16 * GiB);
+  CHECK(Config::parse("expandable_va_size:112.5%").expandable_va_bytes(8 * GiB) == 9 * GiB);
+  CHECK(Config::parse("expandable_va_size:0%") == Config{});
+  // The last of the two keys wins, as for any one key.
+  CHECK(Config::parse("expandable_va_size:1GiB,expandable_segments_reserve:0.5") == half);
+  CHECK(Config::parse("expandable_segments_reserve:0.5,expandable_va_size:1GiB").va_fraction == 0.0);
+  CHECK(Config::parse("expandable_segments_reserve:0.5,expandable_va_size:1GiB").va_size == GiB);
+  for (const char* bad : {"0", "-1", "0G", "abc", "inf", "nan", "infG", "0x1p3", "1e3", "G", "1.5GiB"})
+    check_config_fails(std::string("expandable_segments_reserve:") + bad, "expandable_segments_reserve", "positive fraction");
+  check_config_fails("expandable_segments_reserve:2000000G", "expandable_segments_reserve", "at most 1048576G");
+  check_config_fails("expandable_va_size:-5%", "expandable_va_size", "negative");
+
+  // The backend reserves that share: on an 8 GiB device, 0.125 is 1 GiB, so two 600 MiB blocks
+  // need two segments; with the default (16 GiB) the second grows the first in place.
+  for (const char* conf : {"", "expandable_segments_reserve:0.125", "expandable_va_size:12.5%"}) {
+    CAPTURE(conf);
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 8 * GiB, conf));
+    void* p = sa->allocate(600 * MiB);
+    void* q = sa->allocate(600 * MiB);
+    const bool one_range = *conf == '\0';
+    CHECK(sa.sim->live().reservations == (one_range ? 1u : 2u));
+    CHECK((addr(q) == addr(p) + 600 * MiB) == one_range);
+    sa->deallocate(p);
+    sa->deallocate(q);
+    sa->validate();
+  }
+  // A share larger than one segment may reserve is refused when the allocator is made.
+  Config huge = sim_config(BackendKind::expandable, 8 * GiB, "expandable_segments_reserve:1000000");
+  try {
+    Allocator a(huge);
+    (void)a.allocate(1);
+    FAIL("an expandable segment of 8 PiB was reserved");
+  } catch (const expseg::config_error& e) {
+    CHECK(e.key() == "expandable_va_size");
+  }
+}
+
+TEST_CASE("fidelity regression: throw_on_cudamalloc_oom, expandable_segments_reserve_by_class and pinned_free_catch_all are accepted") {
+  // expseg refuses a request over the limit before any driver call, which is what
+  // throw_on_cudamalloc_oom:True asks of PyTorch; it has no stream classes, so the per-class reserve
+  // list only has its syntax checked (parseExpandableSegmentsReserveByClass: [name:spec,...]).
+  CHECK(Config::parse("throw_on_cudamalloc_oom:True,pinned_free_catch_all:True") == Config{});
+  CHECK(Config::parse("throw_on_cudamalloc_oom:False,expandable_segments_reserve_by_class:[decode:0.5,prefill:40G]") == Config{});
+  CHECK(Config::parse("expandable_segments_reserve_by_class:[]") == Config{});
+  CHECK(Config::parse("expandable_segments_reserve_by_class:[decode:0.5,]") == Config{});
+  check_config_fails("throw_on_cudamalloc_oom:maybe", "throw_on_cudamalloc_oom", "'maybe'");
+  check_config_fails("pinned_free_catch_all:2", "pinned_free_catch_all", "'2'");
+  for (const char* bad : {"decode:0.5", "[decode]", "[:0.5]", "[decode:0]", "[decode:x]", "[,]", "[decode:0.5,,]"}) {
+    CAPTURE(bad);
+    check_config_fails(std::string("expandable_segments_reserve_by_class:") + bad, "expandable_segments_reserve_by_class", "");
+  }
+}

@@ -161,14 +161,16 @@ ExpandableBackend::ExpandableBackend(Context& ctx)
       frame_shift_(static_cast<unsigned>(std::countr_zero(frame_))),
       has_divisions_(has_roundup_power2_divisions(ctx.config)) {
   if (!std::has_single_bit(frame_)) throw expseg::error("expandable: allocation granularity is not a power of two");
-  // check_config bounds an explicit expandable_va_size; the default depends on the device, so the
-  // same bound is applied to it here (and again to an explicit one, for a backend built directly).
-  if (ctx.config.va_size > kMaxExpandableVaSize)
-    throw config_error("expandable_va_size", "expandable_va_size: at most 1024TiB (1 PiB)");
-  if (ctx.config.va_size == 0 && ctx.device_total > kMaxExpandableVaSize / 2)
-    throw config_error("expandable_va_size", "expandable_va_size: the default, 2x device memory (" + std::to_string(ctx.device_total) +
-                                                 " bytes), is more than 1024TiB (1 PiB); set expandable_va_size");
-  const std::size_t va = ctx.config.va_size ? ctx.config.va_size : 2 * ctx.device_total;
+  // The config bounds an explicit expandable_va_size; the default and a share of device memory
+  // depend on the device, so the same bound is applied to them here (and again to an explicit one,
+  // for a backend built directly).
+  const std::size_t va = ctx.config.expandable_va_bytes(ctx.device_total);
+  if (va > kMaxExpandableVaSize) {
+    const std::string what = ctx.config.va_size != 0       ? std::to_string(va) + " bytes"
+                             : ctx.config.va_fraction != 0 ? "that share of device memory (" + std::to_string(ctx.device_total) + " bytes)"
+                                                           : "the default, 2x device memory (" + std::to_string(ctx.device_total) + " bytes),";
+    throw config_error("expandable_va_size", "expandable_va_size: " + what + " is more than one segment may reserve: at most 1024TiB (1 PiB); set a smaller expandable_va_size");
+  }
   va_bytes_ = std::max(round_up(va, frame_), frame_);
 }
 

@@ -63,7 +63,7 @@ SplitMergeBackend::Pool& SplitMergeBackend::pool_for(std::size_t size) noexcept 
 std::size_t SplitMergeBackend::allocation_size(std::size_t size) const noexcept {
   if (cupy()) return size;
   if (size <= kSmallSize) return kSmallBuffer;
-  if (size < kMinLargeAlloc) return kLargeBuffer;
+  if (size < kMinLargeAlloc) return ctx_.config.large_segment_size;  // kLargeBuffer, 20 MiB, unless configured
   return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
 }
 

@@ -57,7 +57,7 @@ class SplitMergeBackend final : public Backend {
   static constexpr std::size_t kMinBlockSize = 512;
   static constexpr std::size_t kSmallSize = std::size_t{1} << 20;
   static constexpr std::size_t kSmallBuffer = std::size_t{2} << 20;
-  static constexpr std::size_t kLargeBuffer = std::size_t{20} << 20;
+  static constexpr std::size_t kLargeBuffer = std::size_t{20} << 20;  // large_segment_size_mb's default
   static constexpr std::size_t kMinLargeAlloc = std::size_t{10} << 20;
   static constexpr std::size_t kRoundLarge = std::size_t{2} << 20;
 
