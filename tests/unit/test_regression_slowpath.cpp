@@ -59,4 +59,42 @@ TEST_CASE("slow path regression: reclaim under a limit does not walk every block
   a.validate();
 }
 
+TEST_CASE("slow path regression: the search of mapped free blocks does not walk every handle of every block") {
+  // Under a limit, m free blocks of k single-frame idle handles each (between live 2 MiB fences),
+  // and four free 8 MiB blocks of one bulk handle, the best fits for 3 MiB: the fast path would cut
+  // the bulk handles, so each 3 MiB request takes the slow path, whose search of mapped free blocks
+  // finds a place leaving 1 MiB (the least any block allows) in the first large block.
+  constexpr int m = 64;
+  constexpr int k = 64;
+  Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:16GiB"));
+  std::vector<void*> fences;
+  std::vector<void*> idle;
+  for (int i = 0; i < 4; ++i) {
+    idle.push_back(a.allocate(8 * MiB));
+    fences.push_back(a.allocate(2 * MiB));
+  }
+  for (int j = 0; j < m; ++j) {
+    for (int i = 0; i < k; ++i) idle.push_back(a.allocate(2 * MiB));
+    fences.push_back(a.allocate(2 * MiB));
+  }
+  for (void* p : idle) a.deallocate(p);
+  a.validate();
+  const auto& be = dynamic_cast<const expseg::backends::ExpandableBackend&>(expseg::detail::AllocatorAccess::backend(a));
+  const std::uint64_t calls0 = be.slow_calls();
+  const std::uint64_t steps0 = be.search_steps();
+  constexpr int r = 32;
+  std::vector<void*> small;
+  for (int i = 0; i < r; ++i) small.push_back(a.allocate(3 * MiB));
+  const std::uint64_t steps = be.search_steps() - steps0;
+  CAPTURE(steps);
+  CHECK(be.slow_calls() - calls0 == r);
+  CHECK(steps <= 4 * m * r);
+  MESSAGE(steps);  // was ~4,200 a request (every handle of every block), now ~70
+  a.validate();
+  for (void* p : small) a.deallocate(p);
+  for (void* p : fences) a.deallocate(p);
+  a.release_cached();
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+}
+
 }  // TEST_SUITE

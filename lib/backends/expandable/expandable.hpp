@@ -127,6 +127,11 @@ class ExpandableBackend final : public Backend {
   // its handle from, and room_after_reclaim's idle handles (tests check they stay near the work
   // done, not the number of blocks or idle handles).
   std::uint64_t slow_path_steps() const noexcept { return slow_path_steps_; }
+  // What the slow paths' searches have looked at: the unmapped blocks of find_placement, the mapped
+  // free blocks and handles of find_mapped_place, the idle handles of move_idle_handle.
+  std::uint64_t search_steps() const noexcept { return search_steps_; }
+  // Allocations that took the slow path (no cached place: mapping, reclaim or a place search).
+  std::uint64_t slow_calls() const noexcept { return slow_calls_; }
 
  private:
   struct Placement {
@@ -244,6 +249,8 @@ class ExpandableBackend final : public Backend {
   std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
   mutable std::uint64_t cached_path_handles_ = 0;
   mutable std::uint64_t slow_path_steps_ = 0;
+  std::uint64_t search_steps_ = 0;
+  std::uint64_t slow_calls_ = 0;
   struct SyncedStreams {         // synchronize_once's streams in the current operation
     driver::stream_t streams[8];
     std::size_t count = 0;
