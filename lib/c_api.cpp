@@ -485,11 +485,29 @@ int expseg_reset_peak_stats(int device) noexcept {
 
 int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes) noexcept {
   constexpr const char* fn = "expseg_get_limit";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   try {
-    const std::size_t limit = a->limit();
-    const std::size_t total = device_total_bytes != nullptr ? a->device_info().total_bytes : 0;
+    std::size_t limit = 0;
+    std::size_t total = 0;
+    Allocator* a = existing(device);
+    std::optional<Config> c;
+    if (a == nullptr) {
+      Shared& s = shared();
+      std::lock_guard<std::mutex> lock(s.mu);
+      a = existing(device);
+      if (a == nullptr) c = new_allocator_config_locked();
+    }
+    if (a != nullptr) {
+      limit = a->limit();
+      total = device_total_bytes != nullptr ? a->device_info().total_bytes : 0;
+    } else {
+      // A query creates no allocator (PyTorch reads the memory fraction before the first tensor, when
+      // the configuration may still be set): what the allocator created now would answer, its limit
+      // resolved against the device's memory as it resolves it, read from a driver of its own.
+      c->ipc_handle = IpcHandle::none;  // no shareable handle type to probe for a query
+      total = make_driver(*c, device)->mem_info().total;
+      limit = c->limit.resolve(total);
+    }
     if (limit_bytes != nullptr) *limit_bytes = limit;
     if (device_total_bytes != nullptr) *device_total_bytes = total;
     return EXPSEG_SUCCESS;

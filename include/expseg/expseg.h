@@ -16,8 +16,8 @@
  * after it, malloc/free take no lock of the C API, only the allocator's own. Allocators live until
  * the process exits (they are never destroyed, so frees that arrive during interpreter or library
  * teardown stay valid); the operating system reclaims device memory at exit. Queries (stats,
- * snapshot, OOM report) never create an allocator: for a device without one they answer "nothing
- * yet" (zero stats, an empty snapshot, no report).
+ * snapshot, OOM report, limit) never create an allocator: for a device without one they answer
+ * "nothing yet" (zero stats, an empty snapshot, no report) or what it will be created with (limit).
  *
  * Errors. No C++ exception ever crosses this boundary. Calls that return int return EXPSEG_SUCCESS
  * (0) or one of the expseg_status codes; calls that return a pointer return NULL on error. Every
@@ -144,7 +144,11 @@ EXPSEG_API int expseg_release_cached(int device) EXPSEG_NOEXCEPT;
  * Allocator::set_limit). */
 EXPSEG_API int expseg_set_limit(int device, size_t bytes) EXPSEG_NOEXCEPT;
 /* The limit of `device`'s allocator (0: none) and the device's total memory, for PyTorch's
- * get/set_per_process_memory_fraction. Creates the allocator when needed; either pointer may be NULL. */
+ * get/set_per_process_memory_fraction; either pointer may be NULL. A query: it never creates the
+ * allocator. For a device without one, the limit it will be created with (the configuration's,
+ * a fraction resolved against the device's memory as the allocator resolves it) and the device's
+ * memory, read from the driver (on CUDA, cuMemGetInfo in the device's primary context, which this
+ * initialises if nothing has yet); the same answers as once the allocator exists. */
 EXPSEG_API int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes) EXPSEG_NOEXCEPT;
 /* Peaks down to the current values (PyTorch's reset_peak_memory_stats()). */
 EXPSEG_API int expseg_reset_peak_stats(int device) EXPSEG_NOEXCEPT;
