@@ -91,7 +91,7 @@ std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
     // A simulated host of every device index an allocator may have: allocators of different device
     // indices are separate devices with disjoint addresses, and any two may be granted peer access.
     // The count is the same from every device, as cuDeviceGetCount's is.
-    o.device_count = driver::kSimMaxDevices;
+    o.device_count = driver::kSimMaxDevices;  // as visible_device_count says
     o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
     try {
       return std::make_unique<driver::SimDriver>(o);
@@ -103,6 +103,10 @@ std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
   driver::CudaOptions o;
   o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
   return driver::make_cuda_driver(device, o);
+}
+
+int visible_device_count(const Config& config) {
+  return config.device == DeviceKind::sim ? driver::kSimMaxDevices : driver::cuda_device_count();
 }
 
 bool cuda_available(std::string* why) { return driver::cuda_usable(why); }

@@ -144,5 +144,8 @@ void check_config(const Config& config);
 // Builds the driver a config asks for (SimDriver for device:sim, CudaDriver for device:cuda), after
 // check_config; a negative device index (or one the simulated host lacks) is an expseg::error.
 std::unique_ptr<driver::Driver> make_driver(const Config& config, int device);
+// The devices the drivers make_driver builds for `config` see (Driver::device_count), without
+// building one: every simulated device index, or cuDeviceGetCount (0 when CUDA is not usable).
+int visible_device_count(const Config& config);
 
 }  // namespace expseg

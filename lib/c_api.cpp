@@ -667,6 +667,32 @@ int expseg_enable_peer_access(int device, int peer) noexcept {
   }
   // A device is its own peer already: nothing to grant, so no allocator to create (expseg.h).
   if (peer == device) return EXPSEG_SUCCESS;
+  if (existing(device) == nullptr) {
+    // A peer the machine does not have is refused before the allocator is created, in the words of
+    // Allocator::enable_peer_access. (0 devices: CUDA is not usable; creating the allocator says why.)
+    try {
+      int count = 0;
+      const char* kind = "";
+      {
+        Shared& s = shared();
+        std::lock_guard<std::mutex> lock(s.mu);
+        if (existing(device) == nullptr) {
+          const Config c = effective_config_locked();
+          count = visible_device_count(c);
+          kind = to_string(c.device);
+        }
+      }
+      if (count > 0 && peer >= count) {
+        set_error(EXPSEG_ERROR_INVALID_DEVICE, fn,
+                  "expseg: enable_peer_access(" + std::to_string(peer) + ") on device " + std::to_string(device) +
+                      ": no device " + std::to_string(peer) + " (" + std::to_string(count) + " " + kind +
+                      " devices visible)");
+        return EXPSEG_ERROR_INVALID_DEVICE;
+      }
+    } catch (...) {
+      return fail_current(fn);
+    }
+  }
   Allocator* a = get_or_create(device, fn);
   if (a == nullptr) return tls().code;
   try {

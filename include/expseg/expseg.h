@@ -187,7 +187,8 @@ EXPSEG_API int expseg_record_write(int device, const char* path) EXPSEG_NOEXCEPT
  * Several GPUs and several processes (C++: Allocator::enable_peer_access, expseg/ipc.hpp).
  *
  * expseg_enable_peer_access: lets device `peer` read and write everything `device`'s allocator
- * maps, now and later; creates the allocator when needed. Expandable memory is granted with
+ * maps, now and later; creates the allocator when needed (not for a `peer` that is not a visible
+ * device: that is refused first). Expandable memory is granted with
  * cuMemSetAccess (to any number of peers); split_merge memory, reached through contexts, needs
  * cuCtxEnablePeerAccess, which CUDA allows for at most 8 peers of a device (then
  * EXPSEG_ERROR_DRIVER, CUDA_ERROR_TOO_MANY_PEERS). `peer` == `device`, or a peer enabled before,
