@@ -11,6 +11,7 @@
 
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -24,6 +25,9 @@
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "allocator_impl.hpp"
 #include "c_api_internal.hpp"
@@ -766,8 +770,39 @@ int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, si
                       " were given (all of them travel, in the order expseg_ipc_export gave them)");
         return EXPSEG_ERROR_IPC;
       }
-      for (std::size_t i = 0; i < nfds; ++i)
+      for (std::size_t i = 0; i < nfds; ++i) {
         if (fds[i] < 0) return invalid("file descriptor " + std::to_string(i) + " is negative");
+        if (::fcntl(fds[i], F_GETFD) == -1 && errno == EBADF)
+          return invalid("file descriptor " + std::to_string(i) + " (" + std::to_string(fds[i]) + ") is not open");
+      }
+    }
+    // What the handle says against where it is imported, before the device's allocator is created
+    // for an import that cannot succeed (import_ipc checks these too, in the same words).
+    const std::string kind = [&] {
+      if (Allocator* a = existing(device)) return std::string(to_string(a->config().device));
+      Shared& s = shared();
+      std::lock_guard<std::mutex> lock(s.mu);
+      return std::string(to_string(effective_config_locked().device));
+    }();
+    if (h.device_kind != kind) {
+      set_error(EXPSEG_ERROR_IPC, fn, "expseg: import_ipc: the handle was exported by a " + h.device_kind +
+                                          " device; this is a " + kind + " device");
+      return EXPSEG_ERROR_IPC;
+    }
+    const bool this_process = h.exporter_pid == static_cast<std::int64_t>(::getpid());
+    if (h.device_kind == "sim" && (!this_process || h.device != device || existing(device) == nullptr)) {
+      set_error(EXPSEG_ERROR_IPC, fn,
+                "expseg: import_ipc: the simulated device imports in-process only, through the allocator that exported "
+                "the handle (device " + std::to_string(h.device) + " of process " + std::to_string(h.exporter_pid) +
+                    "), while it exists; this is device " + std::to_string(device) + " of process " +
+                    std::to_string(::getpid()));
+      return EXPSEG_ERROR_IPC;
+    }
+    if (h.kind == IpcKind::cuda_ipc && h.device_kind == "cuda" && this_process) {
+      set_error(EXPSEG_ERROR_IPC, fn,
+                "expseg: import_ipc: a cuda_ipc handle (split_merge) cannot be opened in the process that exported "
+                "it (cuIpcOpenMemHandle refuses): use the allocation's own pointer there");
+      return EXPSEG_ERROR_IPC;
     }
     // The caller's descriptors are lent to the handle for the import, never closed by it.
     struct Lent {

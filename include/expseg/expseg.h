@@ -217,10 +217,14 @@ EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
  *   are the `nfds` descriptors received with the handle, in order; they stay the caller's (close
  *   them after the call). With nfds 0 a posix_fd handle's descriptors are taken from the exporting
  *   process with pidfd_getfd (Linux >= 5.6, needs ptrace access to it). A split_merge handle
- *   cannot be imported by the process that exported it (CUDA refuses). EXPSEG_ERROR_IPC: malformed
- *   bytes, the wrong number of descriptors, a handle of another device kind, pidfd_getfd refused
- *   (the message names the way out); EXPSEG_ERROR_INVALID_ARGUMENT: NULL `ptr`, no handle bytes,
- *   NULL `fds` with nfds > 0, a negative descriptor, descriptors for a handle that takes none.
+ *   cannot be imported by the process that exported it (CUDA refuses); a simulated device's handle
+ *   is imported only by the allocator that exported it (same process, same device). What can be
+ *   checked without the allocator is checked before it is created, so a refused import leaves the
+ *   device as it was. EXPSEG_ERROR_IPC: malformed bytes, the wrong number of descriptors, a handle
+ *   of another device kind, a handle the process or device cannot import as just said, pidfd_getfd
+ *   refused (the message names the way out); EXPSEG_ERROR_INVALID_ARGUMENT: NULL `ptr`, no handle
+ *   bytes, NULL `fds` with nfds > 0, a negative descriptor or one that is not open, descriptors for
+ *   a handle that takes none.
  * expseg_ipc_close: unmaps memory that expseg_ipc_import mapped on `device` (`ptr` as it was
  *   returned). NULL does nothing. EXPSEG_ERROR_INVALID_POINTER: `ptr` is not an open import of `device`.
  * All three are thread-safe. */

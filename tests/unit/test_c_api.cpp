@@ -930,8 +930,9 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_ipc_export / import / close: every bad in
   CHECK(q == nullptr);
   for (int fd : own) CHECK(fd_open(fd));  // none of the failures closed the caller's descriptors
   // Imported on a device whose simulated driver did not export it: refused (the sim imports in-process
-  // only through the exporting device); the device's allocator is created for the import.
-  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 2, &q, &size) != EXPSEG_SUCCESS);
+  // only through the exporting device), before the device's allocator is created.
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_device_initialized(2) == 0);
   CHECK(q == nullptr);
 
   // Close.

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "c_api_internal.hpp"
 #include "expseg/allocator.hpp"
 #include "expseg/errors.hpp"
@@ -75,6 +77,64 @@ TEST_CASE_FIXTURE(CApiState, "capi regression: expseg_get_limit is a query: it c
   CHECK(expseg_get_limit(0, &limit, &total) == EXPSEG_ERROR_CONFIG);
   ::unsetenv("EXPSEG_ALLOC_CONF");
   CHECK(expseg_get_limit(EXPSEG_MAX_DEVICES, &limit, &total) == EXPSEG_ERROR_INVALID_DEVICE);
+}
+
+TEST_CASE_FIXTURE(CApiState, "capi regression: a refused expseg_ipc_import creates no allocator") {
+  REQUIRE(expseg_configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd,"
+                           "expandable_max_handle:2MiB") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  const void* handle = nullptr;
+  std::size_t handle_size = 0;
+  const int* fds = nullptr;
+  std::size_t nfds = 0;
+  REQUIRE(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_SUCCESS);
+  const std::vector<unsigned char> bytes(static_cast<const unsigned char*>(handle),
+                                         static_cast<const unsigned char*>(handle) + handle_size);
+  const std::vector<int> own(fds, fds + nfds);
+  REQUIRE(own.size() == 2);
+
+  void* q = nullptr;
+  std::size_t size = 0;
+  // Malformed bytes and the wrong number of descriptors were refused before (guards).
+  const std::vector<unsigned char> garbage(64, 0xab);
+  CHECK(expseg_ipc_import(garbage.data(), garbage.size(), nullptr, 0, 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size() - 1, own.data(), own.size(), 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), 1, 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_device_initialized(2) == 0);
+  // A descriptor that is not open: refused before the allocator is created, as a bad argument.
+  const int closed_fd = ::dup(own[0]);
+  REQUIRE(closed_fd >= 0);
+  ::close(closed_fd);
+  const int with_closed[2] = {own[0], closed_fd};
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), with_closed, 2, 2, &q, &size) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("descriptor 1") != std::string::npos);
+  CHECK(last_error().find("not open") != std::string::npos);
+  // Was: device 2's allocator was created, then the driver refused the descriptor.
+  CHECK(expseg_device_initialized(2) == 0);
+  // A simulated device's handle on a device that did not export it: the simulator imports it only
+  // through the exporting allocator (device 0 here).
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(last_error().find("device 0") != std::string::npos);
+  CHECK(q == nullptr);
+  CHECK(size == 0);
+  // Was: device 2's allocator was created for an import that could not succeed.
+  CHECK(expseg_device_initialized(2) == 0);
+  // The exporting device imports it (the checks refuse nothing that works).
+  REQUIRE(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 0, &q, &size) == EXPSEG_SUCCESS);
+  CHECK(size == 4 * MiB);
+  CHECK(expseg_ipc_close(q, 0) == EXPSEG_SUCCESS);
+  expseg_free(p, 0, 0, nullptr);
+
+  // A handle of a simulated device where allocators are created on CUDA: refused as a handle of
+  // another device kind (EXPSEG_ERROR_IPC, expseg.h), before any allocator is created. Was: the
+  // CUDA allocator was created first (or, without a GPU, its creation failed with a driver error).
+  expseg::capi::reset_for_tests();
+  REQUIRE(expseg_configure("device:cuda") == EXPSEG_SUCCESS);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 0, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(last_error().find("sim") != std::string::npos);
+  CHECK(expseg_device_initialized(0) == 0);
+  for (int fd : own) ::close(fd);
 }
 
 }  // TEST_SUITE
