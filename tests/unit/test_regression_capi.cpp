@@ -1,6 +1,7 @@
-// Regressions found by an audit of the C API's side effects: calls that refuse must not create a
-// device's allocator first (after which expseg_configure is refused for good), and a query must not
-// create one. Each case failed on the code before its fix.
+// Regressions found by an audit of the C API's side effects and the OOM path: calls that refuse
+// must not create a device's allocator first (after which expseg_configure is refused for good), a
+// query must not create one, and an OOM must reach the caller as an OOM even when host memory runs
+// out while its report is built. Each case failed on the code before its fix.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -20,6 +21,9 @@
 
 using namespace testutil;
 using expseg::BackendKind;
+
+// test_regression_hotpath.cpp: fails the nth operator new from now on this thread (0: none).
+extern thread_local std::uint64_t g_fail_nth_new;
 
 namespace {
 
@@ -42,6 +46,16 @@ struct CApiState {
 };
 
 std::string last_error() { return expseg_last_error(); }
+
+// Runs f with the nth operator new failing; true when that allocation happened.
+template <class F>
+bool with_nth_new_failing(std::uint64_t n, F&& f) {
+  g_fail_nth_new = n;
+  f();
+  const bool fired = g_fail_nth_new == 0;
+  g_fail_nth_new = 0;
+  return fired;
+}
 
 }  // namespace
 
@@ -135,6 +149,70 @@ TEST_CASE_FIXTURE(CApiState, "capi regression: a refused expseg_ipc_import creat
   CHECK(last_error().find("sim") != std::string::npos);
   CHECK(expseg_device_initialized(0) == 0);
   for (int fd : own) ::close(fd);
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("robust") {
+
+TEST_CASE("capi regression: host memory running out while the OOM report is built still gives an out-of-memory error") {
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(static_cast<int>(b));
+    auto sa = make_sim_allocator(sim_config(b, 8 * GiB, "oom_snapshot:true"));
+    void* keep = sa->allocate(4 * MiB);
+    // 1 EiB and more never reaches the backend: every allocation the call makes is the report's.
+    const std::size_t huge = std::size_t{1} << 60;
+    std::uint64_t n = 1;
+    for (;; ++n) {
+      CAPTURE(n);
+      const std::size_t request = huge + n;
+      std::optional<expseg::out_of_memory> oom;  // copied without the heap: nothing here may allocate
+      const bool fired = with_nth_new_failing(n, [&] {
+        try {
+          (void)sa->allocate(request);
+        } catch (const expseg::out_of_memory& e) {
+          oom.emplace(e);
+        } catch (const std::bad_alloc&) {
+          // Was: a plain std::bad_alloc (PyTorch's RuntimeError, not its OutOfMemoryError).
+        }
+      });
+      REQUIRE(oom.has_value());
+      CHECK(std::string(oom->what()).find("out of memory") != std::string::npos);
+      CHECK(oom->report().requested_bytes == request);
+      // The OOM is recorded as every other: last_oom() is this request, num_ooms counts it.
+      const std::optional<expseg::OomReport> last = sa->last_oom();
+      REQUIRE(last.has_value());
+      CHECK(last->requested_bytes == request);
+      CHECK(sa->stats().num_ooms == static_cast<std::int64_t>(n));
+      CHECK_NOTHROW(sa->validate());
+      if (!fired) break;
+    }
+    CHECK(n > 3);
+    sa->deallocate(keep);
+    sa->validate();
+  }
+}
+
+TEST_CASE_FIXTURE(CApiState, "capi regression: expseg_torch_malloc throws out_of_memory when the OOM report finds no host memory") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  const ssize_t huge = static_cast<ssize_t>(std::size_t{1} << 60);
+  bool oom = false;
+  g_fail_nth_new = 1;  // the report's first allocation
+  try {
+    (void)expseg_torch_malloc(huge, 0, nullptr);
+  } catch (const expseg::out_of_memory&) {
+    oom = true;
+  } catch (...) {
+    // Was: std::runtime_error("host memory exhausted (std::bad_alloc)"), which PyTorch cannot tell from other errors.
+  }
+  g_fail_nth_new = 0;
+  CHECK(oom);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
+  // The report is retrievable as after any OOM. Was: "" (no OOM recorded).
+  CHECK(std::string(expseg_last_oom_report(0)).find("out of memory") != std::string::npos);
+  expseg_free(p, 0, 0, nullptr);
 }
 
 }  // TEST_SUITE
