@@ -193,6 +193,42 @@ TEST_CASE("capi regression: host memory running out while the OOM report is buil
   }
 }
 
+TEST_CASE("capi regression: host memory running out in the OOM report's counterfactual is not 'would have failed too'") {
+  // The 800/500/300 story: split_merge's fragmentation OOM, which expandable would have served.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB"));
+  sa->deallocate(sa->allocate(2000 * MiB));
+  void* p800 = sa->allocate(800 * MiB);
+  void* p500 = sa->allocate(500 * MiB);
+  void* p300 = sa->allocate(300 * MiB);
+  sa->deallocate(p500);
+  std::uint64_t n = 1;
+  int evaluated = 0;
+  for (;; ++n) {
+    CAPTURE(n);
+    std::optional<expseg::out_of_memory> oom;
+    const bool fired = with_nth_new_failing(n, [&] {
+      try {
+        (void)sa->allocate(800 * MiB);
+      } catch (const expseg::out_of_memory& e) {
+        oom.emplace(e);
+      } catch (const std::bad_alloc&) {
+      }
+    });
+    REQUIRE(oom.has_value());
+    // Would succeed, or (no memory to find out) not evaluated. Was: would_fail, and the message
+    // said "The expandable backend would have failed too."
+    CHECK(oom->report().counterfactual != expseg::Counterfactual::would_fail);
+    CHECK(std::string(oom->what()).find("would have failed too") == std::string::npos);
+    if (oom->report().counterfactual == expseg::Counterfactual::would_succeed) ++evaluated;
+    CHECK_NOTHROW(sa->validate());
+    if (!fired) break;
+  }
+  CHECK(evaluated > 0);
+  sa->deallocate(p800);
+  sa->deallocate(p300);
+  sa->validate();
+}
+
 TEST_CASE_FIXTURE(CApiState, "capi regression: expseg_torch_malloc throws out_of_memory when the OOM report finds no host memory") {
   REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB") == EXPSEG_SUCCESS);
   void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
