@@ -93,7 +93,7 @@ std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
     // A simulated host of every device index an allocator may have: allocators of different device
     // indices are separate devices with disjoint addresses, and any two may be granted peer access.
     // The count is the same from every device, as cuDeviceGetCount's is.
-    o.device_count = driver::kSimMaxDevices;
+    o.device_count = driver::kSimMaxDevices;  // as visible_device_count says
     o.shareable = static_cast<driver::ShareableHandle>(config.ipc_handle);
     try {
       return std::make_unique<driver::SimDriver>(o);
@@ -107,6 +107,10 @@ std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
   return driver::make_cuda_driver(device, o);
 }
 
+int visible_device_count(const Config& config) {
+  return config.device == DeviceKind::sim ? driver::kSimMaxDevices : driver::cuda_device_count();
+}
+
 bool cuda_available(std::string* why) { return driver::cuda_usable(why); }
 
 Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
@@ -116,6 +120,13 @@ Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
   ctx.hooks = this;
   backend = config.backend == BackendKind::expandable ? backends::make_expandable(ctx) : backends::make_split_merge(ctx);
   if (config.record) recorder.start(config.record_ring);
+  auto r = std::make_shared<OomReport>();
+  r->backend = to_string(config.backend);
+  r->device = driver->device();
+  r->device_total_bytes = ctx.device_total;
+  r->message = "CUDA out of memory. expseg: host memory also ran out, so this out-of-memory error has no report "
+               "(the request's size and the figures are not known)";
+  no_memory_report = std::move(r);
 }
 
 Allocator::Impl::~Impl() {
@@ -155,9 +166,21 @@ void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   }
   stats.num_ooms += 1;
   ++oom_count;
-  std::shared_ptr<OomReport> report = build_oom_report(bytes, stream);
+  std::shared_ptr<OomReport> full;
+  try {
+    full = build_oom_report(bytes, stream);
+  } catch (const std::bad_alloc&) {
+    // No host memory for the report: the caller still gets the OOM (PyTorch's OutOfMemoryError, the
+    // C API's code, last_oom()), with a short report below. Building it changed nothing.
+  }
   if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, stream);
-  if (!config.oom_dump.empty()) write_oom_dump(*report);  // under the lock: the dump is of this moment
+  std::shared_ptr<const OomReport> report;
+  if (full) {
+    if (!config.oom_dump.empty()) write_oom_dump(*full);  // under the lock: the dump is of this moment
+    report = std::move(full);
+  } else {
+    report = short_oom_report(bytes, stream);
+  }
   last_oom = report;
   const std::shared_ptr<const Allocator::OomObserver> observer = oom_observer;
   lock.unlock();

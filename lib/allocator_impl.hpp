@@ -41,6 +41,9 @@ struct Allocator::Impl final : backends::FrontendHooks {
   void enable_context_peer_for_imports(int peer);
   // Builds the report of a failed allocation (oom_report.cpp).
   std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream);
+  // The report of an OOM whose full report found no host memory: the figures at hand and a short
+  // message, or (no memory for that either) no_memory_report. Never throws.
+  std::shared_ptr<const OomReport> short_oom_report(std::size_t requested, driver::stream_t stream) const noexcept;
   Snapshot snapshot_locked() const;
   // With oom_dump: writes the report, a snapshot, the config and the recorded events of this OOM
   // (oom_dump.cpp) and says where (or why not) in the report's message and dump_path. Never throws:
@@ -115,6 +118,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
 
   Recorder recorder;
   std::shared_ptr<const OomReport> last_oom;
+  // Made with the allocator, for an OOM that finds no host memory even for short_oom_report's.
+  std::shared_ptr<const OomReport> no_memory_report;
   std::uint64_t oom_count = 0;  // OOMs in this allocator's life (oom_dump's %n); unlike stats.num_ooms, never reset
   bool limit_changed_while_recording = false;  // the trace's events did not all run under the current limit
   std::shared_ptr<const Allocator::OomObserver> oom_observer;  // null: none
@@ -144,5 +149,8 @@ void check_config(const Config& config);
 // Builds the driver a config asks for (SimDriver for device:sim, CudaDriver for device:cuda), after
 // check_config; a negative device index (or one the simulated host lacks) is an expseg::error.
 std::unique_ptr<driver::Driver> make_driver(const Config& config, int device);
+// The devices the drivers make_driver builds for `config` see (Driver::device_count), without
+// building one: every simulated device index, or cuDeviceGetCount (0 when CUDA is not usable).
+int visible_device_count(const Config& config);
 
 }  // namespace expseg

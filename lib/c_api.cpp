@@ -11,6 +11,7 @@
 
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -24,6 +25,9 @@
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "allocator_impl.hpp"
 #include "c_api_internal.hpp"
@@ -485,11 +489,29 @@ int expseg_reset_peak_stats(int device) noexcept {
 
 int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes) noexcept {
   constexpr const char* fn = "expseg_get_limit";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   try {
-    const std::size_t limit = a->limit();
-    const std::size_t total = device_total_bytes != nullptr ? a->device_info().total_bytes : 0;
+    std::size_t limit = 0;
+    std::size_t total = 0;
+    Allocator* a = existing(device);
+    std::optional<Config> c;
+    if (a == nullptr) {
+      Shared& s = shared();
+      std::lock_guard<std::mutex> lock(s.mu);
+      a = existing(device);
+      if (a == nullptr) c = new_allocator_config_locked();
+    }
+    if (a != nullptr) {
+      limit = a->limit();
+      total = device_total_bytes != nullptr ? a->device_info().total_bytes : 0;
+    } else {
+      // A query creates no allocator (PyTorch reads the memory fraction before the first tensor, when
+      // the configuration may still be set): what the allocator created now would answer, its limit
+      // resolved against the device's memory as it resolves it, read from a driver of its own.
+      c->ipc_handle = IpcHandle::none;  // no shareable handle type to probe for a query
+      total = make_driver(*c, device)->mem_info().total;
+      limit = c->limit.resolve(total);
+    }
     if (limit_bytes != nullptr) *limit_bytes = limit;
     if (device_total_bytes != nullptr) *device_total_bytes = total;
     return EXPSEG_SUCCESS;
@@ -649,6 +671,32 @@ int expseg_enable_peer_access(int device, int peer) noexcept {
   }
   // A device is its own peer already: nothing to grant, so no allocator to create (expseg.h).
   if (peer == device) return EXPSEG_SUCCESS;
+  if (existing(device) == nullptr) {
+    // A peer the machine does not have is refused before the allocator is created, in the words of
+    // Allocator::enable_peer_access. (0 devices: CUDA is not usable; creating the allocator says why.)
+    try {
+      int count = 0;
+      const char* kind = "";
+      {
+        Shared& s = shared();
+        std::lock_guard<std::mutex> lock(s.mu);
+        if (existing(device) == nullptr) {
+          const Config c = effective_config_locked();
+          count = visible_device_count(c);
+          kind = to_string(c.device);
+        }
+      }
+      if (count > 0 && peer >= count) {
+        set_error(EXPSEG_ERROR_INVALID_DEVICE, fn,
+                  "expseg: enable_peer_access(" + std::to_string(peer) + ") on device " + std::to_string(device) +
+                      ": no device " + std::to_string(peer) + " (" + std::to_string(count) + " " + kind +
+                      " devices visible)");
+        return EXPSEG_ERROR_INVALID_DEVICE;
+      }
+    } catch (...) {
+      return fail_current(fn);
+    }
+  }
   Allocator* a = get_or_create(device, fn);
   if (a == nullptr) return tls().code;
   try {
@@ -722,8 +770,39 @@ int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, si
                       " were given (all of them travel, in the order expseg_ipc_export gave them)");
         return EXPSEG_ERROR_IPC;
       }
-      for (std::size_t i = 0; i < nfds; ++i)
+      for (std::size_t i = 0; i < nfds; ++i) {
         if (fds[i] < 0) return invalid("file descriptor " + std::to_string(i) + " is negative");
+        if (::fcntl(fds[i], F_GETFD) == -1 && errno == EBADF)
+          return invalid("file descriptor " + std::to_string(i) + " (" + std::to_string(fds[i]) + ") is not open");
+      }
+    }
+    // What the handle says against where it is imported, before the device's allocator is created
+    // for an import that cannot succeed (import_ipc checks these too, in the same words).
+    const std::string kind = [&] {
+      if (Allocator* a = existing(device)) return std::string(to_string(a->config().device));
+      Shared& s = shared();
+      std::lock_guard<std::mutex> lock(s.mu);
+      return std::string(to_string(effective_config_locked().device));
+    }();
+    if (h.device_kind != kind) {
+      set_error(EXPSEG_ERROR_IPC, fn, "expseg: import_ipc: the handle was exported by a " + h.device_kind +
+                                          " device; this is a " + kind + " device");
+      return EXPSEG_ERROR_IPC;
+    }
+    const bool this_process = h.exporter_pid == static_cast<std::int64_t>(::getpid());
+    if (h.device_kind == "sim" && (!this_process || h.device != device || existing(device) == nullptr)) {
+      set_error(EXPSEG_ERROR_IPC, fn,
+                "expseg: import_ipc: the simulated device imports in-process only, through the allocator that exported "
+                "the handle (device " + std::to_string(h.device) + " of process " + std::to_string(h.exporter_pid) +
+                    "), while it exists; this is device " + std::to_string(device) + " of process " +
+                    std::to_string(::getpid()));
+      return EXPSEG_ERROR_IPC;
+    }
+    if (h.kind == IpcKind::cuda_ipc && h.device_kind == "cuda" && this_process) {
+      set_error(EXPSEG_ERROR_IPC, fn,
+                "expseg: import_ipc: a cuda_ipc handle (split_merge) cannot be opened in the process that exported "
+                "it (cuIpcOpenMemHandle refuses): use the allocation's own pointer there");
+      return EXPSEG_ERROR_IPC;
     }
     // The caller's descriptors are lent to the handle for the import, never closed by it.
     struct Lent {

@@ -56,9 +56,10 @@ Counterfactual run_counterfactual(const Config& base, BackendKind other, std::si
     for (const LiveAllocation& l : live) a.allocate(l.requested, l.stream);
     a.allocate(requested, stream);
     return Counterfactual::would_succeed;
-  } catch (const std::bad_alloc&) {
+  } catch (const out_of_memory&) {
     return Counterfactual::would_fail;
   } catch (const std::exception&) {
+    // Host memory running out (a plain std::bad_alloc) is no answer about the other backend.
     return Counterfactual::not_evaluated;
   }
 }
@@ -131,6 +132,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   }
 
   std::ostringstream os;
+  // A stream that finds no memory sets badbit and drops the text: throw instead (the caller's short report).
+  os.exceptions(std::ios::badbit);
   const std::size_t unallocated = r->reserved_unallocated_bytes();
   if (config.backend == BackendKind::split_merge && config.policy == PoolPolicy::cupy) {
     os << "Out of memory allocating " << with_commas(r->rounded_bytes) << " bytes (allocated so far: " << with_commas(r->reserved_bytes)
@@ -199,6 +202,34 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   r->message = os.str();
   if (config.oom_snapshot) r->snapshot = std::make_shared<const Snapshot>(snapshot_locked());
   return r;
+}
+
+std::shared_ptr<const OomReport> Allocator::Impl::short_oom_report(std::size_t requested, driver::stream_t stream) const noexcept {
+  try {
+    auto r = std::make_shared<OomReport>();
+    r->backend = to_string(config.backend);
+    r->device = driver->device();
+    r->stream = reinterpret_cast<std::uintptr_t>(stream);
+    r->requested_bytes = requested;
+    r->rounded_bytes = backend->round_size(requested);
+    r->device_total_bytes = ctx.device_total;
+    r->limit_bytes = ctx.limit;
+    r->allocated_bytes = static_cast<std::size_t>(stats.allocated_bytes[kAllPools].current);
+    r->reserved_bytes = static_cast<std::size_t>(stats.reserved_bytes[kAllPools].current);
+    r->live_requested_bytes = static_cast<std::size_t>(stats.requested_bytes[kAllPools].current);
+    r->live_footprint_bytes = static_cast<std::size_t>(stats.active_bytes[kAllPools].current);
+    // The verdict is not evaluated: the message says so rather than give a guess.
+    char text[320];
+    std::snprintf(text, sizeof text,
+                  "CUDA out of memory. Tried to allocate %zu bytes on GPU %d (%s backend; %zu bytes allocated by expseg, "
+                  "%zu reserved, limit %zu). expseg: host memory also ran out while building the report of this "
+                  "out-of-memory error, so its verdict was not evaluated.",
+                  r->rounded_bytes, r->device, r->backend.c_str(), r->allocated_bytes, r->reserved_bytes, r->limit_bytes);
+    r->message = text;
+    return r;
+  } catch (...) {
+    return no_memory_report;  // made with the allocator: needs no memory now
+  }
 }
 
 }  // namespace expseg

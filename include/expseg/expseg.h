@@ -16,8 +16,8 @@
  * after it, malloc/free take no lock of the C API, only the allocator's own. Allocators live until
  * the process exits (they are never destroyed, so frees that arrive during interpreter or library
  * teardown stay valid); the operating system reclaims device memory at exit. Queries (stats,
- * snapshot, OOM report) never create an allocator: for a device without one they answer "nothing
- * yet" (zero stats, an empty snapshot, no report).
+ * snapshot, OOM report, limit) never create an allocator: for a device without one they answer
+ * "nothing yet" (zero stats, an empty snapshot, no report) or what it will be created with (limit).
  *
  * Errors. No C++ exception ever crosses this boundary. Calls that return int return EXPSEG_SUCCESS
  * (0) or one of the expseg_status codes; calls that return a pointer return NULL on error. Every
@@ -144,7 +144,11 @@ EXPSEG_API int expseg_release_cached(int device) EXPSEG_NOEXCEPT;
  * Allocator::set_limit). */
 EXPSEG_API int expseg_set_limit(int device, size_t bytes) EXPSEG_NOEXCEPT;
 /* The limit of `device`'s allocator (0: none) and the device's total memory, for PyTorch's
- * get/set_per_process_memory_fraction. Creates the allocator when needed; either pointer may be NULL. */
+ * get/set_per_process_memory_fraction; either pointer may be NULL. A query: it never creates the
+ * allocator. For a device without one, the limit it will be created with (the configuration's,
+ * a fraction resolved against the device's memory as the allocator resolves it) and the device's
+ * memory, read from the driver (on CUDA, cuMemGetInfo in the device's primary context, which this
+ * initialises if nothing has yet); the same answers as once the allocator exists. */
 EXPSEG_API int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes) EXPSEG_NOEXCEPT;
 /* Peaks down to the current values (PyTorch's reset_peak_memory_stats()). */
 EXPSEG_API int expseg_reset_peak_stats(int device) EXPSEG_NOEXCEPT;
@@ -183,7 +187,8 @@ EXPSEG_API int expseg_record_write(int device, const char* path) EXPSEG_NOEXCEPT
  * Several GPUs and several processes (C++: Allocator::enable_peer_access, expseg/ipc.hpp).
  *
  * expseg_enable_peer_access: lets device `peer` read and write everything `device`'s allocator
- * maps, now and later; creates the allocator when needed. Expandable memory is granted with
+ * maps, now and later; creates the allocator when needed (not for a `peer` that is not a visible
+ * device: that is refused first). Expandable memory is granted with
  * cuMemSetAccess (to any number of peers); split_merge memory, reached through contexts, needs
  * cuCtxEnablePeerAccess, which CUDA allows for at most 8 peers of a device (then
  * EXPSEG_ERROR_DRIVER, CUDA_ERROR_TOO_MANY_PEERS). `peer` == `device`, or a peer enabled before,
@@ -212,10 +217,14 @@ EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
  *   are the `nfds` descriptors received with the handle, in order; they stay the caller's (close
  *   them after the call). With nfds 0 a posix_fd handle's descriptors are taken from the exporting
  *   process with pidfd_getfd (Linux >= 5.6, needs ptrace access to it). A split_merge handle
- *   cannot be imported by the process that exported it (CUDA refuses). EXPSEG_ERROR_IPC: malformed
- *   bytes, the wrong number of descriptors, a handle of another device kind, pidfd_getfd refused
- *   (the message names the way out); EXPSEG_ERROR_INVALID_ARGUMENT: NULL `ptr`, no handle bytes,
- *   NULL `fds` with nfds > 0, a negative descriptor, descriptors for a handle that takes none.
+ *   cannot be imported by the process that exported it (CUDA refuses); a simulated device's handle
+ *   is imported only by the allocator that exported it (same process, same device). What can be
+ *   checked without the allocator is checked before it is created, so a refused import leaves the
+ *   device as it was. EXPSEG_ERROR_IPC: malformed bytes, the wrong number of descriptors, a handle
+ *   of another device kind, a handle the process or device cannot import as just said, pidfd_getfd
+ *   refused (the message names the way out); EXPSEG_ERROR_INVALID_ARGUMENT: NULL `ptr`, no handle
+ *   bytes, NULL `fds` with nfds > 0, a negative descriptor or one that is not open, descriptors for
+ *   a handle that takes none.
  * expseg_ipc_close: unmaps memory that expseg_ipc_import mapped on `device` (`ptr` as it was
  *   returned). NULL does nothing. EXPSEG_ERROR_INVALID_POINTER: `ptr` is not an open import of `device`.
  * All three are thread-safe. */

@@ -129,6 +129,15 @@ struct SimDriver::Impl {
     std::size_t size = 0;
     int fd = -1;  // host-backed: the memfd holding the data
     std::size_t refs = 0;
+    bool exported_fd = false;  // export_handle gave out a POSIX descriptor of it
+  };
+  // Host-backed: memory exported as a POSIX descriptor whose last handle and mapping are gone. CUDA
+  // frees it only once the descriptors are closed too (cuMemRelease): while one is open, the memfd
+  // lives with it, and import_handle through it finds the memory again (revive).
+  struct ReleasedExport {
+    std::size_t size = 0;
+    dev_t dev = 0;
+    ino_t ino = 0;
   };
   // One map() call. Invariant: mappings are disjoint, each inside one reservation; access has one
   // flag per granule (set_access may cover part of a mapping).
@@ -189,6 +198,7 @@ struct SimDriver::Impl {
 
   std::map<dev_ptr, std::size_t> reservations;  // base -> size; disjoint
   std::unordered_map<std::uint64_t, Phys> phys;
+  std::unordered_map<std::uint64_t, ReleasedExport> released_exports;
   std::unordered_map<phys_handle, std::uint64_t> handles;  // handle -> phys id
   std::map<dev_ptr, Mapping> mappings;                      // start -> mapping
   std::map<dev_ptr, Alloc> allocs;                          // cuMemAlloc pointers
@@ -421,8 +431,38 @@ struct SimDriver::Impl {
     auto it = phys.find(id);
     if (--it->second.refs != 0) return;
     physical -= it->second.size;
-    if (it->second.fd >= 0) ::close(it->second.fd);
+    if (it->second.fd >= 0) {
+      struct stat st {};
+      if (it->second.exported_fd && ::fstat(it->second.fd, &st) == 0) {
+        try {
+          released_exports[id] = ReleasedExport{it->second.size, st.st_dev, st.st_ino};
+        } catch (...) {
+          // No host memory to remember it: the memory goes now, as without an export.
+        }
+      }
+      ::close(it->second.fd);
+    }
     phys.erase(it);
+  }
+  // The released memory `fd` still names (ReleasedExport), back in `phys` with no reference yet;
+  // phys.end() when `fd` does not name it (closed, or another file).
+  std::unordered_map<std::uint64_t, Phys>::iterator revive(const char* call, std::uint64_t id, int fd) {
+    auto r = released_exports.find(id);
+    struct stat got {};
+    if (r == released_exports.end() || ::fstat(fd, &got) != 0 || got.st_dev != r->second.dev || got.st_ino != r->second.ino)
+      return phys.end();
+    const int own = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) host_failure(call, "fcntl(F_DUPFD_CLOEXEC)", errno);
+    try {
+      auto it = phys.emplace(id, Phys{r->second.size, own, 0, true}).first;
+      // Counted again (not held to the capacity: on CUDA it never stopped being used).
+      physical += r->second.size;
+      released_exports.erase(r);
+      return it;
+    } catch (...) {
+      ::close(own);
+      throw;
+    }
   }
   Event& event(const char* call, event_t e) {
     auto it = events.find(id_of(e));
@@ -917,8 +957,10 @@ ExportedHandle SimDriver::export_handle(phys_handle handle) {
   s.encode(out, kHandleMagic + static_cast<std::uint32_t>(options_.shareable), h->second);
   if (options_.shareable == ShareableHandle::posix_fd) {
     if (options_.host_backed) {
-      out.fd = ::fcntl(s.phys.at(h->second).fd, F_DUPFD_CLOEXEC, 0);
+      Impl::Phys& p = s.phys.at(h->second);
+      out.fd = ::fcntl(p.fd, F_DUPFD_CLOEXEC, 0);
       if (out.fd < 0) host_failure(call, "fcntl(F_DUPFD_CLOEXEC)", errno);
+      p.exported_fd = true;
     } else {
       out.fd = kFakeFdBase + static_cast<int>(h->second % (1u << 20));
     }
@@ -936,6 +978,11 @@ phys_handle SimDriver::import_handle(const ExportedHandle& exported) {
     invalid(call, "the exported file descriptor is negative");
   const std::uint64_t id = s.decode(call, exported, kHandleMagic + static_cast<std::uint32_t>(exported.type));
   auto p = s.phys.find(id);
+  bool revived = false;
+  if (p == s.phys.end() && exported.type == ShareableHandle::posix_fd && options_.host_backed) {
+    p = s.revive(call, id, exported.fd);  // released by its owners, kept by the open descriptor
+    revived = p != s.phys.end();
+  }
   if (p == s.phys.end()) invalid(call, "the exported physical memory no longer exists");
   if (exported.type == ShareableHandle::posix_fd) {
     // CUDA imports what the descriptor names, not the bytes: it must be the exported one, still open.
@@ -949,7 +996,15 @@ phys_handle SimDriver::import_handle(const ExportedHandle& exported) {
     }
   }
   const phys_handle h = s.next_id++;
-  s.handles.emplace(h, id);
+  try {
+    s.handles.emplace(h, id);
+  } catch (...) {
+    if (revived) {  // released again, as it was before the call
+      ++p->second.refs;
+      s.unref(id);
+    }
+    throw;
+  }
   ++p->second.refs;
   return h;
 }

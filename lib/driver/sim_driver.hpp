@@ -25,6 +25,11 @@
 // nothing is mapped in it; free only live allocations) and throws driver_error with CUDA's error
 // names when they are broken, so a backend bug shows up as an error, not as silent success.
 //
+// Sharing is in-process. As on CUDA, memory exported as a POSIX descriptor stays importable through
+// it after its last handle and mapping are released, until the descriptor is closed: in host-backed
+// mode, where the descriptor is a real one (bookkeeping mode's are numbers whose close it cannot
+// see: there the memory goes with its last handle and mapping).
+//
 // Fault injection makes the n-th future call of an operation fail with OOM or another error; the
 // failing call has no effect. live() counts what is outstanding, for leak checks.
 #pragma once

@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "allocator_impl.hpp"
+#include "c_api_internal.hpp"
 #include "driver/driver.hpp"
+#include "expseg/expseg.h"
 #include "expseg/scenarios.hpp"
 #include "test_util.hpp"
 
@@ -490,6 +492,23 @@ TEST_CASE("gpu: expandable requests the device cannot hold give back every page 
   a.deallocate(keep);
   a.release_cached();
   check_stats(a);
+}
+
+TEST_CASE("gpu: regression: expseg_enable_peer_access refuses a peer the machine does not have before creating the allocator") {
+  const int count = expseg::driver::cuda_device_count();
+  REQUIRE(count >= 1);
+  if (count >= EXPSEG_MAX_DEVICES) return;  // every index the C API takes is a device here
+  expseg::capi::reset_for_tests();
+  REQUIRE(expseg_configure("device:cuda") == EXPSEG_SUCCESS);
+  CHECK(expseg_enable_peer_access(0, count) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(std::string(expseg_last_error()).find("no device " + std::to_string(count)) != std::string::npos);
+  // Was: device 0's allocator (and its CUDA context) was created, then the peer refused; the
+  // configuration could no longer be set.
+  CHECK(expseg_device_initialized(0) == 0);
+  CHECK(expseg_configure("device:cuda,backend:expandable") == EXPSEG_SUCCESS);
+  // A peer that is there still works (a device is its own peer: nothing to do).
+  CHECK(expseg_enable_peer_access(0, 0) == EXPSEG_SUCCESS);
+  expseg::capi::reset_for_tests();
 }
 
 }  // TEST_SUITE

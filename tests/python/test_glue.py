@@ -785,13 +785,13 @@ class InstallTest(unittest.TestCase):
     def test_install_without_conf_keeps_what_is_configured(self):
         install_fakes()
         expseg.install_cupy("backend:expandable")
-        expseg.get_limit()  # creates device 0's allocator
+        expseg.set_limit(0)  # creates device 0's allocator (no limit); get_limit() is a query
         expseg.install_torch()
         self.assertIn("backend:expandable", expseg.config())
 
     def test_a_conf_that_can_no_longer_apply_says_so(self):
         install_fakes()
-        expseg.get_limit()  # creates device 0's allocator
+        expseg.set_limit(0)  # creates device 0's allocator (no limit); get_limit() is a query
         with self.assertRaises(expseg.ExpsegError) as cm:
             expseg.install_torch("backend:expandable")
         self.assertEqual(cm.exception.code, expseg.ALREADY_INITIALIZED)

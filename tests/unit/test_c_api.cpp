@@ -128,15 +128,15 @@ TEST_CASE_FIXTURE(CApiFixture, "malloc/free through both pairs, on both backends
 
 TEST_CASE_FIXTURE(CApiFixture, "expseg_get_limit and expseg_reset_accumulated_stats: PyTorch's memory fraction and accumulated-stats reset") {
   REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,limit:1GiB") == EXPSEG_SUCCESS);
-  // Before any allocator exists: resetting counters is a no-op, reading the limit creates the allocator.
+  // Before any allocator exists: resetting counters is a no-op, reading the limit a query; neither creates one.
   CHECK(expseg_reset_accumulated_stats(2) == EXPSEG_SUCCESS);
   CHECK(expseg_device_initialized(2) == 0);
   std::size_t limit = 7, total = 7;
   REQUIRE(expseg_get_limit(0, &limit, &total) == EXPSEG_SUCCESS);
   CHECK(limit == (std::size_t{1} << 30));
   CHECK(total == (std::size_t{4} << 30));
-  CHECK(expseg_device_initialized(0) == 1);
-  REQUIRE(expseg_set_limit(0, 0) == EXPSEG_SUCCESS);
+  CHECK(expseg_device_initialized(0) == 0);
+  REQUIRE(expseg_set_limit(0, 0) == EXPSEG_SUCCESS);  // creates it
   CHECK(expseg_get_limit(0, &limit, nullptr) == EXPSEG_SUCCESS);  // either pointer may be NULL
   CHECK(limit == 0);
   CHECK(expseg_get_limit(0, nullptr, nullptr) == EXPSEG_SUCCESS);
@@ -930,8 +930,9 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_ipc_export / import / close: every bad in
   CHECK(q == nullptr);
   for (int fd : own) CHECK(fd_open(fd));  // none of the failures closed the caller's descriptors
   // Imported on a device whose simulated driver did not export it: refused (the sim imports in-process
-  // only through the exporting device); the device's allocator is created for the import.
-  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 2, &q, &size) != EXPSEG_SUCCESS);
+  // only through the exporting device), before the device's allocator is created.
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_device_initialized(2) == 0);
   CHECK(q == nullptr);
 
   // Close.

@@ -842,6 +842,39 @@ TEST_SUITE("sim") {
         check_nothing_left(d);
       }
     }
+    SUBCASE("regression: posix_fd, host-backed: an open exported descriptor keeps released memory importable") {
+      // CUDA (cuMemRelease): the memory is freed once every mapping is unmapped and every reference
+      // to the handle, its shareable counterparts included, is released. Was: the simulator freed
+      // it at the exporter's release, so an import through the still-open descriptor was refused.
+      SimOptions o = host_backed();
+      o.shareable = ShareableHandle::posix_fd;
+      SimDriver d(o);
+      const std::size_t g = d.granularity();
+      const phys_handle h = d.create(g);
+      const ExportedHandle ex = d.export_handle(h);
+      REQUIRE(ex.fd >= 0);
+      const dev_ptr base = d.reserve(g);
+      d.map(base, g, h);
+      d.set_access(base, g);
+      d.memset_d32(base, 0xC0FFEE11u, g / 4, nullptr);
+      d.unmap(base, g);
+      d.release(h);  // the exporter is done with it; the descriptor is still open
+      CHECK(d.live().handles == 0);
+      const phys_handle imp = d.import_handle(ex);
+      CHECK(d.live().handles == 1);
+      CHECK(d.live().physical_bytes == g);
+      d.map(base, g, imp);
+      d.set_access(base, g);
+      expseg::test::check_words(d, base, g / 4, 0xC0FFEE11u);  // the same memory, data intact
+      d.unmap(base, g);
+      d.release(imp);
+      d.free_reserve(base, g);
+      check_nothing_left(d);
+      // Once the descriptor is closed too, nothing names the memory any more.
+      ::close(ex.fd);
+      check_invalid(d, "cuMemImportFromShareableHandle", [&] { (void)d.import_handle(ex); });
+      check_nothing_left(d);
+    }
     SUBCASE("fabric, bookkeeping") {
       SimOptions o;
       o.shareable = ShareableHandle::fabric;

@@ -1,0 +1,254 @@
+// Regressions found by an audit of the C API's side effects and the OOM path: calls that refuse
+// must not create a device's allocator first (after which expseg_configure is refused for good), a
+// query must not create one, and an OOM must reach the caller as an OOM even when host memory runs
+// out while its report is built. Each case failed on the code before its fix.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "c_api_internal.hpp"
+#include "expseg/allocator.hpp"
+#include "expseg/errors.hpp"
+#include "expseg/expseg.h"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+
+// test_regression_hotpath.cpp: fails the nth operator new from now on this thread (0: none).
+extern thread_local std::uint64_t g_fail_nth_new;
+
+namespace {
+
+// Clean C API state, EXPSEG_ALLOC_CONF unset, OOM reports not printed; restored afterwards.
+struct CApiState {
+  std::optional<std::string> saved_env;
+  CApiState() {
+    if (const char* v = std::getenv("EXPSEG_ALLOC_CONF")) saved_env = v;
+    ::unsetenv("EXPSEG_ALLOC_CONF");
+    expseg::capi::reset_for_tests();
+    expseg::capi::set_oom_stderr(false);
+  }
+  ~CApiState() {
+    expseg::capi::reset_for_tests();
+    expseg::capi::set_oom_stderr(true);
+    if (saved_env) ::setenv("EXPSEG_ALLOC_CONF", saved_env->c_str(), 1);
+  }
+  CApiState(const CApiState&) = delete;
+  CApiState& operator=(const CApiState&) = delete;
+};
+
+std::string last_error() { return expseg_last_error(); }
+
+// Runs f with the nth operator new failing; true when that allocation happened.
+template <class F>
+bool with_nth_new_failing(std::uint64_t n, F&& f) {
+  g_fail_nth_new = n;
+  f();
+  const bool fired = g_fail_nth_new == 0;
+  g_fail_nth_new = 0;
+  return fired;
+}
+
+}  // namespace
+
+TEST_SUITE("c_api") {
+
+TEST_CASE_FIXTURE(CApiState, "capi regression: expseg_get_limit is a query: it creates no allocator, and answers as the allocator will") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,limit:50%") == EXPSEG_SUCCESS);
+  std::size_t limit = 7, total = 7;
+  REQUIRE(expseg_get_limit(3, &limit, &total) == EXPSEG_SUCCESS);
+  CHECK(limit == 2 * GiB);  // the fraction, of the device's memory
+  CHECK(total == 4 * GiB);
+  // Was: device 3's allocator was created, and the configuration could no longer be set (PyTorch's
+  // get_per_process_memory_fraction before the first tensor locked the configuration).
+  CHECK(expseg_device_initialized(3) == 0);
+  CHECK(expseg_get_limit(3, nullptr, nullptr) == EXPSEG_SUCCESS);
+  CHECK(expseg_get_limit(3, &limit, nullptr) == EXPSEG_SUCCESS);
+  CHECK(expseg_device_initialized(3) == 0);
+  REQUIRE(expseg_configure("device:sim,sim_capacity:8GiB,limit:25%") == EXPSEG_SUCCESS);
+  REQUIRE(expseg_get_limit(3, &limit, &total) == EXPSEG_SUCCESS);
+  CHECK(limit == 2 * GiB);
+  CHECK(total == 8 * GiB);
+  // Once the allocator exists: the same answers, from it.
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 3, nullptr);
+  REQUIRE(p != nullptr);
+  std::size_t limit2 = 0, total2 = 0;
+  REQUIRE(expseg_get_limit(3, &limit2, &total2) == EXPSEG_SUCCESS);
+  CHECK(limit2 == limit);
+  CHECK(total2 == total);
+  expseg_free(p, 0, 3, nullptr);
+  // A bad configuration is still reported by the query, as it was when it created the allocator.
+  expseg::capi::reset_for_tests();
+  ::setenv("EXPSEG_ALLOC_CONF", "backend:nonsense", 1);
+  CHECK(expseg_get_limit(0, &limit, &total) == EXPSEG_ERROR_CONFIG);
+  ::unsetenv("EXPSEG_ALLOC_CONF");
+  CHECK(expseg_get_limit(EXPSEG_MAX_DEVICES, &limit, &total) == EXPSEG_ERROR_INVALID_DEVICE);
+}
+
+TEST_CASE_FIXTURE(CApiState, "capi regression: a refused expseg_ipc_import creates no allocator") {
+  REQUIRE(expseg_configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd,"
+                           "expandable_max_handle:2MiB") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  const void* handle = nullptr;
+  std::size_t handle_size = 0;
+  const int* fds = nullptr;
+  std::size_t nfds = 0;
+  REQUIRE(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_SUCCESS);
+  const std::vector<unsigned char> bytes(static_cast<const unsigned char*>(handle),
+                                         static_cast<const unsigned char*>(handle) + handle_size);
+  const std::vector<int> own(fds, fds + nfds);
+  REQUIRE(own.size() == 2);
+
+  void* q = nullptr;
+  std::size_t size = 0;
+  // Malformed bytes and the wrong number of descriptors were refused before (guards).
+  const std::vector<unsigned char> garbage(64, 0xab);
+  CHECK(expseg_ipc_import(garbage.data(), garbage.size(), nullptr, 0, 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size() - 1, own.data(), own.size(), 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), 1, 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(expseg_device_initialized(2) == 0);
+  // A descriptor that is not open: refused before the allocator is created, as a bad argument.
+  const int closed_fd = ::dup(own[0]);
+  REQUIRE(closed_fd >= 0);
+  ::close(closed_fd);
+  const int with_closed[2] = {own[0], closed_fd};
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), with_closed, 2, 2, &q, &size) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("descriptor 1") != std::string::npos);
+  CHECK(last_error().find("not open") != std::string::npos);
+  // Was: device 2's allocator was created, then the driver refused the descriptor.
+  CHECK(expseg_device_initialized(2) == 0);
+  // A simulated device's handle on a device that did not export it: the simulator imports it only
+  // through the exporting allocator (device 0 here).
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 2, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(last_error().find("device 0") != std::string::npos);
+  CHECK(q == nullptr);
+  CHECK(size == 0);
+  // Was: device 2's allocator was created for an import that could not succeed.
+  CHECK(expseg_device_initialized(2) == 0);
+  // The exporting device imports it (the checks refuse nothing that works).
+  REQUIRE(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 0, &q, &size) == EXPSEG_SUCCESS);
+  CHECK(size == 4 * MiB);
+  CHECK(expseg_ipc_close(q, 0) == EXPSEG_SUCCESS);
+  expseg_free(p, 0, 0, nullptr);
+
+  // A handle of a simulated device where allocators are created on CUDA: refused as a handle of
+  // another device kind (EXPSEG_ERROR_IPC, expseg.h), before any allocator is created. Was: the
+  // CUDA allocator was created first (or, without a GPU, its creation failed with a driver error).
+  expseg::capi::reset_for_tests();
+  REQUIRE(expseg_configure("device:cuda") == EXPSEG_SUCCESS);
+  CHECK(expseg_ipc_import(bytes.data(), bytes.size(), own.data(), own.size(), 0, &q, &size) == EXPSEG_ERROR_IPC);
+  CHECK(last_error().find("sim") != std::string::npos);
+  CHECK(expseg_device_initialized(0) == 0);
+  for (int fd : own) ::close(fd);
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("robust") {
+
+TEST_CASE("capi regression: host memory running out while the OOM report is built still gives an out-of-memory error") {
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(static_cast<int>(b));
+    auto sa = make_sim_allocator(sim_config(b, 8 * GiB, "oom_snapshot:true"));
+    void* keep = sa->allocate(4 * MiB);
+    // 1 EiB and more never reaches the backend: every allocation the call makes is the report's.
+    const std::size_t huge = std::size_t{1} << 60;
+    std::uint64_t n = 1;
+    for (;; ++n) {
+      CAPTURE(n);
+      const std::size_t request = huge + n;
+      std::optional<expseg::out_of_memory> oom;  // copied without the heap: nothing here may allocate
+      const bool fired = with_nth_new_failing(n, [&] {
+        try {
+          (void)sa->allocate(request);
+        } catch (const expseg::out_of_memory& e) {
+          oom.emplace(e);
+        } catch (const std::bad_alloc&) {
+          // Was: a plain std::bad_alloc (PyTorch's RuntimeError, not its OutOfMemoryError).
+        }
+      });
+      REQUIRE(oom.has_value());
+      CHECK(std::string(oom->what()).find("out of memory") != std::string::npos);
+      CHECK(oom->report().requested_bytes == request);
+      // The OOM is recorded as every other: last_oom() is this request, num_ooms counts it.
+      const std::optional<expseg::OomReport> last = sa->last_oom();
+      REQUIRE(last.has_value());
+      CHECK(last->requested_bytes == request);
+      CHECK(sa->stats().num_ooms == static_cast<std::int64_t>(n));
+      CHECK_NOTHROW(sa->validate());
+      if (!fired) break;
+    }
+    CHECK(n > 3);
+    sa->deallocate(keep);
+    sa->validate();
+  }
+}
+
+TEST_CASE("capi regression: host memory running out in the OOM report's counterfactual is not 'would have failed too'") {
+  // The 800/500/300 story: split_merge's fragmentation OOM, which expandable would have served.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB"));
+  sa->deallocate(sa->allocate(2000 * MiB));
+  void* p800 = sa->allocate(800 * MiB);
+  void* p500 = sa->allocate(500 * MiB);
+  void* p300 = sa->allocate(300 * MiB);
+  sa->deallocate(p500);
+  std::uint64_t n = 1;
+  int evaluated = 0;
+  for (;; ++n) {
+    CAPTURE(n);
+    std::optional<expseg::out_of_memory> oom;
+    const bool fired = with_nth_new_failing(n, [&] {
+      try {
+        (void)sa->allocate(800 * MiB);
+      } catch (const expseg::out_of_memory& e) {
+        oom.emplace(e);
+      } catch (const std::bad_alloc&) {
+      }
+    });
+    REQUIRE(oom.has_value());
+    // Would succeed, or (no memory to find out) not evaluated. Was: would_fail, and the message
+    // said "The expandable backend would have failed too."
+    CHECK(oom->report().counterfactual != expseg::Counterfactual::would_fail);
+    CHECK(std::string(oom->what()).find("would have failed too") == std::string::npos);
+    if (oom->report().counterfactual == expseg::Counterfactual::would_succeed) ++evaluated;
+    CHECK_NOTHROW(sa->validate());
+    if (!fired) break;
+  }
+  CHECK(evaluated > 0);
+  sa->deallocate(p800);
+  sa->deallocate(p300);
+  sa->validate();
+}
+
+TEST_CASE_FIXTURE(CApiState, "capi regression: expseg_torch_malloc throws out_of_memory when the OOM report finds no host memory") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  const ssize_t huge = static_cast<ssize_t>(std::size_t{1} << 60);
+  bool oom = false;
+  g_fail_nth_new = 1;  // the report's first allocation
+  try {
+    (void)expseg_torch_malloc(huge, 0, nullptr);
+  } catch (const expseg::out_of_memory&) {
+    oom = true;
+  } catch (...) {
+    // Was: std::runtime_error("host memory exhausted (std::bad_alloc)"), which PyTorch cannot tell from other errors.
+  }
+  g_fail_nth_new = 0;
+  CHECK(oom);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
+  // The report is retrievable as after any OOM. Was: "" (no OOM recorded).
+  CHECK(std::string(expseg_last_oom_report(0)).find("out of memory") != std::string::npos);
+  expseg_free(p, 0, 0, nullptr);
+}
+
+}  // TEST_SUITE
