@@ -164,6 +164,10 @@ void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
     if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, stream);
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
   }
+  fail_allocation(lock, bytes, stream);
+}
+
+void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::size_t bytes, driver::stream_t stream) {
   stats.num_ooms += 1;
   ++oom_count;
   std::shared_ptr<OomReport> full;

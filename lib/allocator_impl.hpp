@@ -39,6 +39,10 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // Context peer access (cuCtxEnablePeerAccess) for `peer` because of cuda_ipc imports: what an
   // expandable allocator needs only for them. Throws driver_error.
   void enable_context_peer_for_imports(int peer);
+  // The OOM of allocate(): counts it, builds and records its report, calls the observer (without
+  // `lock`) and throws out_of_memory. Out of line, so that allocate's fast path stays as it was.
+  [[noreturn, gnu::noinline, gnu::cold]] void fail_allocation(std::unique_lock<core::Mutex>& lock, std::size_t bytes,
+                                                              driver::stream_t stream);
   // Builds the report of a failed allocation (oom_report.cpp).
   std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream);
   // The report of an OOM whose full report found no host memory: the figures at hand and a short
