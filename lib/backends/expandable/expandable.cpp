@@ -86,10 +86,13 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     hole, and a request fails only when the frames live blocks touch plus the request exceed the
 //     limit. Random churn of 4 KiB-512 MiB blocks under 3 GiB (seeds 1-3) maps 1,071-1,298
 //     handles instead of ~9,700 with 2 MiB handles (H200 latency model: 79-98 ms instead of
-//     0.7 s; with the room check before any unmap and the search of mapped free blocks below). This rule is what the guarantee costs in driver calls: letting blocks share idle
-//     bulk handles, that churn maps 108-202 handles (10-20 ms of modelled driver time; measured
-//     against 2,029-2,363 handles and 180-211 ms before the placement and reclaim order below)
-//     but 11-16 of its 13-20 OOMs become fragmentation OOMs (first at 91-94% of the limit);
+//     0.7 s; with the room check before any unmap and the search of mapped free blocks below).
+//     This rule is what the guarantee costs in driver calls: letting blocks share idle bulk
+//     handles, that churn maps 108-202 handles (10-20 ms of modelled driver time; measured against
+//     2,029-2,363 handles and 180-211 ms before the placement and reclaim order below) but 11-16
+//     of its 13-20 OOMs become fragmentation OOMs (first at 91-94% of the limit). Of that churn's
+//     803-892 slow allocations (seeds 1-3), 79-83% came with a mapped free block large enough:
+//     each of the fast path's candidates would have covered an idle bulk handle partly;
 //   - under a limit, the slow path places a block where it costs the fewest driver calls (idle
 //     bulk handles it would cover only partly, each unmapped first, plus the handles it maps), then
 //     where it maps the fewest frames; besides both ends of each free run it tries every place in
