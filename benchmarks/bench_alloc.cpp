@@ -23,6 +23,9 @@
 //                                        simulator also modelled_driver_ms / estimated_h200_ms
 //   replay/<target>/<trace>              replay of benchmarks/traces/*.rmm.csv.gz on the simulator;
 //                                        events_per_second
+//   slow_path/expandable:sim/frames:<N>/sizes:<range>/phase:<p>
+//                                        one allocation that takes expandable's slow path under
+//                                        a limit of N 2 MiB frames, CPU time (bench_slow_path.cpp)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -403,6 +406,8 @@ void bm_replay(benchmark::State& st, const Config& cfg) {
 // ---------------------------------------------------------------------------------------------
 // Registration.
 
+void register_slow_path(bool quick);  // bench_slow_path.cpp
+
 void register_all() {
   std::string why;
   bool cuda = driver::cuda_usable(&why);
@@ -536,6 +541,9 @@ void register_all() {
         ->Unit(benchmark::kMillisecond)
         ->MinTime(quick ? 0.02 : 0.5);
   }
+
+  // The slow path at scale, on the simulated device.
+  register_slow_path(quick);
 }
 
 }  // namespace expseg::bench
