@@ -13,6 +13,7 @@ const char* to_string(OomVerdict v) noexcept {
     case OomVerdict::capacity: return "capacity";
     case OomVerdict::limit: return "limit";
     case OomVerdict::fragmentation: return "fragmentation";
+    case OomVerdict::unknown: return "unknown";
   }
   return "unknown";
 }

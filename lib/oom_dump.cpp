@@ -319,7 +319,7 @@ Snapshot read_snapshot(const Reader& r, const JsonValue& o) {
 }
 
 OomReport read_report(const Reader& r, const JsonValue& o) {
-  static constexpr std::array kVerdicts = {OomVerdict::capacity, OomVerdict::limit, OomVerdict::fragmentation};
+  static constexpr std::array kVerdicts = {OomVerdict::capacity, OomVerdict::limit, OomVerdict::fragmentation, OomVerdict::unknown};
   static constexpr std::array kCounterfactuals = {Counterfactual::not_evaluated, Counterfactual::would_succeed, Counterfactual::would_fail};
   OomReport p;
   p.backend = r.str(o, "backend");

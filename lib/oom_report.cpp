@@ -184,6 +184,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
          << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
          << (ctx.limit ? "limit" : "device") << " leaves no room for more.";
       break;
+    case OomVerdict::unknown:  // short_oom_report's, never a full report's
+      break;
   }
   os << "\nexpseg: backend " << r->backend << ", device " << driver->kind() << ":" << r->device << ", stream " << hex(r->stream) << ", "
      << live.size() << " live allocation" << (live.size() == 1 ? "" : "s") << " (" << format_bytes(r->live_requested_bytes)
@@ -218,7 +220,8 @@ std::shared_ptr<const OomReport> Allocator::Impl::short_oom_report(std::size_t r
     r->reserved_bytes = static_cast<std::size_t>(stats.reserved_bytes[kAllPools].current);
     r->live_requested_bytes = static_cast<std::size_t>(stats.requested_bytes[kAllPools].current);
     r->live_footprint_bytes = static_cast<std::size_t>(stats.active_bytes[kAllPools].current);
-    // The verdict is not evaluated: the message says so rather than give a guess.
+    // The verdict is not evaluated: the message and the verdict say so rather than give a guess.
+    r->verdict = OomVerdict::unknown;
     char text[320];
     std::snprintf(text, sizeof text,
                   "CUDA out of memory. Tried to allocate %zu bytes on GPU %d (%s backend; %zu bytes allocated by expseg, "

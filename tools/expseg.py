@@ -236,7 +236,7 @@ def oom_report_json(device=0):
 
 def on_oom(fn):
     """Calls fn(report) at every out-of-memory of any device, report being oom_report_json()'s dict
-    (report["message"] the text, report["verdict"] capacity/limit/fragmentation, report["dump_path"] the
+    (report["message"] the text, report["verdict"] capacity/limit/fragmentation (unknown: host memory ran out building the report), report["dump_path"] the
     oom_dump file or ""). It runs on the thread whose allocation failed, before the OOM reaches the
     program (PyTorch's RuntimeError, CuPy's OutOfMemoryError), and may call expseg (snapshot(), stats(),
     release_cached()). An exception in fn is printed and dropped: it cannot cross the C library.

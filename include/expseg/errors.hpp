@@ -92,6 +92,7 @@ enum class OomVerdict : std::uint8_t {
   capacity,       // live bytes + request exceed what the device has
   limit,          // live bytes + request exceed the configured limit
   fragmentation,  // enough memory is free in total, but the allocator has no place for the request
+  unknown,        // not evaluated: host memory ran out while the report was built (a short report)
 };
 const char* to_string(OomVerdict) noexcept;
 
