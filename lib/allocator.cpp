@@ -45,6 +45,11 @@ void check_config(const Config& c) {
   if (c.va_size > kMaxExpandableVaSize)
     throw config_error("expandable_va_size", "expandable_va_size: " + size_value(c.va_size) +
                                                  " is too large; expected 0 (2x device memory) or a size of at most 1024TiB (1 PiB)");
+  // split_merge gives a request below 10 MiB a segment of large_segment_size: a smaller one would
+  // hold less than the block handed out of it (the parser's bound, > 10 MiB).
+  if (c.large_segment_size <= std::size_t{10} << 20)
+    throw config_error("large_segment_size_mb", "large_segment_size_mb: " + size_value(c.large_segment_size) +
+                                                    " is too small; expected more than 10 MiB, e.g. 20");
   if (c.device != DeviceKind::sim) return;
   const std::size_t g = c.sim_granularity;
   if (c.sim_capacity == 0) throw config_error("sim_capacity", "sim_capacity: must be larger than 0, e.g. 80GiB");
