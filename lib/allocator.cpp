@@ -45,6 +45,13 @@ void check_config(const Config& c) {
   if (c.va_size > kMaxExpandableVaSize)
     throw config_error("expandable_va_size", "expandable_va_size: " + size_value(c.va_size) +
                                                  " is too large; expected 0 (2x device memory) or a size of at most 1024TiB (1 PiB)");
+  // At most one form (config.hpp), and a share as the parser takes it: to_string prints the share
+  // when there is one, which must be what the backend reserves and must read back.
+  if (c.va_fraction != 0.0 && (c.va_size != 0 || !(c.va_fraction > 0.0 && c.va_fraction <= 1.0e6)))
+    throw config_error("expandable_va_size", "expandable_va_size: a share of device memory (va_fraction " +
+                                                 std::to_string(c.va_fraction) + ") " +
+                                                 (c.va_size != 0 ? "and a size (va_size) are both set; expected one of them"
+                                                                 : "out of range; expected a share in (0%, 100000000%]"));
   // split_merge gives a request below 10 MiB a segment of large_segment_size: a smaller one would
   // hold less than the block handed out of it (the parser's bound, > 10 MiB).
   if (c.large_segment_size <= std::size_t{10} << 20)

@@ -3,6 +3,7 @@
 // search of mapped free blocks). Each case failed on the code before its fix.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -37,6 +38,42 @@ TEST_CASE("review regression: a Config built in code with a large_segment_size b
       CHECK(e.key() == "large_segment_size_mb");
     }
   }
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("config") {
+
+TEST_CASE("review regression: a Config built in code with both expandable_va_size forms, or a bad share, is refused") {
+  // va_size and va_fraction: at most one is nonzero (config.hpp). With both, the backend reserved
+  // va_size while to_string (expseg_config, snapshots, OOM dumps) printed the share, which reads
+  // back as another configuration; a negative or NaN share printed as a value the parser refuses.
+  auto refused = [](Config c) {
+    std::string printed;
+    try {
+      expseg::Allocator a(c);
+      printed = a.config().to_string();
+    } catch (const expseg::config_error& e) {
+      CHECK(e.key() == "expandable_va_size");
+      return;
+    }
+    FAIL_CHECK("accepted, and printed as " << printed);
+  };
+  Config both = sim_config(BackendKind::expandable, 8 * GiB);
+  both.va_size = GiB;
+  both.va_fraction = 0.5;
+  refused(both);
+  for (double bad : {-0.5, std::nan(""), 2.0e6}) {
+    CAPTURE(bad);
+    Config c = sim_config(BackendKind::expandable, 8 * GiB);
+    c.va_fraction = bad;
+    refused(c);
+  }
+  // Either form alone is fine.
+  Config share = sim_config(BackendKind::expandable, 8 * GiB);
+  share.va_fraction = 0.5;
+  expseg::Allocator a(share);
+  CHECK(Config::parse(a.config().to_string()) == share);
 }
 
 }  // TEST_SUITE
