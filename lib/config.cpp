@@ -368,10 +368,12 @@ struct ReserveSpec {
 
 ReserveSpec parse_reserve_spec(Key key, std::string_view v) {
   const bool gib = !v.empty() && (v.back() == 'G' || v.back() == 'g');
-  const std::string_view num = gib ? v.substr(0, v.size() - 1) : v;
-  // Plain decimals only: from_chars would also take "inf", "nan" and hex floats.
-  const bool plain = !num.empty() && num.find_first_not_of("0123456789.") == std::string_view::npos;
-  const double d = plain ? parse_double(key, num, kReserveExpected) : 0.0;
+  std::string_view num = gib ? v.substr(0, v.size() - 1) : v;
+  // The numbers PyTorch's stream extraction reads: decimals with an exponent (5e-1) and a leading
+  // '+', which from_chars does not take; parse_double refuses inf, nan and hex floats.
+  if (!num.empty() && num.front() == '+') num.remove_prefix(1);
+  const bool number = !num.empty() && num.front() != '-' && num.front() != '+';
+  const double d = number ? parse_double(key, num, kReserveExpected) : 0.0;
   if (!(d > 0.0) || (!gib && d > kMaxVaFraction)) bad_value(key, v, kReserveExpected);
   if (gib && d * static_cast<double>(std::size_t{1} << 30) > static_cast<double>(kMaxExpandableVaSize))
     bad_value(key, v, std::string(kReserveExpected) + " (at most 1048576G, 1 PiB)");

@@ -77,3 +77,34 @@ TEST_CASE("review regression: a Config built in code with both expandable_va_siz
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("config") {
+
+TEST_CASE("review regression: expandable_segments_reserve takes the numbers PyTorch's parseReserveSpec takes") {
+  // parseReserveSpec reads the number with std::istringstream >> double (classic locale): an
+  // exponent and a leading '+' are numbers there, as they are for expseg's other PyTorch keys
+  // (garbage_collection_threshold:5e-1). Was: refused as "expected a positive fraction (e.g. 0.5)".
+  const Config half = Config::parse("expandable_segments_reserve:0.5");
+  CHECK(Config::parse("garbage_collection_threshold:5e-1").garbage_collection_threshold == 0.5);
+  for (const char* v : {"5e-1", "5E-1", "0.05e1", "+0.5"}) {
+    CAPTURE(v);
+    try {
+      CHECK(Config::parse(std::string("expandable_segments_reserve:") + v) == half);
+    } catch (const expseg::config_error& e) {
+      FAIL_CHECK(e.what());
+    }
+  }
+  try {
+    CHECK(Config::parse("expandable_segments_reserve:4e1G").va_size == 40 * GiB);
+    CHECK(Config::parse("expandable_segments_reserve_by_class:[decode:5e-1,prefill:4e1G]") == Config{});
+  } catch (const expseg::config_error& e) {
+    FAIL_CHECK(e.what());
+  }
+  // What PyTorch's stream extraction refuses stays refused (no inf, nan or hex floats; positive only).
+  for (const char* bad : {"inf", "nan", "0x1p-1", "-0.5", "+-0.5", "++0.5", "5e", "e1", "0e5", "+"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS((void)Config::parse(std::string("expandable_segments_reserve:") + bad), expseg::config_error);
+  }
+}
+
+}  // TEST_SUITE
