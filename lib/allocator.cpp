@@ -77,14 +77,16 @@ void check_config(const Config& c) {
                                            "address: " + span + "; expected at most 65535TiB");
   if (c.backend == BackendKind::expandable) {
     // As ExpandableBackend reserves: expandable_va_size (bytes or a share of sim_capacity), or 2x
-    // sim_capacity when it is 0. Saturated at SIZE_MAX, so no product or rounding overflows.
+    // sim_capacity when it is 0. Saturated at SIZE_MAX, so no product or rounding overflows. Its
+    // bound, 1 PiB a segment, is below the span: checked here, so that expseg_configure and the
+    // expseg_get_limit query refuse what creating the allocator would.
     const std::size_t va = c.expandable_va_bytes(c.sim_capacity);
-    if (va > max_range) {
+    if (va > kMaxExpandableVaSize) {
       const std::string what = c.va_size != 0        ? size_value(va)
                                : c.va_fraction != 0.0 ? "a share of sim_capacity = " + size_value(va) + ","
                                                       : "the default, 2x sim_capacity = " + size_value(va) + ",";
-      throw config_error("expandable_va_size", "expandable_va_size: " + what + " is more than the simulated device can reserve: " +
-                                                   span + "; set expandable_va_size (e.g. 1024TiB) or a smaller sim_capacity");
+      throw config_error("expandable_va_size", "expandable_va_size: " + what + " is more than one segment may reserve: at most "
+                                                   "1024TiB (1 PiB); set expandable_va_size (e.g. 1024TiB) or a smaller sim_capacity");
     }
   }
 }

@@ -5,12 +5,16 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "expseg/allocator.hpp"
 #include "expseg/config.hpp"
+#include "c_api_internal.hpp"
 #include "expseg/errors.hpp"
+#include "expseg/expseg.h"
 #include "test_util.hpp"
 
 using namespace testutil;
@@ -105,6 +109,64 @@ TEST_CASE("review regression: expandable_segments_reserve takes the numbers PyTo
     CAPTURE(bad);
     CHECK_THROWS_AS((void)Config::parse(std::string("expandable_segments_reserve:") + bad), expseg::config_error);
   }
+}
+
+}  // TEST_SUITE
+
+namespace {
+
+// Clean C API state, EXPSEG_ALLOC_CONF unset, OOM reports not printed; restored afterwards.
+struct ReviewCApi {
+  std::optional<std::string> saved_env;
+  ReviewCApi() {
+    if (const char* v = std::getenv("EXPSEG_ALLOC_CONF")) saved_env = v;
+    ::unsetenv("EXPSEG_ALLOC_CONF");
+    expseg::capi::reset_for_tests();
+    expseg::capi::set_oom_stderr(false);
+  }
+  ~ReviewCApi() {
+    expseg::capi::reset_for_tests();
+    expseg::capi::set_oom_stderr(true);
+    if (saved_env) ::setenv("EXPSEG_ALLOC_CONF", saved_env->c_str(), 1);
+  }
+  ReviewCApi(const ReviewCApi&) = delete;
+  ReviewCApi& operator=(const ReviewCApi&) = delete;
+};
+
+}  // namespace
+
+TEST_SUITE("c_api") {
+
+TEST_CASE_FIXTURE(ReviewCApi, "review regression: an expandable reservation over 1 PiB on the simulated device is refused by expseg_configure, not at the first malloc") {
+  // The expandable backend reserves at most 1 PiB a segment; on the simulated device the default
+  // (2x sim_capacity) and a share of it are known before any allocator exists. Was: accepted by
+  // expseg_configure and by the expseg_get_limit query ("the same answers as once the allocator
+  // exists"), then refused by the first malloc, after which the configuration could not be fixed.
+  for (const char* conf : {"device:sim,backend:expandable,sim_capacity:600TiB",
+                           "device:sim,backend:expandable,sim_capacity:8GiB,expandable_va_size:20000000%",
+                           "device:sim,backend:expandable,sim_capacity:8GiB,expandable_segments_reserve:200000"}) {
+    const std::string text = conf;
+    CAPTURE(text);
+    expseg::capi::reset_for_tests();
+    const int rc = expseg_configure(conf);
+    CHECK(rc == EXPSEG_ERROR_CONFIG);
+    if (rc != EXPSEG_SUCCESS) {
+      CHECK(std::string(expseg_last_error()).find("expandable_va_size") != std::string::npos);
+      continue;
+    }
+    std::size_t limit = 0, total = 0;
+    const int query = expseg_get_limit(0, &limit, &total);
+    void* p = expseg_malloc(1, 0, nullptr);
+    const int created = expseg_last_error_code();
+    CHECK_MESSAGE(query == created, "expseg_get_limit said " << query << ", creating the allocator " << created);
+    if (p != nullptr) expseg_free(p, 0, 0, nullptr);
+  }
+  // The largest that works still does: 512 TiB, twice over, is 1 PiB.
+  expseg::capi::reset_for_tests();
+  REQUIRE(expseg_configure("device:sim,backend:expandable,sim_capacity:512TiB") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(1, 0, nullptr);
+  CHECK(p != nullptr);
+  expseg_free(p, 0, 0, nullptr);
 }
 
 }  // TEST_SUITE
