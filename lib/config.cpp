@@ -837,7 +837,9 @@ void Config::apply(std::string_view text) {
       it.entry->parse(next, it.key, it.value);
       large_set = true;
     }
-  if (large_set) next.max_non_split_rounding = next.large_segment_size;
+  // It sets max_non_split_rounding_mb's default: a value kept from before this text that is not
+  // the previous default was set by an earlier layer and stays (later keys win; checked below).
+  if (large_set && max_non_split_rounding == large_segment_size) next.max_non_split_rounding = next.large_segment_size;
   for (const Item& it : parsed)
     if (it.entry->parse != parse_large_segment_size) it.entry->parse(next, it.key, it.value);
   // Only values kept from before this text can be below it here (this text's own are checked as parsed).

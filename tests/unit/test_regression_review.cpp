@@ -207,3 +207,28 @@ TEST_CASE_FIXTURE(ReviewCApi, "review regression: expseg_ipc_import takes the si
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("config") {
+
+TEST_CASE("review regression: large_segment_size_mb applied over a max_non_split_rounding_mb set before keeps it") {
+  // Config::apply: "later keys win" over the current values. large_segment_size_mb sets the default
+  // of max_non_split_rounding_mb (PyTorch); a value an earlier layer set (EXPSEG_ALLOC_CONF under
+  // expseg_configure) is not a default. Was: silently replaced by the large segment size.
+  Config c = Config::parse("max_non_split_rounding_mb:64");
+  c.apply("large_segment_size_mb:32");
+  CHECK(c.large_segment_size == 32 * MiB);
+  CHECK(c.max_non_split_rounding == 64 * MiB);
+  CHECK(c == Config::parse("max_non_split_rounding_mb:64,large_segment_size_mb:32"));
+  // The default follows the large segment, over the defaults and over an earlier large segment.
+  Config d;
+  d.apply("large_segment_size_mb:32");
+  CHECK(d.max_non_split_rounding == 32 * MiB);
+  d.apply("large_segment_size_mb:24");
+  CHECK(d.max_non_split_rounding == 24 * MiB);
+  // One set before below the new large segment is refused, naming both, and nothing changes.
+  Config e = Config::parse("max_non_split_rounding_mb:40");
+  CHECK_THROWS_AS(e.apply("large_segment_size_mb:48"), expseg::config_error);
+  CHECK(e == Config::parse("max_non_split_rounding_mb:40"));
+}
+
+}  // TEST_SUITE
