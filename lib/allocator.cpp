@@ -45,6 +45,18 @@ void check_config(const Config& c) {
   if (c.va_size > kMaxExpandableVaSize)
     throw config_error("expandable_va_size", "expandable_va_size: " + size_value(c.va_size) +
                                                  " is too large; expected 0 (2x device memory) or a size of at most 1024TiB (1 PiB)");
+  // At most one form (config.hpp), and a share as the parser takes it: to_string prints the share
+  // when there is one, which must be what the backend reserves and must read back.
+  if (c.va_fraction != 0.0 && (c.va_size != 0 || !(c.va_fraction > 0.0 && c.va_fraction <= 1.0e6)))
+    throw config_error("expandable_va_size", "expandable_va_size: a share of device memory (va_fraction " +
+                                                 std::to_string(c.va_fraction) + ") " +
+                                                 (c.va_size != 0 ? "and a size (va_size) are both set; expected one of them"
+                                                                 : "out of range; expected a share in (0%, 100000000%]"));
+  // split_merge gives a request below 10 MiB a segment of large_segment_size: a smaller one would
+  // hold less than the block handed out of it (the parser's bound, > 10 MiB).
+  if (c.large_segment_size <= std::size_t{10} << 20)
+    throw config_error("large_segment_size_mb", "large_segment_size_mb: " + size_value(c.large_segment_size) +
+                                                    " is too small; expected more than 10 MiB, e.g. 20");
   if (c.device != DeviceKind::sim) return;
   const std::size_t g = c.sim_granularity;
   if (c.sim_capacity == 0) throw config_error("sim_capacity", "sim_capacity: must be larger than 0, e.g. 80GiB");
@@ -65,14 +77,16 @@ void check_config(const Config& c) {
                                            "address: " + span + "; expected at most 65535TiB");
   if (c.backend == BackendKind::expandable) {
     // As ExpandableBackend reserves: expandable_va_size (bytes or a share of sim_capacity), or 2x
-    // sim_capacity when it is 0. Saturated at SIZE_MAX, so no product or rounding overflows.
+    // sim_capacity when it is 0. Saturated at SIZE_MAX, so no product or rounding overflows. Its
+    // bound, 1 PiB a segment, is below the span: checked here, so that expseg_configure and the
+    // expseg_get_limit query refuse what creating the allocator would.
     const std::size_t va = c.expandable_va_bytes(c.sim_capacity);
-    if (va > max_range) {
+    if (va > kMaxExpandableVaSize) {
       const std::string what = c.va_size != 0        ? size_value(va)
                                : c.va_fraction != 0.0 ? "a share of sim_capacity = " + size_value(va) + ","
                                                       : "the default, 2x sim_capacity = " + size_value(va) + ",";
-      throw config_error("expandable_va_size", "expandable_va_size: " + what + " is more than the simulated device can reserve: " +
-                                                   span + "; set expandable_va_size (e.g. 1024TiB) or a smaller sim_capacity");
+      throw config_error("expandable_va_size", "expandable_va_size: " + what + " is more than one segment may reserve: at most "
+                                                   "1024TiB (1 PiB); set expandable_va_size (e.g. 1024TiB) or a smaller sim_capacity");
     }
   }
 }

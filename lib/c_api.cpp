@@ -760,6 +760,16 @@ int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, si
     if (handle == nullptr || handle_size == 0) return invalid("no handle given (NULL, or 0 bytes)");
     if (nfds > 0 && fds == nullptr) return invalid(std::to_string(nfds) + " descriptors announced, but fds is NULL");
     IpcMemHandle h = IpcMemHandle::deserialize({static_cast<const std::uint8_t*>(handle), handle_size});
+    // Where it is imported: the device's allocator's configuration, or the one it will be created with.
+    const Config conf = [&] {
+      if (Allocator* a = existing(device)) return a->config();
+      Shared& s = shared();
+      std::lock_guard<std::mutex> lock(s.mu);
+      return effective_config_locked();
+    }();
+    // The simulated device's descriptors without sim_host_backed are numbers it hands out, not open
+    // files: the simulator checks those itself.
+    const bool real_fds = conf.device != DeviceKind::sim || conf.sim_host_backed;
     if (nfds > 0) {
       if (!h.needs_fds())
         return invalid(std::string("the handle (") + to_string(h.kind) + ") takes no file descriptors, but " +
@@ -772,18 +782,13 @@ int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, si
       }
       for (std::size_t i = 0; i < nfds; ++i) {
         if (fds[i] < 0) return invalid("file descriptor " + std::to_string(i) + " is negative");
-        if (::fcntl(fds[i], F_GETFD) == -1 && errno == EBADF)
+        if (real_fds && ::fcntl(fds[i], F_GETFD) == -1 && errno == EBADF)
           return invalid("file descriptor " + std::to_string(i) + " (" + std::to_string(fds[i]) + ") is not open");
       }
     }
     // What the handle says against where it is imported, before the device's allocator is created
     // for an import that cannot succeed (import_ipc checks these too, in the same words).
-    const std::string kind = [&] {
-      if (Allocator* a = existing(device)) return std::string(to_string(a->config().device));
-      Shared& s = shared();
-      std::lock_guard<std::mutex> lock(s.mu);
-      return std::string(to_string(effective_config_locked().device));
-    }();
+    const std::string kind = to_string(conf.device);
     if (h.device_kind != kind) {
       set_error(EXPSEG_ERROR_IPC, fn, "expseg: import_ipc: the handle was exported by a " + h.device_kind +
                                           " device; this is a " + kind + " device");

@@ -368,10 +368,12 @@ struct ReserveSpec {
 
 ReserveSpec parse_reserve_spec(Key key, std::string_view v) {
   const bool gib = !v.empty() && (v.back() == 'G' || v.back() == 'g');
-  const std::string_view num = gib ? v.substr(0, v.size() - 1) : v;
-  // Plain decimals only: from_chars would also take "inf", "nan" and hex floats.
-  const bool plain = !num.empty() && num.find_first_not_of("0123456789.") == std::string_view::npos;
-  const double d = plain ? parse_double(key, num, kReserveExpected) : 0.0;
+  std::string_view num = gib ? v.substr(0, v.size() - 1) : v;
+  // The numbers PyTorch's stream extraction reads: decimals with an exponent (5e-1) and a leading
+  // '+', which from_chars does not take; parse_double refuses inf, nan and hex floats.
+  if (!num.empty() && num.front() == '+') num.remove_prefix(1);
+  const bool number = !num.empty() && num.front() != '-' && num.front() != '+';
+  const double d = number ? parse_double(key, num, kReserveExpected) : 0.0;
   if (!(d > 0.0) || (!gib && d > kMaxVaFraction)) bad_value(key, v, kReserveExpected);
   if (gib && d * static_cast<double>(std::size_t{1} << 30) > static_cast<double>(kMaxExpandableVaSize))
     bad_value(key, v, std::string(kReserveExpected) + " (at most 1048576G, 1 PiB)");
@@ -835,7 +837,9 @@ void Config::apply(std::string_view text) {
       it.entry->parse(next, it.key, it.value);
       large_set = true;
     }
-  if (large_set) next.max_non_split_rounding = next.large_segment_size;
+  // It sets max_non_split_rounding_mb's default: a value kept from before this text that is not
+  // the previous default was set by an earlier layer and stays (later keys win; checked below).
+  if (large_set && max_non_split_rounding == large_segment_size) next.max_non_split_rounding = next.large_segment_size;
   for (const Item& it : parsed)
     if (it.entry->parse != parse_large_segment_size) it.entry->parse(next, it.key, it.value);
   // Only values kept from before this text can be below it here (this text's own are checked as parsed).
