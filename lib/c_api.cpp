@@ -46,6 +46,10 @@ constexpr int kMaxDevices = EXPSEG_MAX_DEVICES;
 
 // Constant-initialized (all null) and trivially destructible: usable at any time of the process.
 std::atomic<Allocator*> g_alloc[kMaxDevices];
+// expseg_get_limit's answers for CUDA devices without an allocator: the device's memory, read once
+// (0: not yet). A driver made for the query retains the primary context and releases it again, which
+// creates and destroys the context when nothing else holds it: too slow to do on every query.
+std::atomic<std::size_t> g_cuda_total[kMaxDevices];
 std::atomic<bool> g_oom_stderr{true};
 
 struct Shared {
@@ -509,7 +513,12 @@ int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes
       // the configuration may still be set): what the allocator created now would answer, its limit
       // resolved against the device's memory as it resolves it, read from a driver of its own.
       c->ipc_handle = IpcHandle::none;  // no shareable handle type to probe for a query
-      total = make_driver(*c, device)->mem_info().total;
+      const bool cuda = c->device == DeviceKind::cuda;
+      total = cuda ? g_cuda_total[device].load(std::memory_order_relaxed) : 0;
+      if (total == 0) {
+        total = make_driver(*c, device)->mem_info().total;
+        if (cuda) g_cuda_total[device].store(total, std::memory_order_relaxed);
+      }
       limit = c->limit.resolve(total);
     }
     if (limit_bytes != nullptr) *limit_bytes = limit;

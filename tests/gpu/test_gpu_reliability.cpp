@@ -12,6 +12,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -509,6 +510,34 @@ TEST_CASE("gpu: regression: expseg_enable_peer_access refuses a peer the machine
   // A peer that is there still works (a device is its own peer: nothing to do).
   CHECK(expseg_enable_peer_access(0, 0) == EXPSEG_SUCCESS);
   expseg::capi::reset_for_tests();
+}
+
+TEST_CASE("gpu: regression: expseg_get_limit before the allocator exists answers as the allocator then does, and creates none") {
+  for (const char* backend : {"split_merge", "expandable"}) {
+    CAPTURE(backend);
+    expseg::capi::reset_for_tests();
+    REQUIRE(expseg_configure((std::string("device:cuda,limit:50%,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
+    std::size_t limit = 0, total = 0;
+    REQUIRE(expseg_get_limit(0, &limit, &total) == EXPSEG_SUCCESS);
+    CHECK(expseg_device_initialized(0) == 0);
+    CHECK(total > 0);
+    CHECK(limit == static_cast<std::size_t>(std::floor(0.5 * static_cast<double>(total))));
+    std::size_t limit_again = 0, total_again = 0;  // the device's memory is read once, then kept
+    REQUIRE(expseg_get_limit(0, &limit_again, &total_again) == EXPSEG_SUCCESS);
+    CHECK(limit_again == limit);
+    CHECK(total_again == total);
+    // The configuration can still change, and the allocator made afterwards answers the same.
+    REQUIRE(expseg_configure((std::string("device:cuda,limit:50%,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
+    void* p = expseg_malloc(1 << 20, 0, nullptr);
+    REQUIRE(p != nullptr);
+    CHECK(expseg_device_initialized(0) == 1);
+    std::size_t limit_made = 0, total_made = 0;
+    REQUIRE(expseg_get_limit(0, &limit_made, &total_made) == EXPSEG_SUCCESS);
+    CHECK(limit_made == limit);
+    CHECK(total_made == total);
+    expseg_free(p, 1 << 20, 0, nullptr);
+    expseg::capi::reset_for_tests();
+  }
 }
 
 }  // TEST_SUITE
