@@ -57,6 +57,20 @@ void check_config(const Config& c) {
   if (c.large_segment_size <= std::size_t{10} << 20)
     throw config_error("large_segment_size_mb", "large_segment_size_mb: " + size_value(c.large_segment_size) +
                                                     " is too small; expected more than 10 MiB, e.g. 20");
+  // PyTorch's bound on the two, which the parser applies too: else to_string would print a config
+  // that does not read back.
+  if (c.max_split_size < c.large_segment_size || c.max_non_split_rounding < c.large_segment_size) {
+    const bool split = c.max_split_size < c.large_segment_size;
+    throw config_error("large_segment_size_mb", "large_segment_size_mb: " + size_value(c.large_segment_size) + " is more than " +
+                                                    (split ? "max_split_size_mb (" + size_value(c.max_split_size)
+                                                           : "max_non_split_rounding_mb (" + size_value(c.max_non_split_rounding)) +
+                                                    "); expected both to be at least large_segment_size_mb");
+  }
+  // A limit is bytes or a share in (0, 1], as limit:N% and per_process_memory_fraction parse it.
+  if (c.limit.fraction != 0.0 && (c.limit.bytes != 0 || !(c.limit.fraction > 0.0 && c.limit.fraction <= 1.0)))
+    throw config_error("limit", "limit: a share of device memory (fraction " + std::to_string(c.limit.fraction) + ") " +
+                                    (c.limit.bytes != 0 ? "and a size (bytes) are both set; expected one of them"
+                                                        : "out of range; expected a share in (0%, 100%]"));
   if (c.device != DeviceKind::sim) return;
   const std::size_t g = c.sim_granularity;
   if (c.sim_capacity == 0) throw config_error("sim_capacity", "sim_capacity: must be larger than 0, e.g. 80GiB");

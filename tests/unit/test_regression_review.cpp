@@ -232,3 +232,46 @@ TEST_CASE("review regression: large_segment_size_mb applied over a max_non_split
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("config") {
+
+TEST_CASE("review regression: a Config built in code whose limit share or split bounds would not read back is refused") {
+  // to_string of such a config printed limit:150%, limit:-50% or a max_split_size_mb below
+  // large_segment_size_mb, which the parser refuses: expseg_config and OOM dumps showed a
+  // configuration that could not be set.
+  auto refused = [](const Config& c, const char* key) {
+    CAPTURE(c.to_string());
+    std::string printed;
+    try {
+      expseg::Allocator a(c);
+      printed = a.config().to_string();
+    } catch (const expseg::config_error& e) {
+      CHECK(e.key() == key);
+      return;
+    }
+    FAIL_CHECK("accepted, and printed as " << printed);
+  };
+  for (double bad : {1.5, -0.5, std::nan("")}) {
+    Config c = sim_config(BackendKind::expandable, 8 * GiB);
+    c.limit = expseg::Limit{0, bad};
+    refused(c, "limit");
+  }
+  Config both = sim_config(BackendKind::split_merge, 8 * GiB);
+  both.limit = expseg::Limit{GiB, 0.5};
+  refused(both, "limit");
+  Config split = sim_config(BackendKind::split_merge, 8 * GiB);
+  split.large_segment_size = 32 * MiB;  // max_non_split_rounding stays at 20 MiB
+  refused(split, "large_segment_size_mb");
+  split.max_non_split_rounding = 32 * MiB;
+  split.max_split_size = 24 * MiB;
+  refused(split, "large_segment_size_mb");
+  // What the parser makes reads back and is accepted.
+  for (const char* text : {"limit:50%", "large_segment_size_mb:32,max_split_size_mb:40", "per_process_memory_fraction:0.25"}) {
+    CAPTURE(text);
+    Config c = sim_config(BackendKind::split_merge, 8 * GiB, text);
+    expseg::Allocator a(c);
+    CHECK(Config::parse(a.config().to_string()) == c);
+  }
+}
+
+}  // TEST_SUITE
