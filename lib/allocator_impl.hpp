@@ -43,6 +43,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // `lock`) and throws out_of_memory. Out of line, so that allocate's fast path stays as it was.
   [[noreturn, gnu::noinline, gnu::cold]] void fail_allocation(std::unique_lock<core::Mutex>& lock, std::size_t bytes,
                                                               driver::stream_t stream);
+  // The figures of a report that need no driver call and no walk (oom_report.cpp).
+  void fill_report_figures(OomReport& r, std::size_t requested, driver::stream_t stream) const;
   // Builds the report of a failed allocation (oom_report.cpp).
   std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream);
   // The report of an OOM whose full report found no host memory: the figures at hand and a short

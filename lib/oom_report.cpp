@@ -66,13 +66,23 @@ Counterfactual run_counterfactual(const Config& base, BackendKind other, std::si
 
 }  // namespace
 
+// The figures every report gives, from the allocator's own counts (no driver call).
+void Allocator::Impl::fill_report_figures(OomReport& r, std::size_t requested, driver::stream_t stream) const {
+  r.backend = to_string(config.backend);
+  r.device = driver->device();
+  r.stream = reinterpret_cast<std::uintptr_t>(stream);
+  r.requested_bytes = requested;
+  r.rounded_bytes = backend->round_size(requested);
+  r.device_total_bytes = ctx.device_total;
+  r.limit_bytes = ctx.limit;
+  r.allocated_bytes = static_cast<std::size_t>(stats.allocated_bytes[kAllPools].current);
+  r.reserved_bytes = static_cast<std::size_t>(stats.reserved_bytes[kAllPools].current);
+  r.live_requested_bytes = static_cast<std::size_t>(stats.requested_bytes[kAllPools].current);
+}
+
 std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t requested, driver::stream_t stream) {
   auto r = std::make_shared<OomReport>();
-  r->backend = to_string(config.backend);
-  r->device = driver->device();
-  r->stream = reinterpret_cast<std::uintptr_t>(stream);
-  r->requested_bytes = requested;
-  r->rounded_bytes = backend->round_size(requested);
+  fill_report_figures(*r, requested, stream);
   driver::MemInfo mi;
   try {
     mi = driver->mem_info();
@@ -81,10 +91,6 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   }
   r->device_total_bytes = mi.total;
   r->device_free_bytes = mi.free;
-  r->limit_bytes = ctx.limit;
-  r->allocated_bytes = static_cast<std::size_t>(stats.allocated_bytes[kAllPools].current);
-  r->reserved_bytes = static_cast<std::size_t>(stats.reserved_bytes[kAllPools].current);
-  r->live_requested_bytes = static_cast<std::size_t>(stats.requested_bytes[kAllPools].current);
   const backends::FreeSummary fs = backend->free_summary(r->rounded_bytes > SIZE_MAX / 2 ? 0 : r->rounded_bytes);
   r->largest_free_block_bytes = fs.largest_free_block;
   r->free_blocks = fs.free_blocks;
@@ -209,16 +215,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
 std::shared_ptr<const OomReport> Allocator::Impl::short_oom_report(std::size_t requested, driver::stream_t stream) const noexcept {
   try {
     auto r = std::make_shared<OomReport>();
-    r->backend = to_string(config.backend);
-    r->device = driver->device();
-    r->stream = reinterpret_cast<std::uintptr_t>(stream);
-    r->requested_bytes = requested;
-    r->rounded_bytes = backend->round_size(requested);
-    r->device_total_bytes = ctx.device_total;
-    r->limit_bytes = ctx.limit;
-    r->allocated_bytes = static_cast<std::size_t>(stats.allocated_bytes[kAllPools].current);
-    r->reserved_bytes = static_cast<std::size_t>(stats.reserved_bytes[kAllPools].current);
-    r->live_requested_bytes = static_cast<std::size_t>(stats.requested_bytes[kAllPools].current);
+    fill_report_figures(*r, requested, stream);
     r->live_footprint_bytes = static_cast<std::size_t>(stats.active_bytes[kAllPools].current);
     // The verdict is not evaluated: the message and the verdict say so rather than give a guess.
     r->verdict = OomVerdict::unknown;

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "c_api_internal.hpp"
+#include "capi_fixture.hpp"
 #include "core/json.hpp"
 #include "expseg/allocator.hpp"
 #include "expseg/errors.hpp"
@@ -30,24 +31,7 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 
 using expseg::core::JsonValue;
 using expseg::core::parse_json;
-
-// Clean C API state, EXPSEG_ALLOC_CONF unset, OOM reports not printed; restored afterwards.
-struct CApiFixture {
-  std::optional<std::string> saved_env;
-  CApiFixture() {
-    if (const char* v = std::getenv("EXPSEG_ALLOC_CONF")) saved_env = v;
-    ::unsetenv("EXPSEG_ALLOC_CONF");
-    expseg::capi::reset_for_tests();
-    expseg::capi::set_oom_stderr(false);
-  }
-  ~CApiFixture() {
-    expseg::capi::reset_for_tests();
-    expseg::capi::set_oom_stderr(true);
-    if (saved_env) ::setenv("EXPSEG_ALLOC_CONF", saved_env->c_str(), 1);
-  }
-  CApiFixture(const CApiFixture&) = delete;
-  CApiFixture& operator=(const CApiFixture&) = delete;
-};
+using testutil::CApiFixture;
 
 std::string last_error() { return expseg_last_error(); }
 

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "c_api_internal.hpp"
+#include "capi_fixture.hpp"
 #include "expseg/allocator.hpp"
 #include "expseg/errors.hpp"
 #include "expseg/expseg.h"
@@ -22,46 +23,18 @@
 using namespace testutil;
 using expseg::BackendKind;
 
-// test_regression_hotpath.cpp: fails the nth operator new from now on this thread (0: none).
-extern thread_local std::uint64_t g_fail_nth_new;
 
 namespace {
 
-// Clean C API state, EXPSEG_ALLOC_CONF unset, OOM reports not printed; restored afterwards.
-struct CApiState {
-  std::optional<std::string> saved_env;
-  CApiState() {
-    if (const char* v = std::getenv("EXPSEG_ALLOC_CONF")) saved_env = v;
-    ::unsetenv("EXPSEG_ALLOC_CONF");
-    expseg::capi::reset_for_tests();
-    expseg::capi::set_oom_stderr(false);
-  }
-  ~CApiState() {
-    expseg::capi::reset_for_tests();
-    expseg::capi::set_oom_stderr(true);
-    if (saved_env) ::setenv("EXPSEG_ALLOC_CONF", saved_env->c_str(), 1);
-  }
-  CApiState(const CApiState&) = delete;
-  CApiState& operator=(const CApiState&) = delete;
-};
 
 std::string last_error() { return expseg_last_error(); }
 
-// Runs f with the nth operator new failing; true when that allocation happened.
-template <class F>
-bool with_nth_new_failing(std::uint64_t n, F&& f) {
-  g_fail_nth_new = n;
-  f();
-  const bool fired = g_fail_nth_new == 0;
-  g_fail_nth_new = 0;
-  return fired;
-}
 
 }  // namespace
 
 TEST_SUITE("c_api") {
 
-TEST_CASE_FIXTURE(CApiState, "capi regression: expseg_get_limit is a query: it creates no allocator, and answers as the allocator will") {
+TEST_CASE_FIXTURE(CApiFixture, "capi regression: expseg_get_limit is a query: it creates no allocator, and answers as the allocator will") {
   REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,limit:50%") == EXPSEG_SUCCESS);
   std::size_t limit = 7, total = 7;
   REQUIRE(expseg_get_limit(3, &limit, &total) == EXPSEG_SUCCESS);
@@ -93,19 +66,14 @@ TEST_CASE_FIXTURE(CApiState, "capi regression: expseg_get_limit is a query: it c
   CHECK(expseg_get_limit(EXPSEG_MAX_DEVICES, &limit, &total) == EXPSEG_ERROR_INVALID_DEVICE);
 }
 
-TEST_CASE_FIXTURE(CApiState, "capi regression: a refused expseg_ipc_import creates no allocator") {
+TEST_CASE_FIXTURE(CApiFixture, "capi regression: a refused expseg_ipc_import creates no allocator") {
   REQUIRE(expseg_configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd,"
                            "expandable_max_handle:2MiB") == EXPSEG_SUCCESS);
   void* p = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
   REQUIRE(p != nullptr);
-  const void* handle = nullptr;
-  std::size_t handle_size = 0;
-  const int* fds = nullptr;
-  std::size_t nfds = 0;
-  REQUIRE(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_SUCCESS);
-  const std::vector<unsigned char> bytes(static_cast<const unsigned char*>(handle),
-                                         static_cast<const unsigned char*>(handle) + handle_size);
-  const std::vector<int> own(fds, fds + nfds);
+  const ExportedHandle exported = export_handle(p, 0);
+  const std::vector<unsigned char>& bytes = exported.bytes;
+  const std::vector<int>& own = exported.fds;
   REQUIRE(own.size() == 2);
 
   void* q = nullptr;
@@ -236,7 +204,7 @@ TEST_CASE("capi regression: host memory running out in the OOM report's counterf
   sa->validate();
 }
 
-TEST_CASE_FIXTURE(CApiState, "capi regression: expseg_torch_malloc throws out_of_memory when the OOM report finds no host memory") {
+TEST_CASE_FIXTURE(CApiFixture, "capi regression: expseg_torch_malloc throws out_of_memory when the OOM report finds no host memory") {
   REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB") == EXPSEG_SUCCESS);
   void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
   REQUIRE(p != nullptr);

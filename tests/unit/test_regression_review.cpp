@@ -13,6 +13,7 @@
 #include "expseg/allocator.hpp"
 #include "expseg/config.hpp"
 #include "c_api_internal.hpp"
+#include "capi_fixture.hpp"
 #include "expseg/errors.hpp"
 #include "expseg/expseg.h"
 #include "test_util.hpp"
@@ -115,29 +116,12 @@ TEST_CASE("review regression: expandable_segments_reserve takes the numbers PyTo
 
 namespace {
 
-// Clean C API state, EXPSEG_ALLOC_CONF unset, OOM reports not printed; restored afterwards.
-struct ReviewCApi {
-  std::optional<std::string> saved_env;
-  ReviewCApi() {
-    if (const char* v = std::getenv("EXPSEG_ALLOC_CONF")) saved_env = v;
-    ::unsetenv("EXPSEG_ALLOC_CONF");
-    expseg::capi::reset_for_tests();
-    expseg::capi::set_oom_stderr(false);
-  }
-  ~ReviewCApi() {
-    expseg::capi::reset_for_tests();
-    expseg::capi::set_oom_stderr(true);
-    if (saved_env) ::setenv("EXPSEG_ALLOC_CONF", saved_env->c_str(), 1);
-  }
-  ReviewCApi(const ReviewCApi&) = delete;
-  ReviewCApi& operator=(const ReviewCApi&) = delete;
-};
 
 }  // namespace
 
 TEST_SUITE("c_api") {
 
-TEST_CASE_FIXTURE(ReviewCApi, "review regression: an expandable reservation over 1 PiB on the simulated device is refused by expseg_configure, not at the first malloc") {
+TEST_CASE_FIXTURE(CApiFixture, "review regression: an expandable reservation over 1 PiB on the simulated device is refused by expseg_configure, not at the first malloc") {
   // The expandable backend reserves at most 1 PiB a segment; on the simulated device the default
   // (2x sim_capacity) and a share of it are known before any allocator exists. Was: accepted by
   // expseg_configure and by the expseg_get_limit query ("the same answers as once the allocator
@@ -173,7 +157,7 @@ TEST_CASE_FIXTURE(ReviewCApi, "review regression: an expandable reservation over
 
 TEST_SUITE("c_api") {
 
-TEST_CASE_FIXTURE(ReviewCApi, "review regression: expseg_ipc_import takes the simulated device's bookkeeping descriptors back") {
+TEST_CASE_FIXTURE(CApiFixture, "review regression: expseg_ipc_import takes the simulated device's bookkeeping descriptors back") {
   // Without sim_host_backed the simulated device's posix_fd "descriptors" are numbers it hands out
   // (sim_driver.hpp), not open files; the exporting allocator imports them back. Was: refused as
   // "file descriptor 0 (...) is not open" (EXPSEG_ERROR_INVALID_ARGUMENT) by the check that a
@@ -182,14 +166,9 @@ TEST_CASE_FIXTURE(ReviewCApi, "review regression: expseg_ipc_import takes the si
           EXPSEG_SUCCESS);
   void* p = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
   REQUIRE(p != nullptr);
-  const void* handle = nullptr;
-  std::size_t handle_size = 0;
-  const int* fds = nullptr;
-  std::size_t nfds = 0;
-  REQUIRE(expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) == EXPSEG_SUCCESS);
-  const std::vector<unsigned char> bytes(static_cast<const unsigned char*>(handle),
-                                         static_cast<const unsigned char*>(handle) + handle_size);
-  const std::vector<int> own(fds, fds + nfds);
+  const ExportedHandle exported = export_handle(p, 0);
+  const std::vector<unsigned char>& bytes = exported.bytes;
+  const std::vector<int>& own = exported.fds;
   REQUIRE(own.size() == 2);
   void* q = nullptr;
   std::size_t size = 0;

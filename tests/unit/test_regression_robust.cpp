@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "allocator_impl.hpp"
+#include "capi_fixture.hpp"
 #include "test_util.hpp"
 
 using namespace testutil;
@@ -19,20 +20,9 @@ using expseg::BackendKind;
 using expseg::kAllPools;
 
 // test_regression_hotpath.cpp: fails the nth operator new from now on this thread (0: none).
-extern thread_local std::uint64_t g_fail_nth_new;
 
 namespace {
 
-// Runs f with the nth operator new failing; true when that allocation happened (f may have caught
-// its bad_alloc), false when f made fewer than n.
-template <class F>
-bool with_nth_new_failing(std::uint64_t n, F&& f) {
-  g_fail_nth_new = n;
-  f();
-  const bool fired = g_fail_nth_new == 0;
-  g_fail_nth_new = 0;
-  return fired;
-}
 
 std::int64_t reserved(SimAllocator& sa) { return sa->stats().reserved_bytes[kAllPools].current; }
 std::int64_t allocated(SimAllocator& sa) { return sa->stats().allocated_bytes[kAllPools].current; }
