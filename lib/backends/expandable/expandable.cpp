@@ -810,7 +810,9 @@ bool ExpandableBackend::find_mapped_place(ExpArena& arena, std::size_t size, Pla
       if (std::max(xlo, b->addr) + size <= b->end())  // places starting inside x: ending in [xlo + size, xhi + size)
         win[nwin++] = {frame_of(seg, std::max(xlo, b->addr) + size - 1), frame_of(seg, std::min(xhi + size, b->end()) - 1)};
     }
-    std::sort(win, win + nwin);
+    // At most six: an insertion sort (std::sort's on a 6-element array trips GCC's -Warray-bounds).
+    for (int i = 1; i < nwin; ++i)
+      for (int j = i; j > 0 && win[j] < win[j - 1]; --j) std::swap(win[j], win[j - 1]);
     for (int i = 0; i < nwin; ++i) walk(std::max(win[i].first, bf0), std::min(win[i].second, bf1), next);
   }
   if (best == nullptr) return false;
