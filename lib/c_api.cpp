@@ -38,6 +38,7 @@
 #include "expseg/snapshot.hpp"
 #include "expseg/stats.hpp"
 #include "expseg/trace.hpp"
+#include "ipc_internal.hpp"
 
 namespace expseg::capi {
 namespace {
@@ -803,13 +804,17 @@ int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, si
                                           " device; this is a " + kind + " device");
       return EXPSEG_ERROR_IPC;
     }
-    const bool this_process = h.exporter_pid == static_cast<std::int64_t>(::getpid());
+    // The nonce, not the pid: another container's process may have our pid.
+    const bool this_process = detail::exported_here(h);
     if (h.device_kind == "sim" && (!this_process || h.device != device || existing(device) == nullptr)) {
       set_error(EXPSEG_ERROR_IPC, fn,
                 "expseg: import_ipc: the simulated device imports in-process only, through the allocator that exported "
                 "the handle (device " + std::to_string(h.device) + " of process " + std::to_string(h.exporter_pid) +
                     "), while it exists; this is device " + std::to_string(device) + " of process " +
-                    std::to_string(::getpid()));
+                    std::to_string(::getpid()) +
+                    (this_process || h.exporter_pid != static_cast<std::int64_t>(::getpid())
+                         ? std::string()
+                         : std::string(" (another process with the same pid: another PID namespace, or a fork child)")));
       return EXPSEG_ERROR_IPC;
     }
     if (h.kind == IpcKind::cuda_ipc && h.device_kind == "cuda" && this_process) {

@@ -1,14 +1,18 @@
 // IPC: exporting live allocations (Allocator::export_ipc), importing them (ImportedMemory), the
 // handle's wire format, and passing file descriptors (SCM_RIGHTS, pidfd_getfd). See expseg/ipc.hpp.
+#include <pthread.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -46,7 +50,40 @@ std::string errno_text(int err) { return std::string(std::strerror(err)) + " (er
 [[noreturn]] void sys_fail(const std::string& what, int err) { throw ipc_error("expseg: " + what + ": " + errno_text(err), err); }
 
 constexpr char kMagic[8] = {'E', 'X', 'P', 'S', 'G', 'I', 'P', 'C'};
-constexpr std::uint32_t kVersion = 1;
+// 2: the exporter's nonce after its pid.
+constexpr std::uint32_t kVersion = 2;
+
+// --- which process exported a handle ------------------------------------------------------------------
+// A pid does not say: processes in different PID namespaces (containers) may have the same one. A
+// random 64-bit number made once per process does; a fork child makes its own (pthread_atfork),
+// since it is another process with a copy of this one's memory.
+std::atomic<std::uint64_t> g_process_nonce{0};
+
+std::uint64_t fresh_nonce() noexcept {  // async-signal-safe: also runs in a fork child
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof v, GRND_NONBLOCK) != static_cast<ssize_t>(sizeof v)) {
+    // No entropy yet (early boot) or no getrandom: the clock and the pid, mixed (splitmix64).
+    v = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+        (static_cast<std::uint64_t>(::getpid()) << 32) ^ reinterpret_cast<std::uintptr_t>(&v);
+    v += 0x9e3779b97f4a7c15ull;
+    v = (v ^ (v >> 30)) * 0xbf58476d1ce4e5b9ull;
+    v = (v ^ (v >> 27)) * 0x94d049bb133111ebull;
+    v ^= v >> 31;
+  }
+  return v != 0 ? v : 1;  // 0 means "unknown exporter"
+}
+
+void renew_nonce_in_child() noexcept { g_process_nonce.store(fresh_nonce(), std::memory_order_relaxed); }
+
+std::uint64_t process_nonce() noexcept {
+  static const bool ready = [] {
+    g_process_nonce.store(fresh_nonce(), std::memory_order_relaxed);
+    ::pthread_atfork(nullptr, nullptr, renew_nonce_in_child);
+    return true;
+  }();
+  (void)ready;
+  return g_process_nonce.load(std::memory_order_relaxed);
+}
 
 class Writer {
  public:
@@ -290,6 +327,7 @@ std::vector<std::uint8_t> IpcMemHandle::serialize() const {
   w.str(device_kind);
   w.put(static_cast<std::int32_t>(device));
   w.put(exporter_pid);
+  w.put(exporter_nonce);
   w.put(static_cast<std::uint64_t>(offset));
   w.put(static_cast<std::uint64_t>(size));
   w.put(static_cast<std::uint64_t>(range_bytes));
@@ -310,7 +348,8 @@ IpcMemHandle IpcMemHandle::deserialize(std::span<const std::uint8_t> bytes) {
   if (std::memcmp(r.take(sizeof kMagic, "magic"), kMagic, sizeof kMagic) != 0) Reader::bad("not an expseg IPC handle: wrong magic");
   const auto version = r.get<std::uint32_t>("version");
   if (version != kVersion)
-    Reader::bad("format version " + std::to_string(version) + ", this expseg reads version " + std::to_string(kVersion));
+    Reader::bad("format version " + std::to_string(version) + ", this expseg reads version " + std::to_string(kVersion) +
+                ": the exporting and the importing process must use the same expseg version");
   IpcMemHandle h;
   const auto kind = r.get<std::uint8_t>("kind");
   if (kind > static_cast<std::uint8_t>(IpcKind::fabric)) Reader::bad("unknown kind " + std::to_string(kind));
@@ -318,6 +357,7 @@ IpcMemHandle IpcMemHandle::deserialize(std::span<const std::uint8_t> bytes) {
   h.device_kind = r.str("device kind");
   h.device = r.get<std::int32_t>("device");
   h.exporter_pid = r.get<std::int64_t>("pid");
+  h.exporter_nonce = r.get<std::uint64_t>("exporter nonce");
   h.offset = r.get<std::uint64_t>("offset");
   h.size = static_cast<std::size_t>(r.get<std::uint64_t>("size"));
   h.range_bytes = static_cast<std::size_t>(r.get<std::uint64_t>("range"));
@@ -428,6 +468,10 @@ void ImportedMemory::close() {
   if (first) std::rethrow_exception(first);
 }
 
+bool detail::exported_here(const IpcMemHandle& handle) noexcept {
+  return handle.exporter_nonce != 0 && handle.exporter_nonce == process_nonce();
+}
+
 void detail::ImportRegistry::grant_all(driver::Driver& driver) {
   std::lock_guard<std::mutex> lock(mu);
   for (const auto& [base, bytes] : ranges) driver.set_access(base, bytes);
@@ -446,7 +490,7 @@ ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> dr
   s->offset = h.offset;
   s->size = h.size;
   if (h.kind == IpcKind::cuda_ipc) {
-    if (h.device_kind == "cuda" && h.exporter_pid == static_cast<std::int64_t>(::getpid()))
+    if (h.device_kind == "cuda" && exported_here(h))
       throw ipc_error("expseg: import_ipc: a cuda_ipc handle (split_merge) cannot be opened in the process that "
                       "exported it (cuIpcOpenMemHandle refuses): use the allocation's own pointer there");
     driver::ExportedHandle ex;
@@ -517,6 +561,7 @@ IpcMemHandle Allocator::export_ipc(void* ptr) {
   h.device_kind = d.kind();
   h.device = d.device();
   h.exporter_pid = ::getpid();
+  h.exporter_nonce = process_nonce();
   h.size = b->requested;
   const backends::ExportPlan plan = impl_->backend->export_plan(*b);
   h.offset = addr - plan.base;

@@ -22,6 +22,10 @@ struct ImportRegistry {
   void grant_all(driver::Driver& driver);
 };
 
+// Whether `handle` was exported by this process (its exporter_nonce is this process's), whatever
+// its pid says.
+bool exported_here(const IpcMemHandle& handle) noexcept;
+
 struct IpcAccess {
   // Maps `handle` through `driver` (kept alive by the result); registers the mapping in `registry`
   // (if any) until it is closed. The caller serialises this call with other users of the driver's

@@ -112,7 +112,11 @@ struct IpcMemHandle {
   IpcKind kind = IpcKind::cuda_ipc;
   std::string device_kind;      // "cuda" or "sim": the driver that exported it
   int device = 0;               // the exporting device, as the exporter numbers it
-  std::int64_t exporter_pid = 0;
+  std::int64_t exporter_pid = 0;  // as the exporter's PID namespace numbers it: what pidfd_getfd needs
+  // Which process exported it: random, made once per process (afresh in a fork child). Unlike the
+  // pid, it tells processes of different PID namespaces apart (two containers' processes may both
+  // be pid 1). 0 (a handle built by hand): an unknown exporter, never this process.
+  std::uint64_t exporter_nonce = 0;
   std::uint64_t offset = 0;     // where the allocation starts inside the exported range
   std::size_t size = 0;         // the allocation's size, as requested from allocate()
   std::size_t range_bytes = 0;  // the exported range: the pieces' bytes, back to back

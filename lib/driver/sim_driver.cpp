@@ -7,6 +7,7 @@
 #include "driver/sim_driver.hpp"
 
 #include <fcntl.h>
+#include <dirent.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -133,7 +134,8 @@ struct SimDriver::Impl {
   };
   // Host-backed: memory exported as a POSIX descriptor whose last handle and mapping are gone. CUDA
   // frees it only once the descriptors are closed too (cuMemRelease): while one is open, the memfd
-  // lives with it, and import_handle through it finds the memory again (revive).
+  // lives with it, its bytes stay in `physical`, and import_handle through it finds the memory
+  // again (revive). Dropped (and the bytes freed) once no descriptor of this process names it.
   struct ReleasedExport {
     std::size_t size = 0;
     dev_t dev = 0;
@@ -194,7 +196,7 @@ struct SimDriver::Impl {
   // Host-backed mode: ranges the arena had no room for, each mapped on its own (start -> length).
   std::map<dev_ptr, std::size_t> outside;
   std::size_t foreign = 0;
-  std::size_t physical = 0;  // bytes of live Phys + live Allocs
+  std::size_t physical = 0;  // bytes of live Phys + live Allocs + released_exports
 
   std::map<dev_ptr, std::size_t> reservations;  // base -> size; disjoint
   std::unordered_map<std::uint64_t, Phys> phys;
@@ -430,19 +432,57 @@ struct SimDriver::Impl {
   void unref(std::uint64_t id) noexcept {
     auto it = phys.find(id);
     if (--it->second.refs != 0) return;
-    physical -= it->second.size;
+    bool kept = false;  // still in use through an exported descriptor
     if (it->second.fd >= 0) {
       struct stat st {};
       if (it->second.exported_fd && ::fstat(it->second.fd, &st) == 0) {
         try {
           released_exports[id] = ReleasedExport{it->second.size, st.st_dev, st.st_ino};
+          kept = true;
         } catch (...) {
           // No host memory to remember it: the memory goes now, as without an export.
         }
       }
       ::close(it->second.fd);
     }
+    if (!kept) physical -= it->second.size;
     phys.erase(it);
+  }
+  // Frees the released exports no open descriptor of this process names any more (closed without
+  // an import): CUDA frees such memory at the last close, which the simulator cannot see happen.
+  // Where /proc/self/fd cannot be read, they are kept (counted as in use).
+  void drop_closed_exports() noexcept {
+    if (released_exports.empty()) return;
+    const int dir = ::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) return;
+    DIR* d = ::fdopendir(dir);
+    if (d == nullptr) {
+      ::close(dir);
+      return;
+    }
+    std::unordered_map<std::uint64_t, bool> open_ids;  // released export -> a descriptor names it
+    try {
+      for (const auto& [id, r] : released_exports) open_ids.emplace(id, false);
+    } catch (...) {
+      ::closedir(d);
+      return;  // no memory to check: keep them all
+    }
+    while (const dirent* e = ::readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      struct stat st {};
+      if (::fstatat(dir, e->d_name, &st, 0) != 0) continue;  // follows the link: the file itself
+      for (auto& [id, seen] : open_ids) {
+        const ReleasedExport& r = released_exports.at(id);
+        if (r.dev == st.st_dev && r.ino == st.st_ino) seen = true;
+      }
+    }
+    ::closedir(d);
+    for (const auto& [id, seen] : open_ids) {
+      if (seen) continue;
+      auto r = released_exports.find(id);
+      physical -= r->second.size;
+      released_exports.erase(r);
+    }
   }
   // The released memory `fd` still names (ReleasedExport), back in `phys` with no reference yet;
   // phys.end() when `fd` does not name it (closed, or another file).
@@ -455,9 +495,7 @@ struct SimDriver::Impl {
     if (own < 0) host_failure(call, "fcntl(F_DUPFD_CLOEXEC)", errno);
     try {
       auto it = phys.emplace(id, Phys{r->second.size, own, 0, true}).first;
-      // Counted again (not held to the capacity: on CUDA it never stopped being used).
-      physical += r->second.size;
-      released_exports.erase(r);
+      released_exports.erase(r);  // its bytes never left `physical`: on CUDA it never stopped being used
       return it;
     } catch (...) {
       ::close(own);
@@ -533,6 +571,7 @@ std::string SimDriver::device_name() const {
 
 MemInfo SimDriver::mem_info() {
   std::lock_guard lock(impl_->mutex);
+  impl_->drop_closed_exports();
   const std::size_t used = std::min(options_.capacity, impl_->physical + std::min(impl_->foreign, options_.capacity));
   return {options_.capacity - used, options_.capacity};
 }
@@ -597,6 +636,7 @@ phys_handle SimDriver::create(std::size_t bytes) {
   s.enter(Op::create, call);
   if (bytes == 0) invalid(call, "size is 0");
   s.check_granular(call, "size", bytes);
+  s.drop_closed_exports();  // memory freed by a close since the last call is free again
   s.check_capacity(call, bytes);
   int fd = -1;
   if (options_.host_backed) {
@@ -727,6 +767,7 @@ dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
   Impl& s = *impl_;
   s.enter(Op::mem_alloc, call);
   if (bytes == 0) invalid(call, "size is 0");
+  s.drop_closed_exports();  // memory freed by a close since the last call is free again
   s.check_capacity(call, bytes);
   Impl::Alloc a{bytes, 0, 0};
   dev_ptr p = 0;
@@ -1064,6 +1105,7 @@ std::uint64_t SimDriver::calls(Op op) const {
 
 SimDriver::Live SimDriver::live() const {
   std::lock_guard lock(impl_->mutex);
+  impl_->drop_closed_exports();  // what a close freed is no longer outstanding
   const Impl& s = *impl_;
   Live l;
   l.reservations = s.reservations.size();

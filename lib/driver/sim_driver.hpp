@@ -26,9 +26,14 @@
 // names when they are broken, so a backend bug shows up as an error, not as silent success.
 //
 // Sharing is in-process. As on CUDA, memory exported as a POSIX descriptor stays importable through
-// it after its last handle and mapping are released, until the descriptor is closed: in host-backed
-// mode, where the descriptor is a real one (bookkeeping mode's are numbers whose close it cannot
-// see: there the memory goes with its last handle and mapping).
+// it after its last handle and mapping are released, until the descriptor is closed, and stays in
+// use meanwhile (held to the capacity, in mem_info and live().physical_bytes): in host-backed mode,
+// where the descriptor is a real one. What it cannot see: a close itself (it finds the memory's
+// descriptors gone from /proc/self/fd at its next create, mem_alloc, mem_info or live, and frees the
+// memory then; where /proc/self/fd cannot be read, such memory stays in use until the driver is
+// destroyed), and descriptors passed to other processes, which do not keep it (another process
+// cannot import from the simulator anyway). Bookkeeping mode's descriptors are numbers whose close
+// it cannot see: there the memory goes with its last handle and mapping.
 //
 // Fault injection makes the n-th future call of an operation fail with OOM or another error; the
 // failing call has no effect. live() counts what is outstanding, for leak checks.

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "c_api_internal.hpp"
@@ -23,6 +24,7 @@
 #include "expseg/allocator.hpp"
 #include "expseg/errors.hpp"
 #include "expseg/expseg.h"
+#include "expseg/ipc.hpp"
 #include "expseg/trace.hpp"
 
 namespace {
@@ -998,6 +1000,86 @@ TEST_CASE_FIXTURE(CApiFixture, "regression: expseg_ipc_import sets *size to 0 on
   CHECK(last_error().find("ptr must not be NULL") != std::string::npos);
   CHECK(size == 0);
   CHECK(expseg_device_initialized(0) == 0);
+}
+
+namespace {
+// The serialized handle `make` builds in a fork child of this process (another process), its pid
+// field set to this process's pid: what a process of another PID namespace (another container)
+// that happens to have our pid sends.
+template <class F>
+std::vector<unsigned char> handle_from_other_process_with_our_pid(F&& make) {
+  int pipefd[2];
+  REQUIRE(::pipe(pipefd) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(pipefd[0]);
+    int rc = 1;
+    try {
+      expseg::IpcMemHandle h = make();
+      h.exporter_pid = ::getppid();
+      const std::vector<std::uint8_t> bytes = h.serialize();
+      if (::write(pipefd[1], bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size())) rc = 0;
+    } catch (...) {
+    }
+    ::_exit(rc);
+  }
+  ::close(pipefd[1]);
+  std::vector<unsigned char> out;
+  unsigned char buf[4096];
+  for (ssize_t n; (n = ::read(pipefd[0], buf, sizeof buf)) > 0;) out.insert(out.end(), buf, buf + n);
+  ::close(pipefd[0]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  return out;
+}
+}  // namespace
+
+// Whether a handle comes from this process was decided by its pid alone; another PID namespace's
+// process may have the same pid. Was: such a handle was taken for this process's own.
+TEST_CASE_FIXTURE(CApiFixture, "regression: expseg_ipc_import tells another process with our pid from this one") {
+  SUBCASE("sim: another process's handle is not imported as this process's own") {
+    REQUIRE(expseg_configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:split_merge") == EXPSEG_SUCCESS);
+    void* p = expseg_malloc(static_cast<ssize_t>(4 * MiB), 0, nullptr);
+    REQUIRE(p != nullptr);
+    // The child's copy of the allocator exports its copy of the allocation.
+    const std::vector<unsigned char> bytes = handle_from_other_process_with_our_pid([&] {
+      const void* handle = nullptr;
+      std::size_t handle_size = 0;
+      const int* fds = nullptr;
+      std::size_t nfds = 0;
+      if (expseg_ipc_export(p, 0, &handle, &handle_size, &fds, &nfds) != EXPSEG_SUCCESS) throw std::runtime_error("export");
+      return expseg::IpcMemHandle::deserialize({static_cast<const std::uint8_t*>(handle), handle_size});
+    });
+    void* q = nullptr;
+    const int rc = expseg_ipc_import(bytes.data(), bytes.size(), nullptr, 0, 0, &q, nullptr);
+    CHECK(rc == EXPSEG_ERROR_IPC);
+    CHECK(q == nullptr);
+    CHECK(last_error().find("in-process only") != std::string::npos);
+    CHECK(last_error().find("another PID namespace") != std::string::npos);
+    if (q != nullptr) CHECK(expseg_ipc_close(q, 0) == EXPSEG_SUCCESS);
+    expseg_free(p, 0, 0, nullptr);
+  }
+  SUBCASE("cuda: another process's cuda_ipc handle is not refused as exported here") {
+    REQUIRE(expseg_configure("device:cuda") == EXPSEG_SUCCESS);
+    const std::vector<unsigned char> bytes = handle_from_other_process_with_our_pid([] {
+      expseg::IpcMemHandle h;
+      h.kind = expseg::IpcKind::cuda_ipc;
+      h.device_kind = "cuda";
+      h.size = MiB;
+      h.range_bytes = 2 * MiB;
+      h.pieces.resize(1);
+      h.pieces[0].bytes = 2 * MiB;
+      return h;
+    });
+    void* q = nullptr;
+    const int rc = expseg_ipc_import(bytes.data(), bytes.size(), nullptr, 0, 0, &q, nullptr);
+    // No GPU here (or a handle naming no memory on one): some failure, but not this one.
+    CHECK(rc != EXPSEG_SUCCESS);
+    CHECK(last_error().find("process that exported it") == std::string::npos);
+  }
 }
 
 TEST_CASE_FIXTURE(CApiFixture, "expseg_set_oom_callback: called with the report before malloc returns NULL, on every entry point") {
