@@ -4,6 +4,7 @@
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -50,8 +51,8 @@ std::string errno_text(int err) { return std::string(std::strerror(err)) + " (er
 [[noreturn]] void sys_fail(const std::string& what, int err) { throw ipc_error("expseg: " + what + ": " + errno_text(err), err); }
 
 constexpr char kMagic[8] = {'E', 'X', 'P', 'S', 'G', 'I', 'P', 'C'};
-// 2: the exporter's nonce after its pid.
-constexpr std::uint32_t kVersion = 2;
+// 2: the exporter's nonce after its pid; 3: then its PID namespace.
+constexpr std::uint32_t kVersion = 3;
 
 // --- which process exported a handle ------------------------------------------------------------------
 // A pid does not say: processes in different PID namespaces (containers) may have the same one. A
@@ -83,6 +84,18 @@ std::uint64_t process_nonce() noexcept {
   }();
   (void)ready;
   return g_process_nonce.load(std::memory_order_relaxed);
+}
+
+// --- which PID namespace numbers the exporter's pid ---------------------------------------------------
+// The inode of /proc/self/ns/pid names this process's PID namespace (what `lsns` shows). A process
+// never changes its own PID namespace (unshare and setns change its children's), so it is read once.
+// 0 when /proc is not mounted or hides it: then nothing can be told and the pid is trusted.
+std::uint64_t pid_namespace() noexcept {
+  static const std::uint64_t id = [] {
+    struct stat st {};
+    return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : std::uint64_t{0};
+  }();
+  return id;
 }
 
 class Writer {
@@ -328,6 +341,7 @@ std::vector<std::uint8_t> IpcMemHandle::serialize() const {
   w.put(static_cast<std::int32_t>(device));
   w.put(exporter_pid);
   w.put(exporter_nonce);
+  w.put(exporter_pid_namespace);
   w.put(static_cast<std::uint64_t>(offset));
   w.put(static_cast<std::uint64_t>(size));
   w.put(static_cast<std::uint64_t>(range_bytes));
@@ -358,6 +372,7 @@ IpcMemHandle IpcMemHandle::deserialize(std::span<const std::uint8_t> bytes) {
   h.device = r.get<std::int32_t>("device");
   h.exporter_pid = r.get<std::int64_t>("pid");
   h.exporter_nonce = r.get<std::uint64_t>("exporter nonce");
+  h.exporter_pid_namespace = r.get<std::uint64_t>("exporter PID namespace");
   h.offset = r.get<std::uint64_t>("offset");
   h.size = static_cast<std::size_t>(r.get<std::uint64_t>("size"));
   h.range_bytes = static_cast<std::size_t>(r.get<std::uint64_t>("range"));
@@ -390,6 +405,13 @@ void IpcMemHandle::adopt_fds(std::vector<OwnedFd> received) {
 
 void IpcMemHandle::fetch_fds_from_exporter() {
   if (!needs_fds()) return;
+  const std::uint64_t here = pid_namespace();
+  if (exporter_pid_namespace != 0 && here != 0 && exporter_pid_namespace != here)
+    throw ipc_error("expseg: fetch_fds_from_exporter: the exporter (pid " + std::to_string(exporter_pid) +
+                    " in its PID namespace " + std::to_string(exporter_pid_namespace) +
+                    ") runs in another PID namespace than this process (" + std::to_string(here) +
+                    "), e.g. another container: that pid names another process here, or none, so its descriptors "
+                    "cannot be taken with pidfd_getfd. " + pidfd_fallback());
   std::vector<int> remote;
   remote.reserve(pieces.size());
   for (const IpcPiece& p : pieces) {
@@ -562,6 +584,7 @@ IpcMemHandle Allocator::export_ipc(void* ptr) {
   h.device = d.device();
   h.exporter_pid = ::getpid();
   h.exporter_nonce = process_nonce();
+  h.exporter_pid_namespace = pid_namespace();
   h.size = b->requested;
   const backends::ExportPlan plan = impl_->backend->export_plan(*b);
   h.offset = addr - plan.base;

@@ -28,7 +28,8 @@
 //     recv_fds for your own framing). Works everywhere, containers included; needs a socket.
 //   - pidfd_open + pidfd_getfd (Linux >= 5.6): the importer takes the descriptors straight out of the
 //     exporter, knowing only its pid and their numbers (both are in serialize()'s bytes), so the bytes
-//     can travel any way. The kernel checks ptrace access to the exporter: it fails with EPERM under
+//     can travel any way. Both processes must share a PID namespace (a pid means nothing in another
+//     one: fetch_fds_from_exporter refuses a handle from another namespace, naming the fallback). The kernel checks ptrace access to the exporter: it fails with EPERM under
 //     Yama ptrace_scope >= 1 unless the exporter called allow_fd_fetch_by(importer pid), when the
 //     importer runs as another user, or in containers whose seccomp profile refuses pidfd_getfd
 //     without CAP_SYS_PTRACE (Docker's default); ENOSYS on older kernels. The ipc_error then names
@@ -117,6 +118,10 @@ struct IpcMemHandle {
   // pid, it tells processes of different PID namespaces apart (two containers' processes may both
   // be pid 1). 0 (a handle built by hand): an unknown exporter, never this process.
   std::uint64_t exporter_nonce = 0;
+  // The exporter's PID namespace (the inode of its /proc/self/ns/pid; 0: unknown, e.g. no /proc).
+  // exporter_pid means that process only in this namespace: fetch_fds_from_exporter refuses a
+  // handle from another one rather than take descriptors from whatever process has that pid here.
+  std::uint64_t exporter_pid_namespace = 0;
   std::uint64_t offset = 0;     // where the allocation starts inside the exported range
   std::size_t size = 0;         // the allocation's size, as requested from allocate()
   std::size_t range_bytes = 0;  // the exported range: the pieces' bytes, back to back
@@ -143,7 +148,9 @@ struct IpcMemHandle {
   // Takes ownership of `fds`, one per piece in order (posix_fd); throws ipc_error if the count is wrong.
   void adopt_fds(std::vector<OwnedFd> fds);
   // pidfd_open(exporter_pid) + pidfd_getfd of each piece's remote_fd (Linux >= 5.6). Throws
-  // ipc_error naming the restriction and the fallback when the platform refuses.
+  // ipc_error naming the restriction and the fallback when the platform refuses, and before any
+  // system call when the exporter runs in another PID namespace than this process (another
+  // container, or a container and its host): its pid names another process here, or none.
   void fetch_fds_from_exporter();
 };
 

@@ -506,12 +506,43 @@ TEST_CASE("ipc: a failing export or import leaks nothing") {
   s->validate();
 }
 
+TEST_CASE("ipc: pidfd_getfd is not tried for an exporter in another PID namespace") {
+  auto s = sim_alloc(host_config(BackendKind::expandable, "ipc_handle:posix_fd,expandable_max_handle:2MiB"));
+  void* p = s->allocate(3 * MiB);
+  IpcMemHandle h = s->export_ipc(p);
+  struct stat ns {};
+  const bool have_proc = ::stat("/proc/self/ns/pid", &ns) == 0;
+  // The exporter says which PID namespace numbers its pid (0 where /proc cannot tell).
+  CHECK(h.exporter_pid_namespace == (have_proc ? static_cast<std::uint64_t>(ns.st_ino) : 0));
+  if (have_proc) {
+    // Another container's exporter whose pid is ours: the descriptors it names are ours, not its
+    // own. Before, pidfd_getfd took them from this process.
+    IpcMemHandle other = IpcMemHandle::deserialize(h.serialize());
+    other.exporter_pid_namespace = ns.st_ino + 1;
+    bool refused = false;
+    try {
+      other.fetch_fds_from_exporter();
+    } catch (const expseg::ipc_error& e) {
+      refused = true;
+      CHECK(contains(e.what(), "another PID namespace"));
+      CHECK(contains(e.what(), "SCM_RIGHTS"));
+      CHECK(e.sys_errno() == 0);  // refused before any system call
+    }
+    CHECK(refused);
+    CHECK_FALSE(other.has_fds());
+  } else {
+    MESSAGE("no /proc/self/ns/pid here: the namespace check is not exercised");
+  }
+  s->deallocate(p);
+}
+
 TEST_CASE("ipc: the handle's bytes round-trip, and malformed bytes are refused") {
   IpcMemHandle h;
   h.kind = IpcKind::posix_fd;
   h.device_kind = "cuda";
   h.device = 3;
   h.exporter_pid = 4242;
+  h.exporter_pid_namespace = 4026531836;
   h.offset = 1536;
   h.size = 3 * MiB;
   h.range_bytes = 6 * MiB;
@@ -530,6 +561,7 @@ TEST_CASE("ipc: the handle's bytes round-trip, and malformed bytes are refused")
   CHECK(back.device_kind == h.device_kind);
   CHECK(back.device == 3);
   CHECK(back.exporter_pid == 4242);
+  CHECK(back.exporter_pid_namespace == 4026531836);
   CHECK(back.offset == 1536);
   CHECK(back.size == 3 * MiB);
   CHECK(back.range_bytes == 6 * MiB);
