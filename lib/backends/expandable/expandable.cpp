@@ -41,6 +41,16 @@ constexpr std::size_t next_handle_frames(std::size_t f, std::size_t run_end, std
   return n;
 }
 
+// The first frame in [f, limit) with a handle mapped (limit if none; limit <= seg.frames.size()).
+std::size_t next_mapped_frame(const ExpSegment& seg, std::size_t f, std::size_t limit) noexcept {
+  while (f < limit) {
+    const std::uint64_t word = seg.mapped_words[f / 64] >> (f % 64);
+    if (word != 0) return std::min(limit, f + static_cast<std::size_t>(std::countr_zero(word)));
+    f = (f / 64 + 1) * 64;
+  }
+  return limit;
+}
+
 // Splits free block `b` at `at` (inside it): `b` keeps [addr, at), the returned new block holds
 // [at, end) with the same segment, stream and mapped state. Indexes are the caller's business.
 Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
@@ -637,8 +647,7 @@ std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint6
   for (std::size_t f = first; f < end;) {
     const ExpHandle* h = f < table_end ? seg.frames[f] : nullptr;
     if (h == nullptr) {
-      std::size_t e = f + 1;
-      while (e < table_end && seg.frames[e] == nullptr) ++e;
+      std::size_t e = next_mapped_frame(seg, f + 1, table_end);
       if (e >= table_end) e = std::max(e, end);
       run += e - f;
       f = e;
@@ -1122,7 +1131,10 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
     if (run_objects_ < handles_ + 1) add_spare_runs(handles_ + 1 - run_objects_);
     seg.arena->blocks.reserve_two();  // set_range_mapped's splits, so that they cannot fail once mapped
     // register_mapping's frames (past the table's end: unmapped, as nullptr says)
-    if (seg.frames.size() < frame + h->nframes) seg.frames.resize(frame + h->nframes, nullptr);
+    if (seg.frames.size() < frame + h->nframes) {
+      seg.mapped_words.resize(std::max(seg.mapped_words.size(), (frame + h->nframes + 63) / 64), 0);
+      seg.frames.resize(frame + h->nframes, nullptr);
+    }
     unmap_orphans_in(addr, bytes);  // throws: the frames still hold that mapping, the error says why
   } catch (...) {
     give_up(false);
@@ -1158,7 +1170,10 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   ExpArena& arena = *seg.arena;
   h->seg = &seg;
   h->mapped = true;
-  for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = h;
+  for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) {
+    seg.frames[f] = h;
+    seg.mapped_words[f / 64] |= std::uint64_t{1} << (f % 64);
+  }
   seg.mapped_bytes += h->bytes;
   seg.high_water = std::max(seg.high_water, (h->first_frame + h->nframes) * frame_);
   reserved_ += h->bytes;
@@ -1302,7 +1317,10 @@ void ExpandableBackend::unmap_mapping(ExpHandle* h) {
     whole_handles(seg, *b, wlo, whi);
     make_busy(seg, wlo, whi, lo, hi);
   }
-  for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) seg.frames[f] = nullptr;
+  for (std::size_t f = h->first_frame; f < h->first_frame + h->nframes; ++f) {
+    seg.frames[f] = nullptr;
+    seg.mapped_words[f / 64] &= ~(std::uint64_t{1} << (f % 64));
+  }
   seg.mapped_bytes -= h->bytes;
   ctx_.stats.num_device_free += 1;
   if (ctx_.hooks) ctx_.hooks->on_unmap(lo, h->bytes, arena.stream);
@@ -1557,6 +1575,14 @@ void ExpandableBackend::validate() const {
       std::size_t mapped = 0;
       std::vector<std::size_t> live(seg->frames.size(), 0);  // live bytes per handle, by first frame
       std::vector<char> in_free(seg->frames.size(), 0);      // lies wholly inside a mapped free block
+      // (It may be longer than the table: grown first, so that the table never outruns it.)
+      if (seg->mapped_words.size() < (seg->frames.size() + 63) / 64) broken("the mapped-frame bitmap is shorter than the frame table");
+      for (std::size_t w = 0; w < seg->mapped_words.size(); ++w) {
+        std::uint64_t want = 0;
+        for (std::size_t f = w * 64; f < std::min(seg->frames.size(), w * 64 + 64); ++f)  // none set past the table
+          if (seg->frames[f] != nullptr) want |= std::uint64_t{1} << (f % 64);
+        if (seg->mapped_words[w] != want) broken("the mapped-frame bitmap disagrees with the frame table at word " + std::to_string(w));
+      }
       for (std::size_t f = 0; f < seg->frames.size();) {
         const ExpHandle* h = seg->frames[f];
         if (h == nullptr) {
@@ -1630,6 +1656,14 @@ void ExpandableBackend::validate() const {
       if (expect != seg->base + seg->va_bytes) broken("blocks do not cover segment " + hex(seg->base));
       std::vector<char>& idle_here = idle_of[seg];
       idle_here.assign(seg->frames.size(), 0);
+      // (It may be longer than the table: grown first, so that the table never outruns it.)
+      if (seg->mapped_words.size() < (seg->frames.size() + 63) / 64) broken("the mapped-frame bitmap is shorter than the frame table");
+      for (std::size_t w = 0; w < seg->mapped_words.size(); ++w) {
+        std::uint64_t want = 0;
+        for (std::size_t f = w * 64; f < std::min(seg->frames.size(), w * 64 + 64); ++f)  // none set past the table
+          if (seg->frames[f] != nullptr) want |= std::uint64_t{1} << (f % 64);
+        if (seg->mapped_words[w] != want) broken("the mapped-frame bitmap disagrees with the frame table at word " + std::to_string(w));
+      }
       for (std::size_t f = 0; f < seg->frames.size();) {
         const ExpHandle* h = seg->frames[f];
         if (h == nullptr) {
