@@ -359,7 +359,8 @@ def ipc_export(ptr, device=0):
 def ipc_import(handle, fds=(), device=0):
     """Maps what ipc_export gave in another process on `device`; returns (ptr, size). `fds` (received with the
     handle, in order) stay the caller's; without them (None or ()) a posix_fd handle's descriptors are taken from
-    the exporting process (pidfd_getfd, Linux >= 5.6). Close with ipc_close(ptr, device)."""
+    the exporting process (pidfd_getfd, Linux >= 5.6; both processes in one PID namespace, else an ExpsegError names
+    the fallback). Close with ipc_close(ptr, device)."""
     if not isinstance(handle, (bytes, bytearray)):
         raise ExpsegError("handle must be the bytes ipc_export returned, not %r" % type(handle).__name__,
                           INVALID_ARGUMENT)

@@ -216,7 +216,8 @@ EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
  *   `*size` when not NULL) to the allocation's start and size here (NULL and 0 on error). `fds`
  *   are the `nfds` descriptors received with the handle, in order; they stay the caller's (close
  *   them after the call). With nfds 0 a posix_fd handle's descriptors are taken from the exporting
- *   process with pidfd_getfd (Linux >= 5.6, needs ptrace access to it). A split_merge handle
+ *   process with pidfd_getfd (Linux >= 5.6, needs ptrace access to it and both processes in one
+ *   PID namespace: a handle from another container is refused, naming the fallback). A split_merge handle
  *   cannot be imported by the process that exported it (CUDA refuses); a simulated device's handle
  *   is imported only by the allocator that exported it (same process, same device). What can be
  *   checked without the allocator is checked before it is created, so a refused import leaves the
