@@ -1656,14 +1656,6 @@ void ExpandableBackend::validate() const {
       if (expect != seg->base + seg->va_bytes) broken("blocks do not cover segment " + hex(seg->base));
       std::vector<char>& idle_here = idle_of[seg];
       idle_here.assign(seg->frames.size(), 0);
-      // (It may be longer than the table: grown first, so that the table never outruns it.)
-      if (seg->mapped_words.size() < (seg->frames.size() + 63) / 64) broken("the mapped-frame bitmap is shorter than the frame table");
-      for (std::size_t w = 0; w < seg->mapped_words.size(); ++w) {
-        std::uint64_t want = 0;
-        for (std::size_t f = w * 64; f < std::min(seg->frames.size(), w * 64 + 64); ++f)  // none set past the table
-          if (seg->frames[f] != nullptr) want |= std::uint64_t{1} << (f % 64);
-        if (seg->mapped_words[w] != want) broken("the mapped-frame bitmap disagrees with the frame table at word " + std::to_string(w));
-      }
       for (std::size_t f = 0; f < seg->frames.size();) {
         const ExpHandle* h = seg->frames[f];
         if (h == nullptr) {
