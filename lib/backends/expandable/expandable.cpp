@@ -189,6 +189,10 @@ ExpandableBackend::~ExpandableBackend() {
       }
     }
   };
+  // Work queued before may still use cached memory (freed on its stream, or waiting for a recorded
+  // stream's event) and cuMemUnmap does not wait for it, as cuMemFree does: wait for the whole
+  // device (the streams themselves may already be destroyed, e.g. by a replay).
+  if (handles_ != 0) quietly([&] { ctx_.driver.device_synchronize(); });
   // Orphans first: one may still be mapped inside a reservation freed below.
   while (!orphans_.empty()) {
     ExpHandle* h = &orphans_.front();
