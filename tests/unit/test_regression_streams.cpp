@@ -84,3 +84,31 @@ TEST_CASE("expandable: destroying the allocator waits for work still queued on m
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("regression-streams") {
+
+TEST_CASE("set_limit gives back the memory of cross-stream frees whose streams are done, on both backends") {
+  // A block recorded on another stream (record_stream) and freed waits for that stream's event.
+  // Lowering the limit gives back cached memory above it "at once": split_merge completes such
+  // frees first (as release_cached and an OOM retry do), and expandable must too.
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    void* s1 = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    void* p = sa->allocate(60 * MiB, s1);
+    sa->record_stream(p, s2);
+    sa->deallocate(p);  // s2 is idle: its event completes at once, the free is still queued
+    REQUIRE(sa->stats().reserved_bytes[kAllPools].current >= static_cast<std::int64_t>(60 * MiB));
+    sa->set_limit(32 * MiB);
+    CHECK(sa->stats().reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(32 * MiB));
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s1);
+    sa.sim->stream_destroy(s2);
+  }
+}
+
+}  // TEST_SUITE

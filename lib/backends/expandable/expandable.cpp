@@ -1494,6 +1494,9 @@ void ExpandableBackend::on_limit_changed() {
   const std::size_t limit = ctx_.effective_limit();
   begin_operation();
   if (reserved_ <= limit) return;
+  // Cross-stream frees still waiting for their events hold memory the limit may need back: complete
+  // them first, as split_merge does (their blocks become idle here).
+  if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   std::vector<ExpHandle*> idle;
   for_each_idle([&](ExpHandle& h) { idle.push_back(&h); });
   std::vector<std::size_t> sizes(idle.size());
