@@ -839,7 +839,9 @@ void SimDriver::mem_free(dev_ptr ptr) {
 
 stream_t SimDriver::stream_create() {
   std::lock_guard lock(impl_->mutex);
-  const std::uintptr_t id = impl_->next_id++;
+  // Never 0x1 or 0x2: CUDA's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, which no created stream is.
+  std::uintptr_t id = impl_->next_id++;
+  while (id <= 2) id = impl_->next_id++;
   impl_->created_streams.insert(id);
   return as_pointer(id);
 }

@@ -3,6 +3,8 @@
 // of memory that queued work (SimDriver::queue_use on a busy stream) still uses as a hazard.
 #include <doctest/doctest.h>
 
+#include <thread>
+
 #include "test_util.hpp"
 
 using namespace testutil;
@@ -108,6 +110,68 @@ TEST_CASE("set_limit gives back the memory of cross-stream frees whose streams a
     sa.alloc.reset();
     sa.sim->stream_destroy(s1);
     sa.sim->stream_destroy(s2);
+  }
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("regression-streams") {
+
+TEST_CASE("the per-thread default stream: a block freed by one thread is not handed to another thread's stream at once") {
+  // cudaStreamPerThread (0x2) names another stream in each host thread (RMM's pools tell them apart
+  // too): thread B's kernels do not wait for thread A's, so A's freed block is B's only after A's
+  // work is known complete.
+  void* const per_thread = stream_id(2);
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    void* p = nullptr;
+    std::thread([&] { p = sa->allocate(8 * MiB, per_thread); sa->deallocate(p); }).join();  // A's kernel may still use p
+    const auto syncs = sa.sim->calls(Op::stream_sync);
+    const auto records = sa.sim->calls(Op::event_record);
+    void* q = nullptr;
+    std::thread([&] { q = sa->allocate(8 * MiB, per_thread); }).join();
+    CHECK((q != p || sa.sim->calls(Op::stream_sync) > syncs || sa.sim->calls(Op::event_record) > records));
+    // On its own thread, the per-thread stream reuses its block at once (stream order).
+    void* r = nullptr;
+    void* again = nullptr;
+    std::thread([&] {
+      r = sa->allocate(8 * MiB, per_thread);
+      sa->deallocate(r);
+      again = sa->allocate(8 * MiB, per_thread);
+      sa->deallocate(again);
+    }).join();
+    CHECK(again == r);
+    sa->deallocate(q);
+    sa->validate();
+  }
+}
+
+TEST_CASE("the per-thread default stream: record_stream from another thread waits for that thread's stream") {
+  // Thread B's kernel on its per-thread stream uses p, which this thread frees. The event cannot be
+  // recorded on B's per-thread stream from here (0x2 here is this thread's own, idle): it goes to
+  // the legacy default stream, which waits for every blocking stream's earlier work, B's included.
+  void* const per_thread = stream_id(2);
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    void* s1 = sa.sim->stream_create();
+    void* p = sa->allocate(8 * MiB, s1);
+    std::thread([&] { sa->record_stream(p, per_thread); }).join();
+    sa.sim->set_stream_busy(nullptr, true);  // B's kernel: the legacy default stream waits for it
+    sa->deallocate(p);
+    void* q = sa->allocate(8 * MiB, s1);
+    CHECK(q != p);
+    sa.sim->set_stream_busy(nullptr, false);
+    void* r = sa->allocate(8 * MiB, s1);
+    CHECK(r == p);
+    sa->deallocate(q);
+    sa->deallocate(r);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s1);
   }
 }
 

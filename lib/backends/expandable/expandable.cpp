@@ -1363,7 +1363,7 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 void ExpandableBackend::synchronize_once(driver::stream_t stream) {
   SyncedStreams& s = synced_;
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
-  if (s.count < std::size(s.streams)) {
+  if (s.count < std::size(s.streams) && !is_per_thread_key(stream)) {
     ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
     s.streams[s.count++] = stream;
   } else {
