@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cstdio>
 #include <stdexcept>
@@ -35,6 +36,27 @@ std::string size_value(std::size_t n) {
     for (const auto& [factor, unit] : kUnits)
       if (n % factor == 0) return std::to_string(n / factor) + unit;
   return std::to_string(n);
+}
+
+// The key of the calling thread's per-thread default stream (see backends::kPerThreadStream), never
+// reused: a later thread does not inherit cached memory another thread's stream may still use.
+driver::stream_t per_thread_key() noexcept {
+  static std::atomic<std::uintptr_t> next{1};
+  thread_local const std::uintptr_t key = backends::kPerThreadKeyTag | next.fetch_add(1, std::memory_order_relaxed);
+  return reinterpret_cast<driver::stream_t>(key);
+}
+
+// The stream as the backends and the pending frees know it.
+driver::stream_t stream_key(driver::stream_t s) noexcept {
+  return reinterpret_cast<std::uintptr_t>(s) == backends::kPerThreadStream ? per_thread_key() : s;
+}
+
+// Where to record an event for work queued on `s` (a stream_key) so far: a per-thread stream only
+// from its own thread; another thread's, through the legacy default stream, which waits for all
+// earlier work of every blocking stream, every thread's per-thread stream included.
+driver::stream_t event_stream(driver::stream_t s) noexcept {
+  if (!backends::is_per_thread_key(s)) return s;
+  return s == per_thread_key() ? reinterpret_cast<driver::stream_t>(backends::kPerThreadStream) : nullptr;
 }
 
 }  // namespace
@@ -180,6 +202,7 @@ Allocator::Impl::~Impl() {
 
 void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   if (bytes == 0) return nullptr;
+  stream = stream_key(stream);
   std::unique_lock<core::Mutex> lock(mu);
   if (pending_count != 0) process_events();
   // Room in the live table before the backend hands out a block: a bad_alloc growing it afterwards
@@ -283,7 +306,7 @@ void Allocator::Impl::deallocate(void* ptr) {
           spare_events.pop_back();
         }
         events.push_back(e);  // capacity reserved: cannot throw
-        driver->event_record(e, s);
+        driver->event_record(e, event_stream(s));
       }
       for (std::size_t i = 0; i < events.size(); ++i) {
         auto it = queue_of(b->stream_uses[i]);
@@ -311,6 +334,7 @@ void Allocator::Impl::deallocate(void* ptr) {
 void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   if (ptr == nullptr) return;  // as deallocate(nullptr): PyTorch records streams of empty tensors
   const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
+  stream = stream_key(stream);
   std::lock_guard<core::Mutex> lock(mu);
   Block* b = live.find(addr);
   if (b == nullptr) throw_invalid_pointer("record_stream", addr);

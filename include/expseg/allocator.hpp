@@ -5,7 +5,8 @@
 // out again to a later allocate() on the same stream at once (stream order makes that safe); it is
 // handed to another stream only after the work queued on its stream is known complete. If other
 // streams used the memory, call record_stream(p, other) before deallocate(p): the block then
-// waits for events recorded on those streams.
+// waits for events recorded on those streams. cudaStreamPerThread (CU_STREAM_PER_THREAD) is the
+// calling thread's own stream: each thread's blocks are cached apart, as RMM's pools keep them.
 //
 // Thread safety: every method may be called from any thread; one lock per allocator, held for the
 // cached malloc/free path only as long as the free-block index update takes. (expandable also

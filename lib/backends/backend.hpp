@@ -35,6 +35,16 @@ namespace expseg::backends {
 std::size_t roundup_power2_divisions_size(const Config& c, std::size_t size, std::size_t min_block) noexcept;
 bool has_roundup_power2_divisions(const Config& c) noexcept;
 
+// cudaStreamPerThread (CU_STREAM_PER_THREAD) names another stream in each host thread: the frontend
+// hands the backends a key of the calling thread instead (its top 16 bits set, which no CUstream,
+// a user-space pointer, has), so that each thread's per-thread stream caches its own blocks. No
+// other thread can name that stream: a backend waits for its work with a device synchronization.
+inline constexpr std::uintptr_t kPerThreadStream = 0x2;
+inline constexpr std::uintptr_t kPerThreadKeyTag = std::uintptr_t{0xFFFF} << 48;
+inline bool is_per_thread_key(driver::stream_t s) noexcept {
+  return (reinterpret_cast<std::uintptr_t>(s) & kPerThreadKeyTag) == kPerThreadKeyTag;
+}
+
 // What a backend tells the frontend while it works.
 class FrontendHooks {
  public:

@@ -210,6 +210,16 @@ struct SimDriver::Impl {
   std::unordered_set<std::uintptr_t> busy_streams;
   std::unordered_map<std::uintptr_t, Event> events;
   std::uint64_t record_seq = 0;
+  // Work queued on busy streams that uses device memory (queue_use), until the stream's work up to
+  // it completes; an unmap under it is a hazard (on a GPU the work would fault or read other data).
+  struct Use {
+    std::uintptr_t stream = 0;
+    std::uint64_t seq = 0;
+    dev_ptr lo = 0;
+    dev_ptr hi = 0;
+  };
+  std::vector<Use> uses;
+  std::vector<std::string> hazards;
   std::vector<int> peers;          // add_access_device: what set_access grants
   std::vector<int> context_peers;  // enable_context_peer (cuCtxEnablePeerAccess)
 
@@ -511,6 +521,15 @@ struct SimDriver::Impl {
   void complete(const std::uintptr_t* stream, std::uint64_t seq) noexcept {
     for (auto& [id, ev] : events)
       if (ev.pending && (stream == nullptr || ev.stream == *stream) && ev.seq <= seq) ev.pending = false;
+    std::erase_if(uses, [&](const Use& u) { return (stream == nullptr || u.stream == *stream) && u.seq <= seq; });
+  }
+  // An unmap of [lo, hi) while queued work still uses part of it: recorded, not refused (CUDA does
+  // not refuse it either), so that a test sees every one.
+  void check_unused(const char* call, dev_ptr lo, dev_ptr hi) {
+    for (const Use& u : uses)
+      if (u.lo < hi && lo < u.hi)
+        hazards.push_back(std::string(call) + " of " + range(lo, hi - lo) + " while work queued on stream " + hex(u.stream) +
+                          " still uses " + range(u.lo, u.hi - u.lo));
   }
 
   void encode(ExportedHandle& out, std::uint32_t magic, std::uint64_t value) const noexcept {
@@ -728,6 +747,7 @@ void SimDriver::unmap(dev_ptr ptr, std::size_t bytes) {
       ::mmap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr)), bytes, PROT_NONE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED)
     host_failure(call, "mmap", errno);
+  s.check_unused(call, ptr, end);
   for (auto m = first; m != it; ++m) {
     s.charge_table(kTableSizes, kUnmapUs, m->second.size);
     s.unref(m->second.phys);
@@ -819,7 +839,9 @@ void SimDriver::mem_free(dev_ptr ptr) {
 
 stream_t SimDriver::stream_create() {
   std::lock_guard lock(impl_->mutex);
-  const std::uintptr_t id = impl_->next_id++;
+  // Never 0x1 or 0x2: CUDA's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, which no created stream is.
+  std::uintptr_t id = impl_->next_id++;
+  while (id <= 2) id = impl_->next_id++;
   impl_->created_streams.insert(id);
   return as_pointer(id);
 }
@@ -1121,6 +1143,19 @@ SimDriver::Live SimDriver::live() const {
 void SimDriver::set_foreign_usage(std::size_t bytes) {
   std::lock_guard lock(impl_->mutex);
   impl_->foreign = bytes;
+}
+
+void SimDriver::queue_use(stream_t stream, dev_ptr ptr, std::size_t bytes) {
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  const std::uintptr_t id = id_of(stream);
+  if (bytes == 0 || !s.busy_streams.contains(id)) return;  // an idle stream's work completes at once
+  s.uses.push_back(Impl::Use{id, ++s.record_seq, ptr, ptr + bytes});
+}
+
+std::vector<std::string> SimDriver::hazards() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->hazards;
 }
 
 void SimDriver::set_stream_busy(stream_t stream, bool busy) {

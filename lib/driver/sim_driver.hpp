@@ -147,6 +147,12 @@ class SimDriver final : public Driver {
   void set_foreign_usage(std::size_t bytes);
   // A busy stream keeps events recorded on it incomplete until it is made idle or synchronized.
   void set_stream_busy(stream_t stream, bool busy);
+  // Work queued on `stream` that uses [ptr, ptr + bytes): on a busy stream it stays queued until the
+  // stream's work completes (synchronized, made idle or destroyed); on an idle one it is done at once.
+  void queue_use(stream_t stream, dev_ptr ptr, std::size_t bytes);
+  // Unmaps of memory that queued work (queue_use) still used, in order: each is what a GPU would
+  // fault on (or silently corrupt). The driver does not refuse them, as CUDA does not.
+  std::vector<std::string> hazards() const;
   // Total simulated driver time (seconds) under the latency model; 0 when the model is off.
   double simulated_seconds() const;
 

@@ -199,6 +199,10 @@ ExpandableBackend::~ExpandableBackend() {
       }
     }
   };
+  // Work queued before may still use cached memory (freed on its stream, or waiting for a recorded
+  // stream's event) and cuMemUnmap does not wait for it, as cuMemFree does: wait for the whole
+  // device (the streams themselves may already be destroyed, e.g. by a replay).
+  if (handles_ != 0) quietly([&] { ctx_.driver.device_synchronize(); });
   // Orphans first: one may still be mapped inside a reservation freed below.
   while (!orphans_.empty()) {
     ExpHandle* h = &orphans_.front();
@@ -1377,7 +1381,7 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 void ExpandableBackend::synchronize_once(driver::stream_t stream) {
   SyncedStreams& s = synced_;
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
-  if (s.count < std::size(s.streams)) {
+  if (s.count < std::size(s.streams) && !is_per_thread_key(stream)) {
     ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
     s.streams[s.count++] = stream;
   } else {
@@ -1508,6 +1512,9 @@ void ExpandableBackend::on_limit_changed() {
   const std::size_t limit = ctx_.effective_limit();
   begin_operation();
   if (reserved_ <= limit) return;
+  // Cross-stream frees still waiting for their events hold memory the limit may need back: complete
+  // them first, as split_merge does (their blocks become idle here).
+  if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   std::vector<ExpHandle*> idle;
   for_each_idle([&](ExpHandle& h) { idle.push_back(&h); });
   std::vector<std::size_t> sizes(idle.size());

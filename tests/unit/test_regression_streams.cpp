@@ -1,0 +1,178 @@
+// Stream safety: memory that work queued on a stream may still use is neither handed to another
+// stream nor unmapped until that work is known complete. The simulated device records every unmap
+// of memory that queued work (SimDriver::queue_use on a busy stream) still uses as a hazard.
+#include <doctest/doctest.h>
+
+#include <thread>
+
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+using expseg::kAllPools;
+using expseg::driver::Op;
+
+TEST_SUITE("regression-streams") {
+
+TEST_CASE("sim: an unmap of memory that queued work still uses is a hazard; after the stream's sync it is not") {
+  expseg::driver::SimDriver d;
+  void* s = d.stream_create();
+  const std::size_t g = d.granularity();
+  const auto va = d.reserve(4 * g);
+  const auto h = d.create(g);
+  d.map(va, g, h);
+  d.set_access(va, g);
+  d.set_stream_busy(s, true);
+  d.queue_use(s, va + 64, 128);
+  d.stream_synchronize(s);  // done: the stream stays busy, but that work is complete
+  d.unmap(va, g);
+  CHECK(d.hazards().empty());
+  d.map(va, g, h);
+  d.set_access(va, g);
+  d.queue_use(s, va, 4);
+  d.queue_use(nullptr, va, 4);  // the default stream is idle: done at once
+  d.unmap(va, g);
+  REQUIRE(d.hazards().size() == 1);
+  CHECK(d.hazards()[0].find("cuMemUnmap") != std::string::npos);
+  d.set_stream_busy(s, false);
+  d.release(h);
+  d.free_reserve(va, 4 * g);
+  d.stream_destroy(s);
+}
+
+TEST_CASE("expandable: reclaim under a limit and release_cached wait for the stream that used the memory") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:100MiB"));
+  void* s1 = sa.sim->stream_create();
+  void* s2 = sa.sim->stream_create();
+  void* p = sa->allocate(60 * MiB, s1);
+  sa.sim->set_stream_busy(s1, true);
+  sa.sim->queue_use(s1, addr(p), 60 * MiB);  // a kernel on s1, then the free
+  sa->deallocate(p);
+  void* q = sa->allocate(60 * MiB, s2);  // needs s1's idle memory
+  CHECK(sa.sim->hazards().empty());
+  sa.sim->queue_use(s1, addr(p), 60 * MiB);
+  sa->deallocate(q);
+  sa->release_cached();
+  CHECK(sa.sim->hazards().empty());
+  sa->validate();
+  sa.sim->set_stream_busy(s1, false);
+  sa.alloc.reset();
+  sa.sim->stream_destroy(s1);
+  sa.sim->stream_destroy(s2);
+}
+
+TEST_CASE("expandable: destroying the allocator waits for work still queued on memory freed to its cache") {
+  // A block freed while a kernel on its stream still uses it is cached (stream order makes its
+  // reuse there safe); giving the memory back must wait for that kernel, as cuMemFree does for
+  // split_merge's segments. Also for a cross-stream free still waiting for its event.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable));
+  void* s1 = sa.sim->stream_create();
+  void* s2 = sa.sim->stream_create();
+  void* p = sa->allocate(8 * MiB, s1);
+  void* q = sa->allocate(8 * MiB, s1);
+  sa.sim->set_stream_busy(s1, true);
+  sa.sim->set_stream_busy(s2, true);
+  sa.sim->queue_use(s1, addr(p), 8 * MiB);
+  sa->deallocate(p);
+  sa->record_stream(q, s2);
+  sa.sim->queue_use(s2, addr(q), 8 * MiB);
+  sa->deallocate(q);
+  sa.alloc.reset();
+  CHECK(sa.sim->hazards().empty());
+  CHECK(sa.sim->live().mappings == 0);
+  CHECK(sa.sim->live().handles == 0);
+  sa.sim->stream_destroy(s1);
+  sa.sim->stream_destroy(s2);
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("regression-streams") {
+
+TEST_CASE("set_limit gives back the memory of cross-stream frees whose streams are done, on both backends") {
+  // A block recorded on another stream (record_stream) and freed waits for that stream's event.
+  // Lowering the limit gives back cached memory above it "at once": split_merge completes such
+  // frees first (as release_cached and an OOM retry do), and expandable must too.
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    void* s1 = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    void* p = sa->allocate(60 * MiB, s1);
+    sa->record_stream(p, s2);
+    sa->deallocate(p);  // s2 is idle: its event completes at once, the free is still queued
+    REQUIRE(sa->stats().reserved_bytes[kAllPools].current >= static_cast<std::int64_t>(60 * MiB));
+    sa->set_limit(32 * MiB);
+    CHECK(sa->stats().reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(32 * MiB));
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s1);
+    sa.sim->stream_destroy(s2);
+  }
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("regression-streams") {
+
+TEST_CASE("the per-thread default stream: a block freed by one thread is not handed to another thread's stream at once") {
+  // cudaStreamPerThread (0x2) names another stream in each host thread (RMM's pools tell them apart
+  // too): thread B's kernels do not wait for thread A's, so A's freed block is B's only after A's
+  // work is known complete.
+  void* const per_thread = stream_id(2);
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    void* p = nullptr;
+    std::thread([&] { p = sa->allocate(8 * MiB, per_thread); sa->deallocate(p); }).join();  // A's kernel may still use p
+    const auto syncs = sa.sim->calls(Op::stream_sync);
+    const auto records = sa.sim->calls(Op::event_record);
+    void* q = nullptr;
+    std::thread([&] { q = sa->allocate(8 * MiB, per_thread); }).join();
+    CHECK((q != p || sa.sim->calls(Op::stream_sync) > syncs || sa.sim->calls(Op::event_record) > records));
+    // On its own thread, the per-thread stream reuses its block at once (stream order).
+    void* r = nullptr;
+    void* again = nullptr;
+    std::thread([&] {
+      r = sa->allocate(8 * MiB, per_thread);
+      sa->deallocate(r);
+      again = sa->allocate(8 * MiB, per_thread);
+      sa->deallocate(again);
+    }).join();
+    CHECK(again == r);
+    sa->deallocate(q);
+    sa->validate();
+  }
+}
+
+TEST_CASE("the per-thread default stream: record_stream from another thread waits for that thread's stream") {
+  // Thread B's kernel on its per-thread stream uses p, which this thread frees. The event cannot be
+  // recorded on B's per-thread stream from here (0x2 here is this thread's own, idle): it goes to
+  // the legacy default stream, which waits for every blocking stream's earlier work, B's included.
+  void* const per_thread = stream_id(2);
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    void* s1 = sa.sim->stream_create();
+    void* p = sa->allocate(8 * MiB, s1);
+    std::thread([&] { sa->record_stream(p, per_thread); }).join();
+    sa.sim->set_stream_busy(nullptr, true);  // B's kernel: the legacy default stream waits for it
+    sa->deallocate(p);
+    void* q = sa->allocate(8 * MiB, s1);
+    CHECK(q != p);
+    sa.sim->set_stream_busy(nullptr, false);
+    void* r = sa->allocate(8 * MiB, s1);
+    CHECK(r == p);
+    sa->deallocate(q);
+    sa->deallocate(r);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s1);
+  }
+}
+
+}  // TEST_SUITE
