@@ -114,6 +114,16 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   } else {
     r->verdict = OomVerdict::fragmentation;
   }
+  // The driver said out of memory (memory, or expandable's address range for a new segment) where
+  // the limit and the device's free memory leave room for all the request needs beside what expseg
+  // holds: nothing had to fit between live blocks, the device said no.
+  const std::size_t room = std::min(ctx.limit != 0 ? ctx.limit : mi.total, obtainable);
+  const std::size_t growth = overflow ? SIZE_MAX : std::max(fs.request_footprint, r->rounded_bytes);
+  const backends::Context::Refusal refused =
+      r->verdict == OomVerdict::fragmentation && r->reserved_bytes <= room && growth <= room - r->reserved_bytes
+          ? ctx.refused
+          : backends::Context::Refusal::none;
+  if (refused != backends::Context::Refusal::none) r->verdict = OomVerdict::capacity;
 
   const BackendKind other = config.backend == BackendKind::expandable ? BackendKind::split_merge : BackendKind::expandable;
   r->other_backend = to_string(other);
@@ -163,6 +173,18 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   switch (r->verdict) {
     case OomVerdict::capacity:
     case OomVerdict::limit: {
+      if (refused == backends::Context::Refusal::address_range) {
+        os << "No address range could be reserved for a new segment (cuMemAddressReserve: out of memory), although the device has "
+           << format_bytes(mi.free) << " of memory free: its virtual address space ran out, not its memory (each stream's segments "
+           << "reserve expandable_va_size, by default twice the device's memory).";
+        break;
+      }
+      if (refused == backends::Context::Refusal::memory) {
+        os << "The driver refused the memory the request needs (" << format_bytes(growth) << ") with out of memory, although the device "
+           << "reports " << format_bytes(mi.free) << " free" << (ctx.limit ? " and the limit leaves room for it" : "")
+           << ": another process may have held that memory at the time.";
+        break;
+      }
       // The figures the verdict compared: what live blocks occupy and what the request needs, in this
       // backend's units (whole pages; a new segment).
       const bool pages = config.backend == BackendKind::expandable;

@@ -57,6 +57,10 @@ struct Context {
   std::size_t limit = 0;         // bytes of device memory the backend may hold; 0 = no limit
   std::size_t device_total = 0;  // device capacity in bytes
   FrontendHooks* hooks = nullptr;
+  // What the driver last refused with out of memory in an allocation's slow path (the backend
+  // clears it there first): the OOM report tells the device saying no from a want of room.
+  enum class Refusal : std::uint8_t { none, memory, address_range };
+  Refusal refused = Refusal::none;
   std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
 };
 

@@ -113,8 +113,9 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
   try {
     ptr = ctx_.driver.mem_alloc(size);
   } catch (const driver_error& e) {
-    if (e.is_out_of_memory()) return false;
-    throw;
+    if (!e.is_out_of_memory()) throw;
+    ctx_.refused = Context::Refusal::memory;
+    return false;
   }
   SmSegment* seg = owned.release();
   Block* b = blocks_.make();  // cannot throw: allocate() reserved two blocks
@@ -282,6 +283,7 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   bool found = get_free_block(p);
   const bool cached = found;
   if (!found) {
+    ctx_.refused = Context::Refusal::none;
     blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
     if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
     // CuPy (_try_malloc, since cupy/cupy#7679) has no oversize blocks to release first
