@@ -91,7 +91,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   }
   r->device_total_bytes = mi.total;
   r->device_free_bytes = mi.free;
-  const backends::FreeSummary fs = backend->free_summary(r->rounded_bytes > SIZE_MAX / 2 ? 0 : r->rounded_bytes);
+  const backends::FreeSummary fs = backend->free_summary(r->rounded_bytes > SIZE_MAX / 2 ? 0 : r->rounded_bytes, stream);
   r->largest_free_block_bytes = fs.largest_free_block;
   r->free_blocks = fs.free_blocks;
 
@@ -209,8 +209,17 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     case OomVerdict::fragmentation:
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
          << " is reserved but unallocated in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
-         << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
-         << (ctx.limit ? "limit" : "device") << " leaves no room for more.";
+         << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the " << (ctx.limit ? "limit" : "device")
+         << " leaves no room for more.";
+      // Free blocks the request cannot be served from (another stream's, split_merge's other pool)
+      // would read as a place for it when large enough: say what it could use.
+      if (r->largest_free_block_bytes >= r->rounded_bytes && fs.largest_usable_block < r->largest_free_block_bytes) {
+        os << " The largest free block this request could use is " << format_bytes(fs.largest_usable_block)
+           << ": free blocks serve only requests on their own stream";
+        if (config.backend == BackendKind::split_merge && config.policy != PoolPolicy::cupy)
+          os << " (and small-pool blocks, from 2 MiB segments, only requests of at most 1 MiB; large-pool blocks only larger ones)";
+        os << ".";
+      }
       break;
     case OomVerdict::unknown:  // short_oom_report's, never a full report's
       break;

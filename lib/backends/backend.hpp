@@ -66,6 +66,9 @@ struct Context {
 
 struct FreeSummary {
   std::size_t largest_free_block = 0;  // largest free block backed by memory
+  // Of those, the largest the request could be served from: a free block serves only its own
+  // stream (split_merge: and only requests of its pool, small or large). 0 without a request.
+  std::size_t largest_usable_block = 0;
   std::size_t free_blocks = 0;         // free blocks backed by memory
   std::size_t releasable_bytes = 0;    // cached bytes that release_cached() would give back
   // Device memory the live (allocated and pending) blocks occupy at the least: their bytes in a
@@ -131,8 +134,8 @@ class Backend {
   // Throws expseg::error naming the first broken invariant.
   virtual void validate() const = 0;
   virtual void snapshot(std::vector<SegmentInfo>& out) const = 0;
-  // `request`: the rounded size of a request whose footprint is asked for (0: none).
-  virtual FreeSummary free_summary(std::size_t request = 0) const = 0;
+  // `request`: the rounded size of a request, on `stream`, whose footprint is asked for (0: none).
+  virtual FreeSummary free_summary(std::size_t request = 0, driver::stream_t stream = nullptr) const = 0;
   // Whether `addr` lies inside memory this backend manages (for invalid_pointer messages).
   virtual bool contains(std::uint64_t addr) const noexcept = 0;
 

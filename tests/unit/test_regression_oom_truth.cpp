@@ -1,7 +1,9 @@
 // Regressions (found by an audit of the OOM report against the allocator's own figures):
 //   - an OOM where the driver refused memory (or expandable's address range for a new segment)
 //     that the limit and the device's free memory left room for was called fragmentation, and the
-//     message said the device left no room while it reported all its memory free.
+//     message said the device left no room while it reported all its memory free;
+//   - a fragmentation OOM named as the largest free block one on another stream (or, split_merge,
+//     in the other pool), large enough for the request, without saying the request could not use it.
 #include <doctest/doctest.h>
 
 #include <optional>
@@ -57,5 +59,47 @@ TEST_CASE("oom truth: a driver that refuses room the figures leave is no fragmen
     sa->validate();
     void* p = sa->allocate(4 * MiB);  // the fault has passed
     sa->deallocate(p);
+  }
+}
+
+TEST_CASE("oom truth: a fragmentation OOM does not offer another stream's or another pool's free block as the largest place") {
+  // The largest free block is one the request cannot use: the message said "the largest 50.00 MiB"
+  // for a 46 MiB request, and nothing about why it was no place for it.
+  SUBCASE("another stream's") {
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 100 * MiB));
+    sa->deallocate(sa->allocate(60 * MiB, stream_id(1)));
+    void* b = sa->allocate(10 * MiB, stream_id(1));  // splits the cached 60 MiB segment: 50 MiB stay free on stream 1
+    const auto r = oom_of([&] { (void)sa->allocate(45 * MiB, stream_id(2)); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+    CHECK(r->largest_free_block_bytes == 50 * MiB);  // the field: the largest the backend holds
+    CHECK(r->message.find("The largest free block this request could use is 0 bytes: free blocks serve only requests on their own "
+                          "stream") != std::string::npos);
+    sa->deallocate(b);
+  }
+  SUBCASE("the large pool's, for a small request") {
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "limit:61MiB"));
+    sa->deallocate(sa->allocate(60 * MiB));
+    void* x = sa->allocate(12 * MiB);  // 48 MiB stay free in the large pool
+    const auto r = oom_of([&] { (void)sa->allocate(4096); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+    CHECK(r->message.find("The largest free block this request could use is 0 bytes") != std::string::npos);
+    CHECK(r->message.find("small-pool blocks, from 2 MiB segments, only requests of at most 1 MiB") != std::string::npos);
+    sa->deallocate(x);
+  }
+  SUBCASE("the request's own stream and pool: no such sentence") {
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 100 * MiB));
+    sa->deallocate(sa->allocate(60 * MiB));
+    void* b = sa->allocate(10 * MiB);
+    void* c = sa->allocate(30 * MiB);  // 20 MiB stay free behind it
+    const auto r = oom_of([&] { (void)sa->allocate(45 * MiB); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->message.find("could use") == std::string::npos);
+    sa->deallocate(b);
+    sa->deallocate(c);
   }
 }

@@ -1761,7 +1761,7 @@ void ExpandableBackend::snapshot(std::vector<SegmentInfo>& out) const {
   }
 }
 
-FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
+FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_t stream) const {
   FreeSummary s;
   s.request_footprint = round_up(request, frame_);
   for (const ExpArena* arena : arenas_) {
@@ -1803,6 +1803,7 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
     arena->mapped_free.for_each([&](const Block& b) {
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
+      if (request != 0 && arena->stream == stream) s.largest_usable_block = std::max(s.largest_usable_block, b.size);
     });
   }
   for_each_idle([&](const ExpHandle& h) { s.releasable_bytes += h.bytes; });

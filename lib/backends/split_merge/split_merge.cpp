@@ -471,16 +471,18 @@ void SplitMergeBackend::snapshot(std::vector<SegmentInfo>& out) const {
   }
 }
 
-FreeSummary SplitMergeBackend::free_summary(std::size_t request) const {
+FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_t stream) const {
   FreeSummary s;
   s.live_footprint = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current);
   // A request no cached block serves needs a new segment: 2 MiB, 20 MiB or its size rounded to
   // 2 MiB (PyTorch's get_allocation_size, which its OOM message reports as "Tried to allocate").
   s.request_footprint = request == 0 ? 0 : std::max(request, allocation_size(request));
+  const Pool* request_pool = cupy() || request > kSmallSize ? &large_ : &small_;  // pool_for's choice
   for (const Pool* pool : {&small_, &large_}) {
     pool->blocks.for_each_block([&](const Block& b) {
       s.free_blocks += 1;
       if (b.size > s.largest_free_block) s.largest_free_block = b.size;
+      if (request != 0 && pool == request_pool && b.stream == stream && b.size > s.largest_usable_block) s.largest_usable_block = b.size;
       if (!b.is_split()) s.releasable_bytes += b.size;
     });
   }
