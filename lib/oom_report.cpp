@@ -209,7 +209,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     case OomVerdict::fragmentation:
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
          << " is reserved but unallocated in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
-         << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the " << (ctx.limit ? "limit" : "device")
+         << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
+         << (ctx.limit != 0 && ctx.limit <= std::min(mi.total, obtainable) ? "limit" : "device")  // whichever bound is the lower
          << " leaves no room for more.";
       // Free blocks the request cannot be served from (another stream's, split_merge's other pool)
       // would read as a place for it when large enough: say what it could use.

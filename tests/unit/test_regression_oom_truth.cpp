@@ -3,7 +3,9 @@
 //     that the limit and the device's free memory left room for was called fragmentation, and the
 //     message said the device left no room while it reported all its memory free;
 //   - a fragmentation OOM named as the largest free block one on another stream (or, split_merge,
-//     in the other pool), large enough for the request, without saying the request could not use it.
+//     in the other pool), large enough for the request, without saying the request could not use it;
+//   - a fragmentation OOM under a limit said the limit left no room where the device did (a limit
+//     above the device's memory, or above what other processes leave of it).
 #include <doctest/doctest.h>
 
 #include <optional>
@@ -101,5 +103,30 @@ TEST_CASE("oom truth: a fragmentation OOM does not offer another stream's or ano
     CHECK(r->message.find("could use") == std::string::npos);
     sa->deallocate(b);
     sa->deallocate(c);
+  }
+}
+
+TEST_CASE("oom truth: a fragmentation OOM names the device, not a limit above what the device can give, as what leaves no room") {
+  // 50 MiB free on stream 1, a 45 MiB request on stream 2: the device (100 MiB, or what other
+  // processes leave of it) is what has no room for a new segment; the message blamed the limit.
+  struct Case {
+    const char* conf;
+    std::size_t foreign;
+    const char* blamed;
+  };
+  for (const Case& c : {Case{"limit:200MiB", 0, "device"}, Case{"limit:99MiB", 10 * MiB, "device"}, Case{"limit:99MiB", 0, "limit"},
+                        Case{"", 0, "device"}}) {
+    CAPTURE(std::string(c.conf));
+    CAPTURE(c.foreign);
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 100 * MiB, c.conf));
+    sa->deallocate(sa->allocate(60 * MiB, stream_id(1)));
+    void* b = sa->allocate(10 * MiB, stream_id(1));
+    sa.sim->set_foreign_usage(c.foreign);
+    const auto r = oom_of([&] { (void)sa->allocate(45 * MiB, stream_id(2)); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+    CHECK(r->message.find(std::string("and the ") + c.blamed + " leaves no room for more.") != std::string::npos);
+    sa->deallocate(b);
   }
 }
