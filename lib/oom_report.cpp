@@ -137,7 +137,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   const std::size_t at_least = overflow ? SIZE_MAX : r->live_requested_bytes + requested;
   if (overflow || at_least > capacity || (ctx.limit != 0 && at_least > ctx.limit)) {
     r->counterfactual = Counterfactual::would_fail;
-  } else if (config.oom_counterfactual) {
+  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none) {
+    // (A device that refused what its figures leave room for is no device the figures can simulate.)
     live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
     for (const StreamEvents& se : pending)
       se.queue.for_each([&](const PendingFree& pf) { live_set.push_back({pf.block->addr, pf.block->requested, pf.block->stream}); });
@@ -236,7 +237,14 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     case Counterfactual::would_fail:
       os << " The " << r->other_backend << " backend would have failed too.";
       break;
-    case Counterfactual::not_evaluated:
+    case Counterfactual::not_evaluated:  // said, so that no answer is not read as one
+      os << " The " << r->other_backend << " backend was not asked";
+      if (!config.oom_counterfactual)
+        os << " (oom_counterfactual:false).";
+      else if (refused != backends::Context::Refusal::none)
+        os << ": a simulation of the figures above cannot tell what a device that refused them would have done.";
+      else
+        os << ": its check could not run (host memory ran out, or its simulated device could not be built).";
       break;
   }
   r->message = os.str();

@@ -5,7 +5,10 @@
 //   - a fragmentation OOM named as the largest free block one on another stream (or, split_merge,
 //     in the other pool), large enough for the request, without saying the request could not use it;
 //   - a fragmentation OOM under a limit said the limit left no room where the device did (a limit
-//     above the device's memory, or above what other processes leave of it).
+//     above the device's memory, or above what other processes leave of it);
+//   - the other-backend check said "would have served" for a device that refused what its figures
+//     left room for (a simulation of those figures cannot know), and a report whose check did not
+//     run (oom_counterfactual:false, or the check failed) said nothing about the other backend.
 #include <doctest/doctest.h>
 
 #include <optional>
@@ -58,6 +61,12 @@ TEST_CASE("oom truth: a driver that refuses room the figures leave is no fragmen
     CHECK(r->verdict == expseg::OomVerdict::capacity);
     CHECK(r->message.find("leaves no room") == std::string::npos);
     CHECK(r->message.find(c.says) != std::string::npos);
+    // The other backend on a simulated device of these figures cannot say what this device would
+    // have done (was: "would have served this request").
+    CHECK(r->counterfactual == expseg::Counterfactual::not_evaluated);
+    CHECK(r->message.find("would have served") == std::string::npos);
+    CHECK(r->message.find("would have failed") == std::string::npos);
+    CHECK(r->message.find("backend was not asked: a simulation of the figures above cannot tell") != std::string::npos);
     sa->validate();
     void* p = sa->allocate(4 * MiB);  // the fault has passed
     sa->deallocate(p);
@@ -129,4 +138,21 @@ TEST_CASE("oom truth: a fragmentation OOM names the device, not a limit above wh
     CHECK(r->message.find(std::string("and the ") + c.blamed + " leaves no room for more.") != std::string::npos);
     sa->deallocate(b);
   }
+}
+
+TEST_CASE("oom truth: a report whose other-backend check did not run says so") {
+  // oom_counterfactual:false said nothing about the other backend, as if there were nothing to say.
+  expseg::Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_counterfactual:false"));
+  a.deallocate(a.allocate(2000 * MiB));
+  void* p800 = a.allocate(800 * MiB);
+  void* p500 = a.allocate(500 * MiB);
+  void* p300 = a.allocate(300 * MiB);
+  a.deallocate(p500);
+  const auto r = oom_of([&] { (void)a.allocate(800 * MiB); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->counterfactual == expseg::Counterfactual::not_evaluated);
+  CHECK(r->message.find("The expandable backend was not asked (oom_counterfactual:false).") != std::string::npos);
+  a.deallocate(p800);
+  a.deallocate(p300);
 }
