@@ -91,7 +91,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   }
   r->device_total_bytes = mi.total;
   r->device_free_bytes = mi.free;
-  const backends::FreeSummary fs = backend->free_summary(r->rounded_bytes > SIZE_MAX / 2 ? 0 : r->rounded_bytes);
+  const backends::FreeSummary fs = backend->free_summary(r->rounded_bytes > SIZE_MAX / 2 ? 0 : r->rounded_bytes, stream);
   r->largest_free_block_bytes = fs.largest_free_block;
   r->free_blocks = fs.free_blocks;
 
@@ -114,6 +114,16 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   } else {
     r->verdict = OomVerdict::fragmentation;
   }
+  // The driver said out of memory (memory, or expandable's address range for a new segment) where
+  // the limit and the device's free memory leave room for all the request needs beside what expseg
+  // holds: nothing had to fit between live blocks, the device said no.
+  const std::size_t room = std::min(ctx.limit != 0 ? ctx.limit : mi.total, obtainable);
+  const std::size_t growth = overflow ? SIZE_MAX : std::max(fs.request_footprint, r->rounded_bytes);
+  const backends::Context::Refusal refused =
+      r->verdict == OomVerdict::fragmentation && r->reserved_bytes <= room && growth <= room - r->reserved_bytes
+          ? ctx.refused
+          : backends::Context::Refusal::none;
+  if (refused != backends::Context::Refusal::none) r->verdict = OomVerdict::capacity;
 
   const BackendKind other = config.backend == BackendKind::expandable ? BackendKind::split_merge : BackendKind::expandable;
   r->other_backend = to_string(other);
@@ -127,7 +137,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   const std::size_t at_least = overflow ? SIZE_MAX : r->live_requested_bytes + requested;
   if (overflow || at_least > capacity || (ctx.limit != 0 && at_least > ctx.limit)) {
     r->counterfactual = Counterfactual::would_fail;
-  } else if (config.oom_counterfactual) {
+  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none) {
+    // (A device that refused what its figures leave room for is no device the figures can simulate.)
     live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
     for (const StreamEvents& se : pending)
       se.queue.for_each([&](const PendingFree& pf) { live_set.push_back({pf.block->addr, pf.block->requested, pf.block->stream}); });
@@ -163,6 +174,18 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   switch (r->verdict) {
     case OomVerdict::capacity:
     case OomVerdict::limit: {
+      if (refused == backends::Context::Refusal::address_range) {
+        os << "No address range could be reserved for a new segment (cuMemAddressReserve: out of memory), although the device has "
+           << format_bytes(mi.free) << " of memory free: its virtual address space ran out, not its memory (each stream's segments "
+           << "reserve expandable_va_size, by default twice the device's memory).";
+        break;
+      }
+      if (refused == backends::Context::Refusal::memory) {
+        os << "The driver refused the memory the request needs (" << format_bytes(growth) << ") with out of memory, although the device "
+           << "reports " << format_bytes(mi.free) << " free" << (ctx.limit ? " and the limit leaves room for it" : "")
+           << ": another process may have held that memory at the time.";
+        break;
+      }
       // The figures the verdict compared: what live blocks occupy and what the request needs, in this
       // backend's units (whole pages; a new segment).
       const bool pages = config.backend == BackendKind::expandable;
@@ -188,7 +211,17 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
          << " is reserved but unallocated in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
          << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
-         << (ctx.limit ? "limit" : "device") << " leaves no room for more.";
+         << (ctx.limit != 0 && ctx.limit <= std::min(mi.total, obtainable) ? "limit" : "device")  // whichever bound is the lower
+         << " leaves no room for more.";
+      // Free blocks the request cannot be served from (another stream's, split_merge's other pool)
+      // would read as a place for it when large enough: say what it could use.
+      if (r->largest_free_block_bytes >= r->rounded_bytes && fs.largest_usable_block < r->largest_free_block_bytes) {
+        os << " The largest free block this request could use is " << format_bytes(fs.largest_usable_block)
+           << ": free blocks serve only requests on their own stream";
+        if (config.backend == BackendKind::split_merge && config.policy != PoolPolicy::cupy)
+          os << " (and small-pool blocks, from 2 MiB segments, only requests of at most 1 MiB; large-pool blocks only larger ones)";
+        os << ".";
+      }
       break;
     case OomVerdict::unknown:  // short_oom_report's, never a full report's
       break;
@@ -204,7 +237,14 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     case Counterfactual::would_fail:
       os << " The " << r->other_backend << " backend would have failed too.";
       break;
-    case Counterfactual::not_evaluated:
+    case Counterfactual::not_evaluated:  // said, so that no answer is not read as one
+      os << " The " << r->other_backend << " backend was not asked";
+      if (!config.oom_counterfactual)
+        os << " (oom_counterfactual:false).";
+      else if (refused != backends::Context::Refusal::none)
+        os << ": a simulation of the figures above cannot tell what a device that refused them would have done.";
+      else
+        os << ": its check could not run (host memory ran out, or its simulated device could not be built).";
       break;
   }
   r->message = os.str();

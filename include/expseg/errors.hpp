@@ -89,7 +89,7 @@ class trace_error : public error {
 
 // Why an allocation failed.
 enum class OomVerdict : std::uint8_t {
-  capacity,       // live bytes + request exceed what the device has
+  capacity,       // live bytes + request exceed what the device has, or it refused room the figures left (memory, address range)
   limit,          // live bytes + request exceed the configured limit
   fragmentation,  // enough memory is free in total, but the allocator has no place for the request
   unknown,        // not evaluated: host memory ran out while the report was built (a short report)

@@ -67,11 +67,18 @@ struct Context {
   std::size_t limit = 0;         // bytes of device memory the backend may hold; 0 = no limit
   std::size_t device_total = 0;  // device capacity in bytes
   FrontendHooks* hooks = nullptr;
+  // What the driver last refused with out of memory in an allocation's slow path (the backend
+  // clears it there first): the OOM report tells the device saying no from a want of room.
+  enum class Refusal : std::uint8_t { none, memory, address_range };
+  Refusal refused = Refusal::none;
   std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
 };
 
 struct FreeSummary {
   std::size_t largest_free_block = 0;  // largest free block backed by memory
+  // Of those, the largest the request could be served from: a free block serves only its own
+  // stream (split_merge: and only requests of its pool, small or large). 0 without a request.
+  std::size_t largest_usable_block = 0;
   std::size_t free_blocks = 0;         // free blocks backed by memory
   std::size_t releasable_bytes = 0;    // cached bytes that release_cached() would give back
   // Device memory the live (allocated and pending) blocks occupy at the least: their bytes in a
@@ -137,8 +144,8 @@ class Backend {
   // Throws expseg::error naming the first broken invariant.
   virtual void validate() const = 0;
   virtual void snapshot(std::vector<SegmentInfo>& out) const = 0;
-  // `request`: the rounded size of a request whose footprint is asked for (0: none).
-  virtual FreeSummary free_summary(std::size_t request = 0) const = 0;
+  // `request`: the rounded size of a request, on `stream`, whose footprint is asked for (0: none).
+  virtual FreeSummary free_summary(std::size_t request = 0, driver::stream_t stream = nullptr) const = 0;
   // Whether `addr` lies inside memory this backend manages (for invalid_pointer messages).
   virtual bool contains(std::uint64_t addr) const noexcept = 0;
 

@@ -846,8 +846,9 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
   try {
     base = ctx_.driver.reserve(va);
   } catch (const driver_error& e) {
-    if (e.is_out_of_memory()) return nullptr;
-    throw;
+    if (!e.is_out_of_memory()) throw;
+    ctx_.refused = Context::Refusal::address_range;
+    return nullptr;
   }
   seg->base = base;
   seg->va_bytes = va;
@@ -869,6 +870,7 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
   // A request that could not fit even in an empty allocator fails before anything is reserved or
   // mapped (a limit above the device's memory does not make room the device lacks).
   ++slow_calls_;
+  ctx_.refused = Context::Refusal::none;
   if (round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total)) return nullptr;
   Block* b = place_or_grow(arena, size, requested);
   if (b != nullptr || ctx_.hooks == nullptr || !ctx_.hooks->has_pending_frees()) return b;
@@ -1064,6 +1066,7 @@ bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t 
   } catch (const driver_error& e) {
     if (!e.is_out_of_memory()) throw;
     // The device itself is short (other processes, or less memory than the limit says).
+    ctx_.refused = Context::Refusal::memory;
     if (reclaim_idle(bytes, ex) == 0) return false;
     try {
       ph = drv.create(bytes);
@@ -1150,8 +1153,9 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
     drv.map(addr, bytes, h->handle);
   } catch (const driver_error& e) {
     give_up(false);
-    if (e.is_out_of_memory()) return false;
-    throw;
+    if (!e.is_out_of_memory()) throw;
+    ctx_.refused = Context::Refusal::memory;
+    return false;
   } catch (...) {
     give_up(false);
     throw;
@@ -1160,8 +1164,9 @@ bool ExpandableBackend::map_handle(ExpSegment& seg, std::size_t frame, ExpHandle
     drv.set_access(addr, bytes);
   } catch (const driver_error& e) {
     give_up(true);
-    if (e.is_out_of_memory()) return false;
-    throw;
+    if (!e.is_out_of_memory()) throw;
+    ctx_.refused = Context::Refusal::memory;
+    return false;
   } catch (...) {
     give_up(true);
     throw;
@@ -1789,7 +1794,7 @@ void ExpandableBackend::snapshot(std::vector<SegmentInfo>& out) const {
   }
 }
 
-FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
+FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_t stream) const {
   FreeSummary s;
   s.request_footprint = round_up(request, frame_);
   for (const ExpArena* arena : arenas_) {
@@ -1831,6 +1836,7 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request) const {
     arena->mapped_free.for_each([&](const Block& b) {
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
+      if (request != 0 && arena->stream == stream) s.largest_usable_block = std::max(s.largest_usable_block, b.size);
     });
   }
   for_each_idle([&](const ExpHandle& h) { s.releasable_bytes += h.bytes; });

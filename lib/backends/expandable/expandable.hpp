@@ -114,7 +114,7 @@ class ExpandableBackend final : public Backend {
   ExportPlan export_plan(const core::Block& block) const override;  // the handles under the block
   void validate() const override;
   void snapshot(std::vector<SegmentInfo>& out) const override;
-  FreeSummary free_summary(std::size_t request = 0) const override;
+  FreeSummary free_summary(std::size_t request = 0, driver::stream_t stream = nullptr) const override;
   bool contains(std::uint64_t addr) const noexcept override;
 
   static constexpr std::size_t kMinBlockSize = 512;

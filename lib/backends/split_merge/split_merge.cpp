@@ -113,8 +113,9 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
   try {
     ptr = ctx_.driver.mem_alloc(size);
   } catch (const driver_error& e) {
-    if (e.is_out_of_memory()) return false;
-    throw;
+    if (!e.is_out_of_memory()) throw;
+    ctx_.refused = Context::Refusal::memory;
+    return false;
   }
   SmSegment* seg = owned.release();
   Block* b = blocks_.make();  // cannot throw: allocate() reserved two blocks
@@ -282,6 +283,7 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   bool found = get_free_block(p);
   const bool cached = found;
   if (!found) {
+    ctx_.refused = Context::Refusal::none;
     blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
     if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
     // CuPy (_try_malloc, since cupy/cupy#7679) has no oversize blocks to release first
@@ -469,16 +471,18 @@ void SplitMergeBackend::snapshot(std::vector<SegmentInfo>& out) const {
   }
 }
 
-FreeSummary SplitMergeBackend::free_summary(std::size_t request) const {
+FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_t stream) const {
   FreeSummary s;
   s.live_footprint = static_cast<std::size_t>(ctx_.stats.active_bytes[kAllPools].current);
   // A request no cached block serves needs a new segment: 2 MiB, 20 MiB or its size rounded to
   // 2 MiB (PyTorch's get_allocation_size, which its OOM message reports as "Tried to allocate").
   s.request_footprint = request == 0 ? 0 : std::max(request, allocation_size(request));
+  const Pool* request_pool = cupy() || request > kSmallSize ? &large_ : &small_;  // pool_for's choice
   for (const Pool* pool : {&small_, &large_}) {
     pool->blocks.for_each_block([&](const Block& b) {
       s.free_blocks += 1;
       if (b.size > s.largest_free_block) s.largest_free_block = b.size;
+      if (request != 0 && pool == request_pool && b.stream == stream && b.size > s.largest_usable_block) s.largest_usable_block = b.size;
       if (!b.is_split()) s.releasable_bytes += b.size;
     });
   }

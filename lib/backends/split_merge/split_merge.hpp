@@ -50,7 +50,7 @@ class SplitMergeBackend final : public Backend {
   ExportPlan export_plan(const core::Block& block) const override;  // the segment holding the block
   void validate() const override;
   void snapshot(std::vector<SegmentInfo>& out) const override;
-  FreeSummary free_summary(std::size_t request = 0) const override;
+  FreeSummary free_summary(std::size_t request = 0, driver::stream_t stream = nullptr) const override;
   bool contains(std::uint64_t addr) const noexcept override;
 
   // PyTorch's constants.

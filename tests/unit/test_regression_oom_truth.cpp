@@ -1,0 +1,158 @@
+// Regressions (found by an audit of the OOM report against the allocator's own figures):
+//   - an OOM where the driver refused memory (or expandable's address range for a new segment)
+//     that the limit and the device's free memory left room for was called fragmentation, and the
+//     message said the device left no room while it reported all its memory free;
+//   - a fragmentation OOM named as the largest free block one on another stream (or, split_merge,
+//     in the other pool), large enough for the request, without saying the request could not use it;
+//   - a fragmentation OOM under a limit said the limit left no room where the device did (a limit
+//     above the device's memory, or above what other processes leave of it);
+//   - the other-backend check said "would have served" for a device that refused what its figures
+//     left room for (a simulation of those figures cannot know), and a report whose check did not
+//     run (oom_counterfactual:false, or the check failed) said nothing about the other backend.
+#include <doctest/doctest.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+using expseg::kAllPools;
+using expseg::driver::Fault;
+using expseg::driver::Op;
+
+namespace {
+template <class F>
+std::optional<expseg::OomReport> oom_of(F&& f) {
+  try {
+    f();
+  } catch (const expseg::out_of_memory& e) {
+    return e.report();
+  }
+  return std::nullopt;
+}
+}  // namespace
+
+TEST_CASE("oom truth: a driver that refuses room the figures leave is no fragmentation (memory, and expandable's address range)") {
+  // Nothing live, nothing held, the device all free: the report said "fragmentation ... 0 bytes is
+  // reserved but unallocated in 0 free blocks ... and the device leaves no room for more".
+  struct Case {
+    BackendKind backend;
+    Op op;
+    int faults;
+    const char* says;
+  };
+  for (const Case& c : {Case{BackendKind::split_merge, Op::mem_alloc, 3,
+                             "The driver refused the memory the request needs (20.00 MiB) with out of memory, although the device reports 1024.00 MiB free"},
+                        Case{BackendKind::expandable, Op::create, 1,
+                             "The driver refused the memory the request needs (4.00 MiB) with out of memory, although the device reports 1024.00 MiB free"},
+                        Case{BackendKind::expandable, Op::reserve, 1,
+                             "No address range could be reserved for a new segment (cuMemAddressReserve: out of memory), although the device has "
+                             "1024.00 MiB of memory free"}}) {
+    CAPTURE(expseg::to_string(c.backend));
+    CAPTURE(static_cast<int>(c.op));
+    auto sa = make_sim_allocator(sim_config(c.backend, 1 * GiB));
+    for (int i = 1; i <= c.faults; ++i) sa.sim->inject_fault(c.op, static_cast<std::uint64_t>(i), Fault::out_of_memory);
+    const auto r = oom_of([&] { sa->allocate(4 * MiB); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::capacity);
+    CHECK(r->message.find("leaves no room") == std::string::npos);
+    CHECK(r->message.find(c.says) != std::string::npos);
+    // The other backend on a simulated device of these figures cannot say what this device would
+    // have done (was: "would have served this request").
+    CHECK(r->counterfactual == expseg::Counterfactual::not_evaluated);
+    CHECK(r->message.find("would have served") == std::string::npos);
+    CHECK(r->message.find("would have failed") == std::string::npos);
+    CHECK(r->message.find("backend was not asked: a simulation of the figures above cannot tell") != std::string::npos);
+    sa->validate();
+    void* p = sa->allocate(4 * MiB);  // the fault has passed
+    sa->deallocate(p);
+  }
+}
+
+TEST_CASE("oom truth: a fragmentation OOM does not offer another stream's or another pool's free block as the largest place") {
+  // The largest free block is one the request cannot use: the message said "the largest 50.00 MiB"
+  // for a 46 MiB request, and nothing about why it was no place for it.
+  SUBCASE("another stream's") {
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 100 * MiB));
+    sa->deallocate(sa->allocate(60 * MiB, stream_id(1)));
+    void* b = sa->allocate(10 * MiB, stream_id(1));  // splits the cached 60 MiB segment: 50 MiB stay free on stream 1
+    const auto r = oom_of([&] { (void)sa->allocate(45 * MiB, stream_id(2)); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+    CHECK(r->largest_free_block_bytes == 50 * MiB);  // the field: the largest the backend holds
+    CHECK(r->message.find("The largest free block this request could use is 0 bytes: free blocks serve only requests on their own "
+                          "stream") != std::string::npos);
+    sa->deallocate(b);
+  }
+  SUBCASE("the large pool's, for a small request") {
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "limit:61MiB"));
+    sa->deallocate(sa->allocate(60 * MiB));
+    void* x = sa->allocate(12 * MiB);  // 48 MiB stay free in the large pool
+    const auto r = oom_of([&] { (void)sa->allocate(4096); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+    CHECK(r->message.find("The largest free block this request could use is 0 bytes") != std::string::npos);
+    CHECK(r->message.find("small-pool blocks, from 2 MiB segments, only requests of at most 1 MiB") != std::string::npos);
+    sa->deallocate(x);
+  }
+  SUBCASE("the request's own stream and pool: no such sentence") {
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 100 * MiB));
+    sa->deallocate(sa->allocate(60 * MiB));
+    void* b = sa->allocate(10 * MiB);
+    void* c = sa->allocate(30 * MiB);  // 20 MiB stay free behind it
+    const auto r = oom_of([&] { (void)sa->allocate(45 * MiB); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->message.find("could use") == std::string::npos);
+    sa->deallocate(b);
+    sa->deallocate(c);
+  }
+}
+
+TEST_CASE("oom truth: a fragmentation OOM names the device, not a limit above what the device can give, as what leaves no room") {
+  // 50 MiB free on stream 1, a 45 MiB request on stream 2: the device (100 MiB, or what other
+  // processes leave of it) is what has no room for a new segment; the message blamed the limit.
+  struct Case {
+    const char* conf;
+    std::size_t foreign;
+    const char* blamed;
+  };
+  for (const Case& c : {Case{"limit:200MiB", 0, "device"}, Case{"limit:99MiB", 10 * MiB, "device"}, Case{"limit:99MiB", 0, "limit"},
+                        Case{"", 0, "device"}}) {
+    CAPTURE(std::string(c.conf));
+    CAPTURE(c.foreign);
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 100 * MiB, c.conf));
+    sa->deallocate(sa->allocate(60 * MiB, stream_id(1)));
+    void* b = sa->allocate(10 * MiB, stream_id(1));
+    sa.sim->set_foreign_usage(c.foreign);
+    const auto r = oom_of([&] { (void)sa->allocate(45 * MiB, stream_id(2)); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+    CHECK(r->message.find(std::string("and the ") + c.blamed + " leaves no room for more.") != std::string::npos);
+    sa->deallocate(b);
+  }
+}
+
+TEST_CASE("oom truth: a report whose other-backend check did not run says so") {
+  // oom_counterfactual:false said nothing about the other backend, as if there were nothing to say.
+  expseg::Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_counterfactual:false"));
+  a.deallocate(a.allocate(2000 * MiB));
+  void* p800 = a.allocate(800 * MiB);
+  void* p500 = a.allocate(500 * MiB);
+  void* p300 = a.allocate(300 * MiB);
+  a.deallocate(p500);
+  const auto r = oom_of([&] { (void)a.allocate(800 * MiB); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->counterfactual == expseg::Counterfactual::not_evaluated);
+  CHECK(r->message.find("The expandable backend was not asked (oom_counterfactual:false).") != std::string::npos);
+  a.deallocate(p800);
+  a.deallocate(p300);
+}
