@@ -69,6 +69,17 @@ def child(variant):
     else:
         res.update(allocator="cupy MemoryPool, set_limit(%d)" % LIMIT, allocated=pool.used_bytes(), reserved=pool.total_bytes())
     del a, c, d
+    if expseg is not None:
+        # CuPy passes the allocator no stream: expseg must still allocate for CuPy's current stream.
+        s1 = cp.cuda.Stream()
+        with s1:
+            x = cp.empty(4 * MiB, dtype=cp.uint8)
+            x.fill(1)
+        on = [int(blk["stream"], 16) for seg in expseg.snapshot()["segments"] for blk in seg["blocks"]
+              if int(blk["address"], 16) == x.data.ptr]
+        res.update(stream_ok=on == [s1.ptr], stream_seen=on, stream_expected=s1.ptr)
+        s1.synchronize()
+        del x
     print(RESULT_TAG + json.dumps(res), flush=True)
 
 
@@ -108,7 +119,9 @@ def main():
         if r is None:
             all_ok = False
             continue
-        good = r["ok"] == expect_ok
+        good = r["ok"] == expect_ok and r.get("stream_ok", True)
+        if not r.get("stream_ok", True):
+            print("FAIL  %-20s allocated for stream %s, CuPy's current stream was %#x" % (v, r["stream_seen"], r["stream_expected"]))
         all_ok = all_ok and good
         print("%s  %-20s %s (expected: %s)  [%s]" % ("PASS" if good else "FAIL", v, "succeeded" if r["ok"] else "OOM",
               "succeeds" if expect_ok else "OOM", r["allocator"]))

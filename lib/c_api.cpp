@@ -382,8 +382,9 @@ void expseg_free(void* ptr, ssize_t /*size*/, int device, expseg_stream_t /*stre
   deallocate(ptr, device, "expseg_free");
 }
 
-void* expseg_cupy_malloc(void* /*param*/, size_t size, int device_id) noexcept {
-  return allocate(size, device_id, nullptr, "expseg_cupy_malloc", false);
+void* expseg_cupy_malloc(void* param, size_t size, int device_id) noexcept {
+  // `param`: the stream of the CFunctionAllocator that calls (CuPy itself passes none).
+  return allocate(size, device_id, static_cast<expseg_stream_t>(param), "expseg_cupy_malloc", false);
 }
 
 void expseg_cupy_free(void* /*param*/, void* ptr, int device_id) noexcept {

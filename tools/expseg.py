@@ -802,7 +802,9 @@ def _cupy_out_of_memory(cupy_memory, size, device):
 def install_cupy(conf=""):
     """Makes expseg CuPy's allocator (CFunctionAllocator + cupy.cuda.set_allocator); OOM raises cupy's OutOfMemoryError.
 
-    CuPy passes no stream to the allocator: expseg serves CuPy on the legacy default stream.
+    CuPy passes no stream to the allocator: each allocation is made for CuPy's current stream
+    (cupy.cuda.get_current_stream()), through a CFunctionAllocator whose param is that stream, so that a block
+    freed after work on one stream is not handed to another before that work is done.
     """
     global _cupy_allocator, _cupy_conf
     import cupy
@@ -816,9 +818,14 @@ def install_cupy(conf=""):
     _configure_for("install_cupy", conf)
     malloc_fn = ctypes.cast(lib.expseg_cupy_malloc, ctypes.c_void_p).value
     free_fn = ctypes.cast(lib.expseg_cupy_free, ctypes.c_void_p).value
-    cfa = cupy_memory.CFunctionAllocator(0, malloc_fn, free_fn, lib)
+    per_stream = {}  # stream pointer -> its CFunctionAllocator (param: the stream expseg allocates for)
+    get_current_stream = cupy.cuda.get_current_stream
 
     def expseg_cupy_alloc(size):
+        stream = get_current_stream().ptr
+        cfa = per_stream.get(stream)
+        if cfa is None:
+            cfa = per_stream[stream] = cupy_memory.CFunctionAllocator(stream, malloc_fn, free_fn, lib)
         # CuPy does not check the C function's result: NULL must become an exception here.
         mem = cfa.malloc(size)
         if size and not mem.ptr:

@@ -5,8 +5,8 @@
  *
  *   PyTorch  torch.cuda.memory.CUDAPluggableAllocator("libexpseg.so", "expseg_malloc", "expseg_free")
  *            + torch.cuda.memory.change_current_allocator(...)   (before any CUDA tensor exists)
- *   CuPy     cupy.cuda.memory.CFunctionAllocator(0, <expseg_cupy_malloc>, <expseg_cupy_free>, owner)
- *            + cupy.cuda.set_allocator(...)
+ *   CuPy     cupy.cuda.memory.CFunctionAllocator(<stream>, <expseg_cupy_malloc>, <expseg_cupy_free>, owner)
+ *            per stream + cupy.cuda.set_allocator(...)   (see expseg_cupy_malloc)
  *   Python   tools/expseg.py does both (install_torch / install_cupy) and wraps the rest.
  *
  * State. One allocator per device index (0 .. EXPSEG_MAX_DEVICES-1), created on first use (the
@@ -100,9 +100,14 @@ EXPSEG_API void expseg_free(void* ptr, ssize_t size, int device, expseg_stream_t
 EXPSEG_API void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream);
 #endif
 
-/* Allocation: CuPy's CFunctionAllocator pair. `param` is ignored (pass 0). CuPy passes no stream:
- * these allocate for, and reuse freed blocks in the order of, the legacy default stream (NULL).
- * Out of memory returns NULL silently (tools/expseg.py turns it into cupy's OutOfMemoryError). */
+/* Allocation: CuPy's CFunctionAllocator pair. CuPy passes no stream, so `param` is the stream to
+ * allocate for (a CUstream; 0: the legacy default stream): a CFunctionAllocator per stream, made
+ * with that stream as its param, and the one of CuPy's current stream used for each allocation, as
+ * tools/expseg.py's install_cupy does. Blocks are then reused in their stream's order and handed to
+ * another stream only once their stream's work is done, as CuPy's own pool keeps them per stream
+ * (with one allocator of param 0, work on other streams could still be using a block handed out
+ * again). `param` of expseg_cupy_free is ignored. Out of memory returns NULL silently
+ * (tools/expseg.py turns it into cupy's OutOfMemoryError). */
 EXPSEG_API void* expseg_cupy_malloc(void* param, size_t size, int device_id) EXPSEG_NOEXCEPT;
 EXPSEG_API void expseg_cupy_free(void* param, void* ptr, int device_id) EXPSEG_NOEXCEPT;
 

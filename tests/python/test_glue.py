@@ -741,13 +741,16 @@ def install_fakes():
     class CFunctionAllocator:  # cupy.cuda.memory.CFunctionAllocator(param, malloc_fn, free_fn, owner)
         def __init__(self, param, malloc_fn, free_fn, owner):
             self.fn = proto(malloc_fn)
+            self.param = param
 
         def malloc(self, size):
-            return types.SimpleNamespace(ptr=self.fn(None, size, 0) or 0)
+            return types.SimpleNamespace(ptr=self.fn(self.param, size, 0) or 0)
 
     cupy = types.ModuleType("cupy")
+    current = types.SimpleNamespace(ptr=0)  # cupy.cuda.get_current_stream(): tests set .ptr
     cupy.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(CFunctionAllocator=CFunctionAllocator),
-                                      set_allocator=lambda fn: None, runtime=types.SimpleNamespace(getDevice=lambda: 0))
+                                      set_allocator=lambda fn: None, runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                      get_current_stream=lambda: current)
     sys.modules["cupy"], sys.modules["cupy.cuda"] = cupy, cupy.cuda
     return torch
 
@@ -781,6 +784,37 @@ class InstallTest(unittest.TestCase):
         expseg.install_torch("backend:expandable")  # the same again: the same allocator
         self.assertIn("backend:expandable", expseg.config())
         self.lib.expseg_cupy_free(None, p, 0)
+
+    def test_cupy_allocates_for_its_current_stream(self):
+        # CuPy passes the allocator no stream: every CuPy allocation was made for the legacy default stream, so
+        # a block freed after work on one CuPy stream was handed at once to work on another.
+        install_fakes()
+        alloc = expseg.install_cupy("backend:split_merge")
+        cupy = sys.modules["cupy"]
+
+        def stream_of(ptr):
+            for seg in expseg.snapshot()["segments"]:
+                for b in seg["blocks"]:
+                    if int(b["address"], 16) == ptr:
+                        return int(b["stream"], 16)
+            self.fail("no block at %#x" % ptr)
+
+        cupy.cuda.get_current_stream().ptr = 0x5000
+        p1 = alloc(3 * MiB).ptr
+        self.assertEqual(stream_of(p1), 0x5000)
+        self.lib.expseg_cupy_free(None, p1, 0)
+        cupy.cuda.get_current_stream().ptr = 0x6000
+        p2 = alloc(3 * MiB).ptr
+        self.assertEqual(stream_of(p2), 0x6000)
+        self.assertNotEqual(p2, p1)  # the block cached for stream 0x5000 is not handed to 0x6000
+        cupy.cuda.get_current_stream().ptr = 0x5000
+        p3 = alloc(3 * MiB).ptr
+        self.assertEqual(p3, p1)  # but is to its own stream again
+        cupy.cuda.get_current_stream().ptr = 0
+        p0 = alloc(MiB).ptr
+        self.assertEqual(stream_of(p0), 0)
+        for p in (p2, p3, p0):
+            self.lib.expseg_cupy_free(None, p, 0)
 
     def test_install_without_conf_keeps_what_is_configured(self):
         install_fakes()
