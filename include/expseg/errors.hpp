@@ -57,6 +57,8 @@ class driver_error : public error {
   // CUDA_ERROR_OUT_OF_MEMORY (2): the device itself has no memory left for this call.
   static constexpr int kOutOfMemoryCode = 2;
   bool is_out_of_memory() const noexcept { return code_ == kOutOfMemoryCode; }
+  // CUDA_ERROR_INVALID_HANDLE (400): e.g. a stream that its owner has destroyed.
+  static constexpr int kInvalidHandleCode = 400;
 
  private:
   std::string call_;

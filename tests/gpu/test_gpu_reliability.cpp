@@ -541,3 +541,26 @@ TEST_CASE("gpu: regression: expseg_get_limit before the allocator exists answers
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("gpu: regression: memory cached for a stream its owner destroyed is reclaimed after a device sync") {
+  // CuPy destroys a Stream when it is collected; expseg caches CuPy's memory per stream. The sync
+  // before unmapping that memory failed with CUDA_ERROR_INVALID_HANDLE, and so did every allocation
+  // that needed it back.
+  Allocator a(cuda_config(BackendKind::expandable, "limit:256MiB"));
+  Driver& d = driver_of(a);
+  void* gone = d.stream_create();
+  void* p = a.allocate(160 * MiB, gone);
+  d.memset_d32(dp(p), 0x5eed5eedu, 160 * MiB / 4, gone);  // work on the stream, then the free and the destroy
+  a.deallocate(p);
+  d.stream_destroy(gone);
+  void* q = nullptr;
+  CHECK_NOTHROW(q = a.allocate(160 * MiB));  // needs the destroyed stream's idle memory
+  REQUIRE(q != nullptr);
+  d.memset_d32(dp(q), 0x600d600du, 160 * MiB / 4, nullptr);
+  d.stream_synchronize(nullptr);
+  std::uint32_t found = 0;
+  CHECK(read_back(d, q, 160 * MiB, 0x600d600du, &found) < 0);
+  a.deallocate(q);
+  CHECK_NOTHROW(a.release_cached());
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+}

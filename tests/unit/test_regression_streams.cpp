@@ -40,6 +40,30 @@ TEST_CASE("sim: an unmap of memory that queued work still uses is a hazard; afte
   d.stream_destroy(s);
 }
 
+TEST_CASE("expandable: memory cached for a stream its owner destroyed is still reclaimed, after a device sync") {
+  // CuPy destroys a Stream when it is collected, and expseg caches CuPy's memory per stream: the
+  // sync before unmapping that stream's idle memory failed (CUDA_ERROR_INVALID_HANDLE), so every
+  // allocation that needed the memory back failed too, and release_cached() with it.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:100MiB"));
+  void* gone = sa.sim->stream_create();
+  void* p = sa->allocate(60 * MiB, gone);
+  sa.sim->set_stream_busy(gone, true);
+  sa.sim->queue_use(gone, addr(p), 60 * MiB);  // a kernel on the stream, then the free, then the destroy
+  sa->deallocate(p);
+  sa.sim->stream_destroy(gone);  // CUDA lets the queued work finish
+  CHECK_THROWS_AS(sa.sim->stream_synchronize(gone), expseg::driver_error);
+  const auto syncs = sa.sim->calls(Op::stream_sync);  // cuStreamSynchronize and cuCtxSynchronize
+  void* q = nullptr;
+  CHECK_NOTHROW(q = sa->allocate(60 * MiB));  // needs the destroyed stream's idle memory
+  CHECK(q != nullptr);
+  CHECK(sa.sim->calls(Op::stream_sync) == syncs + 2);  // the refused stream sync, then the device's
+  CHECK(sa.sim->hazards().empty());
+  sa->deallocate(q);
+  CHECK_NOTHROW(sa->release_cached());
+  CHECK(sa->stats().reserved_bytes[kAllPools].current == 0);
+  sa->validate();
+}
+
 TEST_CASE("expandable: reclaim under a limit and release_cached wait for the stream that used the memory") {
   auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:100MiB"));
   void* s1 = sa.sim->stream_create();

@@ -1387,7 +1387,16 @@ void ExpandableBackend::synchronize_once(driver::stream_t stream) {
   SyncedStreams& s = synced_;
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
   if (s.count < std::size(s.streams) && !is_per_thread_key(stream)) {
-    ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
+    try {
+      ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
+    } catch (const driver_error& e) {
+      // A stream its owner has destroyed (CuPy destroys a Stream when it is collected) while its
+      // memory stayed cached here: wait for the whole device, that stream's last work included.
+      if (e.code() != driver_error::kInvalidHandleCode) throw;
+      ctx_.driver.device_synchronize();
+      s.all = true;
+      return;
+    }
     s.streams[s.count++] = stream;
   } else {
     ctx_.driver.device_synchronize();
