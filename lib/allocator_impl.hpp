@@ -22,7 +22,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv);
   ~Impl() override;
 
-  void* allocate(std::size_t bytes, driver::stream_t stream);
+  void* allocate(std::size_t bytes, driver::stream_t stream);  // `stream`: a key (see stream_key)
   void deallocate(void* ptr);
   void record_stream(void* ptr, driver::stream_t stream);
 
