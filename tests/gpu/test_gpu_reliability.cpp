@@ -564,3 +564,36 @@ TEST_CASE("gpu: regression: memory cached for a stream its owner destroyed is re
   CHECK_NOTHROW(a.release_cached());
   CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
 }
+
+TEST_CASE("gpu: regression: cudaStreamPerThread is each host thread's own stream, on both backends") {
+  // A block freed by one thread on its per-thread stream was handed at once to another thread's.
+  void* const ptds = reinterpret_cast<void*>(std::uintptr_t{2});  // CU_STREAM_PER_THREAD
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(kind));
+    Allocator a(cuda_config(kind, "limit:512MiB"));
+    Driver& d = driver_of(a);
+    constexpr std::size_t n = 8 * MiB;
+    void* p = a.allocate(n, ptds);
+    d.memset_d32(dp(p), 0x11111111u, n / 4, ptds);
+    a.deallocate(p);  // cached for this thread's stream
+    void* q = nullptr;
+    std::thread([&] {
+      q = a.allocate(n, ptds);  // another thread: another stream, so not p's block
+      d.memset_d32(dp(q), 0x22222222u, n / 4, ptds);
+      d.stream_synchronize(ptds);
+    }).join();
+    CHECK(q != p);
+    std::uint32_t found = 0;
+    CHECK(read_back(d, q, n, 0x22222222u, &found) < 0);
+    void* r = a.allocate(n, ptds);
+    CHECK(r == p);  // this thread's own stream gets its block back
+    a.record_stream(r, nullptr);
+    std::thread([&] { a.record_stream(q, ptds); }).join();  // the other thread's stream: an event on the legacy stream
+    a.deallocate(r);
+    a.deallocate(q);
+    d.stream_synchronize(ptds);
+    a.release_cached();
+    check_stats(a);
+    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+  }
+}
