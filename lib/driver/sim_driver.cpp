@@ -207,7 +207,7 @@ struct SimDriver::Impl {
   // Any stream value is accepted where work is queued (the default stream, streams of the program
   // or of a replayed trace); only those from stream_create() count as live and may be destroyed.
   std::unordered_set<std::uintptr_t> created_streams;
-  std::unordered_set<std::uintptr_t> destroyed_streams;  // ids are never reused: syncing one is CUDA_ERROR_INVALID_HANDLE
+  std::unordered_set<std::uintptr_t> destroyed_streams;  // ids are never reused: syncing one fails as on CUDA 13
   std::unordered_set<std::uintptr_t> busy_streams;
   std::unordered_map<std::uintptr_t, Event> events;
   std::uint64_t record_seq = 0;
@@ -917,7 +917,7 @@ void SimDriver::stream_synchronize(stream_t stream) {
   s.enter(Op::stream_sync, call);
   const std::uintptr_t id = id_of(stream);
   if (s.destroyed_streams.contains(id))
-    throw driver_error(call, driver_error::kInvalidHandleCode, "CUDA_ERROR_INVALID_HANDLE", "stream " + hex(id) + " was destroyed");
+    throw driver_error(call, driver_error::kInvalidContextCode, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(id) + " was destroyed");
   s.complete(&id, s.record_seq);
   s.charge(kSyncUs);
 }

@@ -544,7 +544,7 @@ TEST_CASE("gpu: regression: expseg_get_limit before the allocator exists answers
 
 TEST_CASE("gpu: regression: memory cached for a stream its owner destroyed is reclaimed after a device sync") {
   // CuPy destroys a Stream when it is collected; expseg caches CuPy's memory per stream. The sync
-  // before unmapping that memory failed with CUDA_ERROR_INVALID_HANDLE, and so did every allocation
+  // before unmapping that memory failed with CUDA_ERROR_INVALID_CONTEXT, and so did every allocation
   // that needed it back.
   Allocator a(cuda_config(BackendKind::expandable, "limit:256MiB"));
   Driver& d = driver_of(a);
@@ -553,6 +553,14 @@ TEST_CASE("gpu: regression: memory cached for a stream its owner destroyed is re
   d.memset_d32(dp(p), 0x5eed5eedu, 160 * MiB / 4, gone);  // work on the stream, then the free and the destroy
   a.deallocate(p);
   d.stream_destroy(gone);
+  // What the driver answers for such a stream (the simulated device answers the same).
+  try {
+    d.stream_synchronize(gone);
+    MESSAGE("cuStreamSynchronize of a destroyed stream succeeded here");
+  } catch (const expseg::driver_error& e) {
+    MESSAGE("cuStreamSynchronize of a destroyed stream: " << e.what());
+    CHECK(e.is_stale_stream());
+  }
   void* q = nullptr;
   CHECK_NOTHROW(q = a.allocate(160 * MiB));  // needs the destroyed stream's idle memory
   REQUIRE(q != nullptr);

@@ -42,7 +42,7 @@ TEST_CASE("sim: an unmap of memory that queued work still uses is a hazard; afte
 
 TEST_CASE("expandable: memory cached for a stream its owner destroyed is still reclaimed, after a device sync") {
   // CuPy destroys a Stream when it is collected, and expseg caches CuPy's memory per stream: the
-  // sync before unmapping that stream's idle memory failed (CUDA_ERROR_INVALID_HANDLE), so every
+  // sync before unmapping that stream's idle memory failed (CUDA_ERROR_INVALID_CONTEXT), so every
   // allocation that needed the memory back failed too, and release_cached() with it.
   auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:100MiB"));
   void* gone = sa.sim->stream_create();

@@ -1392,7 +1392,7 @@ void ExpandableBackend::synchronize_once(driver::stream_t stream) {
     } catch (const driver_error& e) {
       // A stream its owner has destroyed (CuPy destroys a Stream when it is collected) while its
       // memory stayed cached here: wait for the whole device, that stream's last work included.
-      if (e.code() != driver_error::kInvalidHandleCode) throw;
+      if (!e.is_stale_stream()) throw;  // a context that is really gone fails the device sync too
       ctx_.driver.device_synchronize();
       s.all = true;
       return;
