@@ -55,7 +55,7 @@ driver::stream_t stream_key(driver::stream_t s) noexcept {
 // from its own thread; another thread's, through the legacy default stream, which waits for all
 // earlier work of every blocking stream, every thread's per-thread stream included.
 driver::stream_t event_stream(driver::stream_t s) noexcept {
-  if (!backends::is_per_thread_key(s)) return s;
+  if (!backends::is_stream_key(s)) return s;
   return s == per_thread_key() ? reinterpret_cast<driver::stream_t>(backends::kPerThreadStream) : nullptr;
 }
 

@@ -70,7 +70,7 @@ Counterfactual run_counterfactual(const Config& base, BackendKind other, std::si
 void Allocator::Impl::fill_report_figures(OomReport& r, std::size_t requested, driver::stream_t stream) const {
   r.backend = to_string(config.backend);
   r.device = driver->device();
-  r.stream = reinterpret_cast<std::uintptr_t>(stream);
+  r.stream = backends::shown_stream(stream);
   r.requested_bytes = requested;
   r.rounded_bytes = backend->round_size(requested);
   r.device_total_bytes = ctx.device_total;

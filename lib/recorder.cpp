@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "backends/backend.hpp"
+
 namespace expseg {
 
 namespace {
@@ -43,7 +45,7 @@ void Recorder::add(TraceAction action, std::uint64_t pointer, std::uint64_t size
   e.action = action;
   e.pointer = pointer;
   e.size = size;
-  e.stream = reinterpret_cast<std::uintptr_t>(stream);
+  e.stream = backends::shown_stream(stream);  // a foreign stream key as its stream
   if (ring_ == 0 || buf_.size() < ring_) {
     try {
       buf_.push_back(e);

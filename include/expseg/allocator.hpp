@@ -7,6 +7,10 @@
 // streams used the memory, call record_stream(p, other) before deallocate(p): the block then
 // waits for events recorded on those streams. cudaStreamPerThread (CU_STREAM_PER_THREAD) is the
 // calling thread's own stream: each thread's blocks are cached apart, as RMM's pools keep them.
+// A stream given here must outlive the memory cached for it: destroy it only after release_cached()
+// (the expandable backend synchronizes a block's stream before unmapping its memory, and the driver
+// may crash on a destroyed stream), as PyTorch requires of its external streams. The C API's CuPy
+// entry point (expseg_cupy_malloc) is the exception: it never hands its streams to the driver.
 //
 // Thread safety: every method may be called from any thread; one lock per allocator, held for the
 // cached malloc/free path only as long as the free-block index update takes. (expandable also

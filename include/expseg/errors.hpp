@@ -57,12 +57,6 @@ class driver_error : public error {
   // CUDA_ERROR_OUT_OF_MEMORY (2): the device itself has no memory left for this call.
   static constexpr int kOutOfMemoryCode = 2;
   bool is_out_of_memory() const noexcept { return code_ == kOutOfMemoryCode; }
-  // How the driver answers a call on a stream its owner has destroyed: CUDA_ERROR_INVALID_CONTEXT
-  // (201) from CUDA 13 on an H200 (the gpu suite checks it), CUDA_ERROR_INVALID_HANDLE (400) by the
-  // documentation's letter.
-  static constexpr int kInvalidContextCode = 201;
-  static constexpr int kInvalidHandleCode = 400;
-  bool is_stale_stream() const noexcept { return code_ == kInvalidContextCode || code_ == kInvalidHandleCode; }
 
  private:
   std::string call_;

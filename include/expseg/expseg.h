@@ -106,8 +106,10 @@ EXPSEG_API void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t s
  * tools/expseg.py's install_cupy does. Blocks are then reused in their stream's order and handed to
  * another stream only once their stream's work is done, as CuPy's own pool keeps them per stream
  * (with one allocator of param 0, work on other streams could still be using a block handed out
- * again). `param` of expseg_cupy_free is ignored. Out of memory returns NULL silently
- * (tools/expseg.py turns it into cupy's OutOfMemoryError). */
+ * again). The stream may be destroyed while memory stays cached for it (CuPy destroys a Stream
+ * when it is collected): expseg never calls the driver with it and waits for its work with a device
+ * synchronization where it must. `param` of expseg_cupy_free is ignored. Out of memory returns NULL
+ * silently (tools/expseg.py turns it into cupy's OutOfMemoryError). */
 EXPSEG_API void* expseg_cupy_malloc(void* param, size_t size, int device_id) EXPSEG_NOEXCEPT;
 EXPSEG_API void expseg_cupy_free(void* param, void* ptr, int device_id) EXPSEG_NOEXCEPT;
 

@@ -35,14 +35,33 @@ namespace expseg::backends {
 std::size_t roundup_power2_divisions_size(const Config& c, std::size_t size, std::size_t min_block) noexcept;
 bool has_roundup_power2_divisions(const Config& c) noexcept;
 
-// cudaStreamPerThread (CU_STREAM_PER_THREAD) names another stream in each host thread: the frontend
-// hands the backends a key of the calling thread instead (its top 16 bits set, which no CUstream,
-// a user-space pointer, has), so that each thread's per-thread stream caches its own blocks. No
-// other thread can name that stream: a backend waits for its work with a device synchronization.
+// Stream keys: what the frontend hands the backends instead of a CUstream that the driver may be
+// called with. Their top bits are set, which no CUstream (a user-space pointer) has; a backend waits
+// for their work with a device synchronization, never through the stream.
+//   - cudaStreamPerThread (CU_STREAM_PER_THREAD) names another stream in each host thread: the
+//     calling thread's key (kPerThreadKeyTag | a number never reused), so that each thread's
+//     per-thread stream caches its own blocks. No other thread can name that stream.
+//   - A stream its owner may destroy while memory stays cached for it (CuPy destroys a Stream when
+//     it is collected): kForeignStreamTag | the stream (expseg_cupy_malloc's). On CUDA 13 a
+//     cuStreamSynchronize of a destroyed stream failed once and crashed the process the next time.
 inline constexpr std::uintptr_t kPerThreadStream = 0x2;
 inline constexpr std::uintptr_t kPerThreadKeyTag = std::uintptr_t{0xFFFF} << 48;
+inline constexpr std::uintptr_t kForeignStreamTag = std::uintptr_t{0xFFFE} << 48;
+inline bool is_stream_key(driver::stream_t s) noexcept {  // either kind
+  return (reinterpret_cast<std::uintptr_t>(s) & kForeignStreamTag) == kForeignStreamTag;
+}
 inline bool is_per_thread_key(driver::stream_t s) noexcept {
   return (reinterpret_cast<std::uintptr_t>(s) & kPerThreadKeyTag) == kPerThreadKeyTag;
+}
+// The key of a stream the caller may destroy; the default streams (NULL, legacy, per-thread) as they are.
+inline driver::stream_t foreign_stream_key(driver::stream_t s) noexcept {
+  const auto v = reinterpret_cast<std::uintptr_t>(s);
+  return v <= kPerThreadStream ? s : reinterpret_cast<driver::stream_t>(kForeignStreamTag | v);
+}
+// The stream as users see it in snapshots, OOM reports and traces: a foreign key as its stream.
+inline std::uintptr_t shown_stream(driver::stream_t s) noexcept {
+  const auto v = reinterpret_cast<std::uintptr_t>(s);
+  return (v & kPerThreadKeyTag) == kForeignStreamTag ? v & ~kPerThreadKeyTag : v;
 }
 
 // What a backend tells the frontend while it works.

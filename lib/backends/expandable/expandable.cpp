@@ -1386,17 +1386,8 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 void ExpandableBackend::synchronize_once(driver::stream_t stream) {
   SyncedStreams& s = synced_;
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
-  if (s.count < std::size(s.streams) && !is_per_thread_key(stream)) {
-    try {
-      ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
-    } catch (const driver_error& e) {
-      // A stream its owner has destroyed (CuPy destroys a Stream when it is collected) while its
-      // memory stayed cached here: wait for the whole device, that stream's last work included.
-      if (!e.is_stale_stream()) throw;  // a context that is really gone fails the device sync too
-      ctx_.driver.device_synchronize();
-      s.all = true;
-      return;
-    }
+  if (s.count < std::size(s.streams) && !is_stream_key(stream)) {
+    ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
     s.streams[s.count++] = stream;
   } else {
     ctx_.driver.device_synchronize();
@@ -1771,7 +1762,7 @@ void ExpandableBackend::snapshot(std::vector<SegmentInfo>& out) const {
       info.address = seg->base;
       info.size = seg->high_water;
       info.mapped_bytes = seg->mapped_bytes;
-      info.stream = reinterpret_cast<std::uintptr_t>(arena->stream);
+      info.stream = shown_stream(arena->stream);
       const std::uint64_t end = seg->base + seg->high_water;
       for (const Block* b = seg->first; b && b->addr < end; b = b->next) {
         BlockInfo bi;

@@ -452,7 +452,7 @@ void SplitMergeBackend::snapshot(std::vector<SegmentInfo>& out) const {
     info.address = seg.base;
     info.size = seg.size;
     info.mapped_bytes = seg.size;
-    info.stream = reinterpret_cast<std::uintptr_t>(seg.stream);
+    info.stream = shown_stream(seg.stream);
     info.small_pool = seg.pool == kSmallPool;
     info.physical_handles = 1;
     info.mapped_ranges.push_back({seg.base, seg.size});
@@ -464,7 +464,7 @@ void SplitMergeBackend::snapshot(std::vector<SegmentInfo>& out) const {
       bi.state = b->status == BlockStatus::allocated      ? BlockState::allocated
                  : b->status == BlockStatus::pending_free ? BlockState::pending_free
                                                           : BlockState::free_mapped;
-      bi.stream = reinterpret_cast<std::uintptr_t>(b->stream);
+      bi.stream = shown_stream(b->stream);
       info.blocks.push_back(bi);
     }
     out.push_back(std::move(info));
