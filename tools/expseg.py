@@ -373,7 +373,7 @@ def ipc_import(handle, fds=(), device=0):
 
 
 def ipc_close(ptr, device=0):
-    """Unmaps memory ipc_import mapped on `device`."""
+    """Unmaps memory ipc_import mapped on `device`, once the work queued on `device` is done (as CUDA's IPC close)."""
     _check(load().expseg_ipc_close(_pointer(ptr, "ptr"), _device(device)), "expseg_ipc_close")
 
 

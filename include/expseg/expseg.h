@@ -234,7 +234,9 @@ EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
  *   bytes, NULL `fds` with nfds > 0, a negative descriptor or one that is not open, descriptors for
  *   a handle that takes none.
  * expseg_ipc_close: unmaps memory that expseg_ipc_import mapped on `device` (`ptr` as it was
- *   returned). NULL does nothing. EXPSEG_ERROR_INVALID_POINTER: `ptr` is not an open import of `device`.
+ *   returned), once the work queued on `device` is done, as cudaIpcCloseMemHandle waits for it (work
+ *   of peer devices on it is the caller's to finish first). NULL does nothing.
+ *   EXPSEG_ERROR_INVALID_POINTER: `ptr` is not an open import of `device`.
  * All three are thread-safe. */
 EXPSEG_API int expseg_ipc_export(void* ptr, int device, const void** handle, size_t* handle_size, const int** fds,
                                  size_t* nfds) EXPSEG_NOEXCEPT;
