@@ -174,6 +174,7 @@ Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
   r->backend = to_string(config.backend);
   r->device = driver->device();
   r->device_total_bytes = ctx.device_total;
+  r->device_free_known = false;  // not read: no figure
   r->verdict = OomVerdict::unknown;
   r->message = "CUDA out of memory. expseg: host memory also ran out, so this out-of-memory error has no report "
                "(the request's size and the figures are not known)";

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <exception>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
@@ -111,7 +112,10 @@ void notify_oom(int device, const OomReport& report) noexcept {
 }
 
 // One buffer per string-returning function (see "Strings" in expseg.h).
-enum Buffer : int { kConfigBuf, kStatsBuf, kSnapshotBuf, kOomTextBuf, kOomJsonBuf, kLastErrorBuf, kIpcHandleBuf, kBufferCount };
+enum Buffer : int {
+  kConfigBuf, kStatsBuf, kSnapshotBuf, kOomTextBuf, kOomJsonBuf, kThreadOomTextBuf, kThreadOomJsonBuf, kLastErrorBuf, kIpcHandleBuf,
+  kBufferCount
+};
 
 // Trivially destructible: still readable after the thread's thread_local objects are destroyed.
 thread_local bool t_state_destroyed = false;
@@ -121,6 +125,9 @@ struct ThreadState {
   std::string message;
   std::array<std::string, kBufferCount> buffers;
   std::vector<int> ipc_fds;  // expseg_ipc_export's descriptors
+  // Per device, the report of this thread's last failed allocation (expseg_thread_oom_report): the
+  // device's last report may be another thread's by the time this one reads it.
+  std::array<std::shared_ptr<const OomReport>, kMaxDevices> ooms;
   ThreadState* next_late = nullptr;  // the list of states made for late calls
   ThreadState() = default;
   ThreadState(const ThreadState&) = delete;
@@ -262,6 +269,18 @@ Allocator* get_or_create(int device, const char* fn) noexcept {
   }
 }
 
+// Remembers the report of the calling thread's failed allocation on `device`; nullptr: it failed
+// without one (host memory, a driver error), so an earlier OOM's report is not taken for it.
+void set_thread_oom(int device, const OomReport* report) noexcept {
+  if (device < 0 || device >= kMaxDevices) return;
+  std::shared_ptr<const OomReport>& slot = tls().ooms[static_cast<std::size_t>(device)];
+  try {
+    slot = report != nullptr ? std::make_shared<const OomReport>(*report) : nullptr;
+  } catch (...) {
+    slot.reset();  // no memory for the copy: no report rather than another one
+  }
+}
+
 const char* put(Buffer b, std::string&& text) noexcept {
   std::string& buf = tls().buffers[static_cast<std::size_t>(b)];
   buf = std::move(text);  // move assignment: no allocation, cannot throw
@@ -271,16 +290,21 @@ const char* put(Buffer b, std::string&& text) noexcept {
 void* allocate(std::size_t size, int device, expseg_stream_t stream, const char* fn, bool print_oom) noexcept {
   if (size == 0) return nullptr;
   Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return nullptr;
+  if (a == nullptr) {
+    set_thread_oom(device, nullptr);
+    return nullptr;
+  }
   try {
     return a->allocate(size, stream);
   } catch (const out_of_memory& e) {
+    set_thread_oom(device, &e.report());
     notify_oom(device, e.report());
     set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
     if (print_oom && g_oom_stderr.load(std::memory_order_relaxed))
       std::fprintf(stderr, "expseg: %s returns NULL (out of memory):\n%s\n", fn, e.what());
     return nullptr;
   } catch (...) {
+    set_thread_oom(device, nullptr);
     fail_current(fn);
     return nullptr;
   }
@@ -322,6 +346,7 @@ void reset_for_tests() noexcept {
   ThreadState& t = tls();
   t.code = EXPSEG_SUCCESS;
   t.message.clear();
+  for (auto& r : t.ooms) r.reset();
 }
 
 Allocator* allocator_for_tests(int device) noexcept {
@@ -357,14 +382,19 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
   // The exceptions carry the thread's message itself, not expseg_last_error(): that would replace
   // the string an earlier expseg_last_error handed out, which stays valid until the caller calls it again.
   Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) throw std::runtime_error(tls().message);
+  if (a == nullptr) {
+    set_thread_oom(device, nullptr);
+    throw std::runtime_error(tls().message);
+  }
   try {
     return a->allocate(static_cast<std::size_t>(size), stream);
   } catch (const out_of_memory& e) {
+    set_thread_oom(device, &e.report());
     notify_oom(device, e.report());
     set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
     throw;
   } catch (...) {
+    set_thread_oom(device, nullptr);
     fail_current(fn);
     throw std::runtime_error(tls().message);
   }
@@ -607,6 +637,30 @@ const char* expseg_last_oom_report_json(int device) noexcept {
     Allocator* a = existing(device);
     std::optional<OomReport> r = a != nullptr ? a->last_oom() : std::nullopt;
     return put(kOomJsonBuf, r ? r->to_json() : std::string("null"));
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+const char* expseg_thread_oom_report(int device) noexcept {
+  constexpr const char* fn = "expseg_thread_oom_report";
+  if (!valid_device(device, fn)) return nullptr;
+  try {
+    const std::shared_ptr<const OomReport>& r = tls().ooms[static_cast<std::size_t>(device)];
+    return put(kThreadOomTextBuf, r ? std::string(r->message) : std::string());
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+const char* expseg_thread_oom_report_json(int device) noexcept {
+  constexpr const char* fn = "expseg_thread_oom_report_json";
+  if (!valid_device(device, fn)) return nullptr;
+  try {
+    const std::shared_ptr<const OomReport>& r = tls().ooms[static_cast<std::size_t>(device)];
+    return put(kThreadOomJsonBuf, r ? r->to_json() : std::string("null"));
   } catch (...) {
     fail_current(fn);
     return nullptr;

@@ -42,7 +42,12 @@ std::string OomReport::to_json(bool with_snapshot) const {
   w.field("requested_bytes", std::uint64_t{requested_bytes});
   w.field("rounded_bytes", std::uint64_t{rounded_bytes});
   w.field("device_total_bytes", std::uint64_t{device_total_bytes});
-  w.field("device_free_bytes", std::uint64_t{device_free_bytes});
+  w.key("device_free_bytes");
+  if (device_free_known) {
+    w.value(std::uint64_t{device_free_bytes});
+  } else {
+    w.null();  // not read: no figure (0 would read as a full device)
+  }
   w.field("limit_bytes", std::uint64_t{limit_bytes});
   w.field("allocated_bytes", std::uint64_t{allocated_bytes});
   w.field("reserved_bytes", std::uint64_t{reserved_bytes});

@@ -453,6 +453,10 @@ struct ImportedMemory::State {
     };
     if (opened) attempt([&] { drv->ipc_close(base); });
     opened = false;
+    // cuIpcCloseMemHandle waits for the work queued on the memory (measured on the H200); cuMemUnmap
+    // does not, and that work then faults (CUDA_ERROR_ILLEGAL_ADDRESS, the context lost): wait for
+    // this device's work first, as PyTorch does before unmapping an imported expandable segment.
+    if (!mapped.empty()) attempt([&] { drv->device_synchronize(); });
     std::uint64_t at = base;
     for (std::size_t bytes : mapped) {
       attempt([&] { drv->unmap(at, bytes); });

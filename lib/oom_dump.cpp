@@ -328,7 +328,9 @@ OomReport read_report(const Reader& r, const JsonValue& o) {
   p.requested_bytes = r.u64(o, "requested_bytes");
   p.rounded_bytes = r.u64(o, "rounded_bytes");
   p.device_total_bytes = r.u64(o, "device_total_bytes");
-  p.device_free_bytes = r.u64(o, "device_free_bytes");
+  // null: the free memory could not be read when the report was built.
+  p.device_free_known = !r.at(o, "device_free_bytes").is_null();
+  p.device_free_bytes = p.device_free_known ? r.u64(o, "device_free_bytes") : 0;
   p.limit_bytes = r.u64(o, "limit_bytes");
   p.allocated_bytes = r.u64(o, "allocated_bytes");
   p.reserved_bytes = r.u64(o, "reserved_bytes");

@@ -84,13 +84,24 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   auto r = std::make_shared<OomReport>();
   fill_report_figures(*r, requested, stream);
   driver::MemInfo mi;
+  // cuMemGetInfo can fail here (a context gone bad): the free memory is then unknown, and what
+  // depends on it says so. (`mi` is set afresh in the handler: after a throwing `mi = call()` the
+  // optimiser left `mi.free` undefined, and reports showed an arbitrary figure as free.)
+  std::string mem_info_error;
   try {
     mi = driver->mem_info();
+  } catch (const std::exception& e) {
+    mi = driver::MemInfo{0, ctx.device_total};
+    mem_info_error = e.what();
+    if (mem_info_error.empty()) mem_info_error = "cuMemGetInfo failed";
   } catch (...) {
-    mi.total = ctx.device_total;
+    mi = driver::MemInfo{0, ctx.device_total};
+    mem_info_error = "cuMemGetInfo failed";
   }
+  const bool free_known = mem_info_error.empty();
   r->device_total_bytes = mi.total;
   r->device_free_bytes = mi.free;
+  r->device_free_known = free_known;
   const backends::FreeSummary fs = backend->free_summary(r->rounded_bytes > SIZE_MAX / 2 ? 0 : r->rounded_bytes, stream);
   r->largest_free_block_bytes = fs.largest_free_block;
   r->free_blocks = fs.free_blocks;
@@ -104,13 +115,15 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   r->partial_pages = fs.live_partial_pages;
   const bool overflow = r->rounded_bytes > SIZE_MAX / 2;
   const std::size_t need = overflow ? SIZE_MAX : footprint + std::max(fs.request_footprint, r->rounded_bytes);
-  const std::size_t obtainable = mi.free + r->reserved_bytes;  // what this process could hold at most
+  // What this process could hold at most (free memory unknown: at least what it holds).
+  const std::size_t obtainable = mi.free + r->reserved_bytes;
   if (overflow || need > mi.total) {
     r->verdict = OomVerdict::capacity;
   } else if (ctx.limit != 0 && need > ctx.limit) {
     r->verdict = OomVerdict::limit;
   } else if (need > obtainable) {
-    r->verdict = OomVerdict::capacity;  // other processes hold the rest of the device
+    // Other processes hold the rest of the device; or, free memory unknown, maybe not.
+    r->verdict = free_known ? OomVerdict::capacity : OomVerdict::unknown;
   } else {
     r->verdict = OomVerdict::fragmentation;
   }
@@ -133,11 +146,14 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   // over partly used pages can still fit split_merge's segments. Only the live requested bytes plus
   // the request, which every backend must hold, past the limit or what this process could hold,
   // decide without it.
-  const std::size_t capacity = std::min(mi.total ? mi.total : ctx.device_total, obtainable);
+  // Free memory unknown: only the device's total bounds it, and the simulated device is the whole
+  // device, which answers for this process only where the limit binds before it.
+  const std::size_t capacity = std::min(mi.total ? mi.total : ctx.device_total, free_known ? obtainable : SIZE_MAX);
+  const bool simulable = free_known || (ctx.limit != 0 && ctx.limit <= r->reserved_bytes);
   const std::size_t at_least = overflow ? SIZE_MAX : r->live_requested_bytes + requested;
   if (overflow || at_least > capacity || (ctx.limit != 0 && at_least > ctx.limit)) {
     r->counterfactual = Counterfactual::would_fail;
-  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none) {
+  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable) {
     // (A device that refused what its figures leave room for is no device the figures can simulate.)
     live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
     for (const StreamEvents& se : pending)
@@ -161,7 +177,11 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     // PyTorch names the size it asked the device for (for split_merge, the new segment's size).
     const std::size_t tried = config.backend == BackendKind::split_merge ? std::max(r->rounded_bytes, fs.request_footprint) : r->rounded_bytes;
     os << "CUDA out of memory. Tried to allocate " << format_bytes(tried) << ". GPU " << r->device << " has a total capacity of "
-       << format_bytes(mi.total) << " of which " << format_bytes(mi.free) << " is free. ";
+       << format_bytes(mi.total) << " of which ";
+    if (free_known)
+      os << format_bytes(mi.free) << " is free. ";
+    else
+      os << "an unknown amount is free (" << mem_info_error << "). ";  // driver_error: "cuMemGetInfo failed: ..."
     // PyTorch 2.9+ prints its allowed figure only under a memory fraction below 1 (at 1 it sets no
     // limit): a limit of all the device's memory, or more, is none here too (as for garbage collection).
     if (ctx.limit != 0 && ctx.limit < ctx.device_total) os << format_bytes(ctx.limit) << " allowed; ";
@@ -194,6 +214,10 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       os << ") plus the request (" << format_bytes(r->rounded_bytes);
       if (!overflow && fs.request_footprint > r->rounded_bytes)
         os << ", needing " << format_bytes(fs.request_footprint) << (pages ? " of whole pages" : " as a new segment");
+      if (r->verdict == OomVerdict::capacity && !free_known) {
+        os << ") exceed the device's memory (" << format_bytes(mi.total) << ").";
+        break;
+      }
       if (r->verdict == OomVerdict::capacity) {
         os << ") exceed what the device can give this process (" << format_bytes(std::min(obtainable, mi.total)) << " of "
            << format_bytes(mi.total) << ").";
@@ -211,7 +235,9 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
          << " is reserved but unallocated in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
          << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
-         << (ctx.limit != 0 && ctx.limit <= std::min(mi.total, obtainable) ? "limit" : "device")  // whichever bound is the lower
+         << (ctx.limit != 0 && ctx.limit <= std::min(mi.total, obtainable) ? "limit"  // whichever bound is the lower
+             : ctx.limit != 0 && !free_known                                 ? "limit or the device"  // which one is not known
+                                                                             : "device")
          << " leaves no room for more.";
       // Free blocks the request cannot be served from (another stream's, split_merge's other pool)
       // would read as a place for it when large enough: say what it could use.
@@ -223,7 +249,11 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
         os << ".";
       }
       break;
-    case OomVerdict::unknown:  // short_oom_report's, never a full report's
+    case OomVerdict::unknown:  // a full report's only when the free memory is unknown
+      os << "The live allocations (" << format_bytes(footprint) << ") plus the request (" << format_bytes(growth)
+         << ") fit the device and the limit but are more than the " << format_bytes(r->reserved_bytes)
+         << " expseg holds, and the device's free memory could not be read: whether other processes hold the rest of the "
+         << "device (capacity) or expseg's free memory is too scattered (fragmentation) is not known.";
       break;
   }
   os << "\nexpseg: backend " << r->backend << ", device " << driver->kind() << ":" << r->device << ", stream " << hex(r->stream) << ", "
@@ -243,6 +273,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
         os << " (oom_counterfactual:false).";
       else if (refused != backends::Context::Refusal::none)
         os << ": a simulation of the figures above cannot tell what a device that refused them would have done.";
+      else if (!simulable)
+        os << ": its check needs the device's free memory, which could not be read.";
       else
         os << ": its check could not run (host memory ran out, or its simulated device could not be built).";
       break;
@@ -257,6 +289,7 @@ std::shared_ptr<const OomReport> Allocator::Impl::short_oom_report(std::size_t r
     auto r = std::make_shared<OomReport>();
     fill_report_figures(*r, requested, stream);
     r->live_footprint_bytes = static_cast<std::size_t>(stats.active_bytes[kAllPools].current);
+    r->device_free_known = false;  // not read: no figure
     // The verdict is not evaluated: the message and the verdict say so rather than give a guess.
     r->verdict = OomVerdict::unknown;
     char text[320];

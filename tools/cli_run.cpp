@@ -639,7 +639,9 @@ int cmd::explain(int argc, char** argv) {
   // Other processes and the CUDA context hold memory no trace records: the replay's device is what
   // this process could hold at the OOM (its reserved memory and what was free), as the verdict counted.
   const std::size_t total = d.report.device_total_bytes;
-  const std::size_t obtainable = d.report.device_free_bytes + std::min(d.report.reserved_bytes, SIZE_MAX - d.report.device_free_bytes);
+  // (Free memory unknown at the OOM: the whole device, the verdict's only bound then.)
+  const std::size_t obtainable = !d.report.device_free_known ? total
+                                 : d.report.device_free_bytes + std::min(d.report.reserved_bytes, SIZE_MAX - d.report.device_free_bytes);
   const std::size_t usable = std::min(total, obtainable);
   setup.config.sim_capacity = std::max(usable / g * g, g);
   setup.config.sim_host_backed = false;

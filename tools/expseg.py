@@ -104,6 +104,8 @@ def _declare(lib):
         "expseg_snapshot_json": (c_char_p, [c_int]),
         "expseg_last_oom_report": (c_char_p, [c_int]),
         "expseg_last_oom_report_json": (c_char_p, [c_int]),
+        "expseg_thread_oom_report": (c_char_p, [c_int]),
+        "expseg_thread_oom_report_json": (c_char_p, [c_int]),
         "expseg_record_start": (c_int, [c_int, c_size_t]),
         "expseg_record_stop": (c_int, [c_int]),
         "expseg_set_record_default": (c_int, [c_int, c_size_t]),
@@ -373,7 +375,7 @@ def ipc_import(handle, fds=(), device=0):
 
 
 def ipc_close(ptr, device=0):
-    """Unmaps memory ipc_import mapped on `device`."""
+    """Unmaps memory ipc_import mapped on `device`, once the work queued on `device` is done (as CUDA's IPC close)."""
     _check(load().expseg_ipc_close(_pointer(ptr, "ptr"), _device(device)), "expseg_ipc_close")
 
 
@@ -789,12 +791,16 @@ def _configure_for(who, conf):
 
 def _cupy_out_of_memory(cupy_memory, size, device):
     """cupy.cuda.memory.OutOfMemoryError carrying expseg's report (its text, and .expseg_report)."""
-    report = oom_report_json(device) or {}
+    # This thread's report, not the device's last one: another thread's OOM may have replaced that since.
+    lib = load()
+    report = json.loads(_text(lib.expseg_thread_oom_report_json(device), "expseg_thread_oom_report_json")) or {}
     err = cupy_memory.OutOfMemoryError(size, report.get("reserved_bytes", 0), report.get("limit_bytes", 0))
-    text = oom_report(device)
-    if text:
+    text = report.get("message", "")
+    # No report (host memory ran out, a driver error): the thread's error message says what happened.
+    said = text or (lib.expseg_last_error() or b"").decode("utf-8", "replace")
+    if said:
         # Under policy:cupy the report's first line is CuPy's own message; otherwise put CuPy's first.
-        err.args = (text if text.startswith("Out of memory allocating") else "%s\n%s" % (err.args[0], text),)
+        err.args = (said if said.startswith("Out of memory allocating") else "%s\n%s" % (err.args[0], said),)
     err.expseg_report = text
     return err
 

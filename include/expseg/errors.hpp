@@ -92,7 +92,8 @@ enum class OomVerdict : std::uint8_t {
   capacity,       // live bytes + request exceed what the device has, or it refused room the figures left (memory, address range)
   limit,          // live bytes + request exceed the configured limit
   fragmentation,  // enough memory is free in total, but the allocator has no place for the request
-  unknown,        // not evaluated: host memory ran out while the report was built (a short report)
+  unknown,        // not evaluated: host memory ran out while the report was built (a short report), or
+                  // the verdict needed the device's free memory, which could not be read
 };
 const char* to_string(OomVerdict) noexcept;
 
@@ -110,6 +111,9 @@ struct OomReport {
   std::size_t rounded_bytes = 0;     // after the backend's rounding
   std::size_t device_total_bytes = 0;
   std::size_t device_free_bytes = 0;
+  // false: the device's free memory could not be read (cuMemGetInfo failed while the report was
+  // built, or a short report): device_free_bytes is 0 then, no figure, and JSON writes it as null.
+  bool device_free_known = true;
   std::size_t limit_bytes = 0;       // 0: no limit configured
   std::size_t allocated_bytes = 0;   // live blocks (rounded sizes), as stats().allocated_bytes
   std::size_t reserved_bytes = 0;    // memory held from the device, as stats().reserved_bytes

@@ -25,7 +25,8 @@
  * expseg_last_error_code(); successful calls leave them unchanged (errno-style), and
  * expseg_clear_error() resets them. Out of memory: malloc returns NULL, the code is
  * EXPSEG_ERROR_OUT_OF_MEMORY, and the full report (why: capacity, limit or fragmentation, with the
- * numbers) stays retrievable with expseg_last_oom_report(device) from any thread.
+ * numbers) stays retrievable with expseg_last_oom_report(device) from any thread (until the device's
+ * next OOM, maybe another thread's) and with expseg_thread_oom_report(device) from the failing thread.
  *
  * Strings. Every returned const char* is owned by expseg and points to a buffer of the calling
  * thread, one buffer per function: it stays valid until the same function is called again on the
@@ -175,6 +176,14 @@ EXPSEG_API const char* expseg_stats_json(int device) EXPSEG_NOEXCEPT;
 EXPSEG_API const char* expseg_snapshot_json(int device) EXPSEG_NOEXCEPT;
 EXPSEG_API const char* expseg_last_oom_report(int device) EXPSEG_NOEXCEPT;
 EXPSEG_API const char* expseg_last_oom_report_json(int device) EXPSEG_NOEXCEPT;
+/* The report of the calling thread's last allocation on `device` (expseg_malloc,
+ * expseg_torch_malloc, expseg_cupy_malloc) that failed with out of memory, text or JSON as above:
+ * what a thread turns into its own error (tools/expseg.py's CuPy OutOfMemoryError), since the
+ * device's last report may by then be another thread's. "" / "null" when this thread has had no
+ * OOM on `device`, or its last failed allocation there had no report (host memory ran out, a driver
+ * error, no allocator could be created). Kept until this thread's next failed allocation on `device`. */
+EXPSEG_API const char* expseg_thread_oom_report(int device) EXPSEG_NOEXCEPT;
+EXPSEG_API const char* expseg_thread_oom_report_json(int device) EXPSEG_NOEXCEPT;
 
 /* Event recorder: every alloc/free (and map/unmap, failed allocation) with a timestamp.
  * record_start creates the allocator when needed and starts afresh (earlier events are dropped);
@@ -234,7 +243,9 @@ EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
  *   bytes, NULL `fds` with nfds > 0, a negative descriptor or one that is not open, descriptors for
  *   a handle that takes none.
  * expseg_ipc_close: unmaps memory that expseg_ipc_import mapped on `device` (`ptr` as it was
- *   returned). NULL does nothing. EXPSEG_ERROR_INVALID_POINTER: `ptr` is not an open import of `device`.
+ *   returned), once the work queued on `device` is done, as cudaIpcCloseMemHandle waits for it (work
+ *   of peer devices on it is the caller's to finish first). NULL does nothing.
+ *   EXPSEG_ERROR_INVALID_POINTER: `ptr` is not an open import of `device`.
  * All three are thread-safe. */
 EXPSEG_API int expseg_ipc_export(void* ptr, int device, const void** handle, size_t* handle_size, const int** fds,
                                  size_t* nfds) EXPSEG_NOEXCEPT;

@@ -160,6 +160,10 @@ struct IpcAccess;
 
 // An exported allocation mapped into this process. Releases its mappings and handles (cuIpcClose-
 // MemHandle, or unmap + cuMemRelease + cuMemAddressFree) on destruction. Move-only.
+// Releasing waits for the work queued on this device first, as cuIpcCloseMemHandle itself does
+// (expandable imports: a device synchronization before the unmap, which alone would not wait, so
+// that work would fault). Work queued on other devices (peers reaching the memory) is not waited
+// for: finish it before releasing.
 class ImportedMemory {
  public:
   ImportedMemory() noexcept;
@@ -174,7 +178,8 @@ class ImportedMemory {
   int device() const noexcept;           // the device it is mapped for (-1 when empty)
   IpcKind kind() const noexcept;
   explicit operator bool() const noexcept { return get() != nullptr; }
-  // Releases now; throws driver_error if the driver refuses (the destructor ignores errors). Empty after.
+  // Releases now, once this device's queued work is done (see above); throws driver_error if the
+  // driver refuses (the destructor ignores errors; everything is released either way). Empty after.
   void close();
 
  private:

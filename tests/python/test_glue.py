@@ -816,6 +816,39 @@ class InstallTest(unittest.TestCase):
         for p in (p2, p3, p0):
             self.lib.expseg_cupy_free(None, p, 0)
 
+    def test_cupy_oom_error_carries_its_own_report(self):
+        # The OutOfMemoryError was built from the device's last report: another thread's OOM on the same device
+        # between this thread's failed allocation and the read gave this thread the other request's report.
+        install_fakes()
+        cupy = sys.modules["cupy"]
+
+        class OutOfMemoryError(MemoryError):  # cupy.cuda.memory.OutOfMemoryError(size, total, limit=0)
+            def __init__(self, size, total, limit=0):
+                super().__init__("Out of memory allocating %s bytes (allocated so far: %s bytes)." % (
+                    format(size, ","), format(total, ",")))
+
+        base = cupy.cuda.memory.CFunctionAllocator
+        other = {}
+
+        class Interleaved(base):  # another thread's OOM lands right after this thread's malloc returns NULL
+            def malloc(self, size):
+                mem = base.malloc(self, size)
+                if not mem.ptr:
+                    t = threading.Thread(target=lambda: other.setdefault("ptr", self.fn(self.param, 200 * MiB, 0)))
+                    t.start()
+                    t.join()
+                return mem
+
+        cupy.cuda.memory.OutOfMemoryError = OutOfMemoryError
+        cupy.cuda.memory.CFunctionAllocator = Interleaved
+        alloc = expseg.install_cupy("backend:split_merge,limit:64MiB")
+        with self.assertRaises(OutOfMemoryError) as cm:
+            alloc(100 * MiB)
+        self.assertFalse(other["ptr"])  # the other thread's 200 MiB failed too, after this one's
+        self.assertIn("Tried to allocate 200.00 MiB", expseg.oom_report())  # the device's last report: the other's
+        self.assertIn("Tried to allocate 100.00 MiB", cm.exception.expseg_report)
+        self.assertNotIn("200.00 MiB", str(cm.exception))
+
     def test_install_without_conf_keeps_what_is_configured(self):
         install_fakes()
         expseg.install_cupy("backend:expandable")

@@ -372,6 +372,30 @@ TEST_CASE_FIXTURE(CApiFixture, "out of memory: NULL, a code, and a report retrie
   CHECK(stat(0, "allocation.all.current") == 0);
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "out of memory: each thread keeps the report of its own failed allocation") {
+  // The device's last report is the last OOM of any thread: a thread that failed and then read it
+  // (tools/expseg.py's CuPy OutOfMemoryError) could get another thread's report, of another request.
+  REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,backend:split_merge,limit:64MiB") == EXPSEG_SUCCESS);
+  CHECK(std::string(expseg_thread_oom_report(0)).empty());
+  CHECK(std::string(expseg_thread_oom_report_json(0)) == "null");
+  CHECK(expseg_cupy_malloc(nullptr, 100 * MiB, 0) == nullptr);
+  std::string other;
+  std::thread([&] {
+    CHECK(expseg_cupy_malloc(nullptr, 200 * MiB, 0) == nullptr);  // after this thread's OOM, before it reads
+    other = expseg_thread_oom_report(0);
+  }).join();
+  CHECK(other.find("Tried to allocate 200.00 MiB") != std::string::npos);
+  CHECK(std::string(expseg_last_oom_report(0)) == other);  // the device's last: the other thread's, as before
+  const std::string mine = expseg_thread_oom_report(0);
+  CHECK(mine.find("Tried to allocate 100.00 MiB") != std::string::npos);
+  const JsonValue report = parse_json(expseg_thread_oom_report_json(0));
+  CHECK(report["requested_bytes"].as_int() == static_cast<std::int64_t>(100 * MiB));
+  CHECK(report["message"].as_string() == mine);
+  CHECK(std::string(expseg_thread_oom_report(1)).empty());  // per device
+  CHECK(expseg_thread_oom_report(EXPSEG_MAX_DEVICES) == nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_DEVICE);
+}
+
 TEST_CASE_FIXTURE(CApiFixture, "the 800/500/300 story: CuPy's OOM under split_merge policy:cupy, success under expandable") {
   // What benchmarks/cupy_story.py does on the GPU through CuPy, here on the simulated device.
   for (const char* backend : kBackends) {

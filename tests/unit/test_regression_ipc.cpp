@@ -282,3 +282,46 @@ TEST_CASE("regression: recv_fds allocates no more than arrives for a header that
   CHECK(fds.empty());
   ::close(sv[0]);
 }
+
+TEST_SUITE("multi_device") {
+
+// cuIpcCloseMemHandle waits for the work queued on the memory; cuMemUnmap does not, and that work
+// then faults (both measured on the H200: CUDA_ERROR_ILLEGAL_ADDRESS after the unmap, the context
+// lost). ImportedMemory unmapped a posix_fd or fabric import (expandable) at once, under the
+// importer's queued work, where the same close of a cuda_ipc import (split_merge) waited.
+TEST_CASE("regression: releasing an expandable import waits for the work queued on it, as cuIpcCloseMemHandle does") {
+  for (const char* extra : {"ipc_handle:posix_fd", "ipc_handle:fabric"}) {
+    CAPTURE(extra);
+    const expseg::Config c = sim_config(BackendKind::expandable, 1 * GiB, std::string("sim_host_backed:true,") + extra);
+    SimOptions o;
+    o.shareable = static_cast<expseg::driver::ShareableHandle>(c.ipc_handle);
+    SimAllocator s = make_sim_allocator(c, o);
+    void* p = s->allocate(5 * MiB);
+    const std::size_t handles = s.sim->live().handles;
+    for (const bool destroy : {false, true}) {
+      CAPTURE(destroy);
+      ImportedMemory m = s->import_ipc(s->export_ipc(p));
+      void* st = s.sim->stream_create();
+      s.sim->set_stream_busy(st, true);
+      s.sim->queue_use(st, addr(m.get()), m.size());  // a kernel of the importer, still running
+      if (destroy) {
+        ImportedMemory gone = std::move(m);
+      } else {
+        m.close();
+      }
+      CHECK(s.sim->hazards().empty());
+      CHECK(s.sim->live().handles == handles);
+      s.sim->set_stream_busy(st, false);
+      s.sim->stream_destroy(st);
+    }
+    // A synchronization that fails is reported by close(), and the import is released all the same.
+    ImportedMemory m = s->import_ipc(s->export_ipc(p));
+    s.sim->inject_fault(Op::stream_sync, 1, Fault::error);
+    CHECK_THROWS_AS(m.close(), expseg::driver_error);
+    CHECK_FALSE(m);
+    CHECK(s.sim->live().handles == handles);
+    s->deallocate(p);
+  }
+}
+
+}  // TEST_SUITE

@@ -11,9 +11,14 @@
 //     run (oom_counterfactual:false, or the check failed) said nothing about the other backend.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "expseg/oom_dump.hpp"
 
 #include "test_util.hpp"
 
@@ -155,4 +160,118 @@ TEST_CASE("oom truth: a report whose other-backend check did not run says so") {
   CHECK(r->message.find("The expandable backend was not asked (oom_counterfactual:false).") != std::string::npos);
   a.deallocate(p800);
   a.deallocate(p300);
+}
+
+namespace {
+// A simulated device whose cuMemGetInfo fails once `fail` is set (as on a GPU whose context went bad
+// between the failed allocation and the report); every other call goes to the simulated device.
+class MemInfoFails final : public expseg::driver::Driver {
+ public:
+  explicit MemInfoFails(std::shared_ptr<expseg::driver::SimDriver> sim) : sim_(std::move(sim)) {}
+  bool fail = false;
+
+  using dev_ptr = expseg::driver::dev_ptr;
+  using phys_handle = expseg::driver::phys_handle;
+  using stream_t = expseg::driver::stream_t;
+  using event_t = expseg::driver::event_t;
+  const char* kind() const noexcept override { return sim_->kind(); }
+  int device() const noexcept override { return sim_->device(); }
+  std::string device_name() const override { return sim_->device_name(); }
+  std::size_t granularity() const noexcept override { return sim_->granularity(); }
+  expseg::driver::MemInfo mem_info() override {
+    if (fail) throw expseg::driver_error("cuMemGetInfo", 999, "CUDA_ERROR_UNKNOWN", "injected by the test");
+    return sim_->mem_info();
+  }
+  expseg::driver::CallStats call_stats() const override { return sim_->call_stats(); }
+  dev_ptr reserve(std::size_t bytes) override { return sim_->reserve(bytes); }
+  void free_reserve(dev_ptr base, std::size_t bytes) override { sim_->free_reserve(base, bytes); }
+  phys_handle create(std::size_t bytes) override { return sim_->create(bytes); }
+  void release(phys_handle h) override { sim_->release(h); }
+  void map(dev_ptr p, std::size_t bytes, phys_handle h) override { sim_->map(p, bytes, h); }
+  void unmap(dev_ptr p, std::size_t bytes) override { sim_->unmap(p, bytes); }
+  void set_access(dev_ptr p, std::size_t bytes) override { sim_->set_access(p, bytes); }
+  dev_ptr mem_alloc(std::size_t bytes) override { return sim_->mem_alloc(bytes); }
+  void mem_free(dev_ptr p) override { sim_->mem_free(p); }
+  stream_t stream_create() override { return sim_->stream_create(); }
+  void stream_destroy(stream_t s) override { sim_->stream_destroy(s); }
+  event_t event_create() override { return sim_->event_create(); }
+  void event_destroy(event_t e) override { sim_->event_destroy(e); }
+  void event_record(event_t e, stream_t s) override { sim_->event_record(e, s); }
+  bool event_query(event_t e) override { return sim_->event_query(e); }
+  void event_synchronize(event_t e) override { sim_->event_synchronize(e); }
+  void stream_synchronize(stream_t s) override { sim_->stream_synchronize(s); }
+  void device_synchronize() override { sim_->device_synchronize(); }
+  void memset_d32(dev_ptr p, std::uint32_t v, std::size_t n, stream_t s) override { sim_->memset_d32(p, v, n, s); }
+  void copy_to_host(void* dst, dev_ptr src, std::size_t bytes) override { sim_->copy_to_host(dst, src, bytes); }
+  void copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) override { sim_->copy_from_host(dst, src, bytes); }
+  int device_count() override { return sim_->device_count(); }
+  bool can_access_peer(int peer) override { return sim_->can_access_peer(peer); }
+  bool add_access_device(int peer) override { return sim_->add_access_device(peer); }
+  std::vector<int> access_devices() const override { return sim_->access_devices(); }
+  bool enable_context_peer(int peer) override { return sim_->enable_context_peer(peer); }
+  std::vector<int> context_peers() const override { return sim_->context_peers(); }
+  expseg::driver::ShareableHandle shareable_handle_type() const noexcept override { return sim_->shareable_handle_type(); }
+  expseg::driver::ExportedHandle export_handle(phys_handle h) override { return sim_->export_handle(h); }
+  phys_handle import_handle(const expseg::driver::ExportedHandle& e) override { return sim_->import_handle(e); }
+  expseg::driver::ExportedHandle ipc_export(dev_ptr p) override { return sim_->ipc_export(p); }
+  dev_ptr ipc_open(const expseg::driver::ExportedHandle& e) override { return sim_->ipc_open(e); }
+  void ipc_close(dev_ptr p) override { sim_->ipc_close(p); }
+
+ private:
+  std::shared_ptr<expseg::driver::SimDriver> sim_;
+};
+}  // namespace
+
+TEST_CASE("oom truth: when cuMemGetInfo fails while the report is built, the device's free memory is unknown, not 0 bytes") {
+  // The 800/500/300 story under a 2064 MiB limit, then 950 MiB: 900 MiB is cached but scattered and
+  // the limit leaves 64 MiB to grow, on a device with 78 GiB free: fragmentation, and expandable
+  // would have served it. With cuMemGetInfo failing, the report took the free memory for 0 bytes:
+  // "of which 0 bytes is free", verdict capacity ("exceed what the device can give this process"),
+  // "device_free_bytes": 0, and "the expandable backend would have failed too".
+  for (const bool fails : {false, true}) {
+    CAPTURE(fails);
+    expseg::driver::SimOptions so;
+    so.capacity = 80 * GiB;
+    auto drv = std::make_shared<MemInfoFails>(std::make_shared<expseg::driver::SimDriver>(so));
+    const std::string dump = (std::filesystem::temp_directory_path() /
+                              ("expseg-oomtruth-" + std::to_string(::getpid()) + (fails ? "-fails.json" : "-reads.json")))
+                                 .string();
+    std::filesystem::remove(dump);
+    auto a = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_dump:" + dump), drv);
+    a->deallocate(a->allocate(2000 * MiB));
+    void* p800 = a->allocate(800 * MiB);
+    void* p500 = a->allocate(500 * MiB);
+    void* p300 = a->allocate(300 * MiB);
+    a->deallocate(p500);
+    drv->fail = fails;
+    const auto r = oom_of([&] { (void)a->allocate(950 * MiB); });
+    drv->fail = false;
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    const std::string json = r->to_json();
+    const expseg::OomDump d = expseg::read_oom_dump(dump);  // the dump says the same
+    std::filesystem::remove(dump);
+    CHECK(d.report.device_free_bytes == r->device_free_bytes);
+    CHECK(d.report.verdict == r->verdict);
+    if (!fails) {
+      CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+      CHECK(r->counterfactual == expseg::Counterfactual::would_succeed);
+      CHECK(json.find("\"device_free_bytes\":null") == std::string::npos);
+    } else {
+      CHECK(r->message.find("of which 0 bytes is free") == std::string::npos);
+      CHECK(r->message.find("of which an unknown amount is free (cuMemGetInfo failed") != std::string::npos);
+      CHECK(r->verdict != expseg::OomVerdict::capacity);  // the device may well have had room: not known
+      CHECK(r->message.find("exceed what the device can give this process") == std::string::npos);
+      CHECK(r->counterfactual != expseg::Counterfactual::would_fail);
+      CHECK(json.find("\"device_free_bytes\":null") != std::string::npos);
+      CHECK(json.find("\"device_free_bytes\":0") == std::string::npos);
+      CHECK_FALSE(r->device_free_known);
+      CHECK_FALSE(d.report.device_free_known);
+      CHECK(r->verdict == expseg::OomVerdict::unknown);
+      CHECK(r->message.find("expseg verdict: unknown. The live allocations") != std::string::npos);
+      CHECK(r->message.find("backend was not asked: its check needs the device's free memory") != std::string::npos);
+    }
+    a->deallocate(p800);
+    a->deallocate(p300);
+  }
 }
