@@ -15,6 +15,10 @@
 //                                        (own_streams) or all on the default stream
 //                                        (default_stream); items_per_second = aggregate steps/s,
 //                                        ns_per_step = wall time / all threads' steps
+//   driver_batching/vmm:cuda/<size>/handles:<N>/<each|range>
+//                                        N handles mapped back to back; cuMemSetAccess and
+//                                        cuMemUnmap per handle or once over the range; us per
+//                                        phase (set_access_us, unmap_us, release_us)
 //   growth/<target>/<size>               first allocation on a fresh allocator, only the allocate
 //                                        call timed; median of repetitions (…_median), in µs
 //   scenario/<name>/<target>             the library's scenario wall time (growing-buffer,
@@ -322,6 +326,65 @@ void bm_growth_vmm(benchmark::State& st, std::size_t bytes) {
   });
 }
 
+// Why the expandable backend unmaps and grants access handle by handle: N handles of `bytes` each,
+// mapped back to back, then cuMemSetAccess and cuMemUnmap either once per handle ("each") or once
+// over the whole range ("range"), and cuMemRelease per handle; each phase timed alone, in us per
+// iteration (counters). If one call over the range cost less than a call per handle, reclaiming
+// neighbouring idle handles together would pay; on the H200 it does not (benchmarks/PERFORMANCE.md).
+void bm_driver_batching(benchmark::State& st, std::size_t bytes, int n, bool range) {
+  guarded(st, [&] {
+    driver::Driver& d = cuda_driver();
+    const std::size_t g = d.granularity();
+    const std::size_t hb = (bytes + g - 1) / g * g;
+    const std::size_t total = hb * static_cast<std::size_t>(n);
+    const driver::dev_ptr va = d.reserve(total);
+    std::vector<driver::phys_handle> handles;
+    double set_access_us = 0.0, unmap_us = 0.0, release_us = 0.0;
+    auto us_since = [](Clock::time_point t0) { return seconds_between(t0, Clock::now()) * 1e6; };
+    try {
+      for (auto _ : st) {
+        for (int i = 0; i < n; ++i) {
+          handles.push_back(d.create(hb));
+          d.map(va + hb * static_cast<std::size_t>(i), hb, handles.back());
+        }
+        Clock::time_point t0 = Clock::now();
+        if (range) {
+          d.set_access(va, total);
+        } else {
+          for (int i = 0; i < n; ++i) d.set_access(va + hb * static_cast<std::size_t>(i), hb);
+        }
+        const double a = us_since(t0);
+        t0 = Clock::now();
+        if (range) {
+          d.unmap(va, total);
+        } else {
+          for (int i = 0; i < n; ++i) d.unmap(va + hb * static_cast<std::size_t>(i), hb);
+        }
+        const double u = us_since(t0);
+        t0 = Clock::now();
+        for (driver::phys_handle h : handles) d.release(h);
+        const double r = us_since(t0);
+        handles.clear();
+        st.SetIterationTime((a + u + r) * 1e-6);
+        set_access_us += a;
+        unmap_us += u;
+        release_us += r;
+      }
+    } catch (...) {
+      try {
+        d.free_reserve(va, total);  // after a failure mid-way the handles may still be mapped: best effort
+      } catch (...) {
+      }
+      throw;
+    }
+    d.free_reserve(va, total);
+    const double iters = static_cast<double>(st.iterations());
+    st.counters["set_access_us"] = set_access_us / iters;
+    st.counters["unmap_us"] = unmap_us / iters;
+    st.counters["release_us"] = release_us / iters;
+  });
+}
+
 // A scenario of the library (run_scenario), timed by its own `seconds` (the story only). On the
 // simulator the H200 latency model adds what the driver calls would have cost: the wall time on
 // the simulator is the allocator's CPU time alone, which hides the expandable backend's map/unmap
@@ -512,6 +575,25 @@ void register_all() {
           ->Iterations(1)
           ->Repetitions(reps(reps_cuda))
           ->ReportAggregatesOnly(true);
+    }
+  }
+
+  // Driver calls per handle or per range (see bm_driver_batching).
+  if (cuda) {
+    for (const std::size_t bytes : {2 * MiB, 32 * MiB}) {
+      for (const int n : {1, 4, 16}) {
+        for (const bool range : {false, true}) {
+          if (n == 1 && range) continue;
+          const std::string name = "driver_batching/vmm:cuda/" + size_label(bytes) + "/handles:" + std::to_string(n) + "/" +
+                                   (range ? "range" : "each");
+          benchmark::RegisterBenchmark(name.c_str(), [bytes, n, range](benchmark::State& st) { bm_driver_batching(st, bytes, n, range); })
+              ->UseManualTime()
+              ->Unit(benchmark::kMicrosecond)
+              ->Iterations(20)
+              ->Repetitions(reps(3))
+              ->ReportAggregatesOnly(true);
+        }
+      }
     }
   }
 
