@@ -85,8 +85,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   fill_report_figures(*r, requested, stream);
   driver::MemInfo mi;
   // cuMemGetInfo can fail here (a context gone bad): the free memory is then unknown, and what
-  // depends on it says so. (`mi` is set afresh in the handler: after a throwing `mi = call()` the
-  // optimiser left `mi.free` undefined, and reports showed an arbitrary figure as free.)
+  // depends on it says so. (`mi` is set afresh in the handler; an optimised build was seen to
+  // report an arbitrary figure as free when the handler relied on its initial value.)
   std::string mem_info_error;
   try {
     mi = driver->mem_info();
