@@ -17,6 +17,21 @@ constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t GiB = std::size_t{1} << 30;
 
+// ThreadSanitizer keeps most of the address space for its shadow memory: the host-backed simulated
+// device's fixed address arena (kArenaRegion) and multi-TiB reservations cannot be mapped there, so
+// the tests of reproducible addresses are skipped under it (doctest reports them as skipped).
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kThreadSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kThreadSanitizer = true;
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+
 inline expseg::Config sim_config(expseg::BackendKind backend, std::size_t capacity = 80 * GiB, const std::string& extra = "") {
   expseg::Config c = expseg::Config::parse(extra);
   c.backend = backend;

@@ -13,6 +13,7 @@
 #include "expseg/allocator.hpp"
 #include "expseg/config.hpp"
 #include "expseg/errors.hpp"
+#include "test_util.hpp"
 
 using namespace expseg::driver;
 
@@ -69,7 +70,7 @@ struct Perturbation {
 
 TEST_SUITE("regression") {
 
-TEST_CASE("regression: a fresh simulated device fed the same calls hands out the same addresses") {
+TEST_CASE("regression: a fresh simulated device fed the same calls hands out the same addresses" * doctest::skip(testutil::kThreadSanitizer)) {
   // Was: host-backed addresses came from mmap(nullptr, ...), so they moved with ASLR and with every
   // other mapping of the process, and a fuzz failure's replay could take another path.
   for (const bool host : {false, true}) {
@@ -108,7 +109,7 @@ TEST_CASE("regression: host-backed address ranges are reused once freed, the sam
   d.mem_free(q);
 }
 
-TEST_CASE("regression: a host-backed reservation larger than the address arena is still made") {
+TEST_CASE("regression: a host-backed reservation larger than the address arena is still made" * doctest::skip(testutil::kThreadSanitizer)) {
   // The arena (1 TiB here) bounds which addresses are reproducible, not what may be reserved: CUDA
   // reserves terabytes of virtual address space, and expandable_va_size may ask for up to 1 PiB.
   SimDriver d(options(true));
