@@ -13,7 +13,8 @@
 #   bench      the Google Benchmark suite (JSON; BENCH_FILTER, BENCH_MIN_TIME, and BENCH_REPS=N for
 #              the median of N repetitions, which compare.py then reads; the repetitions of all
 #              benchmarks run in random order, so a slow stretch of a shared host spreads over
-#              all of them instead of falling on a few)
+#              all of them instead of falling on a few; BENCH_CPU=N runs the suite on CPU N alone
+#              (taskset), away from the scheduler moving it while a busy host settles)
 #   compare    benchmarks/compare.py: PyTorch's caching allocator vs expseg, same workloads
 #   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators (WORKLOADS_ARGS: its options)
 #   cupy       benchmarks/cupy_story.py
@@ -67,7 +68,7 @@ for p in "${phases[@]}"; do
           for s in 1 2 3; do $B/tools/expseg scenario random-churn --device cuda:0 --sizes \${m%%:*} --conf limit:\${m##*:} --seed \$s --json || exit 1; done
         done > $OUT/mixes.jsonl && python3 benchmarks/mixes_table.py $OUT/mixes.jsonl" ;;
     bench)
-      run_phase bench 300 bash -c "ninja -C $B benchmarks/expseg_bench >/dev/null && exec $B/benchmarks/expseg_bench \"\$@\"" bench --benchmark_format=console --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
+      run_phase bench 300 bash -c "ninja -C $B benchmarks/expseg_bench >/dev/null && exec ${BENCH_CPU:+taskset -c $BENCH_CPU} $B/benchmarks/expseg_bench \"\$@\"" bench --benchmark_format=console --benchmark_out="$OUT/bench.json" --benchmark_out_format=json \
         --benchmark_min_time="${BENCH_MIN_TIME:-0.2}" ${BENCH_FILTER:+--benchmark_filter="$BENCH_FILTER"} \
         ${BENCH_REPS:+--benchmark_repetitions=$BENCH_REPS --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true} ;;
     compare)
