@@ -39,11 +39,11 @@ std::string size_value(std::size_t n) {
 }
 
 // The key of the calling thread's per-thread default stream (see backends::kPerThreadStream), never
-// reused: a later thread does not inherit cached memory another thread's stream may still use.
+// reused: a later thread does not inherit cached memory another thread's stream may still use. The
+// thread's exit retires it (backends::PerThreadKey), and the backends give back its cached memory.
 [[gnu::noinline, gnu::cold]] driver::stream_t per_thread_key() noexcept {
-  static std::atomic<std::uintptr_t> next{1};
-  thread_local const std::uintptr_t key = backends::kPerThreadKeyTag | next.fetch_add(1, std::memory_order_relaxed);
-  return reinterpret_cast<driver::stream_t>(key);
+  thread_local const backends::PerThreadKey key;
+  return key.stream();
 }
 
 // The stream as the backends and the pending frees know it.
