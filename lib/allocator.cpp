@@ -310,7 +310,10 @@ void Allocator::Impl::deallocate(void* ptr) {
       }
       for (std::size_t i = 0; i < events.size(); ++i) {
         auto it = queue_of(b->stream_uses[i]);
-        if (it == pending.end()) it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
+        if (it == pending.end()) {
+          drop_retired_queues();
+          it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
+        }
         it->queue.push_back(PendingFree{events[i], b});
         ++queued;
       }
@@ -340,6 +343,22 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   if (b == nullptr) throw_invalid_pointer("record_stream", addr);
   if (stream == b->stream) return;  // the allocation stream is always waited for
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
+}
+
+// The queues of per-thread streams whose threads have exited, once empty: no event is recorded on
+// those streams again, and process_events walks every queue. Looked at when a stream's first queue
+// is made (not on the cached path), and only after a thread has exited since the last look or
+// while such a queue still held a free then.
+void Allocator::Impl::drop_retired_queues() noexcept {
+  const std::uint64_t gen = backends::retired_keys_generation();
+  if (gen == pending_retired_seen && !retired_queue_left) return;
+  pending_retired_seen = gen;
+  retired_queue_left = false;
+  std::erase_if(pending, [&](const StreamEvents& se) {
+    if (!backends::is_per_thread_key(se.stream) || !backends::is_retired_key(se.stream)) return false;
+    if (!se.queue.empty()) retired_queue_left = true;
+    return se.queue.empty();
+  });
 }
 
 // A block out of its queue must reach the backend: nothing from the pop to the free may throw.

@@ -159,6 +159,42 @@ TEST_CASE("per-thread stream: allocators destroyed before and after the threads 
   }
 }
 
+TEST_CASE("per-thread stream: the event queues of exited threads' streams do not pile up") {
+  // Each worker uses a block on its per-thread stream (record_stream) and exits; the block's free
+  // waits for that stream's event in a queue of its own. The queues of exited threads must not
+  // stay: allocations walk every queue while any free is pending.
+  void* const per_thread = stream_id(2);
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    void* s1 = sa.sim->stream_create();
+    for (int i = 0; i < 32; ++i) {
+      void* p = sa->allocate(MiB, s1);
+      std::thread([&] { sa->record_stream(p, per_thread); }).join();
+      sa->deallocate(p);
+      sa->deallocate(sa->allocate(MiB, s1));  // the event has completed: the free completes
+    }
+    CHECK(expseg::detail::AllocatorAccess::pending_streams(*sa) <= 2);
+    // Also when the worker's event is still pending at the next look (the legacy stream is busy).
+    for (int i = 0; i < 32; ++i) {
+      void* p = sa->allocate(MiB, s1);
+      std::thread([&] { sa->record_stream(p, per_thread); }).join();
+      sa.sim->set_stream_busy(nullptr, i % 2 == 0);
+      sa->deallocate(p);
+    }
+    sa.sim->set_stream_busy(nullptr, false);
+    sa->deallocate(sa->allocate(MiB, s1));
+    void* q = sa->allocate(MiB, s1);
+    std::thread([&] { sa->record_stream(q, per_thread); }).join();
+    sa->deallocate(q);
+    CHECK(expseg::detail::AllocatorAccess::pending_streams(*sa) <= 2);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s1);
+  }
+}
+
 TEST_CASE("per-thread stream: threads come and go while others allocate, free and hand memory over") {
   // Workers on cudaStreamPerThread start and exit while long-lived threads use the allocator; some
   // of a worker's blocks are freed by another thread after it has gone. Under a limit too (reclaim
