@@ -39,11 +39,11 @@ std::string size_value(std::size_t n) {
 }
 
 // The key of the calling thread's per-thread default stream (see backends::kPerThreadStream), never
-// reused: a later thread does not inherit cached memory another thread's stream may still use.
+// reused: a later thread does not inherit cached memory another thread's stream may still use. The
+// thread's exit retires it (backends::PerThreadKey), and the backends give back its cached memory.
 [[gnu::noinline, gnu::cold]] driver::stream_t per_thread_key() noexcept {
-  static std::atomic<std::uintptr_t> next{1};
-  thread_local const std::uintptr_t key = backends::kPerThreadKeyTag | next.fetch_add(1, std::memory_order_relaxed);
-  return reinterpret_cast<driver::stream_t>(key);
+  thread_local const backends::PerThreadKey key;
+  return key.stream();
 }
 
 // The stream as the backends and the pending frees know it.
@@ -311,7 +311,10 @@ void Allocator::Impl::deallocate(void* ptr) {
       }
       for (std::size_t i = 0; i < events.size(); ++i) {
         auto it = queue_of(b->stream_uses[i]);
-        if (it == pending.end()) it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
+        if (it == pending.end()) {
+          drop_retired_queues();
+          it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
+        }
         it->queue.push_back(PendingFree{events[i], b});
         ++queued;
       }
@@ -341,6 +344,22 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   if (b == nullptr) throw_invalid_pointer("record_stream", addr);
   if (stream == b->stream) return;  // the allocation stream is always waited for
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
+}
+
+// The queues of per-thread streams whose threads have exited, once empty: no event is recorded on
+// those streams again, and process_events walks every queue. Looked at when a stream's first queue
+// is made (not on the cached path), and only after a thread has exited since the last look or
+// while such a queue still held a free then.
+void Allocator::Impl::drop_retired_queues() noexcept {
+  const std::uint64_t gen = backends::retired_keys_generation();
+  if (gen == pending_retired_seen && !retired_queue_left) return;
+  pending_retired_seen = gen;
+  retired_queue_left = false;
+  std::erase_if(pending, [&](const StreamEvents& se) {
+    if (!backends::is_per_thread_key(se.stream) || !backends::is_retired_key(se.stream)) return false;
+    if (!se.queue.empty()) retired_queue_left = true;
+    return se.queue.empty();
+  });
 }
 
 // A block out of its queue must reach the backend: nothing from the pop to the free may throw.

@@ -35,6 +35,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // Completes pending frees whose events have completed (PyTorch's process_events).
   void process_events();
   void finish_pending(core::Block* b) noexcept;
+  void drop_retired_queues() noexcept;
   [[noreturn]] void throw_invalid_pointer(const char* op, std::uint64_t addr) const;
   // Context peer access (cuCtxEnablePeerAccess) for `peer` because of cuda_ipc imports: what an
   // expandable allocator needs only for them. Throws driver_error.
@@ -111,6 +112,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   };
   alignas(64) std::vector<StreamEvents> pending;  // per stream, in record order
   std::size_t pending_count = 0;
+  std::uint64_t pending_retired_seen = 0;  // retired_keys_generation() at drop_retired_queues' last look
+  bool retired_queue_left = false;         // that look left an exited thread's queue holding a free
   // Recycled events. Its capacity always holds every event, spare or pending (deallocate reserves
   // it), so that completing a pending free never allocates.
   std::vector<driver::event_t> spare_events;
@@ -143,6 +146,11 @@ struct AllocatorAccess {
   static std::unique_ptr<Allocator> make(const Config& config, std::shared_ptr<driver::Driver> driver);
   static driver::Driver& driver(Allocator& a) { return *a.impl_->driver; }
   static backends::Backend& backend(Allocator& a) { return *a.impl_->backend; }
+  // The streams the cross-stream frees keep a queue for (tests).
+  static std::size_t pending_streams(Allocator& a) {
+    std::lock_guard<core::Mutex> lock(a.impl_->mu);
+    return a.impl_->pending.size();
+  }
 };
 }  // namespace detail
 

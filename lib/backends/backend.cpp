@@ -2,9 +2,60 @@
 // the size rounding both backends share.
 #include "backends/backend.hpp"
 
+#include <atomic>
 #include <bit>
+#include <mutex>
+#include <new>
 
 namespace expseg::backends {
+
+namespace {
+
+struct KeyRegistry {
+  std::mutex mu;
+  PerThreadKey* live = nullptr;  // the keys of live threads, a list through the keys themselves
+  std::uintptr_t next = 1;       // the next key's number (never reused)
+  std::atomic<std::uint64_t> generation{0};
+};
+
+// Never destroyed: threads may exit, and retire their keys, during static destruction.
+KeyRegistry& key_registry() noexcept {
+  alignas(KeyRegistry) static unsigned char storage[sizeof(KeyRegistry)];
+  static KeyRegistry* const r = ::new (storage) KeyRegistry;
+  return *r;
+}
+
+}  // namespace
+
+PerThreadKey::PerThreadKey() noexcept {
+  KeyRegistry& r = key_registry();
+  std::lock_guard lock(r.mu);
+  key_ = kPerThreadKeyTag | r.next++;
+  next_ = r.live;
+  if (next_) next_->prev_ = this;
+  r.live = this;
+}
+
+PerThreadKey::~PerThreadKey() {
+  KeyRegistry& r = key_registry();
+  std::lock_guard lock(r.mu);
+  if (prev_) prev_->next_ = next_;
+  else r.live = next_;
+  if (next_) next_->prev_ = prev_;
+  r.generation.fetch_add(1, std::memory_order_release);
+}
+
+std::uint64_t retired_keys_generation() noexcept { return key_registry().generation.load(std::memory_order_acquire); }
+
+bool is_retired_key(driver::stream_t key) noexcept {
+  const auto v = reinterpret_cast<std::uintptr_t>(key);
+  KeyRegistry& r = key_registry();
+  std::lock_guard lock(r.mu);
+  if ((v & ~kPerThreadKeyTag) >= r.next) return false;  // not handed out yet
+  for (const PerThreadKey* k = r.live; k != nullptr; k = k->next_)
+    if (k->key_ == v) return false;
+  return true;
+}
 
 namespace {
 

@@ -53,6 +53,30 @@ inline bool is_stream_key(driver::stream_t s) noexcept {  // either kind
 inline bool is_per_thread_key(driver::stream_t s) noexcept {
   return (reinterpret_cast<std::uintptr_t>(s) & kPerThreadKeyTag) == kPerThreadKeyTag;
 }
+// Per-thread keys of threads that have exited ("retired"): no one can allocate on such a stream
+// again, so a backend gives back the memory cached for it (see the backends' reap_retired). A thread
+// holds its key in a PerThreadKey (the frontend's thread_local); its exit only marks the key retired
+// in a process-wide registry, never destroyed, and calls no driver (CUDA may be torn down by then,
+// and another thread may have to wait for work still queued on the stream). Backends look on their
+// slow paths and in release_cached/trim, when the generation has moved: never on the cached path.
+class PerThreadKey {
+ public:
+  PerThreadKey() noexcept;   // takes a number never used before
+  ~PerThreadKey();           // marks it retired
+  PerThreadKey(const PerThreadKey&) = delete;
+  PerThreadKey& operator=(const PerThreadKey&) = delete;
+  driver::stream_t stream() const noexcept { return reinterpret_cast<driver::stream_t>(key_); }
+
+ private:
+  friend bool is_retired_key(driver::stream_t key) noexcept;
+  std::uintptr_t key_;
+  PerThreadKey* prev_ = nullptr;  // the registry's list of live keys
+  PerThreadKey* next_ = nullptr;
+};
+// Changes whenever a thread's key is retired.
+std::uint64_t retired_keys_generation() noexcept;
+// Whether per-thread key `key` belongs to a thread that has exited (walks the live threads' keys).
+bool is_retired_key(driver::stream_t key) noexcept;
 // The key of a stream the caller may destroy; the default streams (NULL, legacy, per-thread) as they are.
 inline driver::stream_t foreign_stream_key(driver::stream_t s) noexcept {
   const auto v = reinterpret_cast<std::uintptr_t>(s);

@@ -325,6 +325,10 @@ class StreamIndexes {
   void clear() noexcept {
     for (Entry& e : entries_) e.index->clear();
   }
+  // Forgets the stream's index, which must be empty and named by no segment.
+  void erase(driver::stream_t stream) noexcept {
+    std::erase_if(entries_, [&](const Entry& e) { return e.stream == stream; });
+  }
 
  private:
   [[gnu::noinline]] SizeIndex& add(driver::stream_t stream) {

@@ -883,6 +883,7 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
 
 Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested) {
   begin_operation();
+  reap_retired(&arena);
   // Handles whose cleanup failed earlier may sit on frames we are about to use: retry them first.
   if (!orphans_.empty()) retry_orphans();
   Placement pl;
@@ -1501,9 +1502,55 @@ void ExpandableBackend::free(Block* b) noexcept {
   if (run_lo < run_hi) add_idle_run(seg, run_lo, run_hi);
 }
 
+// The arena of the per-thread stream of a thread that has exited: no request can name that stream
+// again, so its memory would stay cached for good (a pool of short-lived threads grew without
+// bound, each thread's arena also holding a reservation of its own). Its idle handles are given
+// back after one device synchronization (work the thread queued may still run, and its stream
+// cannot be synchronized from another thread: synchronize_once syncs the device for a key), then
+// its empty segments; the arena goes with its last segment. One whose live blocks hold memory stays
+// on retired_ and each look gives back what has come free since. Given back, not handed to another
+// stream: the next thread's first requests map their own, but no stream's cache fills with memory
+// it never asked for. Runs within an operation (begin_operation), on the slow path and in
+// release_cached/trim only; `keep`: the arena of the request at hand.
+void ExpandableBackend::reap_retired(const ExpArena* keep) {
+  if (const std::uint64_t gen = retired_keys_generation(); gen != retired_seen_) {
+    for (ExpArena* a : arenas_)
+      if (a != keep && is_per_thread_key(a->stream) && std::find(retired_.begin(), retired_.end(), a) == retired_.end() &&
+          is_retired_key(a->stream)) {
+        retired_.push_back(a);  // may throw bad_alloc: nothing changed, the next look finds it again
+      }
+    retired_seen_ = gen;
+  }
+  std::vector<ExpHandle*> idle;
+  for (std::size_t i = retired_.size(); i-- > 0;) {
+    ExpArena* a = retired_[i];
+    if (a == keep) continue;
+    // The idle handles: those lying wholly inside one of its mapped free blocks.
+    idle.clear();
+    a->mapped_free.for_each([&](Block& b) {
+      const auto& seg = *static_cast<const ExpSegment*>(b.segment);
+      std::uint64_t lo = 0;
+      std::uint64_t hi = 0;
+      whole_handles(seg, b, lo, hi);
+      for (std::uint64_t at = lo; at < hi; at += handle_at(seg, at)->bytes) idle.push_back(handle_at(seg, at));
+    });
+    for (ExpHandle* h : idle) {
+      synchronize_once(a->stream);
+      unmap_handle(h);
+    }
+    for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);
+    if (!a->segments.empty()) continue;  // live blocks: looked at again later
+    arenas_.erase(std::find(arenas_.begin(), arenas_.end(), a));
+    arena_index_.erase(std::find_if(arena_index_.begin(), arena_index_.end(), [&](const ArenaEntry& e) { return e.arena == a; }));
+    retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
+    delete a;
+  }
+}
+
 void ExpandableBackend::release_cached() {
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   begin_operation();
+  reap_retired(nullptr);
   reclaim_idle(std::numeric_limits<std::size_t>::max(), Exclusion{});
   retry_orphans();
   // Give back the address space of segments that hold nothing, keeping each arena's first one.
@@ -1516,6 +1563,7 @@ void ExpandableBackend::release_cached() {
 void ExpandableBackend::on_limit_changed() {
   const std::size_t limit = ctx_.effective_limit();
   begin_operation();
+  reap_retired(nullptr);
   if (reserved_ <= limit) return;
   // Cross-stream frees still waiting for their events hold memory the limit may need back: complete
   // them first, as split_merge does (their blocks become idle here).

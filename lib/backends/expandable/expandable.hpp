@@ -206,6 +206,7 @@ class ExpandableBackend final : public Backend {
   // while an operation runs (the caller holds the allocator's lock).
   void synchronize_once(driver::stream_t stream);
   void begin_operation() noexcept { synced_ = {}; }
+  void reap_retired(const ExpArena* keep);
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
   // Idle runs (see IdleRun).
   ExpHandle* handle_at(const ExpSegment& seg, std::uint64_t addr) const noexcept { return seg.frames[frame_of(seg, addr)]; }
@@ -244,6 +245,8 @@ class ExpandableBackend final : public Backend {
     ExpArena* arena;
   };
   std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
+  std::vector<ExpArena*> retired_;  // arenas of per-thread keys of exited threads (reap_retired)
+  std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when retired_ was last brought up to date
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
   IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths never allocate one
   std::size_t run_objects_ = 0;    // IdleRun objects, in runs or spare: at least handles_ (map_handle)

@@ -192,6 +192,42 @@ bool SplitMergeBackend::release_cached_blocks() {
   return true;
 }
 
+// The segments cached for the per-thread stream of a thread that has exited: no request can name
+// that stream again, so they would stay cached for good (a pool of short-lived threads grew without
+// bound). Their unsplit free blocks are given back (cuMemFree waits for the work the thread queued);
+// a key whose segments still hold live blocks stays on retired_ until they are freed, and each look
+// gives back what has come free. Given back, not handed to another stream: the next thread's first
+// requests map their own, but no stream's cache fills with memory it never asked for. Runs on the
+// slow path and in release_cached/trim only; `keep`: the stream of the request at hand.
+void SplitMergeBackend::reap_retired(driver::stream_t keep) {
+  if (const std::uint64_t gen = retired_keys_generation(); gen != retired_seen_) {
+    for (Pool* pool : {&large_, &small_})
+      pool->blocks.for_each_index([&](core::SizeIndex&, driver::stream_t s) {
+        if (is_per_thread_key(s) && s != keep && std::find(retired_.begin(), retired_.end(), s) == retired_.end() &&
+            is_retired_key(s))
+          retired_.push_back(s);
+      });
+    retired_seen_ = gen;
+  }
+  for (std::size_t i = retired_.size(); i-- > 0;) {
+    const driver::stream_t s = retired_[i];
+    if (s == keep) continue;
+    bool cached = false;
+    for (Pool* pool : {&large_, &small_})
+      if (core::SizeIndex* index = pool->blocks.find(s)) {
+        index->for_each([&](Block& b) {
+          if (!b.is_split()) release_block(&b);
+        });
+        cached = cached || !index->empty();
+      }
+    if (cached || std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == s; }))
+      continue;  // live blocks hold segments of it: looked at again later
+    large_.blocks.erase(s);
+    small_.blocks.erase(s);
+    retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+}
+
 void SplitMergeBackend::garbage_collect_cached_blocks() {
   const auto gc_threshold =
       static_cast<std::size_t>(ctx_.config.garbage_collection_threshold * static_cast<double>(ctx_.limit));
@@ -285,6 +321,7 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   if (!found) {
     ctx_.refused = Context::Refusal::none;
     blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
+    reap_retired(stream);
     if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
     // CuPy (_try_malloc, since cupy/cupy#7679) has no oversize blocks to release first
     // (release_available_cached_blocks does nothing for it): over the limit or out of device memory,
@@ -356,7 +393,10 @@ void SplitMergeBackend::free(Block* block) noexcept {
   account_inactive(block->pool, inactive_blocks, inactive_bytes);
 }
 
-void SplitMergeBackend::release_cached() { release_cached_blocks(); }
+void SplitMergeBackend::release_cached() {
+  release_cached_blocks();
+  reap_retired(nullptr);
+}
 
 // Gives back just the cached memory above the new limit, in whole unsplit segments
 // (core::pick_give_back: the least memory beyond the excess, then the fewest cuMemFree calls; the
@@ -364,6 +404,7 @@ void SplitMergeBackend::release_cached() { release_cached_blocks(); }
 // CuPy's set_limit give back nothing; expseg documents the give-back. Throws with the allocator
 // consistent when a cuMemFree fails.
 void SplitMergeBackend::on_limit_changed() {
+  reap_retired(nullptr);
   if (ctx_.limit == 0 || total_allocated_memory_ <= ctx_.limit) return;
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   std::vector<Block*> unsplit;

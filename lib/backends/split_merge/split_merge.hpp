@@ -87,6 +87,7 @@ class SplitMergeBackend final : public Backend {
   bool release_available_cached_blocks(const Params& p);
   bool release_cached_blocks();
   void release_block(core::Block* block);
+  void reap_retired(driver::stream_t keep);
   void garbage_collect_cached_blocks();
   core::Block* alloc_found_block(Params& p, std::size_t requested);
   std::size_t try_merge_blocks(core::Block* dst, core::Block* src) noexcept;
@@ -104,6 +105,8 @@ class SplitMergeBackend final : public Backend {
   SegmentList segments_;
   std::size_t total_allocated_memory_ = 0;  // PyTorch's name: bytes of all segments (reserved)
   bool has_divisions_ = false;              // roundup_power2_divisions configured
+  std::vector<driver::stream_t> retired_;   // per-thread keys of exited threads that still have segments
+  std::uint64_t retired_seen_ = 0;          // retired_keys_generation() when retired_ was last brought up to date
 };
 
 }  // namespace expseg::backends
