@@ -41,9 +41,17 @@ std::string size_value(std::size_t n) {
 // The key of the calling thread's per-thread default stream (see backends::kPerThreadStream), never
 // reused: a later thread does not inherit cached memory another thread's stream may still use. The
 // thread's exit retires it (backends::PerThreadKey), and the backends give back its cached memory.
+// The value lives apart from the object that retires it: a trivially destructible thread_local stays
+// readable after the thread's other thread_local objects are destroyed, so a user's thread_local
+// destructor that allocates on cudaStreamPerThread after `retire`'s destructor ran gets the (now
+// retired) key instead of reading a destroyed object; the backends give back that memory once free.
 [[gnu::noinline, gnu::cold]] driver::stream_t per_thread_key() noexcept {
-  thread_local const backends::PerThreadKey key;
-  return key.stream();
+  thread_local std::uintptr_t key = 0;
+  if (key == 0) {
+    thread_local const backends::PerThreadKey retire;
+    key = reinterpret_cast<std::uintptr_t>(retire.stream());
+  }
+  return reinterpret_cast<driver::stream_t>(key);
 }
 
 // The stream as the backends and the pending frees know it.
