@@ -606,3 +606,45 @@ TEST_CASE("gpu: regression: cudaStreamPerThread is each host thread's own stream
     CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
   }
 }
+
+TEST_CASE("gpu: regression: short-lived threads on cudaStreamPerThread do not grow reserved memory, and their work is waited for") {
+  // Each worker allocates on its per-thread stream, queues a memset there, frees the block and exits
+  // without synchronizing. The memory cached for an exited thread's stream is given back when another
+  // request needs memory, after a device synchronization (its work may still run: unmapping under it
+  // would fault and lose the context, which every later check here would see).
+  void* const ptds = reinterpret_cast<void*>(std::uintptr_t{2});  // CU_STREAM_PER_THREAD
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    for (const char* extra : {"", "limit:1GiB"}) {
+      CAPTURE(expseg::to_string(kind));
+      CAPTURE(extra);
+      Allocator a(cuda_config(kind, extra));
+      Driver& d = driver_of(a);
+      constexpr std::size_t n = 256 * MiB;
+      auto worker = [&](std::uint32_t value) {
+        std::thread([&] {
+          void* p = a.allocate(n, ptds);
+          CHECK(p != nullptr);  // (a REQUIRE would throw out of the thread)
+          if (p == nullptr) return;
+          for (int k = 0; k < 8; ++k) d.memset_d32(dp(p), value + static_cast<std::uint32_t>(k), n / 4, ptds);
+          a.deallocate(p);
+        }).join();
+      };
+      worker(0x10000000u);
+      const std::int64_t one = a.stats().reserved_bytes[kAllPools].current;
+      REQUIRE(one > 0);
+      for (std::uint32_t i = 1; i <= 12; ++i) worker(0x10000000u + (i << 8));
+      CHECK(a.stats().reserved_bytes[kAllPools].current <= 2 * one);
+      // The device is sound and the memory works: write and read back on this thread's stream.
+      void* q = a.allocate(n, nullptr);
+      REQUIRE(q != nullptr);
+      d.memset_d32(dp(q), 0x5a5a5a5au, n / 4, nullptr);
+      d.stream_synchronize(nullptr);
+      std::uint32_t found = 0;
+      CHECK(read_back(d, q, n, 0x5a5a5a5au, &found) < 0);
+      a.deallocate(q);
+      a.release_cached();
+      check_stats(a);
+      CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+    }
+  }
+}
