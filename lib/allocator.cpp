@@ -213,7 +213,9 @@ Allocator::Impl::~Impl() {
 [[gnu::always_inline]] inline void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   if (bytes == 0) return nullptr;
   std::unique_lock<core::Mutex> lock(mu);
-  if (pending_count != 0) process_events();
+  if (!capture_routes.empty()) [[unlikely]] stream = route_to_pool(stream);
+  // No event query while the request's stream captures: it would invalidate the capture.
+  if (pending_count != 0 && !ctx.capturing && !stream_capturing(stream)) process_events();
   // Room in the live table before the backend hands out a block: a bad_alloc growing it afterwards
   // would leave the block allocated with no pointer to free it by.
   live.reserve_one();
@@ -288,6 +290,25 @@ void Allocator::Impl::deallocate(void* ptr) {
   std::lock_guard<core::Mutex> lock(mu);
   Block* b = live.erase(addr);
   if (b == nullptr) throw_invalid_pointer("free", addr);
+  if (!b->stream_uses.empty() && ctx.capturing) [[unlikely]] {
+    try {
+      frees_after_capture.push_back(b);
+    } catch (...) {
+      live.insert_reserved(b);  // right after its erase: room for it
+      throw;
+    }
+    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+  } else {
+    free_block(b, true);
+  }
+  recent_frees[recent_next++ % recent_frees.size()] = addr;
+}
+
+// A block out of the live map goes back to the backend, at once or (used on other streams) once
+// their work has passed. `in_live`: it left the live map just now, and goes back there if this
+// fails (a deferred free, frees_after_capture, is not in it).
+void Allocator::Impl::free_block(Block* b, bool in_live) {
+  const std::uint64_t addr = b->addr;
   if (!b->stream_uses.empty()) {
     // Record an event on every stream that used the block; the free completes when all have passed.
     // Everything that can fail (host memory, the driver) happens before the block changes state,
@@ -329,18 +350,17 @@ void Allocator::Impl::deallocate(void* ptr) {
     } catch (...) {
       for (std::size_t i = queued; i-- > 0;) queue_of(b->stream_uses[i])->queue.pop_back();
       for (driver::event_t e : events) spare_events.push_back(e);
-      live.insert_reserved(b);  // right after its erase: room for it
+      if (in_live) live.insert_reserved(b);  // right after its erase: room for it
       throw;
     }
-    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
+    if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
     pending_count += events.size();
     backend->begin_pending_free(b);
     b->pending_events = static_cast<std::uint32_t>(events.size());
   } else {
-    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);
     backend->free(b);
   }
-  recent_frees[recent_next++ % recent_frees.size()] = addr;
 }
 
 void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
@@ -352,6 +372,30 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   if (b == nullptr) throw_invalid_pointer("record_stream", addr);
   if (stream == b->stream) return;  // the allocation stream is always waited for
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
+}
+
+// The pool key of a request on a stream of a capture that allocates into a graph pool; `stream`
+// otherwise. Asks the driver (~20 ns), only while some capture allocates into a pool.
+driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream) {
+  if (backends::is_graph_pool_key(stream)) return stream;
+  std::uint64_t id = 0;
+  try {
+    id = driver->stream_capture_id(backends::capture_query_stream(stream));
+  } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
+  }
+  if (id != 0)
+    for (const CaptureRoute& r : capture_routes)
+      if (r.capture_id == id) return r.key;
+  return stream;
+}
+
+bool Allocator::Impl::stream_capturing(driver::stream_t stream) noexcept {
+  if (backends::is_graph_pool_key(stream)) return true;
+  try {
+    return driver->stream_capture_id(backends::capture_query_stream(stream)) != 0;
+  } catch (...) {
+    return false;
+  }
 }
 
 // The queues of per-thread streams whose threads have exited, once empty: no event is recorded on
@@ -435,8 +479,70 @@ void* Allocator::allocate(std::size_t bytes, stream_t stream) { return impl_->al
 void Allocator::deallocate(void* ptr) { impl_->deallocate(ptr); }
 void Allocator::record_stream(void* ptr, stream_t stream) { impl_->record_stream(ptr, stream); }
 
+void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
+  if (pool == 0) throw error("begin_graph_pool: pool 0 is not a pool id (use any other number)");
+  const driver::stream_t key = stream_key(capture_stream);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  const std::uint64_t capture = m.driver->stream_capture_id(backends::capture_query_stream(key));
+  if (capture == 0 || backends::is_graph_pool_key(key))
+    throw error("begin_graph_pool: the stream is not capturing; begin the capture (cuStreamBeginCapture, torch.cuda.graph) first");
+  for (const Impl::CaptureRoute& r : m.capture_routes)
+    if (r.capture_id == capture)
+      throw error("begin_graph_pool: this capture allocates into graph pool " + std::to_string(r.pool) + " already");
+  auto it = std::find_if(m.graph_pools.begin(), m.graph_pools.end(), [&](const Impl::GraphPool& p) { return p.id == pool; });
+  m.capture_routes.reserve(m.capture_routes.size() + 1);  // nothing below throws once the pool exists
+  if (it == m.graph_pools.end()) {
+    m.graph_pools.reserve(m.graph_pools.size() + 1);
+    it = m.graph_pools.insert(m.graph_pools.end(), Impl::GraphPool{pool, backends::new_graph_pool_key(), 0});
+  }
+  it->uses += 1;
+  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, it->key});
+  m.ctx.capturing = true;
+}
+
+void Allocator::end_graph_pool(std::uint64_t pool) {
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  const std::size_t before = m.capture_routes.size();
+  std::erase_if(m.capture_routes, [&](const Impl::CaptureRoute& r) { return r.pool == pool; });
+  if (m.capture_routes.size() == before) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
+  m.ctx.capturing = !m.capture_routes.empty();
+  if (m.ctx.capturing) return;
+  // The frees of blocks other streams used, held back during the capture: as usual now. Should
+  // one fail (no event), the device is synchronized and the block freed at once.
+  while (!m.frees_after_capture.empty()) {
+    Block* b = m.frees_after_capture.back();
+    try {
+      m.free_block(b, false);
+    } catch (...) {
+      m.driver->device_synchronize();  // throws: the block stays held, freed at the next end
+      b->stream_uses.clear();
+      m.backend->free(b);
+    }
+    m.frees_after_capture.pop_back();
+  }
+}
+
+void Allocator::release_graph_pool(std::uint64_t pool) {
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  auto it = std::find_if(m.graph_pools.begin(), m.graph_pools.end(), [&](const Impl::GraphPool& p) { return p.id == pool; });
+  if (it == m.graph_pools.end()) throw error("release_graph_pool: no graph pool " + std::to_string(pool));
+  if (it->uses > 1) {
+    it->uses -= 1;
+    return;
+  }
+  if (std::any_of(m.capture_routes.begin(), m.capture_routes.end(), [&](const Impl::CaptureRoute& r) { return r.pool == pool; }))
+    throw error("release_graph_pool: a capture still allocates into graph pool " + std::to_string(pool) + " (end_graph_pool first)");
+  backends::retire_graph_pool_key(it->key);  // the backends give its memory back from their next look
+  m.graph_pools.erase(it);
+}
+
 void Allocator::release_cached() {
   std::lock_guard<core::Mutex> lock(impl_->mu);
+  if (impl_->ctx.capturing)
+    throw error("release_cached: a CUDA graph capture allocates into a graph pool; giving memory back would synchronize and invalidate it");
   impl_->backend->release_cached();
 }
 
@@ -457,6 +563,8 @@ void Allocator::reset_accumulated_stats() {
 
 void Allocator::set_limit(std::size_t bytes) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
+  if (impl_->ctx.capturing)
+    throw error("set_limit: a CUDA graph capture allocates into a graph pool; giving memory back would synchronize and invalidate it");
   const std::size_t old = impl_->ctx.limit;
   impl_->ctx.limit = bytes;
   try {

@@ -121,6 +121,28 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // does not allocate (used under the lock only).
   std::vector<driver::event_t> free_events;
 
+  // Graph pools (Allocator::begin_graph_pool). `capture_routes` non-empty: a capture allocates into
+  // a pool (ctx.capturing is set then), and allocate() asks the driver which capture each request's
+  // stream belongs to; empty, the cached path looks at nothing else.
+  struct GraphPool {
+    std::uint64_t id = 0;
+    driver::stream_t key = nullptr;  // backends::new_graph_pool_key()
+    std::uint64_t uses = 0;          // begin_graph_pool calls not yet released
+  };
+  struct CaptureRoute {
+    std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams
+    std::uint64_t pool = 0;
+    driver::stream_t key = nullptr;
+  };
+  std::vector<GraphPool> graph_pools;
+  std::vector<CaptureRoute> capture_routes;
+  // Frees of blocks other streams used (record_stream) during a capture: their events cannot be
+  // recorded and queried then; freed as usual when the last capture ends (PyTorch defers them too).
+  std::vector<core::Block*> frees_after_capture;
+  driver::stream_t route_to_pool(driver::stream_t stream);
+  bool stream_capturing(driver::stream_t stream) noexcept;
+  void free_block(core::Block* b, bool in_live);  // deallocate()'s part after the block left the live map
+
   // Recently freed addresses, to tell a double free from a foreign pointer (0 = empty slot).
   std::array<std::uint64_t, 64> recent_frees{};
   unsigned recent_next = 0;

@@ -501,6 +501,42 @@ int expseg_release_cached(int device) noexcept {
   }
 }
 
+int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
+  constexpr const char* fn = "expseg_begin_graph_pool";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->begin_graph_pool(pool, static_cast<expseg::stream_t>(stream));
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_end_graph_pool(int device, unsigned long long pool) noexcept {
+  constexpr const char* fn = "expseg_end_graph_pool";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->end_graph_pool(pool);
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_release_graph_pool(int device, unsigned long long pool) noexcept {
+  constexpr const char* fn = "expseg_release_graph_pool";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->release_graph_pool(pool);
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
 int expseg_set_limit(int device, size_t bytes) noexcept {
   constexpr const char* fn = "expseg_set_limit";
   Allocator* a = get_or_create(device, fn);

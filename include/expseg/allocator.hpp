@@ -83,8 +83,32 @@ class Allocator {
   void* allocate(std::size_t bytes, stream_t stream = nullptr);
   void deallocate(void* ptr);
   void record_stream(void* ptr, stream_t stream);
-  // Gives back to the device every cached byte that can be given back (empty_cache()).
+  // Gives back to the device every cached byte that can be given back (empty_cache()). Throws
+  // expseg::error while a graph capture allocates into a pool (it would have to synchronize).
   void release_cached();
+
+  // CUDA graphs' private pools, as PyTorch's torch.cuda.graph keeps them. A graph replays the
+  // addresses its capture used, so memory it allocated, and freed, during capture must not be
+  // handed to anyone else while the graph may run.
+  //   begin_graph_pool(pool, s): `s` is capturing (cuStreamBeginCapture); until end_graph_pool(pool),
+  //     allocations on every stream of that capture (s and the streams it forked to) come from
+  //     private pool `pool` (any nonzero number; a pool that does not exist is made), and their
+  //     frees go back to it, for later allocations of the pool only. Each begin takes one use of
+  //     the pool (a graph that replays it).
+  //   release_graph_pool(pool): drops one use; at none, the pool's cached memory is given back (at
+  //     the next allocation that misses the cache, or release_cached()), and blocks of it still
+  //     allocated are given back when freed.
+  // While a capture allocates into a pool, expseg makes no call the capture refuses (a
+  // synchronization, an event query, cuMemFree): it reclaims and gives back nothing, processes no
+  // cross-stream free (those of the capture's streams wait for its end), and fails a request it
+  // cannot serve without one. The expandable backend may still map new memory (cuMemCreate/Map are
+  // permitted while capturing); split_merge's cuMemAlloc runs in relaxed capture mode, as PyTorch's.
+  // A capture that expseg is not told of is noticed on the slow path, which then reclaims nothing,
+  // but its blocks are not kept apart: use begin_graph_pool for graphs. Throws expseg::error for a
+  // stream that is not capturing, a capture that already has a pool, pool 0, or an unknown pool.
+  void begin_graph_pool(std::uint64_t pool, stream_t capture_stream);
+  void end_graph_pool(std::uint64_t pool);
+  void release_graph_pool(std::uint64_t pool);
 
   Stats stats() const;
   void reset_peak_stats();

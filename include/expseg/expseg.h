@@ -147,6 +147,14 @@ EXPSEG_API int expseg_device_initialized(int device) EXPSEG_NOEXCEPT;
 
 /* Gives every cached byte that can be given back to the device (PyTorch's empty_cache()). */
 EXPSEG_API int expseg_release_cached(int device) EXPSEG_NOEXCEPT;
+/* CUDA graphs' private pools (see Allocator::begin_graph_pool): while `stream` captures, after
+ * expseg_begin_graph_pool(device, pool, stream) and until expseg_end_graph_pool(device, pool), the
+ * capture's allocations come from pool `pool` (nonzero), whose memory nothing else gets until
+ * expseg_release_graph_pool(device, pool) has dropped every begin's use. End the pool after the
+ * capture ends; release it when the graph is destroyed. Creates the allocator when needed. */
+EXPSEG_API int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t stream) EXPSEG_NOEXCEPT;
+EXPSEG_API int expseg_end_graph_pool(int device, unsigned long long pool) EXPSEG_NOEXCEPT;
+EXPSEG_API int expseg_release_graph_pool(int device, unsigned long long pool) EXPSEG_NOEXCEPT;
 /* Bytes of device memory `device`'s allocator may hold; 0 removes the limit. Creates the allocator
  * when needed. Lowering the limit gives back cached memory above it at once (see
  * Allocator::set_limit). */

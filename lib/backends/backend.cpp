@@ -2,10 +2,12 @@
 // the size rounding both backends share.
 #include "backends/backend.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <mutex>
 #include <new>
+#include <vector>
 
 namespace expseg::backends {
 
@@ -15,6 +17,7 @@ struct KeyRegistry {
   std::mutex mu;
   PerThreadKey* live = nullptr;  // the keys of live threads, a list through the keys themselves
   std::uintptr_t next = 1;       // the next key's number (never reused)
+  std::vector<std::uintptr_t> live_pools;  // graph pools' keys not yet retired
   std::atomic<std::uint64_t> generation{0};
 };
 
@@ -47,11 +50,28 @@ PerThreadKey::~PerThreadKey() {
 
 std::uint64_t retired_keys_generation() noexcept { return key_registry().generation.load(std::memory_order_acquire); }
 
+driver::stream_t new_graph_pool_key() {
+  KeyRegistry& r = key_registry();
+  std::lock_guard lock(r.mu);
+  const std::uintptr_t key = kPerThreadKeyTag | kGraphPoolBit | r.next;
+  r.live_pools.push_back(key);  // may throw bad_alloc: nothing handed out
+  ++r.next;
+  return reinterpret_cast<driver::stream_t>(key);
+}
+
+void retire_graph_pool_key(driver::stream_t key) noexcept {
+  KeyRegistry& r = key_registry();
+  std::lock_guard lock(r.mu);
+  std::erase(r.live_pools, reinterpret_cast<std::uintptr_t>(key));
+  r.generation.fetch_add(1, std::memory_order_release);
+}
+
 bool is_retired_key(driver::stream_t key) noexcept {
   const auto v = reinterpret_cast<std::uintptr_t>(key);
   KeyRegistry& r = key_registry();
   std::lock_guard lock(r.mu);
-  if ((v & ~kPerThreadKeyTag) >= r.next) return false;  // not handed out yet
+  if ((v & ~(kPerThreadKeyTag | kGraphPoolBit)) >= r.next) return false;  // not handed out yet
+  if ((v & kGraphPoolBit) != 0) return std::find(r.live_pools.begin(), r.live_pools.end(), v) == r.live_pools.end();
   for (const PerThreadKey* k = r.live; k != nullptr; k = k->next_)
     if (k->key_ == v) return false;
   return true;

@@ -50,8 +50,30 @@ inline constexpr std::uintptr_t kForeignStreamTag = std::uintptr_t{0xFFFE} << 48
 inline bool is_stream_key(driver::stream_t s) noexcept {  // either kind
   return (reinterpret_cast<std::uintptr_t>(s) & kForeignStreamTag) == kForeignStreamTag;
 }
-inline bool is_per_thread_key(driver::stream_t s) noexcept {
+//   - A CUDA graph's private pool (Allocator::begin_graph_pool): kPerThreadKeyTag | kGraphPoolBit |
+//     a number never reused. It is a per-thread key in all but name: no stream but its own capture
+//     allocates on it, and it retires (is_retired_key) when the pool is released.
+inline constexpr std::uintptr_t kGraphPoolBit = std::uintptr_t{1} << 47;
+inline bool is_per_thread_key(driver::stream_t s) noexcept {  // graph pools' keys included
   return (reinterpret_cast<std::uintptr_t>(s) & kPerThreadKeyTag) == kPerThreadKeyTag;
+}
+inline bool is_graph_pool_key(driver::stream_t s) noexcept {
+  return (reinterpret_cast<std::uintptr_t>(s) & (kPerThreadKeyTag | kGraphPoolBit)) == (kPerThreadKeyTag | kGraphPoolBit);
+}
+// A new graph pool's key (live until retire_graph_pool_key), and its release.
+driver::stream_t new_graph_pool_key();
+void retire_graph_pool_key(driver::stream_t key) noexcept;
+// Memory cached for a live graph pool: its graphs' replays use it, freed or not, so no backend may
+// unmap, free or hand it to another stream until the pool is released (retired).
+inline bool is_live_graph_pool_key(driver::stream_t s) noexcept;
+// The stream a capture-status query for allocations on key `s` names (the calling thread's
+// per-thread stream for its key, a foreign key's stream); nullptr for a graph pool's key.
+inline driver::stream_t capture_query_stream(driver::stream_t s) noexcept {
+  const auto v = reinterpret_cast<std::uintptr_t>(s);
+  if (!is_stream_key(s)) return s;
+  if (is_graph_pool_key(s)) return nullptr;
+  if (is_per_thread_key(s)) return reinterpret_cast<driver::stream_t>(kPerThreadStream);
+  return reinterpret_cast<driver::stream_t>(v & ~kPerThreadKeyTag);
 }
 // Per-thread keys of threads that have exited ("retired"): no one can allocate on such a stream
 // again, so a backend gives back the memory cached for it (see the backends' reap_retired). A thread
@@ -73,10 +95,12 @@ class PerThreadKey {
   PerThreadKey* prev_ = nullptr;  // the registry's list of live keys
   PerThreadKey* next_ = nullptr;
 };
-// Changes whenever a thread's key is retired.
+// Changes whenever a thread's key or a graph pool's key is retired.
 std::uint64_t retired_keys_generation() noexcept;
-// Whether per-thread key `key` belongs to a thread that has exited (walks the live threads' keys).
+// Whether per-thread key `key` belongs to a thread that has exited (walks the live threads' keys),
+// or graph pool key `key` to a released pool.
 bool is_retired_key(driver::stream_t key) noexcept;
+inline bool is_live_graph_pool_key(driver::stream_t s) noexcept { return is_graph_pool_key(s) && !is_retired_key(s); }
 // The key of a stream the caller may destroy; the default streams (NULL, legacy, per-thread) as they are.
 inline driver::stream_t foreign_stream_key(driver::stream_t s) noexcept {
   const auto v = reinterpret_cast<std::uintptr_t>(s);
@@ -114,7 +138,33 @@ struct Context {
   // clears it there first): the OOM report tells the device saying no from a want of room.
   enum class Refusal : std::uint8_t { none, memory, address_range };
   Refusal refused = Refusal::none;
+  // A CUDA graph capture is underway that the backend must not break: a synchronization, an event
+  // query or a cuMemFree would fail and invalidate it (driver.hpp), so the backend reclaims and
+  // gives back nothing while it is set; it may still map new memory. Set by the frontend while a
+  // capture allocates into a graph pool, and by CaptureScope for a request on a capturing stream.
+  bool capturing = false;
   std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
+};
+
+// For the span of a slow path: sets ctx.capturing when the request's stream (key) is capturing
+// although no one said so (a capture the frontend was not told of: PyTorch's CUDAPluggableAllocator
+// passes no begin/end of a graph's pool on). One query (~15-20 ns on the H200), slow paths only.
+class CaptureScope {
+ public:
+  CaptureScope(Context& ctx, driver::stream_t key) noexcept : ctx_(ctx), was_(ctx.capturing) {
+    if (was_ || is_graph_pool_key(key)) return;
+    try {
+      ctx.capturing = ctx.driver.stream_capture_id(capture_query_stream(key)) != 0;
+    } catch (...) {  // a stream the driver no longer knows captures nothing
+    }
+  }
+  ~CaptureScope() { ctx_.capturing = was_; }
+  CaptureScope(const CaptureScope&) = delete;
+  CaptureScope& operator=(const CaptureScope&) = delete;
+
+ private:
+  Context& ctx_;
+  bool was_;
 };
 
 struct FreeSummary {

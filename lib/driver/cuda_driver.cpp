@@ -58,7 +58,9 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
   X(cuEventQuery, 2000) X(cuEventSynchronize, 2000) X(cuMemsetD32Async, 3020)                         \
   X(cuMemcpyDtoH, 3020) X(cuMemcpyHtoD, 3020) X(cuMemExportToShareableHandle, 10020)                  \
   X(cuMemImportFromShareableHandle, 10020) X(cuIpcGetMemHandle, 4010) X(cuIpcOpenMemHandle, 11000)    \
-  X(cuIpcCloseMemHandle, 4010)
+  X(cuIpcCloseMemHandle, 4010) X(cuStreamGetCaptureInfo, 12030) X(cuThreadExchangeStreamCaptureMode, 10010) \
+  X(cuStreamBeginCapture, 10010) X(cuStreamEndCapture, 10000) X(cuGraphInstantiateWithFlags, 11040)   \
+  X(cuGraphLaunch, 10000) X(cuGraphExecDestroy, 10000) X(cuGraphDestroy, 10000)
 
 // `name` is macro-expanded (cuMemAlloc -> cuMemAlloc_v2) in decltype and in the member name alike,
 // so `api.cuMemAlloc` is the cuMemAlloc_v2 pointer; PFN_##name pastes the unexpanded name.
@@ -280,8 +282,15 @@ class CudaDriver final : public Driver {
   dev_ptr mem_alloc(std::size_t bytes) override {
     const Timed timed(*this, Op::mem_alloc);
     CtxScope scope(*this);
+    // Relaxed capture mode for this thread around the call: in global or thread-local mode a
+    // cuMemAlloc while a stream captures fails and invalidates the capture (measured on the H200);
+    // relaxed, it is permitted, as PyTorch relies on for cudaMalloc during graph capture.
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    check(api_, api_.cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
     CUdeviceptr p = 0;
-    check(api_, api_.cuMemAlloc(&p, bytes), "cuMemAlloc");
+    const CUresult r = api_.cuMemAlloc(&p, bytes);
+    api_.cuThreadExchangeStreamCaptureMode(&mode);  // back to the caller's mode
+    check(api_, r, "cuMemAlloc");
     return p;
   }
   void mem_free(dev_ptr ptr) override {
@@ -348,6 +357,37 @@ class CudaDriver final : public Driver {
     const Timed timed(*this, Op::stream_sync);
     CtxScope scope(*this);
     check(api_, api_.cuCtxSynchronize(), "cuCtxSynchronize");
+  }
+
+  std::uint64_t stream_capture_id(stream_t stream) override {
+    CtxScope scope(*this);
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    cuuint64_t id = 0;
+    check(api_, api_.cuStreamGetCaptureInfo(to_cu(stream), &status, &id, nullptr, nullptr, nullptr, nullptr),
+          "cuStreamGetCaptureInfo");
+    return status == CU_STREAM_CAPTURE_STATUS_NONE ? 0 : id;  // an invalidated capture still has its id
+  }
+  void capture_begin(stream_t stream) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuStreamBeginCapture(to_cu(stream), CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+  }
+  graph_t capture_end(stream_t stream) override {
+    CtxScope scope(*this);
+    CUgraph graph = nullptr;
+    check(api_, api_.cuStreamEndCapture(to_cu(stream), &graph), "cuStreamEndCapture");
+    CUgraphExec exec = nullptr;
+    const CUresult r = api_.cuGraphInstantiateWithFlags(&exec, graph, 0);
+    api_.cuGraphDestroy(graph);  // the executable graph keeps what it needs
+    check(api_, r, "cuGraphInstantiateWithFlags");
+    return exec;
+  }
+  void graph_launch(graph_t graph, stream_t stream) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuGraphLaunch(static_cast<CUgraphExec>(graph), to_cu(stream)), "cuGraphLaunch");
+  }
+  void graph_destroy(graph_t graph) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuGraphExecDestroy(static_cast<CUgraphExec>(graph)), "cuGraphExecDestroy");
   }
 
   void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) override {

@@ -39,4 +39,17 @@ void Driver::mem_free_async(dev_ptr, stream_t) {
   throw driver_error("cuMemFreeAsync", 801, "CUDA_ERROR_NOT_SUPPORTED", std::string("not provided by the ") + kind() + " driver");
 }
 
+std::uint64_t Driver::stream_capture_id(stream_t) { return 0; }
+
+namespace {
+[[noreturn]] void no_graphs(const char* call, const char* kind) {
+  throw driver_error(call, 801, "CUDA_ERROR_NOT_SUPPORTED", std::string("not provided by the ") + kind + " driver");
+}
+}  // namespace
+
+void Driver::capture_begin(stream_t) { no_graphs("cuStreamBeginCapture", kind()); }
+graph_t Driver::capture_end(stream_t) { no_graphs("cuStreamEndCapture", kind()); }
+void Driver::graph_launch(graph_t, stream_t) { no_graphs("cuGraphLaunch", kind()); }
+void Driver::graph_destroy(graph_t) { no_graphs("cuGraphExecDestroy", kind()); }
+
 }  // namespace expseg::driver

@@ -30,6 +30,7 @@ using dev_ptr = std::uint64_t;      // a device virtual address (CUdeviceptr)
 using phys_handle = std::uint64_t;  // a physical allocation (CUmemGenericAllocationHandle)
 using stream_t = void*;             // a CUstream; nullptr is the legacy default stream
 using event_t = void*;              // a CUevent
+using graph_t = void*;              // an executable graph made from a stream capture (CUgraphExec)
 
 // The operations the allocator performs; used to count calls, to inject faults and by the latency
 // model. Keep op_name() in step.
@@ -137,6 +138,24 @@ class Driver {
   virtual void event_synchronize(event_t event) = 0;
   virtual void stream_synchronize(stream_t stream) = 0;
   virtual void device_synchronize() = 0;
+
+  // --- CUDA graph capture ---
+  // The id of the capture `stream` takes part in (cuStreamGetCaptureInfo), 0 when it captures
+  // nothing. A stream that captures in global or thread-local mode (PyTorch's torch.cuda.graph
+  // uses global) makes "unsafe" calls fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
+  // invalidates the capture: measured on the H200, cuStreamSynchronize, cuCtxSynchronize,
+  // cuEventQuery, cuEventSynchronize, cuMemAlloc and cuMemFree; the virtual memory calls
+  // (cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressReserve) and
+  // cuEventRecord on another stream are permitted. mem_alloc switches the calling thread to
+  // relaxed capture mode around cuMemAlloc (as PyTorch does around cudaMalloc), so that it is
+  // permitted too. The default (drivers of tests) captures nothing.
+  virtual std::uint64_t stream_capture_id(stream_t stream);
+  // Tests and tools: capture `stream`'s work in global mode, end it into an executable graph,
+  // launch that graph, destroy it. The default throws CUDA_ERROR_NOT_SUPPORTED.
+  virtual void capture_begin(stream_t stream);
+  virtual graph_t capture_end(stream_t stream);
+  virtual void graph_launch(graph_t graph, stream_t stream);
+  virtual void graph_destroy(graph_t graph);
 
   // --- data access (tests, the GPU stress test, contract checks) ---
   virtual void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) = 0;

@@ -223,6 +223,30 @@ struct SimDriver::Impl {
   };
   std::vector<Use> uses;
   std::vector<std::string> hazards;
+  // Stream capture, global mode: memsets queued on a capturing stream are recorded, not run; while
+  // any stream captures, the calls CUDA refuses then (synchronizations, event queries, cuMemFree)
+  // fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate every capture, as on the H200.
+  // cuMemAlloc is permitted: the CUDA driver layer makes it in relaxed capture mode.
+  struct Memset {
+    dev_ptr ptr = 0;
+    std::uint32_t value = 0;
+    std::size_t count = 0;
+  };
+  struct Capture {
+    std::uint64_t id = 0;
+    bool invalidated = false;
+    std::vector<Memset> work;
+  };
+  std::unordered_map<std::uintptr_t, Capture> captures;  // stream -> its capture
+  std::uint64_t next_capture_id = 1;
+  std::unordered_map<std::uintptr_t, std::vector<Memset>> graphs;  // executable graphs
+
+  void refuse_while_capturing(const char* call) {
+    if (captures.empty()) return;
+    for (auto& [stream, c] : captures) c.invalidated = true;
+    throw driver_error(call, 900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                       "operation not permitted when stream is capturing (the capture is invalidated)");
+  }
   std::vector<int> peers;          // add_access_device: what set_access grants
   std::vector<int> context_peers;  // enable_context_peer (cuCtxEnablePeerAccess)
 
@@ -829,6 +853,7 @@ void SimDriver::mem_free(dev_ptr ptr) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::mem_free, call);
+  s.refuse_while_capturing(call);
   auto it = s.allocs.find(ptr);
   if (it == s.allocs.end()) invalid(call, hex(ptr) + " is not a live cuMemAlloc pointer");
   // Host-backed: back to PROT_NONE (the bytes go), not unmapped: the range stays part of the arena.
@@ -893,6 +918,7 @@ bool SimDriver::event_query(event_t event) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::event_query, call);
+  s.refuse_while_capturing(call);
   const bool done = !s.event(call, event).pending;
   s.charge(kEventUs);
   return done;
@@ -903,6 +929,7 @@ void SimDriver::event_synchronize(event_t event) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::stream_sync, call);
+  s.refuse_while_capturing(call);
   const Impl::Event& ev = s.event(call, event);
   // Work is done in stream order: earlier events of the same stream complete too.
   if (ev.pending) {
@@ -917,6 +944,7 @@ void SimDriver::stream_synchronize(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::stream_sync, call);
+  s.refuse_while_capturing(call);
   const std::uintptr_t id = id_of(stream);
   if (s.destroyed_streams.contains(id))
     throw driver_error(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(id) + " was destroyed");
@@ -928,6 +956,7 @@ void SimDriver::device_synchronize() {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::stream_sync, "cuCtxSynchronize");
+  s.refuse_while_capturing("cuCtxSynchronize");
   s.complete(nullptr, s.record_seq);
   s.charge(kSyncUs);
 }
@@ -938,11 +967,65 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
   static constexpr const char* call = "cuMemsetD32Async";
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
-  (void)stream;  // host-backed work completes at once, on any stream
   if (ptr % 4 != 0) invalid(call, "address " + hex(ptr) + " is not 4-byte aligned");
   if (count > std::numeric_limits<std::size_t>::max() / 4) invalid(call, "count too large");
+  if (auto c = s.captures.find(id_of(stream)); c != s.captures.end()) {  // recorded into the graph, run by its launches
+    c->second.work.push_back({ptr, value, count});
+    return;
+  }
+  // Otherwise host-backed work completes at once, on any stream.
   // Host memory from mmap has no declared type, so writing it as uint32_t is fine (ptr is 4-aligned).
   std::fill_n(reinterpret_cast<std::uint32_t*>(s.data(call, ptr, count * 4)), count, value);
+}
+
+// --- graph capture ----------------------------------------------------------------------------------
+
+std::uint64_t SimDriver::stream_capture_id(stream_t stream) {
+  std::lock_guard lock(impl_->mutex);
+  auto it = impl_->captures.find(id_of(stream));
+  return it == impl_->captures.end() ? 0 : it->second.id;
+}
+
+void SimDriver::capture_begin(stream_t stream) {
+  static constexpr const char* call = "cuStreamBeginCapture";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  if (stream == nullptr) invalid(call, "the legacy default stream cannot be captured");
+  if (s.captures.contains(id_of(stream))) invalid(call, "the stream is capturing already");
+  s.captures.emplace(id_of(stream), Impl::Capture{s.next_capture_id++, false, {}});
+}
+
+graph_t SimDriver::capture_end(stream_t stream) {
+  static constexpr const char* call = "cuStreamEndCapture";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  auto it = s.captures.find(id_of(stream));
+  if (it == s.captures.end()) throw driver_error(call, 901, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", "the stream is not capturing");
+  Impl::Capture c = std::move(it->second);
+  s.captures.erase(it);
+  if (c.invalidated)
+    throw driver_error(call, 901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "the capture was invalidated by an unsupported call");
+  const std::uintptr_t id = s.next_id++;
+  s.graphs.emplace(id, std::move(c.work));
+  return as_pointer(id);
+}
+
+void SimDriver::graph_launch(graph_t graph, stream_t stream) {
+  static constexpr const char* call = "cuGraphLaunch";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  (void)stream;
+  auto it = s.graphs.find(id_of(graph));
+  if (it == s.graphs.end()) invalid(call, "unknown graph " + hex(id_of(graph)));
+  // A replay writes where the capture's work wrote, whatever lives there now: memory that was
+  // unmapped since faults (data() throws), memory handed to someone else is overwritten.
+  for (const Impl::Memset& m : it->second)
+    std::fill_n(reinterpret_cast<std::uint32_t*>(s.data(call, m.ptr, m.count * 4)), m.count, m.value);
+}
+
+void SimDriver::graph_destroy(graph_t graph) {
+  std::lock_guard lock(impl_->mutex);
+  if (impl_->graphs.erase(id_of(graph)) == 0) invalid("cuGraphExecDestroy", "unknown graph " + hex(id_of(graph)));
 }
 
 void SimDriver::copy_to_host(void* dst, dev_ptr src, std::size_t bytes) {

@@ -108,6 +108,11 @@ class SimDriver final : public Driver {
   void event_synchronize(event_t event) override;
   void stream_synchronize(stream_t stream) override;
   void device_synchronize() override;
+  std::uint64_t stream_capture_id(stream_t stream) override;
+  void capture_begin(stream_t stream) override;
+  graph_t capture_end(stream_t stream) override;
+  void graph_launch(graph_t graph, stream_t stream) override;
+  void graph_destroy(graph_t graph) override;
   void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) override;
   void copy_to_host(void* dst, dev_ptr src, std::size_t bytes) override;
   void copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) override;

@@ -463,9 +463,14 @@ inline void ExpandableBackend::make_busy_back(ExpSegment& seg, std::uint64_t lo,
 }
 
 // Least recently idle first. An `f` that returns bool stops the walk by returning false.
+// Every reclaim, move and give-back takes its handles from here, so none is offered while a capture
+// is underway (unmapping needs a synchronization first) nor from a live graph pool (its graphs'
+// replays use that memory).
 template <class F>
 void ExpandableBackend::for_each_idle(F&& f) const {
+  if (ctx_.capturing) return;
   for (const IdleRun& r : idle_runs_) {
+    if (is_graph_pool_key(r.seg->arena->stream) && is_live_graph_pool_key(r.seg->arena->stream)) continue;
     for (std::uint64_t a = r.lo; a < r.hi;) {
       ExpHandle* h = handle_at(*r.seg, a);
       a += h->bytes;
@@ -870,10 +875,11 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
   // A request that could not fit even in an empty allocator fails before anything is reserved or
   // mapped (a limit above the device's memory does not make room the device lacks).
   ++slow_calls_;
+  const CaptureScope capture(ctx_, arena.stream);
   ctx_.refused = Context::Refusal::none;
   if (round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total)) return nullptr;
   Block* b = place_or_grow(arena, size, requested);
-  if (b != nullptr || ctx_.hooks == nullptr || !ctx_.hooks->has_pending_frees()) return b;
+  if (b != nullptr || ctx_.hooks == nullptr || !ctx_.hooks->has_pending_frees() || ctx_.capturing) return b;
   // As PyTorch's retry before an OOM: wait for the streams of pending cross-stream frees
   // (record_stream), complete them, and try once more, the cached memory included.
   ctx_.hooks->synchronize_pending_frees();
@@ -883,7 +889,7 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
 
 Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested) {
   begin_operation();
-  reap_retired(&arena);
+  if (!ctx_.capturing) reap_retired(&arena);  // it synchronizes
   // Handles whose cleanup failed earlier may sit on frames we are about to use: retry them first.
   if (!orphans_.empty()) retry_orphans();
   Placement pl;
@@ -957,7 +963,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
     }
   }
   if (ctx_.limit != 0 && orphans_.empty() && !room_for_placement(pl, size)) return nullptr;
-  if (ctx_.limit != 0) unmap_bulk_handles_under(*pl.seg, pl.anchor, pl.start, pl.start + size);
+  if (ctx_.limit != 0 && may_unmap_in(arena)) unmap_bulk_handles_under(*pl.seg, pl.anchor, pl.start, pl.start + size);
   if (map_hi > pl.start + size &&
       !make_room(frames_needed(*pl.seg, pl.start, map_hi) * frame_, Exclusion{pl.seg, pl.start, map_hi}))
     map_hi = pl.start + size;  // no room for the extra: map just what the request needs
@@ -1236,7 +1242,7 @@ bool ExpandableBackend::room_for_placement(const Placement& pl, std::size_t size
   std::size_t frames = frames_needed(seg, lo, hi);
   std::size_t freeable = 0;
   const ExpHandle* edges[2] = {frame_handle(seg, frame_of(seg, lo)), frame_handle(seg, frame_of(seg, hi - 1))};
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < 2 && may_unmap_in(*seg.arena); ++i) {
     const ExpHandle* h = edges[i];
     if (h == nullptr || h->nframes == 1 || (i == 1 && h == edges[0])) continue;
     const std::uint64_t hlo = frame_addr(seg, h->first_frame);

@@ -172,6 +172,11 @@ class ExpandableBackend final : public Backend {
   std::size_t new_pin_bytes(const ExpSegment& seg, const core::Block& free, std::uint64_t lo, std::uint64_t hi,
                             std::size_t max_shared_frames) const noexcept;
   void unmap_bulk_handles_under(ExpSegment& seg, const core::Block* anchor, std::uint64_t lo, std::uint64_t hi);
+  // Whether idle memory of `arena` may be unmapped now: not while a capture is underway, nor from a
+  // live graph pool (for_each_idle skips both alike).
+  bool may_unmap_in(const ExpArena& arena) const noexcept {
+    return !ctx_.capturing && !(is_graph_pool_key(arena.stream) && is_live_graph_pool_key(arena.stream));
+  }
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);

@@ -186,7 +186,7 @@ bool SplitMergeBackend::release_cached_blocks() {
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   for (Pool* pool : {&large_, &small_}) {
     pool->blocks.for_each_block([&](Block& b) {
-      if (!b.is_split()) release_block(&b);
+      if (releasable(b)) release_block(&b);
     });
   }
   return true;
@@ -238,7 +238,7 @@ void SplitMergeBackend::garbage_collect_cached_blocks() {
   std::uint64_t total_age = 0;
   std::int64_t freeable = 0;
   std::as_const(large_.blocks).for_each_block([&](const Block& b) {
-    if (!b.is_split()) {
+    if (releasable(b)) {
       total_age += age(b);
       ++freeable;
     }
@@ -249,7 +249,7 @@ void SplitMergeBackend::garbage_collect_cached_blocks() {
     const double age_threshold = static_cast<double>(total_age) / static_cast<double>(freeable);
     block_freed = false;
     large_.blocks.for_each_block([&](Block& b) {
-      if (!b.is_split() && static_cast<double>(age(b)) >= age_threshold) {
+      if (releasable(b) && static_cast<double>(age(b)) >= age_threshold) {
         block_freed = true;
         gc_reclaimed += b.size;
         total_age -= age(b);
@@ -321,13 +321,20 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   if (!found) {
     ctx_.refused = Context::Refusal::none;
     blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
-    reap_retired(stream);
-    if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
-    // CuPy (_try_malloc, since cupy/cupy#7679) has no oversize blocks to release first
-    // (release_available_cached_blocks does nothing for it): over the limit or out of device memory,
-    // it frees all unsplit cached blocks (free_all_blocks) and retries, as PyTorch's last step does.
-    found = alloc_block(p, false) || (release_available_cached_blocks(p) && alloc_block(p, false)) ||
-            (release_cached_blocks() && alloc_block(p, true));
+    const CaptureScope capture(ctx_, stream);
+    if (ctx_.capturing) {
+      // As PyTorch during a capture: a new segment (cuMemAlloc, relaxed capture mode), but nothing
+      // given back first, since cuMemFree and the synchronizations would invalidate the capture.
+      found = alloc_block(p, false);
+    } else {
+      reap_retired(stream);
+      if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
+      // CuPy (_try_malloc, since cupy/cupy#7679) has no oversize blocks to release first
+      // (release_available_cached_blocks does nothing for it): over the limit or out of device memory,
+      // it frees all unsplit cached blocks (free_all_blocks) and retries, as PyTorch's last step does.
+      found = alloc_block(p, false) || (release_available_cached_blocks(p) && alloc_block(p, false)) ||
+              (release_cached_blocks() && alloc_block(p, true));
+    }
   }
   if (!found) return nullptr;
   // A cached block's split may throw bad_alloc (a new Block chunk) before anything changed: count the
@@ -410,7 +417,7 @@ void SplitMergeBackend::on_limit_changed() {
   std::vector<Block*> unsplit;
   for (Pool* pool : {&large_, &small_})
     pool->blocks.for_each_block([&](Block& b) {
-      if (!b.is_split()) unsplit.push_back(&b);
+      if (releasable(b)) unsplit.push_back(&b);
     });
   std::vector<std::size_t> sizes(unsplit.size());
   for (std::size_t i = 0; i < unsplit.size(); ++i) sizes[i] = unsplit[i]->size;

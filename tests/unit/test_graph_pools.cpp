@@ -1,0 +1,358 @@
+// CUDA graph capture: graph pools (Allocator::begin_graph_pool) and the calls a capture refuses.
+// A graph replays the addresses its capture used, so memory a capture allocated, freed or not, must
+// stay mapped and go to no one else while the graph may run; and a synchronization, an event query
+// or a cuMemFree while a stream captures fails and invalidates the capture (measured on the H200;
+// the simulated device refuses them the same way and records captured memsets, which graph_launch
+// replays into whatever the addresses hold then).
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "allocator_impl.hpp"
+#include "driver/sim_driver.hpp"
+#include "expseg/errors.hpp"
+#include "capi_fixture.hpp"
+#include "expseg/expseg.h"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+using expseg::kAllPools;
+
+namespace {
+
+constexpr BackendKind kBoth[] = {BackendKind::split_merge, BackendKind::expandable};
+
+SimAllocator host_backed(BackendKind kind, std::size_t capacity = 1 * GiB) {
+  return make_sim_allocator(sim_config(kind, capacity, "sim_host_backed:true"));
+}
+
+std::uint32_t word(SimAllocator& sa, void* p, std::size_t offset = 0) {
+  std::uint32_t v = 0;
+  sa.sim->copy_to_host(&v, addr(p) + offset, sizeof v);
+  return v;
+}
+
+void fill(SimAllocator& sa, void* p, std::size_t bytes, std::uint32_t value, void* stream) {
+  sa.sim->memset_d32(addr(p), value, bytes / 4, stream);
+}
+
+bool overlap(void* a, std::size_t an, void* b, std::size_t bn) { return addr(a) < addr(b) + bn && addr(b) < addr(a) + an; }
+
+std::int64_t reserved(expseg::Allocator& a) { return a.stats().reserved_bytes[kAllPools].current; }
+
+// A capture on `s` that writes `value` into a 4 MiB block it allocates and frees (an intermediate).
+// Returns the graph; `*block` the block's address.
+expseg::driver::graph_t capture_intermediate(SimAllocator& sa, void* s, std::uint64_t pool, void** block,
+                                             std::uint32_t value = 0xAAAAAAAAu) {
+  sa.sim->capture_begin(s);
+  if (pool != 0) sa->begin_graph_pool(pool, s);
+  void* a = sa->allocate(4 * MiB, s);
+  fill(sa, a, 4 * MiB, value, s);  // recorded, run by the graph's launches
+  sa->deallocate(a);
+  *block = a;
+  expseg::driver::graph_t g = sa.sim->capture_end(s);
+  if (pool != 0) sa->end_graph_pool(pool);
+  return g;
+}
+
+}  // namespace
+
+TEST_SUITE("graph-pools") {
+
+TEST_CASE("graph pool: memory a capture freed is handed to no one else while its graph may run") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (bool pooled : {false, true}) {
+      CAPTURE(pooled);
+      auto sa = host_backed(kind);
+      void* s = sa.sim->stream_create();
+      void* a = nullptr;
+      const auto g = capture_intermediate(sa, s, pooled ? 1 : 0, &a);
+      // Eager work after the capture, on the capture's stream and on the default stream.
+      void* c = sa->allocate(4 * MiB, s);
+      void* d = sa->allocate(4 * MiB, nullptr);
+      fill(sa, c, 4 * MiB, 0x11111111u, s);
+      fill(sa, d, 4 * MiB, 0x22222222u, nullptr);
+      sa.sim->graph_launch(g, s);  // writes the intermediate's addresses, whatever they hold now
+      if (!pooled) {
+        // Without a pool the cache hands the intermediate's memory to the next request of its
+        // stream, and the replay overwrites it: the corruption graph pools exist to prevent.
+        CHECK(addr(c) == addr(a));
+        CHECK(word(sa, c) == 0xAAAAAAAAu);
+      } else {
+        CHECK_FALSE(overlap(c, 4 * MiB, a, 4 * MiB));
+        CHECK_FALSE(overlap(d, 4 * MiB, a, 4 * MiB));
+        CHECK(word(sa, c) == 0x11111111u);
+        CHECK(word(sa, c, 4 * MiB - 4) == 0x11111111u);
+        CHECK(word(sa, d) == 0x22222222u);
+        CHECK(word(sa, a) == 0xAAAAAAAAu);  // the pool's memory is still mapped: the replay wrote it
+      }
+      sa->validate();
+      sa->deallocate(c);
+      sa->deallocate(d);
+      sa.sim->graph_destroy(g);
+      if (pooled) sa->release_graph_pool(1);
+      sa->release_cached();
+      CHECK(reserved(*sa) == 0);
+      sa->validate();
+      sa.alloc.reset();
+      CHECK(sa.sim->live().handles == 0);
+      CHECK(sa.sim->live().mem_allocs == 0);
+      CHECK(sa.sim->hazards().empty());
+    }
+  }
+}
+
+TEST_CASE("graph pool: a capture reuses what it freed; a later capture into the same pool reuses it too") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(7, s);
+    void* a = sa->allocate(4 * MiB, s);
+    sa->deallocate(a);
+    void* b = sa->allocate(4 * MiB, s);  // stream order inside the graph makes the reuse safe
+    CHECK(addr(b) == addr(a));
+    sa->deallocate(b);
+    const auto g1 = sa.sim->capture_end(s);
+    sa->end_graph_pool(7);
+    const std::int64_t after_first = reserved(*sa);
+    // A second graph shares the pool (PyTorch's pool= argument): it gets the same memory back.
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(7, s);
+    void* c = sa->allocate(4 * MiB, s);
+    CHECK(addr(c) == addr(a));
+    sa->deallocate(c);
+    const auto g2 = sa.sim->capture_end(s);
+    sa->end_graph_pool(7);
+    CHECK(reserved(*sa) == after_first);
+    // One release per begin: the first leaves the pool to the other graph.
+    sa->release_graph_pool(7);
+    sa->release_cached();
+    CHECK(reserved(*sa) == after_first);
+    sa->release_graph_pool(7);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa->validate();
+    sa.sim->graph_destroy(g1);
+    sa.sim->graph_destroy(g2);
+  }
+}
+
+TEST_CASE("graph pool: under a limit, a live pool's memory is not reclaimed; released, it is given back") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    sa->set_limit(64 * MiB);
+    void* s = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    void* a = sa->allocate(24 * MiB, s);
+    fill(sa, a, 24 * MiB, 0xAAAAAAAAu, s);
+    sa->deallocate(a);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(1);
+    // Eager memory of another stream: 24 MiB of the pool's + 32 MiB fit under 64 MiB...
+    void* e = sa->allocate(32 * MiB, s2);
+    fill(sa, e, 32 * MiB, 0x33333333u, s2);
+    // ...16 MiB more would need the pool's memory, which its graph still uses: an OOM.
+    CHECK_THROWS_AS(sa->allocate(16 * MiB, s2), expseg::out_of_memory);
+    sa->validate();
+    sa.sim->graph_launch(g, s);  // the pool's memory is mapped where the graph wrote it
+    CHECK(word(sa, a) == 0xAAAAAAAAu);
+    CHECK(word(sa, e) == 0x33333333u);
+    CHECK(sa.sim->hazards().empty());
+    // Once released, the next request that misses the cache gets the pool's memory back.
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(1);
+    void* f = sa->allocate(16 * MiB, s2);
+    CHECK(reserved(*sa) <= 48 * MiB + 4 * MiB);
+    sa->validate();
+    sa->deallocate(e);
+    sa->deallocate(f);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa.alloc.reset();
+    CHECK(sa.sim->live().handles == 0);
+    CHECK(sa.sim->live().mem_allocs == 0);
+    CHECK(sa.sim->live().reservations == 0);
+  }
+}
+
+TEST_CASE("graph capture: no allocation during a capture invalidates it, told of the capture or not") {
+  // Under a limit with another stream's idle memory cached: a request on the capturing stream would
+  // need that memory given back, which takes a synchronization (expandable) or cuMemFree
+  // (split_merge). Either would fail and invalidate the capture; the request fails with an OOM
+  // instead, and the capture stays valid.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (bool told : {false, true}) {
+      CAPTURE(told);
+      auto sa = host_backed(kind);
+      sa->set_limit(64 * MiB);
+      void* s = sa.sim->stream_create();
+      void* s2 = sa.sim->stream_create();
+      sa->deallocate(sa->allocate(44 * MiB, s2));  // cached for s2
+      sa.sim->capture_begin(s);
+      if (told) sa->begin_graph_pool(3, s);
+      CHECK_THROWS_AS(sa->allocate(24 * MiB, s), expseg::out_of_memory);
+      // A request that fits beside the cache maps new memory (split_merge: a 20 MiB segment):
+      // permitted while capturing.
+      void* small = sa->allocate(2 * MiB, s);
+      sa->deallocate(small);
+      expseg::driver::graph_t g = nullptr;
+      CHECK_NOTHROW(g = sa.sim->capture_end(s));
+      if (told) sa->end_graph_pool(3);
+      sa->validate();
+      // After the capture the same request reclaims s2's memory as usual.
+      if (told) sa->release_graph_pool(3);
+      void* p = sa->allocate(24 * MiB, s);
+      sa->deallocate(p);
+      sa->validate();
+      if (g != nullptr) sa.sim->graph_destroy(g);
+    }
+  }
+}
+
+TEST_CASE("graph capture: pending cross-stream frees are not processed while a stream captures") {
+  // cuEventQuery is refused during a capture: the frees queued behind events wait for its end.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (bool told : {false, true}) {
+      CAPTURE(told);
+      auto sa = host_backed(kind);
+      void* s = sa.sim->stream_create();
+      void* side = sa.sim->stream_create();
+      void* p = sa->allocate(2 * MiB, nullptr);
+      sa->record_stream(p, side);
+      sa.sim->set_stream_busy(side, true);
+      sa->deallocate(p);  // pending behind an event on `side`
+      sa.sim->set_stream_busy(side, false);
+      sa.sim->capture_begin(s);
+      if (told) sa->begin_graph_pool(4, s);
+      void* q = sa->allocate(1 * MiB, s);  // would query the pending free's event
+      expseg::driver::graph_t g = nullptr;
+      CHECK_NOTHROW(g = sa.sim->capture_end(s));
+      if (told) sa->end_graph_pool(4);
+      sa->deallocate(q);
+      sa->validate();
+      if (told) sa->release_graph_pool(4);
+      if (g != nullptr) sa.sim->graph_destroy(g);
+    }
+  }
+}
+
+TEST_CASE("graph pool: a block other streams used, freed during the capture, is freed after it") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* side = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(5, s);
+    void* p = sa->allocate(4 * MiB, s);
+    sa->record_stream(p, side);
+    const std::int64_t active = sa->stats().active_bytes[kAllPools].current;
+    sa->deallocate(p);  // no event can be recorded and queried now: held until the capture ends
+    CHECK(sa->stats().active_bytes[kAllPools].current == active);
+    void* q = sa->allocate(4 * MiB, s);
+    CHECK_FALSE(overlap(p, 4 * MiB, q, 4 * MiB));
+    sa->deallocate(q);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(5);
+    // Freed now, behind an event on `side`; done once that event has passed.
+    sa->deallocate(sa->allocate(512, nullptr));  // processes completed events
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    sa->validate();
+    // The next capture into the pool gets p's memory back.
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(5, s);
+    void* r = sa->allocate(4 * MiB, s);
+    CHECK((addr(r) == addr(p) || addr(r) == addr(q)));
+    sa->deallocate(r);
+    const auto g2 = sa.sim->capture_end(s);
+    sa->end_graph_pool(5);
+    sa->release_graph_pool(5);
+    sa->release_graph_pool(5);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa.sim->graph_destroy(g);
+    sa.sim->graph_destroy(g2);
+  }
+}
+
+TEST_CASE("graph pool: misuse gets a clear error and changes nothing") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    CHECK_THROWS_WITH_AS(sa->begin_graph_pool(1, s), doctest::Contains("not capturing"), expseg::error);
+    sa.sim->capture_begin(s);
+    CHECK_THROWS_WITH_AS(sa->begin_graph_pool(0, s), doctest::Contains("pool 0"), expseg::error);
+    sa->begin_graph_pool(1, s);
+    CHECK_THROWS_WITH_AS(sa->begin_graph_pool(2, s), doctest::Contains("graph pool 1 already"), expseg::error);
+    CHECK_THROWS_WITH_AS(sa->release_cached(), doctest::Contains("capture"), expseg::error);
+    CHECK_THROWS_WITH_AS(sa->set_limit(1 * GiB), doctest::Contains("capture"), expseg::error);
+    CHECK(sa->limit() == 0);
+    CHECK_THROWS_WITH_AS(sa->release_graph_pool(1), doctest::Contains("end_graph_pool first"), expseg::error);
+    CHECK_THROWS_WITH_AS(sa->end_graph_pool(2), doctest::Contains("no capture allocates into graph pool 2"), expseg::error);
+    CHECK_THROWS_WITH_AS(sa->release_graph_pool(9), doctest::Contains("no graph pool 9"), expseg::error);
+    void* p = sa->allocate(1 * MiB, s);  // still routed into pool 1
+    sa->deallocate(p);
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = sa.sim->capture_end(s));
+    sa->end_graph_pool(1);
+    CHECK_THROWS_AS(sa->end_graph_pool(1), expseg::error);
+    sa->release_graph_pool(1);
+    CHECK_THROWS_AS(sa->release_graph_pool(1), expseg::error);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa->validate();
+    sa.sim->graph_destroy(g);
+  }
+}
+
+TEST_CASE("graph pool: the C API") {
+  CApiFixture fixture;
+  REQUIRE(expseg_configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable") == EXPSEG_SUCCESS);
+  CHECK(expseg_begin_graph_pool(-1, 1, nullptr) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_end_graph_pool(-1, 1) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_release_graph_pool(-1, 1) == EXPSEG_ERROR_INVALID_DEVICE);
+  void* warm = expseg_malloc(1024, 0, nullptr);  // creates device 0's allocator
+  REQUIRE(warm != nullptr);
+  expseg::Allocator* a = expseg::capi::allocator_for_tests(0);
+  REQUIRE(a != nullptr);
+  auto& sim = dynamic_cast<expseg::driver::SimDriver&>(expseg::detail::AllocatorAccess::driver(*a));
+  void* s = sim.stream_create();
+  CHECK(expseg_begin_graph_pool(0, 1, s) != EXPSEG_SUCCESS);  // not capturing
+  CHECK(std::string(expseg_last_error()).find("not capturing") != std::string::npos);
+  sim.capture_begin(s);
+  REQUIRE(expseg_begin_graph_pool(0, 1, s) == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(4 * MiB, 0, s);
+  REQUIRE(p != nullptr);
+  expseg_free(p, 4 * MiB, 0, s);
+  const auto g = sim.capture_end(s);
+  REQUIRE(expseg_end_graph_pool(0, 1) == EXPSEG_SUCCESS);
+  void* q = expseg_malloc(4 * MiB, 0, s);  // not the graph's memory
+  CHECK_FALSE(overlap(p, 4 * MiB, q, 4 * MiB));
+  expseg_free(q, 4 * MiB, 0, s);
+  CHECK(expseg_release_graph_pool(0, 1) == EXPSEG_SUCCESS);
+  CHECK(expseg_release_graph_pool(0, 1) != EXPSEG_SUCCESS);  // released already
+  CHECK(std::string(expseg_last_error()).find("no graph pool 1") != std::string::npos);
+  expseg_free(warm, 1024, 0, nullptr);
+  sim.graph_destroy(g);
+}
+
+}  // TEST_SUITE
