@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import sys
+import weakref
 
 __all__ = [
     "ExpsegError", "library_path", "load", "version", "configure", "config", "install_torch", "install_cupy",
@@ -121,6 +122,9 @@ def _declare(lib):
         "expseg_ipc_import": (c_int, [c_char_p, c_size_t, ctypes.POINTER(c_int), c_size_t, c_int,
                                       ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]),
         "expseg_ipc_close": (c_int, [c_void_p, c_int]),
+        "expseg_begin_graph_pool": (c_int, [c_int, ctypes.c_ulonglong, c_void_p]),
+        "expseg_end_graph_pool": (c_int, [c_int, ctypes.c_ulonglong]),
+        "expseg_release_graph_pool": (c_int, [c_int, ctypes.c_ulonglong]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)  # AttributeError here: an old or foreign libexpseg.so
@@ -710,21 +714,62 @@ def _patch_torch(torch):
     torch.Tensor.record_stream = record_stream
 
     # CUDA graphs: PyTorch tells a pluggable allocator nothing of a capture (its private-pool hooks cannot be set
-    # from Python), so memory a graph uses could be handed to other tensors and overwritten at every replay, and
-    # split_merge's growth during a capture invalidates it. Refuse the capture up front, with the way out.
-    def no_capture(*_args, **_kwargs):
-        raise ExpsegError(
-            "CUDA graph capture (torch.cuda.graph, make_graphed_callables, torch.compile(mode='reduce-overhead')) "
-            "is not supported with expseg as PyTorch's allocator: PyTorch gives a pluggable allocator no notice of "
-            "the capture, so the graph's memory could be handed to other tensors and overwritten at replay. Use "
-            "torch.compile(mode='max-autotune-no-cudagraphs') or no mode, or capture under PyTorch's own allocator.",
-            INVALID_ARGUMENT)
+    # from Python), so the glue does: capture_begin opens an expseg graph pool for the capture (the graph's own,
+    # or the one pool= names, as PyTorch's private pools), capture_end closes it, and reset() or the graph's
+    # destruction releases it. Memory the graph uses then goes to no other tensor while it may replay, and
+    # expseg makes no call during the capture that would invalidate it.
+    CUDAGraph = getattr(torch.cuda, "CUDAGraph", None)
+    if CUDAGraph is None or getattr(CUDAGraph, "_expseg_patched", False):
+        return
+    torch_capture_begin, torch_capture_end = CUDAGraph.capture_begin, CUDAGraph.capture_end
+    torch_reset = getattr(CUDAGraph, "reset", None)
+    pool_numbers = {"next": 0}  # PyTorch's pool id (a, b) -> expseg's pool number; "next": the last one made
 
-    graphs = getattr(torch.cuda, "graphs", None)
-    if graphs is not None and hasattr(graphs, "graph"):
-        graphs.graph.__init__ = no_capture  # before the context manager switches streams
-    if hasattr(torch.cuda, "CUDAGraph"):
-        torch.cuda.CUDAGraph.capture_begin = no_capture
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        if pool is None:
+            torch_capture_begin(self, capture_error_mode=capture_error_mode)
+        else:
+            torch_capture_begin(self, pool, capture_error_mode=capture_error_mode)
+        # PyTorch names a graph's own pool only once the capture has ended (CUDAGraph.pool()): a graph without
+        # pool= gets a number of the glue's, which capture_end files under PyTorch's id for later pool= uses.
+        if pool is None:
+            pool_numbers["next"] += 1
+            number = pool_numbers["next"]
+        else:
+            a, b = (int(v) for v in pool)
+            number = pool_numbers.get((a, b)) or ((a & 0xFFFFFFFF) << 32 | (b & 0xFFFFFFFF) | (1 << 63))
+        device = torch.cuda.current_device()
+        if lib.expseg_begin_graph_pool(device, number, torch.cuda.current_stream().cuda_stream) != SUCCESS:
+            error = _error("expseg_begin_graph_pool")
+            try:
+                torch_capture_end(self)  # leave no stream capturing behind
+            except Exception:
+                pass
+            raise error
+        self._expseg_pool = (device, number)
+        releases = self.__dict__.setdefault("_expseg_releases", [])
+        releases.append(weakref.finalize(self, lib.expseg_release_graph_pool, device, number))
+
+    def capture_end(self):
+        try:
+            torch_capture_end(self)
+        finally:
+            device, number = self.__dict__.pop("_expseg_pool", (None, None))
+            if device is not None:
+                _check(lib.expseg_end_graph_pool(device, number), "expseg_end_graph_pool")
+        a, b = self.pool()
+        pool_numbers[(int(a), int(b))] = number
+
+    def reset(self):
+        if torch_reset is not None:
+            torch_reset(self)
+        for release in self.__dict__.pop("_expseg_releases", []):
+            release()  # once: a finalizer that ran does nothing more
+
+    capture_begin.__doc__ = torch_capture_begin.__doc__
+    capture_end.__doc__ = torch_capture_end.__doc__
+    CUDAGraph.capture_begin, CUDAGraph.capture_end, CUDAGraph.reset = capture_begin, capture_end, reset
+    CUDAGraph._expseg_patched = True
 
 
 def install_torch(conf="", raise_on_oom=True, patch_torch=True):
@@ -741,7 +786,8 @@ def install_torch(conf="", raise_on_oom=True, patch_torch=True):
     reset_accumulated_memory_stats(), empty_cache(), set/get_per_process_memory_fraction() (expseg's limit),
     torch.cuda.memory._record_memory_history() (expseg's event recorder), _snapshot() / _dump_snapshot() and
     memory_snapshot() (expseg's segments and blocks in PyTorch's format), and Tensor.record_stream(). CUDA graph
-    capture raises ExpsegError (PyTorch gives a pluggable allocator no notice of captures).
+    captures (torch.cuda.graph, CUDAGraph.capture_begin/end, make_graphed_callables) allocate from expseg graph
+    pools, released with the graph.
     torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.
     """
     global _torch_allocator, _torch_conf

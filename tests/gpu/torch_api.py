@@ -14,7 +14,9 @@ For each backend, in a fresh process under install_torch("backend:<b>"), on the 
   - Tensor.record_stream(s): a tensor freed while a kernel on s may still use it is not handed out again
     until that kernel is done (expseg holds the block as pending_free);
   - torch.cuda.memory._record_memory_history / _snapshot / _dump_snapshot: PyTorch's snapshot format, which
-    PyTorch's own readers (torch.cuda._memory_viz.segsum, .trace) take.
+    PyTorch's own readers (torch.cuda._memory_viz.segsum, .trace) take;
+  - CUDA graphs (torch.cuda.graph, a second graph sharing the pool): outputs right at every replay, eager
+    tensors made after the capture untouched by replays, the graphs' memory given back once they are gone.
 
 Exit status: 0 passed, 1 a failure, 77 skipped (no torch, or no CUDA device). The library comes from
 $EXPSEG_LIBRARY (else <repo>/build/lib/libexpseg.so).
@@ -124,18 +126,57 @@ def child(backend, tmp):
     assert "del " in _memory_viz.trace(snap)
     del x
 
-    # CUDA graph capture is refused before it starts; PyTorch keeps working on its own stream.
-    stream_before = torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            raise AssertionError("the capture started")
-    except expseg.ExpsegError as e:
-        assert "CUDA graph capture" in str(e), str(e)
-    assert torch.cuda.current_stream() == stream_before
+    # CUDA graphs: the capture's memory comes from an expseg graph pool, so replays leave later tensors alone.
+    # Everything on one capture stream, where a cache without graph pools hands a graph's freed intermediates
+    # to the next tensors of that stream (a later graph's output, eager tensors), which every replay of the
+    # first graph then overwrites.
+    static_x = torch.randn(1 << 20, device="cuda")
+    cap = torch.cuda.Stream()
+    cap.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(cap):  # warm-up, as PyTorch's docs ask
+        for _ in range(2):
+            (static_x * 2).relu().sum()
+    torch.cuda.current_stream().wait_stream(cap)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=cap):
+        tmp = static_x * 2           # intermediates, freed during the capture
+        tmp2 = tmp.relu() + 1
+        del tmp
+        static_y = tmp2 * 3
+        del tmp2
+    pool = graph.pool()
+    # A second graph shares the pool (pool=), as torch.cuda.make_graphed_callables does; a third has its own.
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2, pool=pool, stream=cap):
+        static_z = static_y + 1
+    graph3 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph3, stream=cap):
+        static_w = static_x - 5
+    with torch.cuda.stream(cap):  # eager tensors after the captures, on the capture stream
+        eager = [torch.full((1 << 20,), float(i), device="cuda") for i in range(8)]
+    torch.cuda.current_stream().wait_stream(cap)
+    for step in range(3):
+        static_x.copy_(torch.randn(1 << 20, device="cuda"))
+        graph3.replay()
+        graph.replay()
+        graph2.replay()
+        torch.cuda.synchronize()
+        want = ((static_x * 2).relu() + 1) * 3
+        assert torch.equal(static_y, want), "graph output wrong at replay %d" % step
+        assert torch.equal(static_z, want + 1), "second graph's output wrong at replay %d" % step
+        assert torch.equal(static_w, static_x - 5), "third graph's output overwritten at replay %d" % step
+        for i, t in enumerate(eager):
+            assert bool((t == float(i)).all()), "replay %d overwrote eager tensor %d" % (step, i)
+    reserved_with_graphs = torch.cuda.memory_reserved()
+    del graph, graph2, graph3, static_y, static_z, static_w, eager
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() < reserved_with_graphs, (torch.cuda.memory_reserved(), reserved_with_graphs)
     assert float(torch.ones(1000, device="cuda").sum()) == 1000.0
     torch.cuda.synchronize()
     print("torch_api %s: PASS (memory_stats/allocated/reserved/summary, peak and accumulated resets, empty_cache, "
-          "memory fraction, record_stream, memory history + snapshot in PyTorch's format)" % backend, flush=True)
+          "memory fraction, record_stream, memory history + snapshot in PyTorch's format, CUDA graphs in expseg graph pools)" % backend, flush=True)
 
 
 def main():

@@ -557,12 +557,25 @@ class FakeTorch:
             def __init__(self, cuda_graph, pool=None, stream=None):
                 self.cuda_graph = cuda_graph
 
-        class CUDAGraph:
+        class CUDAGraph:  # records what the glue calls of PyTorch's own methods
+            def __init__(self):
+                self.calls = []
+
             def capture_begin(self, pool=None, capture_error_mode="global"):
-                pass
+                self.calls.append(("capture_begin", pool, capture_error_mode))
+
+            def capture_end(self):
+                self.calls.append(("capture_end",))
+
+            def reset(self):
+                self.calls.append(("reset",))
+
+            def pool(self):
+                return (0, 5)
 
         self.Tensor = Tensor
         self.cuda = types.SimpleNamespace(current_device=lambda: 0, CUDAGraph=CUDAGraph,
+                                          current_stream=lambda: types.SimpleNamespace(cuda_stream=None),
                                           graphs=types.SimpleNamespace(graph=graph), graph=graph)
 
 
@@ -672,14 +685,23 @@ class TorchApiTest(unittest.TestCase):
         allocs = [[e["size"] for e in t if e["action"] == "alloc"] for t in traces]
         self.assertEqual(allocs, [[3 * MiB], [], [3 * MiB], []])
 
-    def test_graph_capture_is_refused(self):
-        for start in (lambda: self.torch.cuda.graph(self.torch.cuda.CUDAGraph()),
-                      lambda: self.torch.cuda.CUDAGraph().capture_begin()):
-            with self.assertRaises(expseg.ExpsegError) as cm:
-                start()
-            self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
-            self.assertIn("CUDA graph capture", str(cm.exception))
-            self.assertIn("max-autotune-no-cudagraphs", str(cm.exception))
+    def test_graph_capture_opens_an_expseg_graph_pool(self):
+        # On the simulated device nothing captures: expseg refuses the pool, and the glue ends PyTorch's capture
+        # before raising, so that no stream is left capturing. (The GPU suite's torch_graph.py runs real graphs.)
+        expseg.configure("device:sim,sim_capacity:1GiB")
+        g = self.torch.cuda.CUDAGraph()
+        with self.assertRaises(expseg.ExpsegError) as cm:
+            g.capture_begin(capture_error_mode="thread_local")
+        self.assertIn("not capturing", str(cm.exception))
+        self.assertEqual(g.calls, [("capture_begin", None, "thread_local"), ("capture_end",)])
+        # A pool= argument reaches PyTorch unchanged; reset() is PyTorch's, and releases nothing never begun.
+        g2 = self.torch.cuda.CUDAGraph()
+        with self.assertRaises(expseg.ExpsegError):
+            g2.capture_begin((0, 9))
+        g2.reset()
+        self.assertEqual(g2.calls, [("capture_begin", (0, 9), "global"), ("capture_end",), ("reset",)])
+        expseg._patch_torch(self.torch)  # a second patch wraps nothing twice
+        self.assertTrue(self.torch.cuda.CUDAGraph._expseg_patched)
 
     def test_snapshot_and_history_in_torch_format(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB")
