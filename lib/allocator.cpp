@@ -290,7 +290,12 @@ void Allocator::Impl::deallocate(void* ptr) {
   std::lock_guard<core::Mutex> lock(mu);
   Block* b = live.erase(addr);
   if (b == nullptr) throw_invalid_pointer("free", addr);
-  if (!b->stream_uses.empty() && ctx.capturing) [[unlikely]] {
+  if (b->stream_uses.empty()) [[likely]] {
+    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    backend->free(b);
+  } else if (!ctx.capturing) {
+    free_after_uses(b, true);
+  } else {
     try {
       frees_after_capture.push_back(b);
     } catch (...) {
@@ -298,69 +303,62 @@ void Allocator::Impl::deallocate(void* ptr) {
       throw;
     }
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
-  } else {
-    free_block(b, true);
   }
   recent_frees[recent_next++ % recent_frees.size()] = addr;
 }
 
-// A block out of the live map goes back to the backend, at once or (used on other streams) once
-// their work has passed. `in_live`: it left the live map just now, and goes back there if this
-// fails (a deferred free, frees_after_capture, is not in it).
-void Allocator::Impl::free_block(Block* b, bool in_live) {
+// A block out of the live map that other streams used (record_stream) goes back to the backend once
+// their work queued so far has passed. `in_live`: it left the live map just now, and goes back there
+// if this fails (a free held during a capture, frees_after_capture, is not in it).
+void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   const std::uint64_t addr = b->addr;
-  if (!b->stream_uses.empty()) {
-    // Record an event on every stream that used the block; the free completes when all have passed.
-    // Everything that can fail (host memory, the driver) happens before the block changes state,
-    // and is undone when it fails: the block then stays live, as if the call had not been made.
-    std::vector<driver::event_t>& events = free_events;
-    events.clear();
-    std::size_t queued = 0;
-    auto queue_of = [&](driver::stream_t s) {
-      return std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == s; });
-    };
-    try {
-      events.reserve(b->stream_uses.size());
-      // Room for every event, spare or pending, in spare_events: the undo below cannot throw, and
-      // neither can the completion of a pending free (finish_pending's callers), which has already
-      // taken the block out of its queue when the event goes back to spare_events.
-      // Doubling: a new high-water mark of events costs a reallocation now and then, not each time.
-      if (const std::size_t n = spare_events.size() + pending_count + b->stream_uses.size(); n > spare_events.capacity())
-        spare_events.reserve(std::max(n, 2 * spare_events.capacity()));
-      for (driver::stream_t s : b->stream_uses) {
-        driver::event_t e = nullptr;
-        if (spare_events.empty()) {
-          e = driver->event_create();
-        } else {
-          e = spare_events.back();
-          spare_events.pop_back();
-        }
-        events.push_back(e);  // capacity reserved: cannot throw
-        driver->event_record(e, event_stream(s));
+  // Record an event on every stream that used the block; the free completes when all have passed.
+  // Everything that can fail (host memory, the driver) happens before the block changes state,
+  // and is undone when it fails: the block then stays live, as if the call had not been made.
+  std::vector<driver::event_t>& events = free_events;
+  events.clear();
+  std::size_t queued = 0;
+  auto queue_of = [&](driver::stream_t s) {
+    return std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == s; });
+  };
+  try {
+    events.reserve(b->stream_uses.size());
+    // Room for every event, spare or pending, in spare_events: the undo below cannot throw, and
+    // neither can the completion of a pending free (finish_pending's callers), which has already
+    // taken the block out of its queue when the event goes back to spare_events.
+    // Doubling: a new high-water mark of events costs a reallocation now and then, not each time.
+    if (const std::size_t n = spare_events.size() + pending_count + b->stream_uses.size(); n > spare_events.capacity())
+      spare_events.reserve(std::max(n, 2 * spare_events.capacity()));
+    for (driver::stream_t s : b->stream_uses) {
+      driver::event_t e = nullptr;
+      if (spare_events.empty()) {
+        e = driver->event_create();
+      } else {
+        e = spare_events.back();
+        spare_events.pop_back();
       }
-      for (std::size_t i = 0; i < events.size(); ++i) {
-        auto it = queue_of(b->stream_uses[i]);
-        if (it == pending.end()) {
-          drop_retired_queues();
-          it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
-        }
-        it->queue.push_back(PendingFree{events[i], b});
-        ++queued;
-      }
-    } catch (...) {
-      for (std::size_t i = queued; i-- > 0;) queue_of(b->stream_uses[i])->queue.pop_back();
-      for (driver::event_t e : events) spare_events.push_back(e);
-      if (in_live) live.insert_reserved(b);  // right after its erase: room for it
-      throw;
+      events.push_back(e);  // capacity reserved: cannot throw
+      driver->event_record(e, event_stream(s));
     }
-    if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
-    pending_count += events.size();
-    backend->begin_pending_free(b);
-    b->pending_events = static_cast<std::uint32_t>(events.size());
-  } else {
-    if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);
-    backend->free(b);
+    for (std::size_t i = 0; i < events.size(); ++i) {
+      auto it = queue_of(b->stream_uses[i]);
+      if (it == pending.end()) {
+        drop_retired_queues();
+        it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
+      }
+      it->queue.push_back(PendingFree{events[i], b});
+      ++queued;
+    }
+  } catch (...) {
+    for (std::size_t i = queued; i-- > 0;) queue_of(b->stream_uses[i])->queue.pop_back();
+    for (driver::event_t e : events) spare_events.push_back(e);
+    if (in_live) live.insert_reserved(b);  // right after its erase: room for it
+    throw;
   }
+  if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
+  pending_count += events.size();
+  backend->begin_pending_free(b);
+  b->pending_events = static_cast<std::uint32_t>(events.size());
 }
 
 void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
@@ -514,7 +512,7 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   while (!m.frees_after_capture.empty()) {
     Block* b = m.frees_after_capture.back();
     try {
-      m.free_block(b, false);
+      m.free_after_uses(b, false);
     } catch (...) {
       m.driver->device_synchronize();  // throws: the block stays held, freed at the next end
       b->stream_uses.clear();

@@ -137,6 +137,7 @@ def child(backend, tmp):
         for _ in range(2):
             (static_x * 2).relu().sum()
     torch.cuda.current_stream().wait_stream(cap)
+    fork = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=cap):
         tmp = static_x * 2           # intermediates, freed during the capture
@@ -144,6 +145,12 @@ def child(backend, tmp):
         del tmp
         static_y = tmp2 * 3
         del tmp2
+        fork.wait_stream(cap)        # a stream the capture forks to: its allocations belong to the graph too
+        with torch.cuda.stream(fork):
+            forked = static_x + 2
+            static_v = forked * 5
+            del forked
+        cap.wait_stream(fork)
     pool = graph.pool()
     # A second graph shares the pool (pool=), as torch.cuda.make_graphed_callables does; a third has its own.
     graph2 = torch.cuda.CUDAGraph()
@@ -152,9 +159,12 @@ def child(backend, tmp):
     graph3 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph3, stream=cap):
         static_w = static_x - 5
-    with torch.cuda.stream(cap):  # eager tensors after the captures, on the capture stream
-        eager = [torch.full((1 << 20,), float(i), device="cuda") for i in range(8)]
-    torch.cuda.current_stream().wait_stream(cap)
+    eager = []
+    for stream in (cap, fork):  # eager tensors after the captures, on the streams the captures used
+        with torch.cuda.stream(stream):
+            for _ in range(4):
+                eager.append(torch.full((1 << 20,), float(len(eager)), device="cuda"))
+        torch.cuda.current_stream().wait_stream(stream)
     for step in range(3):
         static_x.copy_(torch.randn(1 << 20, device="cuda"))
         graph3.replay()
@@ -165,10 +175,11 @@ def child(backend, tmp):
         assert torch.equal(static_y, want), "graph output wrong at replay %d" % step
         assert torch.equal(static_z, want + 1), "second graph's output wrong at replay %d" % step
         assert torch.equal(static_w, static_x - 5), "third graph's output overwritten at replay %d" % step
+        assert torch.equal(static_v, (static_x + 2) * 5), "forked stream's output wrong at replay %d" % step
         for i, t in enumerate(eager):
             assert bool((t == float(i)).all()), "replay %d overwrote eager tensor %d" % (step, i)
     reserved_with_graphs = torch.cuda.memory_reserved()
-    del graph, graph2, graph3, static_y, static_z, static_w, eager
+    del graph, graph2, graph3, static_y, static_z, static_w, static_v, eager
     import gc
     gc.collect()
     torch.cuda.empty_cache()
