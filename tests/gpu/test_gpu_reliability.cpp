@@ -24,9 +24,13 @@
 #include "driver/driver.hpp"
 #include "expseg/expseg.h"
 #include "expseg/scenarios.hpp"
+#include "gpu_util.hpp"
 #include "test_util.hpp"
 
 using namespace testutil;
+using gputil::cuda_config;
+using gputil::dp;
+using gputil::driver_of;
 using expseg::Allocator;
 using expseg::BackendKind;
 using expseg::kAllPools;
@@ -37,15 +41,6 @@ namespace {
 
 const BackendKind kBackends[] = {BackendKind::split_merge, BackendKind::expandable};
 
-expseg::Config cuda_config(BackendKind b, const std::string& extra = "") {
-  expseg::Config c = expseg::Config::parse(extra);
-  c.backend = b;
-  c.device = expseg::DeviceKind::cuda;
-  return c;
-}
-
-Driver& driver_of(Allocator& a) { return expseg::detail::AllocatorAccess::driver(a); }
-dev_ptr dp(const void* p) { return static_cast<dev_ptr>(reinterpret_cast<std::uintptr_t>(p)); }
 
 // Reads back `bytes` at `p` and compares every word with `value`: all of a small block; the first
 // and last 256 KiB and 4 KiB in every `stride` bytes of a large one (every granule, so a page

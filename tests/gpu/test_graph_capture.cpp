@@ -15,9 +15,13 @@
 #include "allocator_impl.hpp"
 #include "driver/driver.hpp"
 #include "expseg/errors.hpp"
+#include "gpu_util.hpp"
 #include "test_util.hpp"
 
 using namespace testutil;
+using gputil::cuda_config;
+using gputil::dp;
+using gputil::driver_of;
 using expseg::Allocator;
 using expseg::BackendKind;
 using expseg::kAllPools;
@@ -28,15 +32,6 @@ namespace {
 
 const BackendKind kBackends[] = {BackendKind::split_merge, BackendKind::expandable};
 
-expseg::Config cuda_config(BackendKind b, const std::string& extra = "") {
-  expseg::Config c = expseg::Config::parse(extra);
-  c.backend = b;
-  c.device = expseg::DeviceKind::cuda;
-  return c;
-}
-
-Driver& driver_of(Allocator& a) { return expseg::detail::AllocatorAccess::driver(a); }
-dev_ptr dp(const void* p) { return static_cast<dev_ptr>(reinterpret_cast<std::uintptr_t>(p)); }
 bool overlap(void* a, std::size_t an, void* b, std::size_t bn) { return dp(a) < dp(b) + bn && dp(b) < dp(a) + an; }
 
 // Every word of the first and last 64 KiB of [p, p + bytes) equals `value`.
