@@ -5,6 +5,7 @@
 // allocator, not the reader.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -148,6 +149,30 @@ struct RunOutput {
 
 }  // namespace
 
+namespace {
+
+// The streams a replay on the simulated device allocates on: the trace's ids as they are, except the
+// keys expseg records for per-thread streams, CuPy's streams and graph pools (backends/backend.hpp).
+// Those would name a thread, stream or pool of this process: a per-thread key of an exited thread
+// gets its memory given back once freed, and a graph pool's key that this process never released
+// counts as a live graph's memory, never reclaimed. Each becomes a plain stream id of its own, one
+// the trace does not use. (On CUDA every stream of the trace is a stream_create of its own.)
+std::vector<stream_t> sim_streams(const std::vector<std::uint64_t>& ids) {
+  std::vector<stream_t> out(ids.size(), nullptr);
+  std::uint64_t next = std::uint64_t{0x7e57} << 32;  // far from the small ids and the pointers traces hold
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (!backends::is_stream_key(reinterpret_cast<driver::stream_t>(static_cast<std::uintptr_t>(ids[i])))) {
+      out[i] = reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(ids[i]));
+      continue;
+    }
+    while (std::find(ids.begin(), ids.end(), next) != ids.end()) ++next;
+    out[i] = reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(next++));
+  }
+  return out;
+}
+
+}  // namespace
+
 ReplayResult replay(const Trace& trace, const Config& config, const ReplayOptions& options, int device) {
   const Program prog = compile(trace, options.lenient);
   ReplayResult r;
@@ -165,11 +190,11 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
   auto run = [&](std::size_t stop, bool first_pass, std::vector<std::int64_t>* reserved_after) -> std::optional<Snapshot> {
     Allocator a(config, device);
     driver::Driver& drv = detail::AllocatorAccess::driver(a);
-    std::vector<stream_t> streams(prog.stream_ids.size(), nullptr);
-    for (std::size_t i = 0; i < streams.size(); ++i) {
-      if (prog.stream_ids[i] == 0) continue;
-      streams[i] = config.device == DeviceKind::cuda ? drv.stream_create() : reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(prog.stream_ids[i]));
-    }
+    std::vector<stream_t> streams = config.device == DeviceKind::cuda ? std::vector<stream_t>(prog.stream_ids.size(), nullptr)
+                                                                      : sim_streams(prog.stream_ids);
+    if (config.device == DeviceKind::cuda)
+      for (std::size_t i = 0; i < streams.size(); ++i)
+        if (prog.stream_ids[i] != 0) streams[i] = drv.stream_create();
     std::vector<void*> ptr(prog.slots, nullptr);
     std::vector<std::uint64_t> size(prog.slots, 0);
     std::vector<bool> zero(prog.slots, false);  // slots holding a size-0 allocation

@@ -92,3 +92,22 @@ TEST_CASE("replay regression: --lenient, a pointer allocated again while live fr
     CHECK(r.skipped_frees == 1);  // the missing free, counted as before
   }
 }
+
+TEST_CASE("replay regression: recorded stream keys replay as plain streams, not as this process's threads or graph pools") {
+  // expseg records a per-thread stream, a CuPy stream or a graph pool by its key. Replayed as it was,
+  // a graph pool's key named a pool this process never made: its memory counted as a live graph's and
+  // was never reclaimed, so the second allocation below failed under the limit. A per-thread key could
+  // name a thread of this process that had exited, whose memory is given back as soon as it is freed.
+  const std::string pool_key = "0xffff800000001234";
+  const std::string csv = std::string(kHdr) +
+                          "1,0,allocate,0x10000000,629145600," + pool_key + "\n"
+                          "1,1,free,0x10000000,629145600," + pool_key + "\n"
+                          "1,2,allocate,0x60000000,629145600,0x55\n"
+                          "1,3,free,0x60000000,629145600,0x55\n";
+  const expseg::Trace t = expseg::parse_trace(csv, "keys.csv");
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(b);
+    const auto r = expseg::replay(t, sim_config(b, 4 * GiB, "limit:1GiB"));
+    CHECK(r.ooms == 0);
+  }
+}
