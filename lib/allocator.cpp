@@ -192,6 +192,8 @@ Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
 Allocator::Impl::~Impl() {
   // The observer first, while everything still works: what it captured may free memory here.
   oom_observer.reset();
+  // Graph pools still in use go with the allocator: their keys leave the process-wide registry.
+  for (const GraphPool& p : graph_pools) backends::retire_graph_pool_key(p.key);
   // Pending frees hold events; the backend gives all memory back in its destructor.
   for (StreamEvents& se : pending)
     se.queue.for_each([&](const PendingFree& pf) {
