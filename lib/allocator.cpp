@@ -303,6 +303,9 @@ void Allocator::Impl::deallocate(void* ptr) {
       throw;
     }
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    // The caller's free: no longer allocated (stats, validate's count of the live map), still
+    // active until its streams have passed, as a pending free.
+    backend->begin_pending_free(b);
   }
   recent_frees[recent_next++ % recent_frees.size()] = addr;
 }
@@ -357,7 +360,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   }
   if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
   pending_count += events.size();
-  backend->begin_pending_free(b);
+  if (in_live) backend->begin_pending_free(b);  // a held free (not in_live) is pending already
   b->pending_events = static_cast<std::uint32_t>(events.size());
 }
 

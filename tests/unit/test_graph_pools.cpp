@@ -355,4 +355,39 @@ TEST_CASE("graph pool: the C API") {
   sim.graph_destroy(g);
 }
 
+TEST_CASE("graph pool: validate() holds while a cross-stream free waits for the capture's end") {
+  // The free is the caller's: it is no longer allocated (as a pending free, PyTorch's accounting),
+  // only its memory stays active until the capture has ended and the other stream has passed.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* side = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(5, s);
+    void* p = sa->allocate(4 * MiB, s);
+    sa->record_stream(p, side);
+    sa->deallocate(p);
+    CHECK_NOTHROW(sa->validate());
+    CHECK(sa->stats().allocation[kAllPools].current == 0);
+    CHECK(sa->stats().allocated_bytes[kAllPools].current == 0);
+    CHECK(sa->stats().active_bytes[kAllPools].current > 0);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(5);
+    CHECK_NOTHROW(sa->validate());
+    sa->deallocate(sa->allocate(512, nullptr));  // processes completed events
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    CHECK(sa->stats().allocated_bytes[kAllPools].current == 0);
+    CHECK_NOTHROW(sa->validate());
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(5);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa.alloc.reset();
+    CHECK(sa.sim->live().handles == 0);
+    CHECK(sa.sim->live().mem_allocs == 0);
+  }
+}
+
 }  // TEST_SUITE
