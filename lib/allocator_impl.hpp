@@ -133,6 +133,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
     std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams
     std::uint64_t pool = 0;
     driver::stream_t key = nullptr;
+    driver::stream_t stream = nullptr;  // begin_graph_pool's stream (its key): has the capture ended?
   };
   std::vector<GraphPool> graph_pools;
   std::vector<CaptureRoute> capture_routes;

@@ -390,4 +390,44 @@ TEST_CASE("graph pool: validate() holds while a cross-stream free waits for the 
   }
 }
 
+TEST_CASE("graph pool: two captures into one pool at once; the first one's end leaves the other's routing") {
+  // torch.cuda.graph(pool=...) may share a pool between captures; each end_graph_pool ends one of
+  // them (as PyTorch's endAllocateToPool), the one whose capture has ended.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (bool first_ends_first : {true, false}) {
+      CAPTURE(first_ends_first);
+      auto sa = host_backed(kind);
+      void* s1 = sa.sim->stream_create();
+      void* s2 = sa.sim->stream_create();
+      sa.sim->capture_begin(s1);
+      sa->begin_graph_pool(1, s1);
+      sa.sim->capture_begin(s2);
+      sa->begin_graph_pool(1, s2);
+      void* ended = first_ends_first ? s1 : s2;
+      void* going = first_ends_first ? s2 : s1;
+      void* a = sa->allocate(4 * MiB, ended);
+      sa->deallocate(a);
+      const auto g1 = sa.sim->capture_end(ended);
+      sa->end_graph_pool(1);
+      // The other capture still allocates into pool 1: it gets the pool's memory back.
+      void* b = sa->allocate(4 * MiB, going);
+      CHECK(addr(b) == addr(a));
+      sa->deallocate(b);
+      CHECK_THROWS_AS(sa->release_cached(), expseg::error);  // a capture is still underway
+      expseg::driver::graph_t g2 = nullptr;
+      CHECK_NOTHROW(g2 = sa.sim->capture_end(going));
+      CHECK_NOTHROW(sa->end_graph_pool(1));
+      sa->validate();
+      sa->release_graph_pool(1);
+      sa->release_graph_pool(1);
+      sa->release_cached();
+      CHECK(reserved(*sa) == 0);
+      sa.sim->graph_destroy(g1);
+      if (g2 != nullptr) sa.sim->graph_destroy(g2);
+    }
+  }
+}
+
 }  // TEST_SUITE
