@@ -430,4 +430,41 @@ TEST_CASE("graph pool: two captures into one pool at once; the first one's end l
   }
 }
 
+TEST_CASE("graph pool: an OOM report counts a live pool's cached memory as held, not as fragmentation") {
+  // The pool's 24 MiB is free but kept for its graph: the request does not fit beside it under the
+  // limit in either backend, so neither the fragmentation verdict (and its advice) nor the claim that
+  // the other backend would have served the request holds.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    sa->set_limit(64 * MiB);
+    void* s = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    sa->deallocate(sa->allocate(24 * MiB, s));
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(1);
+    void* e = sa->allocate(32 * MiB, s2);
+    try {
+      sa->allocate(16 * MiB, s2);
+      FAIL("the request should not fit");
+    } catch (const expseg::out_of_memory& x) {
+      const expseg::OomReport& r = x.report();
+      CHECK(r.verdict == expseg::OomVerdict::limit);
+      CHECK(r.counterfactual != expseg::Counterfactual::would_succeed);
+      CHECK(r.message.find("24.00 MiB cached for CUDA graph pools") != std::string::npos);
+      CHECK(r.message.find("would have served") == std::string::npos);
+      CHECK(r.message.find("to avoid fragmentation") == std::string::npos);
+    }
+    // Released, the same request gets the pool's memory.
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(1);
+    sa->deallocate(sa->allocate(16 * MiB, s2));
+    sa->deallocate(e);
+    sa->validate();
+  }
+}
+
 }  // TEST_SUITE
