@@ -8,6 +8,8 @@
 
 #include <cstdint>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "allocator_impl.hpp"
@@ -427,6 +429,130 @@ TEST_CASE("graph pool: two captures into one pool at once; the first one's end l
       sa.sim->graph_destroy(g1);
       if (g2 != nullptr) sa.sim->graph_destroy(g2);
     }
+  }
+}
+
+TEST_CASE("graph pool: no give-back path of either backend touches a live pool's memory") {
+  // Eager churn beside a live pool, under a limit that forces reclaims, with the configurations that
+  // add give-back paths (garbage collection, oversize blocks, expandable's handles), set_limit,
+  // release_cached and exited threads' memory: the graph's replay still finds its memory mapped and
+  // no eager block overlaps it.
+  const char* extras[] = {"", "garbage_collection_threshold:0.5", "max_split_size_mb:40", "policy:cupy"};
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (const char* extra : extras) {
+      CAPTURE(std::string(extra));
+      if (kind == BackendKind::expandable && std::string(extra) == "policy:cupy") continue;
+      std::string conf = "sim_host_backed:true";
+      if (*extra != '\0') conf += std::string(",") + extra;
+      auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, conf));
+      void* s = sa.sim->stream_create();
+      void* s2 = sa.sim->stream_create();
+      void* s3 = sa.sim->stream_create();
+      sa.sim->capture_begin(s);
+      sa->begin_graph_pool(1, s);
+      void* big = sa->allocate(48 * MiB, s);
+      fill(sa, big, 48 * MiB, 0xAAAAAAAAu, s);
+      void* small = sa->allocate(64 * 1024, s);
+      fill(sa, small, 64 * 1024, 0xBBBBBBBBu, s);
+      sa->deallocate(big);
+      sa->deallocate(small);
+      const auto g = sa.sim->capture_end(s);
+      sa->end_graph_pool(1);
+      auto clear_of_pool = [&](void* p, std::size_t n) {
+        return !overlap(p, n, big, 48 * MiB) && !overlap(p, n, small, 64 * 1024);
+      };
+      sa->set_limit(160 * MiB);
+      std::vector<std::pair<void*, std::size_t>> held;
+      for (int round = 0; round < 6; ++round) {
+        for (void* st : {s2, s3, static_cast<void*>(nullptr)}) {
+          for (std::size_t n : {std::size_t{1} << 20, std::size_t{30} << 20, std::size_t{512} << 10, std::size_t{45} << 20}) {
+            void* p = nullptr;
+            try {
+              p = sa->allocate(n, st);
+            } catch (const expseg::out_of_memory&) {
+              continue;
+            }
+            CHECK(clear_of_pool(p, n));
+            fill(sa, p, n, 0x11111111u, st);
+            held.emplace_back(p, n);
+          }
+          // Free most of it again: idle memory on every stream for the next round to reclaim.
+          while (held.size() > 2) {
+            sa->deallocate(held.back().first);
+            held.pop_back();
+          }
+        }
+        if (round == 2) sa->set_limit(120 * MiB);
+        if (round == 3) {
+          sa->release_cached();
+          sa->set_limit(200 * MiB);
+        }
+        if (round == 4) {  // a thread's per-thread stream: its memory is given back once it exits
+          std::thread t([&] { sa->deallocate(sa->allocate(20 * MiB, reinterpret_cast<void*>(expseg::backends::kPerThreadStream))); });
+          t.join();
+        }
+        sa->validate();
+      }
+      CHECK_NOTHROW(sa.sim->graph_launch(g, s));
+      CHECK(word(sa, big) == 0xAAAAAAAAu);
+      CHECK(word(sa, small) == 0xBBBBBBBBu);
+      for (auto& [p, n] : held) {
+        CHECK(word(sa, p) == 0x11111111u);
+        sa->deallocate(p);
+      }
+      CHECK(sa.sim->hazards().empty());
+      sa.sim->graph_destroy(g);
+      sa->release_graph_pool(1);
+      sa->release_cached();
+      CHECK(reserved(*sa) == 0);
+      sa->validate();
+      sa.alloc.reset();
+      CHECK(sa.sim->live().handles == 0);
+      CHECK(sa.sim->live().mem_allocs == 0);
+      CHECK(sa.sim->live().reservations == 0);
+    }
+  }
+}
+
+TEST_CASE("graph pool: released with graph outputs still allocated, its memory is given back once they are freed") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    void* out = sa->allocate(4 * MiB, s);  // the graph's output, held by the user
+    void* tmp = sa->allocate(8 * MiB, s);
+    sa->deallocate(tmp);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(1);
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(1);
+    sa->release_cached();
+    sa->validate();
+    // Pool id 1 again: a new pool, which does not get the released one's memory while `out` lives.
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    void* x = sa->allocate(4 * MiB, s);
+    CHECK_FALSE(overlap(x, 4 * MiB, out, 4 * MiB));
+    sa->deallocate(x);
+    const auto g2 = sa.sim->capture_end(s);
+    sa->end_graph_pool(1);
+    sa.sim->graph_destroy(g2);
+    sa->release_graph_pool(1);
+    sa->deallocate(out);
+    sa->validate();
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    sa->validate();
+    sa.alloc.reset();
+    CHECK(sa.sim->live().handles == 0);
+    CHECK(sa.sim->live().mem_allocs == 0);
+    CHECK(sa.sim->live().reservations == 0);
   }
 }
 
