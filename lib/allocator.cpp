@@ -305,6 +305,9 @@ void Allocator::Impl::deallocate(void* ptr) {
       throw;
     }
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    // The caller's free: no longer allocated (stats, validate's count of the live map), still
+    // active until its streams have passed, as a pending free.
+    backend->begin_pending_free(b);
   }
   recent_frees[recent_next++ % recent_frees.size()] = addr;
 }
@@ -359,7 +362,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   }
   if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
   pending_count += events.size();
-  backend->begin_pending_free(b);
+  if (in_live) backend->begin_pending_free(b);  // a held free (not in_live) is pending already
   b->pending_events = static_cast<std::uint32_t>(events.size());
 }
 
@@ -497,16 +500,28 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
     it = m.graph_pools.insert(m.graph_pools.end(), Impl::GraphPool{pool, backends::new_graph_pool_key(), 0});
   }
   it->uses += 1;
-  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, it->key});
+  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, it->key, key});
   m.ctx.capturing = true;
 }
 
 void Allocator::end_graph_pool(std::uint64_t pool) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   Impl& m = *impl_;
-  const std::size_t before = m.capture_routes.size();
-  std::erase_if(m.capture_routes, [&](const Impl::CaptureRoute& r) { return r.pool == pool; });
-  if (m.capture_routes.size() == before) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
+  // One capture's routing per end (as PyTorch's endAllocateToPool): captures may share a pool, and
+  // the others go on allocating into it. The one whose capture has ended; none yet, the last begun.
+  auto route = m.capture_routes.end();
+  for (auto r = m.capture_routes.begin(); r != m.capture_routes.end(); ++r) {
+    if (r->pool != pool) continue;
+    route = r;
+    std::uint64_t id = 0;
+    try {
+      id = m.driver->stream_capture_id(backends::capture_query_stream(r->stream));
+    } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
+    }
+    if (id != r->capture_id) break;
+  }
+  if (route == m.capture_routes.end()) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
+  m.capture_routes.erase(route);
   m.ctx.capturing = !m.capture_routes.empty();
   if (m.ctx.capturing) return;
   // The frees of blocks other streams used, held back during the capture: as usual now. Should

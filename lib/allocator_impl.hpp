@@ -133,11 +133,13 @@ struct Allocator::Impl final : backends::FrontendHooks {
     std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams
     std::uint64_t pool = 0;
     driver::stream_t key = nullptr;
+    driver::stream_t stream = nullptr;  // begin_graph_pool's stream (its key): has the capture ended?
   };
   std::vector<GraphPool> graph_pools;
   std::vector<CaptureRoute> capture_routes;
   // Frees of blocks other streams used (record_stream) during a capture: their events cannot be
-  // recorded and queried then; freed as usual when the last capture ends (PyTorch defers them too).
+  // recorded and queried then; pending_free already (the caller freed them), their events are
+  // recorded when the last capture ends (PyTorch defers them too).
   std::vector<core::Block*> frees_after_capture;
   driver::stream_t route_to_pool(driver::stream_t stream);
   bool stream_capturing(driver::stream_t stream) noexcept;

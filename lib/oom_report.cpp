@@ -114,7 +114,10 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   r->page_slack_bytes = fs.live_page_slack;
   r->partial_pages = fs.live_partial_pages;
   const bool overflow = r->rounded_bytes > SIZE_MAX / 2;
-  const std::size_t need = overflow ? SIZE_MAX : footprint + std::max(fs.request_footprint, r->rounded_bytes);
+  // Free memory of live graph pools is kept for their graphs' replays: no more use to the request
+  // than live memory (not fragmentation, and no backend without those pools to compare with).
+  const std::size_t pools = fs.graph_pool_bytes;
+  const std::size_t need = overflow ? SIZE_MAX : footprint + pools + std::max(fs.request_footprint, r->rounded_bytes);
   // What this process could hold at most (free memory unknown: at least what it holds).
   const std::size_t obtainable = mi.free + r->reserved_bytes;
   if (overflow || need > mi.total) {
@@ -153,7 +156,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   const std::size_t at_least = overflow ? SIZE_MAX : r->live_requested_bytes + requested;
   if (overflow || at_least > capacity || (ctx.limit != 0 && at_least > ctx.limit)) {
     r->counterfactual = Counterfactual::would_fail;
-  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable) {
+  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable && pools == 0) {
     // (A device that refused what its figures leave room for is no device the figures can simulate.)
     live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
     for (const StreamEvents& se : pending)
@@ -214,6 +217,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       os << ") plus the request (" << format_bytes(r->rounded_bytes);
       if (!overflow && fs.request_footprint > r->rounded_bytes)
         os << ", needing " << format_bytes(fs.request_footprint) << (pages ? " of whole pages" : " as a new segment");
+      if (pools != 0) os << ") and " << format_bytes(pools) << " cached for CUDA graph pools (kept for their graphs until release_graph_pool";
       if (r->verdict == OomVerdict::capacity && !free_known) {
         os << ") exceed the device's memory (" << format_bytes(mi.total) << ").";
         break;

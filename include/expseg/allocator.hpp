@@ -94,7 +94,8 @@ class Allocator {
   //     allocations on every stream of that capture (s and the streams it forked to) come from
   //     private pool `pool` (any nonzero number; a pool that does not exist is made), and their
   //     frees go back to it, for later allocations of the pool only. Each begin takes one use of
-  //     the pool (a graph that replays it).
+  //     the pool (a graph that replays it). Captures may share a pool at once: each
+  //     end_graph_pool(pool) ends one of them, the one whose capture has ended.
   //   release_graph_pool(pool): drops one use; at none, the pool's cached memory is given back (at
   //     the next allocation that misses the cache, or release_cached()), and blocks of it still
   //     allocated are given back when freed.

@@ -174,6 +174,8 @@ struct FreeSummary {
   std::size_t largest_usable_block = 0;
   std::size_t free_blocks = 0;         // free blocks backed by memory
   std::size_t releasable_bytes = 0;    // cached bytes that release_cached() would give back
+  // Free bytes cached for live graph pools: no request but their captures' can use them.
+  std::size_t graph_pool_bytes = 0;
   // Device memory the live (allocated and pending) blocks occupy at the least: their bytes in a
   // split pool; the frames they touch in expandable segments.
   std::size_t live_footprint = 0;

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "allocator_impl.hpp"
@@ -353,6 +355,242 @@ TEST_CASE("graph pool: the C API") {
   CHECK(std::string(expseg_last_error()).find("no graph pool 1") != std::string::npos);
   expseg_free(warm, 1024, 0, nullptr);
   sim.graph_destroy(g);
+}
+
+TEST_CASE("graph pool: validate() holds while a cross-stream free waits for the capture's end") {
+  // The free is the caller's: it is no longer allocated (as a pending free, PyTorch's accounting),
+  // only its memory stays active until the capture has ended and the other stream has passed.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* side = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(5, s);
+    void* p = sa->allocate(4 * MiB, s);
+    sa->record_stream(p, side);
+    sa->deallocate(p);
+    CHECK_NOTHROW(sa->validate());
+    CHECK(sa->stats().allocation[kAllPools].current == 0);
+    CHECK(sa->stats().allocated_bytes[kAllPools].current == 0);
+    CHECK(sa->stats().active_bytes[kAllPools].current > 0);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(5);
+    CHECK_NOTHROW(sa->validate());
+    sa->deallocate(sa->allocate(512, nullptr));  // processes completed events
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    CHECK(sa->stats().allocated_bytes[kAllPools].current == 0);
+    CHECK_NOTHROW(sa->validate());
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(5);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa.alloc.reset();
+    CHECK(sa.sim->live().handles == 0);
+    CHECK(sa.sim->live().mem_allocs == 0);
+  }
+}
+
+TEST_CASE("graph pool: two captures into one pool at once; the first one's end leaves the other's routing") {
+  // torch.cuda.graph(pool=...) may share a pool between captures; each end_graph_pool ends one of
+  // them (as PyTorch's endAllocateToPool), the one whose capture has ended.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (bool first_ends_first : {true, false}) {
+      CAPTURE(first_ends_first);
+      auto sa = host_backed(kind);
+      void* s1 = sa.sim->stream_create();
+      void* s2 = sa.sim->stream_create();
+      sa.sim->capture_begin(s1);
+      sa->begin_graph_pool(1, s1);
+      sa.sim->capture_begin(s2);
+      sa->begin_graph_pool(1, s2);
+      void* ended = first_ends_first ? s1 : s2;
+      void* going = first_ends_first ? s2 : s1;
+      void* a = sa->allocate(4 * MiB, ended);
+      sa->deallocate(a);
+      const auto g1 = sa.sim->capture_end(ended);
+      sa->end_graph_pool(1);
+      // The other capture still allocates into pool 1: it gets the pool's memory back.
+      void* b = sa->allocate(4 * MiB, going);
+      CHECK(addr(b) == addr(a));
+      sa->deallocate(b);
+      CHECK_THROWS_AS(sa->release_cached(), expseg::error);  // a capture is still underway
+      expseg::driver::graph_t g2 = nullptr;
+      CHECK_NOTHROW(g2 = sa.sim->capture_end(going));
+      CHECK_NOTHROW(sa->end_graph_pool(1));
+      sa->validate();
+      sa->release_graph_pool(1);
+      sa->release_graph_pool(1);
+      sa->release_cached();
+      CHECK(reserved(*sa) == 0);
+      sa.sim->graph_destroy(g1);
+      if (g2 != nullptr) sa.sim->graph_destroy(g2);
+    }
+  }
+}
+
+TEST_CASE("graph pool: no give-back path of either backend touches a live pool's memory") {
+  // Eager churn beside a live pool, under a limit that forces reclaims, with the configurations that
+  // add give-back paths (garbage collection, oversize blocks, expandable's handles), set_limit,
+  // release_cached and exited threads' memory: the graph's replay still finds its memory mapped and
+  // no eager block overlaps it.
+  const char* extras[] = {"", "garbage_collection_threshold:0.5", "max_split_size_mb:40", "policy:cupy"};
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (const char* extra : extras) {
+      CAPTURE(std::string(extra));
+      if (kind == BackendKind::expandable && std::string(extra) == "policy:cupy") continue;
+      std::string conf = "sim_host_backed:true";
+      if (*extra != '\0') conf += std::string(",") + extra;
+      auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, conf));
+      void* s = sa.sim->stream_create();
+      void* s2 = sa.sim->stream_create();
+      void* s3 = sa.sim->stream_create();
+      sa.sim->capture_begin(s);
+      sa->begin_graph_pool(1, s);
+      void* big = sa->allocate(48 * MiB, s);
+      fill(sa, big, 48 * MiB, 0xAAAAAAAAu, s);
+      void* small = sa->allocate(64 * 1024, s);
+      fill(sa, small, 64 * 1024, 0xBBBBBBBBu, s);
+      sa->deallocate(big);
+      sa->deallocate(small);
+      const auto g = sa.sim->capture_end(s);
+      sa->end_graph_pool(1);
+      auto clear_of_pool = [&](void* p, std::size_t n) {
+        return !overlap(p, n, big, 48 * MiB) && !overlap(p, n, small, 64 * 1024);
+      };
+      sa->set_limit(160 * MiB);
+      std::vector<std::pair<void*, std::size_t>> held;
+      for (int round = 0; round < 6; ++round) {
+        for (void* st : {s2, s3, static_cast<void*>(nullptr)}) {
+          for (std::size_t n : {std::size_t{1} << 20, std::size_t{30} << 20, std::size_t{512} << 10, std::size_t{45} << 20}) {
+            void* p = nullptr;
+            try {
+              p = sa->allocate(n, st);
+            } catch (const expseg::out_of_memory&) {
+              continue;
+            }
+            CHECK(clear_of_pool(p, n));
+            fill(sa, p, n, 0x11111111u, st);
+            held.emplace_back(p, n);
+          }
+          // Free most of it again: idle memory on every stream for the next round to reclaim.
+          while (held.size() > 2) {
+            sa->deallocate(held.back().first);
+            held.pop_back();
+          }
+        }
+        if (round == 2) sa->set_limit(120 * MiB);
+        if (round == 3) {
+          sa->release_cached();
+          sa->set_limit(200 * MiB);
+        }
+        if (round == 4) {  // a thread's per-thread stream: its memory is given back once it exits
+          std::thread t([&] { sa->deallocate(sa->allocate(20 * MiB, reinterpret_cast<void*>(expseg::backends::kPerThreadStream))); });
+          t.join();
+        }
+        sa->validate();
+      }
+      CHECK_NOTHROW(sa.sim->graph_launch(g, s));
+      CHECK(word(sa, big) == 0xAAAAAAAAu);
+      CHECK(word(sa, small) == 0xBBBBBBBBu);
+      for (auto& [p, n] : held) {
+        CHECK(word(sa, p) == 0x11111111u);
+        sa->deallocate(p);
+      }
+      CHECK(sa.sim->hazards().empty());
+      sa.sim->graph_destroy(g);
+      sa->release_graph_pool(1);
+      sa->release_cached();
+      CHECK(reserved(*sa) == 0);
+      sa->validate();
+      sa.alloc.reset();
+      CHECK(sa.sim->live().handles == 0);
+      CHECK(sa.sim->live().mem_allocs == 0);
+      CHECK(sa.sim->live().reservations == 0);
+    }
+  }
+}
+
+TEST_CASE("graph pool: released with graph outputs still allocated, its memory is given back once they are freed") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    void* out = sa->allocate(4 * MiB, s);  // the graph's output, held by the user
+    void* tmp = sa->allocate(8 * MiB, s);
+    sa->deallocate(tmp);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(1);
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(1);
+    sa->release_cached();
+    sa->validate();
+    // Pool id 1 again: a new pool, which does not get the released one's memory while `out` lives.
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    void* x = sa->allocate(4 * MiB, s);
+    CHECK_FALSE(overlap(x, 4 * MiB, out, 4 * MiB));
+    sa->deallocate(x);
+    const auto g2 = sa.sim->capture_end(s);
+    sa->end_graph_pool(1);
+    sa.sim->graph_destroy(g2);
+    sa->release_graph_pool(1);
+    sa->deallocate(out);
+    sa->validate();
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    sa->validate();
+    sa.alloc.reset();
+    CHECK(sa.sim->live().handles == 0);
+    CHECK(sa.sim->live().mem_allocs == 0);
+    CHECK(sa.sim->live().reservations == 0);
+  }
+}
+
+TEST_CASE("graph pool: an OOM report counts a live pool's cached memory as held, not as fragmentation") {
+  // The pool's 24 MiB is free but kept for its graph: the request does not fit beside it under the
+  // limit in either backend, so neither the fragmentation verdict (and its advice) nor the claim that
+  // the other backend would have served the request holds.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    sa->set_limit(64 * MiB);
+    void* s = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    sa->deallocate(sa->allocate(24 * MiB, s));
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(1);
+    void* e = sa->allocate(32 * MiB, s2);
+    try {
+      sa->allocate(16 * MiB, s2);
+      FAIL("the request should not fit");
+    } catch (const expseg::out_of_memory& x) {
+      const expseg::OomReport& r = x.report();
+      CHECK(r.verdict == expseg::OomVerdict::limit);
+      CHECK(r.counterfactual != expseg::Counterfactual::would_succeed);
+      CHECK(r.message.find("24.00 MiB cached for CUDA graph pools") != std::string::npos);
+      CHECK(r.message.find("would have served") == std::string::npos);
+      CHECK(r.message.find("to avoid fragmentation") == std::string::npos);
+    }
+    // Released, the same request gets the pool's memory.
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(1);
+    sa->deallocate(sa->allocate(16 * MiB, s2));
+    sa->deallocate(e);
+    sa->validate();
+  }
 }
 
 }  // TEST_SUITE

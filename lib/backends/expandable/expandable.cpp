@@ -1887,10 +1887,12 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_
     }
   }
   for (const ExpArena* arena : arenas_) {
+    const bool pool = is_graph_pool_key(arena->stream) && is_live_graph_pool_key(arena->stream);
     arena->mapped_free.for_each([&](const Block& b) {
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
       if (request != 0 && arena->stream == stream) s.largest_usable_block = std::max(s.largest_usable_block, b.size);
+      if (pool) s.graph_pool_bytes += b.size;
     });
   }
   for_each_idle([&](const ExpHandle& h) { s.releasable_bytes += h.bytes; });

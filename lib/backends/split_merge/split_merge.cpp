@@ -532,6 +532,7 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
       if (b.size > s.largest_free_block) s.largest_free_block = b.size;
       if (request != 0 && pool == request_pool && b.stream == stream && b.size > s.largest_usable_block) s.largest_usable_block = b.size;
       if (!b.is_split()) s.releasable_bytes += b.size;
+      if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream)) s.graph_pool_bytes += b.size;
     });
   }
   return s;
