@@ -303,6 +303,9 @@ void Allocator::Impl::deallocate(void* ptr) {
       throw;
     }
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    // Freed for the caller now (stats, snapshot, validate's live count), as PyTorch's free counts it;
+    // only its events wait for the capture's end.
+    backend->begin_pending_free(b);
   }
   recent_frees[recent_next++ % recent_frees.size()] = addr;
 }
@@ -357,7 +360,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   }
   if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
   pending_count += events.size();
-  backend->begin_pending_free(b);
+  if (in_live) backend->begin_pending_free(b);  // a free held during a capture is pending already
   b->pending_events = static_cast<std::uint32_t>(events.size());
 }
 
