@@ -372,6 +372,9 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   Block* b = live.find(addr);
   if (b == nullptr) throw_invalid_pointer("record_stream", addr);
   if (stream == b->stream) return;  // the allocation stream is always waited for
+  // A capture's block carries its pool's key as its stream: a stream of that capture, while it
+  // captures, is its allocation stream too.
+  if (!capture_routes.empty() && backends::is_graph_pool_key(b->stream) && route_to_pool(stream) == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
 }
 

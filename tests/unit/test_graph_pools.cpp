@@ -337,6 +337,35 @@ TEST_CASE("graph pool: a free held until the capture's end counts as freed, as a
   }
 }
 
+TEST_CASE("graph pool: record_stream on the capture's own stream is no use of another stream") {
+  // Was: a capture's block carries its pool's key as its stream, so record_stream on the capturing
+  // stream (torch: t.record_stream(torch.cuda.current_stream()) inside torch.cuda.graph) counted as
+  // a use by another stream: its free was held until the capture's end and the capture could not
+  // reuse the memory, as it does when the stream is the allocation stream (PyTorch ignores it).
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(8, s);
+    void* p = sa->allocate(4 * MiB, s);
+    sa->record_stream(p, s);
+    sa->deallocate(p);
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    void* q = sa->allocate(4 * MiB, s);
+    CHECK(addr(q) == addr(p));
+    sa->deallocate(q);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(8);
+    sa->validate();
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(8);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+  }
+}
+
 TEST_CASE("graph pool: misuse gets a clear error and changes nothing") {
   for (BackendKind kind : kBoth) {
     const std::string backend = expseg::to_string(kind);
