@@ -512,19 +512,23 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   std::erase_if(m.capture_routes, [&](const Impl::CaptureRoute& r) { return r.pool == pool; });
   if (m.capture_routes.size() == before) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
   m.ctx.capturing = !m.capture_routes.empty();
-  if (m.ctx.capturing) return;
-  // The frees of blocks other streams used, held back during the capture: as usual now. Should
-  // one fail (no event), the device is synchronized and the block freed at once.
-  while (!m.frees_after_capture.empty()) {
-    Block* b = m.frees_after_capture.back();
+  if (!m.ctx.capturing) m.free_held_after_capture();
+}
+
+// The frees of blocks other streams used, held back during a capture: as usual now. Should one
+// fail (no event), the device is synchronized and the block freed at once. Should that fail too,
+// the rest stay held for the next end_graph_pool or release_cached (which gives them back).
+void Allocator::Impl::free_held_after_capture() {
+  while (!frees_after_capture.empty()) {
+    Block* b = frees_after_capture.back();
     try {
-      m.free_after_uses(b, false);
+      free_after_uses(b, false);
     } catch (...) {
-      m.driver->device_synchronize();  // throws: the block stays held, freed at the next end
+      driver->device_synchronize();
       b->stream_uses.clear();
-      m.backend->free(b);
+      backend->free(b);
     }
-    m.frees_after_capture.pop_back();
+    frees_after_capture.pop_back();
   }
 }
 
@@ -547,6 +551,8 @@ void Allocator::release_cached() {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   if (impl_->ctx.capturing)
     throw error("release_cached: a CUDA graph capture allocates into a graph pool; giving memory back would synchronize and invalidate it");
+  // Frees still held after a capture whose end could not free them: they are given back too.
+  if (!impl_->frees_after_capture.empty()) impl_->free_held_after_capture();
   impl_->backend->release_cached();
 }
 

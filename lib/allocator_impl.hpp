@@ -141,6 +141,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   std::vector<core::Block*> frees_after_capture;
   driver::stream_t route_to_pool(driver::stream_t stream);
   bool stream_capturing(driver::stream_t stream) noexcept;
+  void free_held_after_capture();  // frees_after_capture, once no capture allocates into a pool
   void free_after_uses(core::Block* b, bool in_live);  // deallocate()'s part for a block other streams used
 
   // Recently freed addresses, to tell a double free from a foreign pointer (0 = empty slot).

@@ -366,6 +366,40 @@ TEST_CASE("graph pool: record_stream on the capture's own stream is no use of an
   }
 }
 
+TEST_CASE("graph pool: frees held past a failed end_graph_pool go back at release_cached") {
+  // Was: when end_graph_pool could neither record the held frees' events nor synchronize (two
+  // driver errors), the frees stayed held "until the next end": with no further capture never, and
+  // release_cached gave their memory back neither. Found by the fuzz harness (multiple faults).
+  using expseg::driver::Fault;
+  using expseg::driver::Op;
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* side = sa.sim->stream_create();
+    void* p = sa->allocate(4 * MiB, nullptr);  // eager memory, used on `side` too
+    sa->record_stream(p, side);
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(9, s);
+    sa->deallocate(p);  // held until the capture's end
+    const auto g = sa.sim->capture_end(s);
+    sa.sim->inject_fault(Op::event_record, 1, Fault::error);
+    sa.sim->inject_fault(Op::stream_sync, 1, Fault::error);
+    CHECK_THROWS_AS(sa->end_graph_pool(9), expseg::driver_error);
+    sa.sim->clear_faults();
+    sa->validate();
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(9);
+    sa->release_cached();
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    CHECK(reserved(*sa) == 0);
+    sa->validate();
+    sa.alloc.reset();
+    CHECK(sa.sim->live().physical_bytes == 0);
+  }
+}
+
 TEST_CASE("graph pool: misuse gets a clear error and changes nothing") {
   for (BackendKind kind : kBoth) {
     const std::string backend = expseg::to_string(kind);
