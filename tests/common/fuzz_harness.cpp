@@ -605,7 +605,7 @@ void Harness::check_new_block(std::uint64_t addr, std::size_t size, void* stream
         fail("new block " + hex(addr) + "+" + std::to_string(size) + " on stream " + stream_name(stream) +
              " reuses the pending free " + hex(pd.block.addr) + " while stream " + stream_name(s) +
              " (record_stream) may still use it");
-    if (pd.stream_busy && pd.block.stream != stream && !known_complete(pd.block.stream, pd.tick))
+    if (pd.stream_busy && pd.block.pool == 0 && pd.block.stream != stream && !known_complete(pd.block.stream, pd.tick))
       fail("new block on stream " + stream_name(stream) + " reuses memory freed on busy stream " + stream_name(pd.block.stream));
     p = pending_.erase(p);
   }
@@ -646,7 +646,7 @@ void Harness::resolve_pending() {
       if (!known_complete(st, p.tick))
         fail("pending free " + hex(p.block.addr) + " was completed while stream " + stream_name(st) +
              " (record_stream) was busy and neither synchronized nor queried complete");
-    if (p.stream_busy) hazards_.emplace(p.block.addr, Hazard{p.block.size, p.block.stream, p.tick});
+    if (p.stream_busy && p.block.pool == 0) hazards_.emplace(p.block.addr, Hazard{p.block.size, p.block.stream, p.tick});
     it = pending_.erase(it);
   }
   if (still.size() != pending_.size())
@@ -758,7 +758,7 @@ void Harness::after_op(const char* name) {
     }
   }
   check_stats();
-  if (capture_ || !graphs_.empty()) check_graph_separation();
+  if (!captures_.empty() || !graphs_.empty()) check_graph_separation();
   if (!sim_->hazards().empty()) fail("the simulated device saw a hazard: " + sim_->hazards().front());
   if (options_.full_check_every != 0 && counters_.ops % options_.full_check_every == 0) full_check();
 }
@@ -780,7 +780,7 @@ void Harness::check_graph_separation() {
           fail("pending free " + hex(pa) + " lies in memory graph " + std::to_string(g.id) + " writes at " + hex(a));
     }
   };
-  if (capture_) check(*capture_);
+  for (const Graph& g : captures_) check(g);
   for (const Graph& g : graphs_) check(g);
 }
 
@@ -788,7 +788,7 @@ void Harness::check_graph_separation() {
 
 void Harness::op_allocate(Source& src, bool on_capture) {
   const std::size_t size = pick_size(src);
-  void* stream = on_capture && capture_ ? capture_->stream : pick_stream(src);
+  void* stream = on_capture && !captures_.empty() ? captures_[src.below(captures_.size())].stream : pick_stream(src);
   note("allocate " + std::to_string(size) + " on " + stream_name(stream));
   const std::int64_t allocations_before = alloc_->stats().allocation[kAllPools].allocated;
   void* p = nullptr;
@@ -837,15 +837,15 @@ void Harness::op_allocate(Source& src, bool on_capture) {
   check_new_block(addr, size, stream);
   if (!sim_->is_accessible(addr, size)) fail("new allocation " + hex(addr) + "+" + std::to_string(size) + " is not accessible");
   Live l{addr, size, stream, next_tag_++, {}};
-  if (capture_ && stream == capture_->stream) {
+  if (Graph* capture = capture_on(stream)) {
     // The capture's work on the block: a memset recorded into the graph, of a value of its own,
     // written by the graph's launches.
-    l.pool = capture_->pool;
-    l.graph = capture_->id;
-    l.value = static_cast<std::uint32_t>(fuzz::mix(capture_->id << 32 ^ l.tag));
+    l.pool = capture->pool;
+    l.graph = capture->id;
+    l.value = static_cast<std::uint32_t>(fuzz::mix(capture->id << 32 ^ l.tag));
     if (size >= 4) {
       sim_->memset_d32(addr, l.value, size / 4, stream);
-      capture_->writes.emplace_back(addr, size / 4 * 4);
+      capture->writes.emplace_back(addr, size / 4 * 4);
     }
     ++counters_.capture_allocs;
   } else {
@@ -892,7 +892,8 @@ void Harness::op_free(Source& src) {
     ++counters_.pending_frees;
   } else if (busy_[l.stream] && l.pool == 0) {
     // (A graph pool's memory is shared by its graphs' captures whatever their stream: ordering
-    // their replays is the pool's user's business, as with torch.cuda.graph's pool=.)
+    // their replays, and eager work on their outputs, is the pool's user's business. PyTorch would
+    // hand it only to captures on the stream that freed it; expseg's pool key has no stream.)
     hazards_.emplace(l.addr, Hazard{l.size, l.stream, free_tick});
   }
 }
@@ -913,7 +914,8 @@ void Harness::op_record_stream(Source& src) {
   }
   // A capture's block: its capture's stream is its allocation stream while it captures; afterwards
   // the block belongs to its pool, and that stream is one more use.
-  const bool own = l.pool != 0 ? capture_ && capture_->pool == l.pool && s == capture_->stream : s == l.stream;
+  const Graph* c = capture_on(s);
+  const bool own = l.pool != 0 ? c != nullptr && c->pool == l.pool : s == l.stream;
   if (!own && std::find(l.uses.begin(), l.uses.end(), s) == l.uses.end()) l.uses.push_back(s);
 }
 
@@ -927,7 +929,7 @@ void Harness::op_toggle_busy(Source& src) {
 }
 
 void Harness::op_release_cached() {
-  if (capture_) {
+  if (!captures_.empty()) {
     refused_in_capture(false, 0);
     return;
   }
@@ -970,7 +972,7 @@ void Harness::op_set_limit(Source& src) {
     case 4: v = SIZE_MAX; break;
     default: v = (1 + src.below(8)) * cap / 8; break;
   }
-  if (capture_) {
+  if (!captures_.empty()) {
     refused_in_capture(true, v);
     return;
   }
@@ -1106,11 +1108,12 @@ void Harness::op_reset_stats(Source& src) {
 
 void Harness::op_graph(Source& src) {
   const unsigned r = static_cast<unsigned>(src.below(100));
-  if (capture_) {
-    if (r < 55) op_allocate(src, true);
-    else if (r < 75) end_capture();
-    else if (r < 85 && !graphs_.empty()) launch_graph(src);  // another graph, on another stream
-    else if (r < 95) src.chance(50) ? op_release_cached() : op_set_limit(src);
+  if (!captures_.empty()) {
+    if (r < 60) op_allocate(src, true);
+    else if (r < 70) end_capture(src.below(captures_.size()));
+    else if (r < 74) begin_capture(src);                      // a second capture at once
+    else if (r < 82 && !graphs_.empty()) launch_graph(src);  // another graph, on another stream
+    else if (r < 92) src.chance(50) ? op_release_cached() : op_set_limit(src);
     else op_free(src);
     return;
   }
@@ -1120,10 +1123,21 @@ void Harness::op_graph(Source& src) {
   else begin_capture(src);
 }
 
+Harness::Graph* Harness::capture_on(void* stream) {
+  for (Graph& g : captures_)
+    if (g.stream == stream) return &g;
+  return nullptr;
+}
+
 void Harness::begin_capture(Source& src) {
-  if (streams_.size() < 2) return;
+  if (streams_.size() < 2 || captures_.size() >= 2) return;
   void* s = streams_[1 + src.below(streams_.size() - 1)];  // the legacy default stream cannot capture
-  const std::uint64_t pool_id = 1 + src.below(3);         // few ids: graphs share pools
+  std::uint64_t pool_id = 1 + src.below(3);               // few ids: graphs share pools
+  // Captures at once: on different streams, into different pools (each capture its own pool, as
+  // torch.cuda.graph's captures in several threads).
+  if (capture_on(s) != nullptr) return;
+  for (const Graph& c : captures_)
+    if (c.pool_id == pool_id) return;
   auto g = std::make_unique<Graph>();
   g->id = next_graph_++;
   g->pool_id = pool_id;
@@ -1139,11 +1153,11 @@ void Harness::begin_capture(Source& src) {
   if (inst == pool_instance_.end()) inst = pool_instance_.emplace(pool_id, next_pool_instance_++).first;
   g->pool = inst->second;
   ++pool_uses_[pool_id];
-  capture_ = std::move(g);
+  captures_.push_back(std::move(*g));
 }
 
-void Harness::end_capture() {
-  Graph& g = *capture_;
+void Harness::end_capture(std::size_t index) {
+  Graph& g = captures_[index];
   note("end capture of graph " + std::to_string(g.id) + " (" + std::to_string(g.writes.size()) + " captured memsets)");
   try {
     g.exec = sim_->capture_end(g.stream);
@@ -1151,7 +1165,7 @@ void Harness::end_capture() {
     fail(std::string("capture_end threw (expseg invalidated the capture): ") + e.what());
   }
   Graph kept = std::move(g);
-  capture_.reset();
+  captures_.erase(captures_.begin() + static_cast<std::ptrdiff_t>(index));
   graphs_.push_back(std::move(kept));
   ++counters_.captures;
   try {
@@ -1245,7 +1259,7 @@ void Harness::step(Source& src) {
   const char* name = "op";
   // Graph operations: a draw of their own, only with graphs on (runs without keep their sequences);
   // more often while a capture is underway, so that captures allocate and end.
-  if (options_.graphs && src.chance(capture_ ? 30 : 4)) {
+  if (options_.graphs && src.chance(captures_.empty() ? 4 : 30)) {
     op_graph(src);
     if (driver_threw_ && counters_.driver_errors == driver_errors && counters_.ooms == ooms) ++counters_.faults_absorbed;
     after_op("graph");
@@ -1313,7 +1327,7 @@ void Harness::finish(bool free_all) {
     complete_upto_[s] = tick_;
   }
   // The capture underway ends; every graph is destroyed and its pool released.
-  if (capture_) end_capture();
+  while (!captures_.empty()) end_capture(captures_.size() - 1);
   while (!graphs_.empty()) destroy_graph(graphs_.size() - 1);
   full_check();
   if (free_all) {

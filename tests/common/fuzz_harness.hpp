@@ -221,7 +221,8 @@ class Harness {
   void op_reset_stats(Source& src);
   void op_graph(Source& src);
   void begin_capture(Source& src);
-  void end_capture();
+  void end_capture(std::size_t index);
+  Graph* capture_on(void* stream);
   void launch_graph(Source& src);
   void destroy_graph(std::size_t index);
   void refused_in_capture(bool set_limit, std::size_t v);
@@ -270,8 +271,9 @@ class Harness {
   std::int64_t reserved_before_ = 0;
   std::size_t limit_ = 0;
 
-  // Graphs: at most one capture underway (`capture_`, exec null), the graphs kept after theirs.
-  std::unique_ptr<Graph> capture_;
+  // Graphs: the captures underway (up to two at once, on different streams into different pools;
+  // exec null), the graphs kept after theirs.
+  std::vector<Graph> captures_;
   std::vector<Graph> graphs_;
   std::map<std::uint64_t, std::uint64_t> pool_instance_;  // live pool id -> its instance
   std::map<std::uint64_t, std::uint64_t> pool_uses_;      // live pool id -> begins not yet released
