@@ -496,12 +496,26 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
       throw error("begin_graph_pool: this capture allocates into graph pool " + std::to_string(r.pool) + " already");
   auto it = std::find_if(m.graph_pools.begin(), m.graph_pools.end(), [&](const Impl::GraphPool& p) { return p.id == pool; });
   m.capture_routes.reserve(m.capture_routes.size() + 1);  // nothing below throws once the pool exists
-  if (it == m.graph_pools.end()) {
+  const bool made = it == m.graph_pools.end();
+  if (made) {
     m.graph_pools.reserve(m.graph_pools.size() + 1);
-    it = m.graph_pools.insert(m.graph_pools.end(), Impl::GraphPool{pool, backends::new_graph_pool_key(), 0});
+    it = m.graph_pools.insert(m.graph_pools.end(), Impl::GraphPool{pool, {}, 0});
+  }
+  driver::stream_t pool_key = nullptr;
+  for (const auto& [s, k] : it->keys)
+    if (s == key) pool_key = k;
+  if (pool_key == nullptr) {
+    try {
+      it->keys.reserve(it->keys.size() + 1);
+      pool_key = backends::new_graph_pool_key();
+    } catch (...) {
+      if (made) m.graph_pools.erase(it);
+      throw;
+    }
+    it->keys.emplace_back(key, pool_key);  // capacity reserved
   }
   it->uses += 1;
-  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, it->key});
+  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key});
   m.ctx.capturing = true;
 }
 
@@ -543,7 +557,7 @@ void Allocator::release_graph_pool(std::uint64_t pool) {
   }
   if (std::any_of(m.capture_routes.begin(), m.capture_routes.end(), [&](const Impl::CaptureRoute& r) { return r.pool == pool; }))
     throw error("release_graph_pool: a capture still allocates into graph pool " + std::to_string(pool) + " (end_graph_pool first)");
-  backends::retire_graph_pool_key(it->key);  // the backends give its memory back from their next look
+  for (const auto& [s, k] : it->keys) backends::retire_graph_pool_key(k);  // the backends give its memory back from their next look
   m.graph_pools.erase(it);
 }
 

@@ -126,8 +126,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // stream belongs to; empty, the cached path looks at nothing else.
   struct GraphPool {
     std::uint64_t id = 0;
-    driver::stream_t key = nullptr;  // backends::new_graph_pool_key()
-    std::uint64_t uses = 0;          // begin_graph_pool calls not yet released
+    // A key (backends::new_graph_pool_key()) per stream that began a capture into the pool: as
+    // PyTorch's private pools, memory a capture on one stream freed serves that stream's captures
+    // only (eager work on the stream may still use it when another stream's graph would write it).
+    std::vector<std::pair<driver::stream_t, driver::stream_t>> keys;  // capturing stream -> key
+    std::uint64_t uses = 0;  // begin_graph_pool calls not yet released
   };
   struct CaptureRoute {
     std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams

@@ -605,7 +605,7 @@ void Harness::check_new_block(std::uint64_t addr, std::size_t size, void* stream
         fail("new block " + hex(addr) + "+" + std::to_string(size) + " on stream " + stream_name(stream) +
              " reuses the pending free " + hex(pd.block.addr) + " while stream " + stream_name(s) +
              " (record_stream) may still use it");
-    if (pd.stream_busy && pd.block.pool == 0 && pd.block.stream != stream && !known_complete(pd.block.stream, pd.tick))
+    if (pd.stream_busy && pd.block.stream != stream && !known_complete(pd.block.stream, pd.tick))
       fail("new block on stream " + stream_name(stream) + " reuses memory freed on busy stream " + stream_name(pd.block.stream));
     p = pending_.erase(p);
   }
@@ -646,7 +646,7 @@ void Harness::resolve_pending() {
       if (!known_complete(st, p.tick))
         fail("pending free " + hex(p.block.addr) + " was completed while stream " + stream_name(st) +
              " (record_stream) was busy and neither synchronized nor queried complete");
-    if (p.stream_busy && p.block.pool == 0) hazards_.emplace(p.block.addr, Hazard{p.block.size, p.block.stream, p.tick});
+    if (p.stream_busy) hazards_.emplace(p.block.addr, Hazard{p.block.size, p.block.stream, p.tick});
     it = pending_.erase(it);
   }
   if (still.size() != pending_.size())
@@ -890,10 +890,8 @@ void Harness::op_free(Source& src) {
       if (busy_[s]) p.busy.push_back(s);
     pending_[l.addr] = p;
     ++counters_.pending_frees;
-  } else if (busy_[l.stream] && l.pool == 0) {
-    // (A graph pool's memory is shared by its graphs' captures whatever their stream: ordering
-    // their replays, and eager work on their outputs, is the pool's user's business. PyTorch would
-    // hand it only to captures on the stream that freed it; expseg's pool key has no stream.)
+  } else if (busy_[l.stream]) {
+    // (A capture's block too: a graph pool serves what a stream freed to that stream's captures.)
     hazards_.emplace(l.addr, Hazard{l.size, l.stream, free_tick});
   }
 }
@@ -912,10 +910,10 @@ void Harness::op_record_stream(Source& src) {
   } catch (const std::exception& e) {
     fail(std::string("record_stream of a live block threw ") + e.what());
   }
-  // A capture's block: its capture's stream is its allocation stream while it captures; afterwards
-  // the block belongs to its pool, and that stream is one more use.
+  // A capture's block: the stream that captured it is its allocation stream while that stream
+  // captures into its pool again; otherwise it is one more use.
   const Graph* c = capture_on(s);
-  const bool own = l.pool != 0 ? c != nullptr && c->pool == l.pool : s == l.stream;
+  const bool own = l.pool != 0 ? c != nullptr && c->pool == l.pool && s == l.stream : s == l.stream;
   if (!own && std::find(l.uses.begin(), l.uses.end(), s) == l.uses.end()) l.uses.push_back(s);
 }
 
