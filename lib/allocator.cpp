@@ -193,7 +193,8 @@ Allocator::Impl::~Impl() {
   // The observer first, while everything still works: what it captured may free memory here.
   oom_observer.reset();
   // Graph pools still in use go with the allocator: their keys leave the process-wide registry.
-  for (const GraphPool& p : graph_pools) backends::retire_graph_pool_key(p.key);
+  for (const GraphPool& p : graph_pools)
+    for (const auto& [stream, key] : p.keys) backends::retire_graph_pool_key(key);
   // Pending frees hold events; the backend gives all memory back in its destructor.
   for (StreamEvents& se : pending)
     se.queue.for_each([&](const PendingFree& pf) {
@@ -305,8 +306,8 @@ void Allocator::Impl::deallocate(void* ptr) {
       throw;
     }
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
-    // The caller's free: no longer allocated (stats, validate's count of the live map), still
-    // active until its streams have passed, as a pending free.
+    // Freed for the caller now (stats, snapshot, validate's live count), as PyTorch's free counts it;
+    // only its events wait for the capture's end.
     backend->begin_pending_free(b);
   }
   recent_frees[recent_next++ % recent_frees.size()] = addr;
@@ -362,7 +363,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   }
   if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
   pending_count += events.size();
-  if (in_live) backend->begin_pending_free(b);  // a held free (not in_live) is pending already
+  if (in_live) backend->begin_pending_free(b);  // a free held during a capture is pending already
   b->pending_events = static_cast<std::uint32_t>(events.size());
 }
 
@@ -374,6 +375,9 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   Block* b = live.find(addr);
   if (b == nullptr) throw_invalid_pointer("record_stream", addr);
   if (stream == b->stream) return;  // the allocation stream is always waited for
+  // A capture's block carries its pool's key as its stream: a stream of that capture, while it
+  // captures, is its allocation stream too.
+  if (!capture_routes.empty() && backends::is_graph_pool_key(b->stream) && route_to_pool(stream) == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
 }
 
@@ -495,12 +499,26 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
       throw error("begin_graph_pool: this capture allocates into graph pool " + std::to_string(r.pool) + " already");
   auto it = std::find_if(m.graph_pools.begin(), m.graph_pools.end(), [&](const Impl::GraphPool& p) { return p.id == pool; });
   m.capture_routes.reserve(m.capture_routes.size() + 1);  // nothing below throws once the pool exists
-  if (it == m.graph_pools.end()) {
+  const bool made = it == m.graph_pools.end();
+  if (made) {
     m.graph_pools.reserve(m.graph_pools.size() + 1);
-    it = m.graph_pools.insert(m.graph_pools.end(), Impl::GraphPool{pool, backends::new_graph_pool_key(), 0});
+    it = m.graph_pools.insert(m.graph_pools.end(), Impl::GraphPool{pool, {}, 0});
+  }
+  driver::stream_t pool_key = nullptr;
+  for (const auto& [s, k] : it->keys)
+    if (s == key) pool_key = k;
+  if (pool_key == nullptr) {
+    try {
+      it->keys.reserve(it->keys.size() + 1);
+      pool_key = backends::new_graph_pool_key();
+    } catch (...) {
+      if (made) m.graph_pools.erase(it);
+      throw;
+    }
+    it->keys.emplace_back(key, pool_key);  // capacity reserved
   }
   it->uses += 1;
-  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, it->key, key});
+  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key});
   m.ctx.capturing = true;
 }
 
@@ -523,19 +541,23 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   if (route == m.capture_routes.end()) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
   m.capture_routes.erase(route);
   m.ctx.capturing = !m.capture_routes.empty();
-  if (m.ctx.capturing) return;
-  // The frees of blocks other streams used, held back during the capture: as usual now. Should
-  // one fail (no event), the device is synchronized and the block freed at once.
-  while (!m.frees_after_capture.empty()) {
-    Block* b = m.frees_after_capture.back();
+  if (!m.ctx.capturing) m.free_held_after_capture();
+}
+
+// The frees of blocks other streams used, held back during a capture: as usual now. Should one
+// fail (no event), the device is synchronized and the block freed at once. Should that fail too,
+// the rest stay held for the next end_graph_pool or release_cached (which gives them back).
+void Allocator::Impl::free_held_after_capture() {
+  while (!frees_after_capture.empty()) {
+    Block* b = frees_after_capture.back();
     try {
-      m.free_after_uses(b, false);
+      free_after_uses(b, false);
     } catch (...) {
-      m.driver->device_synchronize();  // throws: the block stays held, freed at the next end
+      driver->device_synchronize();
       b->stream_uses.clear();
-      m.backend->free(b);
+      backend->free(b);
     }
-    m.frees_after_capture.pop_back();
+    frees_after_capture.pop_back();
   }
 }
 
@@ -550,7 +572,7 @@ void Allocator::release_graph_pool(std::uint64_t pool) {
   }
   if (std::any_of(m.capture_routes.begin(), m.capture_routes.end(), [&](const Impl::CaptureRoute& r) { return r.pool == pool; }))
     throw error("release_graph_pool: a capture still allocates into graph pool " + std::to_string(pool) + " (end_graph_pool first)");
-  backends::retire_graph_pool_key(it->key);  // the backends give its memory back from their next look
+  for (const auto& [s, k] : it->keys) backends::retire_graph_pool_key(k);  // the backends give its memory back from their next look
   m.graph_pools.erase(it);
 }
 
@@ -558,6 +580,8 @@ void Allocator::release_cached() {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   if (impl_->ctx.capturing)
     throw error("release_cached: a CUDA graph capture allocates into a graph pool; giving memory back would synchronize and invalidate it");
+  // Frees still held after a capture whose end could not free them: they are given back too.
+  if (!impl_->frees_after_capture.empty()) impl_->free_held_after_capture();
   impl_->backend->release_cached();
 }
 

@@ -126,8 +126,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // stream belongs to; empty, the cached path looks at nothing else.
   struct GraphPool {
     std::uint64_t id = 0;
-    driver::stream_t key = nullptr;  // backends::new_graph_pool_key()
-    std::uint64_t uses = 0;          // begin_graph_pool calls not yet released
+    // A key (backends::new_graph_pool_key()) per stream that began a capture into the pool: as
+    // PyTorch's private pools, memory a capture on one stream freed serves that stream's captures
+    // only (eager work on the stream may still use it when another stream's graph would write it).
+    std::vector<std::pair<driver::stream_t, driver::stream_t>> keys;  // capturing stream -> key
+    std::uint64_t uses = 0;  // begin_graph_pool calls not yet released
   };
   struct CaptureRoute {
     std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams
@@ -143,6 +146,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   std::vector<core::Block*> frees_after_capture;
   driver::stream_t route_to_pool(driver::stream_t stream);
   bool stream_capturing(driver::stream_t stream) noexcept;
+  void free_held_after_capture();  // frees_after_capture, once no capture allocates into a pool
   void free_after_uses(core::Block* b, bool in_live);  // deallocate()'s part for a block other streams used
 
   // Recently freed addresses, to tell a double free from a foreign pointer (0 = empty slot).

@@ -93,9 +93,10 @@ class Allocator {
   //   begin_graph_pool(pool, s): `s` is capturing (cuStreamBeginCapture); until end_graph_pool(pool),
   //     allocations on every stream of that capture (s and the streams it forked to) come from
   //     private pool `pool` (any nonzero number; a pool that does not exist is made), and their
-  //     frees go back to it, for later allocations of the pool only. Each begin takes one use of
-  //     the pool (a graph that replays it). Captures may share a pool at once: each
-  //     end_graph_pool(pool) ends one of them, the one whose capture has ended.
+  //     frees go back to it, for later allocations of the pool only: of captures on the same
+  //     stream, as PyTorch's private pools (eager work there may still use a freed block). Each
+  //     begin takes one use of the pool (a graph that replays it). Captures may share a pool at
+  //     once: each end_graph_pool(pool) ends one of them, the one whose capture has ended.
   //   release_graph_pool(pool): drops one use; at none, the pool's cached memory is given back (at
   //     the next allocation that misses the cache, or release_cached()), and blocks of it still
   //     allocated are given back when freed.

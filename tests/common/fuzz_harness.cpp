@@ -76,6 +76,11 @@ void for_each_sample(std::size_t words, std::uint64_t tag, std::size_t stride_wo
 
 std::uint64_t pattern_word(std::uint64_t tag, std::size_t i) noexcept { return mix(tag * 0x9E3779B97F4A7C15ULL + i); }
 
+// A segment cached for a graph pool that is not released: its graphs' replays use it, so it stays.
+bool of_live_graph_pool(std::uint64_t stream) noexcept {
+  return expseg::backends::is_live_graph_pool_key(reinterpret_cast<expseg::driver::stream_t>(static_cast<std::uintptr_t>(stream)));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -102,7 +107,8 @@ std::string Options::describe() const {
   os << "backend:" << expseg::to_string(backend) << ",policy:" << expseg::to_string(policy) << ",capacity:" << capacity
      << ",granularity:" << granularity;
   if (!extra_config.empty()) os << "," << extra_config;
-  os << " (faults " << (faults ? (multi_faults ? "on, several at once" : "on") : "off") << ", streams " << streams << ", max_live " << max_live << ")";
+  os << " (faults " << (faults ? (multi_faults ? "on, several at once" : "on") : "off") << ", streams " << streams << ", max_live " << max_live
+     << (graphs ? ", graph captures" : "") << ")";
   return os.str();
 }
 
@@ -140,7 +146,9 @@ Options options_from(ByteSource& src) {
   // Smaller devices keep each fuzzer execution short and reach the limits often.
   static constexpr std::size_t kCapacities[] = {32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB};
   o.capacity = kCapacities[src.byte() % 4];
-  o.granularity = (src.byte() % 4 == 0) ? 2 * MiB : 64 * KiB;
+  const std::uint8_t g = src.byte();
+  o.granularity = (g % 4 == 0) ? 2 * MiB : 64 * KiB;
+  o.graphs = (g & 4) != 0;  // a bit of the same byte: inputs without graphs decode as before
   // Preset limits are sized for 256 MiB; on a smaller device they would exceed it (which is valid,
   // but then never binds), so scale them by dropping the preset limit and drawing one.
   std::string extra;
@@ -182,6 +190,10 @@ void Counters::add(const Counters& o) {
   full_checks += o.full_checks;
   bytes_checked += o.bytes_checked;
   unmaps += o.unmaps;
+  captures += o.captures;
+  capture_allocs += o.capture_allocs;
+  launches += o.launches;
+  refused_in_capture += o.refused_in_capture;
   digest = (digest ^ o.digest) * 0x100000001b3ULL;
 }
 
@@ -191,7 +203,8 @@ std::string Counters::to_string() const {
      << " OOMs (" << fragmentation_ooms << " fragmentation), " << faults_armed << " faults armed, " << faults_fired
      << " fired (" << driver_errors << " reached the caller, " << faults_absorbed << " absorbed), " << invalid_pointer_checks
      << " bad pointers, " << release_cached << " release_cached, " << limit_changes << " limit changes, " << unmaps
-     << " unmaps/cuMemFree, " << full_checks << " full checks, " << bytes_checked << " pattern bytes checked, digest "
+     << " unmaps/cuMemFree, " << captures << " graph captures (" << capture_allocs << " allocations, " << launches
+     << " launches, " << refused_in_capture << " refused calls), " << full_checks << " full checks, " << bytes_checked << " pattern bytes checked, digest "
      << hex(digest);
   return os.str();
 }
@@ -286,6 +299,11 @@ class Spy final : public expseg::driver::Driver {
   void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, expseg::driver::stream_t stream) override {
     sim_->memset_d32(ptr, value, count, stream);
   }
+  std::uint64_t stream_capture_id(expseg::driver::stream_t stream) override { return sim_->stream_capture_id(stream); }
+  void capture_begin(expseg::driver::stream_t stream) override { sim_->capture_begin(stream); }
+  expseg::driver::graph_t capture_end(expseg::driver::stream_t stream) override { return sim_->capture_end(stream); }
+  void graph_launch(expseg::driver::graph_t graph, expseg::driver::stream_t stream) override { sim_->graph_launch(graph, stream); }
+  void graph_destroy(expseg::driver::graph_t graph) override { sim_->graph_destroy(graph); }
   void copy_to_host(void* dst, dev_ptr src, std::size_t bytes) override { sim_->copy_to_host(dst, src, bytes); }
   void copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) override { sim_->copy_from_host(dst, src, bytes); }
   int device_count() override { return sim_->device_count(); }
@@ -322,8 +340,10 @@ class Spy final : public expseg::driver::Driver {
           h_->driver_threw_ = true;
         } else if (!e.is_out_of_memory()) {
           // The simulated device reports a broken CUDA rule (map over a mapping, unmap of part of
-          // a mapping, free of a reservation still mapped, ...): always an allocator bug.
-          h_->spy_error("the allocator broke a CUDA rule: " + what);
+          // a mapping, free of a reservation still mapped, a call a stream capture refuses, ...):
+          // always an allocator bug.
+          h_->spy_error(std::string(contains(what, "STREAM_CAPTURE") ? "the allocator invalidated a graph capture: "
+                                                                       : "the allocator broke a CUDA rule: ") + what);
         }
       }
       throw;
@@ -496,6 +516,10 @@ void Harness::check_pattern(const Live& l, const char* when, bool light) {
   if (l.size == 0) return;
   if (!sim_->is_accessible(l.addr, l.size))
     fail("allocation " + hex(l.addr) + "+" + std::to_string(l.size) + " is not mapped and accessible " + when);
+  if (l.pool != 0) {
+    check_pool_value(l, when);
+    return;
+  }
   auto* words = reinterpret_cast<const std::uint64_t*>(static_cast<std::uintptr_t>(l.addr));
   const std::size_t n = l.size / 8;
   const std::size_t stride = options_.granularity / 8;
@@ -523,6 +547,27 @@ void Harness::check_pattern(const Live& l, const char* when, bool light) {
          ") is corrupt " + when + " at byte offset " + std::to_string(bad * 8) + ": found " + hex(words[bad]) + ", wrote " +
          hex(pattern_word(l.tag, bad)) + whose);
   }
+}
+
+// A block a capture allocated holds its captured memset's value once its graph launched, until a
+// launch of another graph of its pool wrote over it (known is cleared then).
+void Harness::check_pool_value(const Live& l, const char* when) {
+  if (!l.known) return;
+  auto* words = reinterpret_cast<const std::uint32_t*>(static_cast<std::uintptr_t>(l.addr));
+  const std::size_t n = l.size / 4;
+  std::uint64_t checked = 0;
+  for (std::size_t i = 0; i < n; i = i < 64 || i + 64 >= n ? i + 1 : std::min(n - 64, i + 997)) {
+    ++checked;
+    if (words[i] != l.value) {
+      std::string whose;
+      const std::uint64_t at = l.addr + i * 4;
+      for (const auto& [a, other] : live_)
+        if (a != l.addr && at >= a && at < a + other.size) whose = " (lies inside live allocation " + hex(a) + ")";
+      fail("graph " + std::to_string(l.graph) + "'s block " + hex(l.addr) + "+" + std::to_string(l.size) + " is corrupt " + when +
+           " at byte offset " + std::to_string(i * 4) + ": found " + hex(words[i]) + ", its launch wrote " + hex(l.value) + whose);
+    }
+  }
+  counters_.bytes_checked += checked * 4;
 }
 
 void Harness::write_pattern(const Live& l) {
@@ -680,7 +725,8 @@ void Harness::full_check() {
       auto it = live_.find(b.address);
       if (it == live_.end()) fail("snapshot: allocated block " + hex(b.address) + " is not live in the model");
       if (b.requested != it->second.size) fail("snapshot: requested size of " + hex(b.address) + " differs from the model");
-      if (b.stream != reinterpret_cast<std::uintptr_t>(it->second.stream)) fail("snapshot: stream of " + hex(b.address) + " differs");
+      if (it->second.pool == 0 && b.stream != reinterpret_cast<std::uintptr_t>(it->second.stream))
+        fail("snapshot: stream of " + hex(b.address) + " differs");
       if (b.size < it->second.size) fail("snapshot: block " + hex(b.address) + " is smaller than its request");
     }
     if (expect != seg.address + seg.size) fail("snapshot: blocks do not cover segment " + hex(seg.address));
@@ -712,14 +758,37 @@ void Harness::after_op(const char* name) {
     }
   }
   check_stats();
+  if (!captures_.empty() || !graphs_.empty()) check_graph_separation();
+  if (!sim_->hazards().empty()) fail("the simulated device saw a hazard: " + sim_->hazards().front());
   if (options_.full_check_every != 0 && counters_.ops % options_.full_check_every == 0) full_check();
+}
+
+// No live or pending block outside a graph's pool lies in memory the graph's launches write (the
+// capture underway included): the pool keeps that memory from everyone else while the graph lives.
+void Harness::check_graph_separation() {
+  auto check = [&](const Graph& g) {
+    for (const auto& [a, n] : g.writes) {
+      auto it = live_.lower_bound(a);
+      if (it != live_.begin()) --it;
+      for (; it != live_.end() && it->first < a + n; ++it)
+        if (it->first + it->second.size > a && it->second.pool != g.pool)
+          fail("live allocation " + hex(it->first) + "+" + std::to_string(it->second.size) +
+               (it->second.pool ? " of another graph pool" : "") + " lies in memory graph " + std::to_string(g.id) +
+               " (pool " + std::to_string(g.pool_id) + ") writes at " + hex(a) + "+" + std::to_string(n));
+      for (const auto& [pa, p] : pending_)
+        if (pa < a + n && pa + p.block.size > a && p.block.pool != g.pool)
+          fail("pending free " + hex(pa) + " lies in memory graph " + std::to_string(g.id) + " writes at " + hex(a));
+    }
+  };
+  for (const Graph& g : captures_) check(g);
+  for (const Graph& g : graphs_) check(g);
 }
 
 // --- operations --------------------------------------------------------------------------------
 
-void Harness::op_allocate(Source& src) {
+void Harness::op_allocate(Source& src, bool on_capture) {
   const std::size_t size = pick_size(src);
-  void* stream = pick_stream(src);
+  void* stream = on_capture && !captures_.empty() ? captures_[src.below(captures_.size())].stream : pick_stream(src);
   note("allocate " + std::to_string(size) + " on " + stream_name(stream));
   const std::int64_t allocations_before = alloc_->stats().allocation[kAllPools].allocated;
   void* p = nullptr;
@@ -768,7 +837,20 @@ void Harness::op_allocate(Source& src) {
   check_new_block(addr, size, stream);
   if (!sim_->is_accessible(addr, size)) fail("new allocation " + hex(addr) + "+" + std::to_string(size) + " is not accessible");
   Live l{addr, size, stream, next_tag_++, {}};
-  write_pattern(l);
+  if (Graph* capture = capture_on(stream)) {
+    // The capture's work on the block: a memset recorded into the graph, of a value of its own,
+    // written by the graph's launches.
+    l.pool = capture->pool;
+    l.graph = capture->id;
+    l.value = static_cast<std::uint32_t>(fuzz::mix(capture->id << 32 ^ l.tag));
+    if (size >= 4) {
+      sim_->memset_d32(addr, l.value, size / 4, stream);
+      capture->writes.emplace_back(addr, size / 4 * 4);
+    }
+    ++counters_.capture_allocs;
+  } else {
+    write_pattern(l);
+  }
   live_[addr] = l;
   live_requested_ += size;
   ++counters_.allocs;
@@ -809,6 +891,7 @@ void Harness::op_free(Source& src) {
     pending_[l.addr] = p;
     ++counters_.pending_frees;
   } else if (busy_[l.stream]) {
+    // (A capture's block too: a graph pool serves what a stream freed to that stream's captures.)
     hazards_.emplace(l.addr, Hazard{l.size, l.stream, free_tick});
   }
 }
@@ -827,7 +910,11 @@ void Harness::op_record_stream(Source& src) {
   } catch (const std::exception& e) {
     fail(std::string("record_stream of a live block threw ") + e.what());
   }
-  if (s != l.stream && std::find(l.uses.begin(), l.uses.end(), s) == l.uses.end()) l.uses.push_back(s);
+  // A capture's block: the stream that captured it is its allocation stream while that stream
+  // captures into its pool again; otherwise it is one more use.
+  const Graph* c = capture_on(s);
+  const bool own = l.pool != 0 ? c != nullptr && c->pool == l.pool && s == l.stream : s == l.stream;
+  if (!own && std::find(l.uses.begin(), l.uses.end(), s) == l.uses.end()) l.uses.push_back(s);
 }
 
 void Harness::op_toggle_busy(Source& src) {
@@ -840,6 +927,10 @@ void Harness::op_toggle_busy(Source& src) {
 }
 
 void Harness::op_release_cached() {
+  if (!captures_.empty()) {
+    refused_in_capture(false, 0);
+    return;
+  }
   note("release_cached");
   ++counters_.release_cached;
   try {
@@ -857,12 +948,12 @@ void Harness::op_release_cached() {
   resolve_pending();
   if (!pending_.empty()) fail("release_cached left " + std::to_string(pending_.size()) + " pending frees");
   const Stats s = alloc_->stats();
-  if (live_.empty() && s.reserved_bytes[kAllPools].current != 0)
+  if (live_.empty() && pool_uses_.empty() && s.reserved_bytes[kAllPools].current != 0)
     fail("release_cached with nothing live left " + std::to_string(s.reserved_bytes[kAllPools].current) + " bytes reserved");
   if (options_.backend == BackendKind::split_merge) {
     const expseg::Snapshot snap = alloc_->snapshot();
     for (const auto& seg : snap.segments)
-      if (seg.blocks.size() == 1 && seg.blocks[0].state == expseg::BlockState::free_mapped)
+      if (seg.blocks.size() == 1 && seg.blocks[0].state == expseg::BlockState::free_mapped && !of_live_graph_pool(seg.stream))
         fail("release_cached kept the unsplit free segment " + hex(seg.address));
   }
 }
@@ -878,6 +969,10 @@ void Harness::op_set_limit(Source& src) {
     case 3: v = cap * 2; break;
     case 4: v = SIZE_MAX; break;
     default: v = (1 + src.below(8)) * cap / 8; break;
+  }
+  if (!captures_.empty()) {
+    refused_in_capture(true, v);
+    return;
   }
   note("set_limit " + std::to_string(v));
   ++counters_.limit_changes;
@@ -900,7 +995,7 @@ void Harness::op_set_limit(Source& src) {
     const expseg::Snapshot snap = alloc_->snapshot();
     if (static_cast<std::size_t>(alloc_->stats().reserved_bytes[kAllPools].current) > v)
       for (const auto& seg : snap.segments)
-        if (seg.blocks.size() == 1 && seg.blocks[0].state == expseg::BlockState::free_mapped)
+        if (seg.blocks.size() == 1 && seg.blocks[0].state == expseg::BlockState::free_mapped && !of_live_graph_pool(seg.stream))
           fail("set_limit below reserved kept the unsplit free segment " + hex(seg.address) + " while over the limit");
   }
 }
@@ -1007,6 +1102,151 @@ void Harness::op_reset_stats(Source& src) {
   }
 }
 
+// --- graph capture ------------------------------------------------------------------------------
+
+void Harness::op_graph(Source& src) {
+  const unsigned r = static_cast<unsigned>(src.below(100));
+  if (!captures_.empty()) {
+    if (r < 60) op_allocate(src, true);
+    else if (r < 70) end_capture(src.below(captures_.size()));
+    else if (r < 74) begin_capture(src);                      // a second capture at once
+    else if (r < 82 && !graphs_.empty()) launch_graph(src);  // another graph, on another stream
+    else if (r < 92) src.chance(50) ? op_release_cached() : op_set_limit(src);
+    else op_free(src);
+    return;
+  }
+  if (r < 45 && graphs_.size() < 4) begin_capture(src);
+  else if (r < 80 && !graphs_.empty()) launch_graph(src);
+  else if (!graphs_.empty()) destroy_graph(src.below(graphs_.size()));
+  else begin_capture(src);
+}
+
+Harness::Graph* Harness::capture_on(void* stream) {
+  for (Graph& g : captures_)
+    if (g.stream == stream) return &g;
+  return nullptr;
+}
+
+void Harness::begin_capture(Source& src) {
+  if (streams_.size() < 2 || captures_.size() >= 2) return;
+  void* s = streams_[1 + src.below(streams_.size() - 1)];  // the legacy default stream cannot capture
+  std::uint64_t pool_id = 1 + src.below(3);               // few ids: graphs share pools
+  // Captures at once: on different streams, into different pools (each capture its own pool, as
+  // torch.cuda.graph's captures in several threads).
+  if (capture_on(s) != nullptr) return;
+  for (const Graph& c : captures_)
+    if (c.pool_id == pool_id) return;
+  auto g = std::make_unique<Graph>();
+  g->id = next_graph_++;
+  g->pool_id = pool_id;
+  g->stream = s;
+  note("begin capture of graph " + std::to_string(g->id) + " on " + stream_name(s) + " into pool " + std::to_string(pool_id));
+  sim_->capture_begin(s);
+  try {
+    alloc_->begin_graph_pool(pool_id, s);
+  } catch (const std::exception& e) {
+    fail(std::string("begin_graph_pool threw ") + e.what());
+  }
+  auto inst = pool_instance_.find(pool_id);
+  if (inst == pool_instance_.end()) inst = pool_instance_.emplace(pool_id, next_pool_instance_++).first;
+  g->pool = inst->second;
+  ++pool_uses_[pool_id];
+  captures_.push_back(std::move(*g));
+}
+
+void Harness::end_capture(std::size_t index) {
+  Graph& g = captures_[index];
+  note("end capture of graph " + std::to_string(g.id) + " (" + std::to_string(g.writes.size()) + " captured memsets)");
+  try {
+    g.exec = sim_->capture_end(g.stream);
+  } catch (const std::exception& e) {
+    fail(std::string("capture_end threw (expseg invalidated the capture): ") + e.what());
+  }
+  Graph kept = std::move(g);
+  captures_.erase(captures_.begin() + static_cast<std::ptrdiff_t>(index));
+  graphs_.push_back(std::move(kept));
+  ++counters_.captures;
+  try {
+    alloc_->end_graph_pool(graphs_.back().pool_id);
+  } catch (const expseg::driver_error& e) {
+    on_driver_exception("end_graph_pool", e);
+  } catch (const Failure&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(std::string("end_graph_pool threw ") + e.what());
+  }
+}
+
+void Harness::launch_graph(Source& src) {
+  const Graph& g = graphs_[src.below(graphs_.size())];
+  void* s = streams_[src.below(streams_.size())];
+  note("launch graph " + std::to_string(g.id) + " (pool " + std::to_string(g.pool_id) + ") on " + stream_name(s));
+  try {
+    sim_->graph_launch(g.exec, s);
+  } catch (const std::exception& e) {
+    fail(std::string("graph launch failed (memory it writes was unmapped): ") + e.what());
+  }
+  ++counters_.launches;
+  // The graph's live blocks hold its values now; its writes may have gone over other blocks of its
+  // pool (shared with other graphs, which the pool allows); nothing else may have changed.
+  auto update = [&](Live& l) {
+    if (l.pool != g.pool) return;
+    if (l.graph == g.id) {
+      l.known = true;
+      return;
+    }
+    for (const auto& [a, n] : g.writes)
+      if (a < l.addr + l.size && l.addr < a + n) l.known = false;
+  };
+  for (auto& [a, l] : live_) update(l);
+  for (auto& [a, p] : pending_) update(p.block);
+  full_check();
+}
+
+void Harness::destroy_graph(std::size_t index) {
+  const Graph g = graphs_[index];
+  note("destroy graph " + std::to_string(g.id) + ", release pool " + std::to_string(g.pool_id));
+  graphs_.erase(graphs_.begin() + static_cast<std::ptrdiff_t>(index));
+  sim_->graph_destroy(g.exec);
+  try {
+    alloc_->release_graph_pool(g.pool_id);
+  } catch (const std::exception& e) {
+    fail(std::string("release_graph_pool threw ") + e.what());
+  }
+  if (--pool_uses_[g.pool_id] == 0) {
+    pool_uses_.erase(g.pool_id);
+    pool_instance_.erase(g.pool_id);
+  }
+}
+
+// release_cached and set_limit during a capture: refused with expseg::error (giving memory back
+// would synchronize), and nothing changed.
+void Harness::refused_in_capture(bool set_limit, std::size_t v) {
+  note(set_limit ? "set_limit " + std::to_string(v) + " during a capture" : std::string("release_cached during a capture"));
+  ++counters_.refused_in_capture;
+  const Stats before = alloc_->stats();
+  const std::size_t limit = alloc_->limit();
+  try {
+    if (set_limit) alloc_->set_limit(v);
+    else alloc_->release_cached();
+    fail(std::string(set_limit ? "set_limit" : "release_cached") + " during a capture did not throw");
+  } catch (const Failure&) {
+    throw;
+  } catch (const expseg::driver_error& e) {
+    fail(std::string("refused call during a capture threw driver_error: ") + e.what());
+  } catch (const expseg::error& e) {
+    if (!contains(e.what(), "capture")) fail(std::string("refused call during a capture: unclear message: ") + e.what());
+  } catch (const std::exception& e) {
+    fail(std::string("refused call during a capture threw ") + e.what());
+  }
+  const Stats after = alloc_->stats();
+  if (alloc_->limit() != limit) fail("a refused set_limit changed the limit");
+  if (after.reserved_bytes[kAllPools].current != before.reserved_bytes[kAllPools].current ||
+      after.active_bytes[kAllPools].current != before.active_bytes[kAllPools].current ||
+      after.allocation[kAllPools].current != before.allocation[kAllPools].current)
+    fail("a call refused during a capture changed the stats");
+}
+
 void Harness::step(Source& src) {
   if (finished_) fail("step after finish()");
   ++counters_.ops;
@@ -1015,6 +1255,14 @@ void Harness::step(Source& src) {
   const std::uint64_t driver_errors = counters_.driver_errors;
   const std::uint64_t ooms = counters_.ooms;
   const char* name = "op";
+  // Graph operations: a draw of their own, only with graphs on (runs without keep their sequences);
+  // more often while a capture is underway, so that captures allocate and end.
+  if (options_.graphs && src.chance(captures_.empty() ? 4 : 30)) {
+    op_graph(src);
+    if (driver_threw_ && counters_.driver_errors == driver_errors && counters_.ooms == ooms) ++counters_.faults_absorbed;
+    after_op("graph");
+    return;
+  }
   const unsigned r = static_cast<unsigned>(src.below(100));
   if (live_.size() >= options_.max_live && r < 70) {
     name = "free";
@@ -1076,6 +1324,9 @@ void Harness::finish(bool free_all) {
     busy_[s] = false;
     complete_upto_[s] = tick_;
   }
+  // The capture underway ends; every graph is destroyed and its pool released.
+  while (!captures_.empty()) end_capture(captures_.size() - 1);
+  while (!graphs_.empty()) destroy_graph(graphs_.size() - 1);
   full_check();
   if (free_all) {
     for (const auto& [a, l] : live_) {

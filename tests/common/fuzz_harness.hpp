@@ -4,8 +4,9 @@
 // through a spy driver, and a model of what the allocator must hold. It runs a randomized sequence
 // of operations -- allocate of skewed sizes (mostly small, some huge, some absurd), free,
 // record_stream + free with busy streams, set_stream_busy toggles, release_cached, set_limit,
-// snapshot/stats reads, invalid pointers, and injected driver faults -- and after every operation
-// checks:
+// snapshot/stats reads, invalid pointers, and injected driver faults; with Options::graphs also CUDA
+// graph captures into graph pools (Allocator::begin_graph_pool), graph launches and destroys -- and
+// after every operation checks:
 //   - validate() holds;
 //   - the model agrees: the live set (allocation count, requested bytes, snapshot blocks), pending
 //     cross-stream frees, the stats identities (allocated <= active <= reserved; reserved <= limit
@@ -19,6 +20,11 @@
 //     after that stream's work is known complete (the spy driver sees every event query and sync);
 //   - no driver call breaks a CUDA rule (the simulated device reports those as errors), and unmap /
 //     cuMemFree never take memory a live or pending block lies in;
+//   - graphs: a capture's allocations (each given a captured memset of its own value) stay apart
+//     from every block not of the graph's pool while the graph lives; a launch writes only memory
+//     of its pool (every other live block keeps its pattern, the launched graph's live blocks hold
+//     its values); capture_end never fails (expseg made no call that invalidates the capture);
+//     release_cached and set_limit during a capture throw expseg::error and change nothing;
 //   - errors are the documented ones: out_of_memory for allocate, driver_error (naming the cu* call)
 //     only when an injected fault fired during the operation, invalid_pointer for bad pointers; the
 //     allocator's live set is unchanged after any throw and it keeps serving.
@@ -105,6 +111,7 @@ struct Options {
   unsigned full_check_every = 64;                    // check every live pattern and the snapshot
   std::size_t max_live = 192;                        // above this many live allocations, free more
   unsigned streams = 3;                              // streams besides the default stream
+  bool graphs = false;                               // CUDA graph captures, graph pools, launches
   bool verbose = false;                              // print every operation to stderr
 
   std::string describe() const;  // the options as text (for messages and replays)
@@ -134,6 +141,10 @@ struct Counters {
   std::uint64_t full_checks = 0;
   std::uint64_t bytes_checked = 0;
   std::uint64_t unmaps = 0;          // driver unmaps / cuMemFree seen (memory really moved)
+  std::uint64_t captures = 0;        // graph captures ended (kept graphs)
+  std::uint64_t capture_allocs = 0;  // allocations made into a graph pool during a capture
+  std::uint64_t launches = 0;        // graph launches
+  std::uint64_t refused_in_capture = 0;  // release_cached/set_limit refused while capturing
   // FNV-1a of every operation's text and every address allocate returned: equal digests mean the
   // same run (a replay reproduces it only if the simulated device hands out the same addresses).
   std::uint64_t digest = 0xcbf29ce484222325ULL;
@@ -171,6 +182,20 @@ class Harness {
     void* stream = nullptr;
     std::uint64_t tag = 0;
     std::vector<void*> uses;  // record_stream streams other than the allocation stream
+    // Allocated by a capture into a graph pool: no pattern of the harness, the capture's memset
+    // instead. `pool` is the pool's instance (a pool id released and begun again is a new one).
+    std::uint64_t pool = 0;
+    std::uint64_t graph = 0;      // the graph whose capture allocated it
+    std::uint32_t value = 0;      // its captured memset's value
+    bool known = false;           // the block holds `value` (its graph launched, nothing wrote it since)
+  };
+  struct Graph {
+    std::uint64_t id = 0;         // the harness's number
+    std::uint64_t pool_id = 0;    // begin_graph_pool's id
+    std::uint64_t pool = 0;       // the pool's instance
+    void* stream = nullptr;       // the capturing stream
+    expseg::driver::graph_t exec = nullptr;
+    std::vector<std::pair<std::uint64_t, std::size_t>> writes;  // captured memsets: address, bytes
   };
   struct Pending {
     Live block;
@@ -185,7 +210,7 @@ class Harness {
   };
 
   // Operations.
-  void op_allocate(Source& src);
+  void op_allocate(Source& src, bool on_capture = false);
   void op_free(Source& src);
   void op_record_stream(Source& src);
   void op_toggle_busy(Source& src);
@@ -194,6 +219,15 @@ class Harness {
   void op_fault(Source& src);
   void op_invalid(Source& src);
   void op_reset_stats(Source& src);
+  void op_graph(Source& src);
+  void begin_capture(Source& src);
+  void end_capture(std::size_t index);
+  Graph* capture_on(void* stream);
+  void launch_graph(Source& src);
+  void destroy_graph(std::size_t index);
+  void refused_in_capture(bool set_limit, std::size_t v);
+  void check_graph_separation();
+  void check_pool_value(const Live& l, const char* when);
   void full_check();
 
   // Checks.
@@ -236,6 +270,15 @@ class Harness {
   std::int64_t ooms_seen_ = 0;
   std::int64_t reserved_before_ = 0;
   std::size_t limit_ = 0;
+
+  // Graphs: the captures underway (up to two at once, on different streams into different pools;
+  // exec null), the graphs kept after theirs.
+  std::vector<Graph> captures_;
+  std::vector<Graph> graphs_;
+  std::map<std::uint64_t, std::uint64_t> pool_instance_;  // live pool id -> its instance
+  std::map<std::uint64_t, std::uint64_t> pool_uses_;      // live pool id -> begins not yet released
+  std::uint64_t next_graph_ = 1;
+  std::uint64_t next_pool_instance_ = 1;
 
   std::vector<std::pair<expseg::driver::Op, std::uint64_t>> armed_;  // (op, call number it fails)
   bool driver_threw_ = false;               // an injected fault fired during this operation

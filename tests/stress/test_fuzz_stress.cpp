@@ -8,6 +8,8 @@
 //   EXPSEG_FUZZ_MULTI_FAULTS=1  arm several faults at once in every run (without it, every fourth
 //                               run does; finds double-failure bugs, e.g. those of
 //                               tests/unit/test_regression_mapped_orphan.cpp and _growth_failures.cpp)
+//   EXPSEG_FUZZ_GRAPHS=1     CUDA graph captures and graph pools in every run (without it, every
+//                            other run has them)
 //   EXPSEG_FUZZ_REPLAY=P:S:N replay one run: preset P, seed S, N operations (as a failure prints)
 //   EXPSEG_FUZZ_VERBOSE=1    with EXPSEG_FUZZ_REPLAY: print every operation
 #include <doctest/doctest.h>
@@ -35,15 +37,18 @@ bool multi_faults() { return env_u64("EXPSEG_FUZZ_MULTI_FAULTS", 0) != 0; }
 // Every fourth run arms several faults at once even without the variable: double failures (a call
 // fails, then the call that undoes it) are where the expandable backend's last bugs were.
 bool run_multi_faults(std::uint64_t run) { return multi_faults() || run % 4 == 3; }
+bool graphs() { return env_u64("EXPSEG_FUZZ_GRAPHS", 0) != 0; }
+bool run_graphs(std::uint64_t run) { return graphs() || run % 2 == 1; }
 
-std::string replay_hint(std::size_t preset, std::uint64_t seed, std::size_t ops, bool multi) {
-  return std::string(multi ? "EXPSEG_FUZZ_MULTI_FAULTS=1 " : "") + "EXPSEG_FUZZ_REPLAY=" + std::to_string(preset) + ":" +
+std::string replay_hint(std::size_t preset, std::uint64_t seed, std::size_t ops, bool multi, bool graphs) {
+  return std::string(multi ? "EXPSEG_FUZZ_MULTI_FAULTS=1 " : "") + (graphs ? "EXPSEG_FUZZ_GRAPHS=1 " : "") + "EXPSEG_FUZZ_REPLAY=" + std::to_string(preset) + ":" +
          std::to_string(seed) + ":" + std::to_string(ops) + " EXPSEG_FUZZ_VERBOSE=1 build/tests/expseg_stress -ts=fuzz";
 }
 
-fuzz::Options stress_preset(std::size_t i, bool multi) {
+fuzz::Options stress_preset(std::size_t i, bool multi, bool graphs) {
   fuzz::Options o = fuzz::preset(i);
   o.multi_faults = multi;
+  o.graphs = graphs;
   return o;
 }
 
@@ -55,11 +60,11 @@ TEST_CASE("fuzz: millions of randomized operations on both backends") {
   if (const char* replay = std::getenv("EXPSEG_FUZZ_REPLAY"); replay && *replay) {
     unsigned long long preset = 0, seed = 0, ops = 0;
     REQUIRE_MESSAGE(std::sscanf(replay, "%llu:%llu:%llu", &preset, &seed, &ops) == 3, "EXPSEG_FUZZ_REPLAY=PRESET:SEED:OPS");
-    fuzz::Options o = stress_preset(preset, multi_faults());
+    fuzz::Options o = stress_preset(preset, multi_faults(), graphs());
     o.verbose = env_u64("EXPSEG_FUZZ_VERBOSE", 0) != 0;
     std::printf("replaying preset %llu (%s), seed %llu, %llu operations\n", preset, o.describe().c_str(), seed, ops);
     try {
-      const fuzz::Counters c = fuzz::run_seed(o, seed, ops, replay_hint(preset, seed, ops, multi_faults()));
+      const fuzz::Counters c = fuzz::run_seed(o, seed, ops, replay_hint(preset, seed, ops, multi_faults(), graphs()));
       std::printf("passed: %s\n", c.to_string().c_str());
     } catch (const fuzz::Failure& f) {
       FAIL(std::string(f.what()));
@@ -94,7 +99,9 @@ TEST_CASE("fuzz: millions of randomized operations on both backends") {
         const auto ops = static_cast<std::size_t>(std::min<std::uint64_t>(kOpsPerRun, total_ops - started));
         try {
           const bool multi = run_multi_faults(run);
-          const fuzz::Counters c = fuzz::run_seed(stress_preset(preset, multi), seed, ops, replay_hint(preset, seed, ops, multi));
+          const bool with_graphs = run_graphs(run);
+          const fuzz::Counters c =
+              fuzz::run_seed(stress_preset(preset, multi, with_graphs), seed, ops, replay_hint(preset, seed, ops, multi, with_graphs));
           std::lock_guard lock(mu);
           total.add(c);
         } catch (const std::exception& f) {

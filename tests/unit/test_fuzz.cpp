@@ -42,6 +42,33 @@ TEST_CASE("fuzz: fixed seeds on every preset of both backends") {
   CHECK(total.invalid_pointer_checks > 100);
 }
 
+TEST_CASE("fuzz: graph captures into graph pools, launches and destroys, beside everything else") {
+  // CUDA graph capture (Allocator::begin_graph_pool) among the usual operations: a capture's blocks
+  // stay apart from everything outside its pool, launches write only the pool's memory, no call of
+  // expseg invalidates the capture, and release_cached/set_limit are refused during it.
+  fuzz::Counters total;
+  for (std::size_t i = 0; i < fuzz::preset_count(); ++i) {
+    fuzz::Options o = fuzz::preset(i);
+    o.graphs = true;
+    CAPTURE(o.describe());
+    for (std::uint64_t seed : {1u, 2u}) {
+      CAPTURE(seed);
+      try {
+        total.add(fuzz::run_seed(o, seed, 500,
+                                 "EXPSEG_FUZZ_GRAPHS=1 EXPSEG_FUZZ_REPLAY=" + std::to_string(i) + ":" + std::to_string(seed) +
+                                     ":500 build/tests/expseg_stress -ts=fuzz"));
+      } catch (const fuzz::Failure& f) {
+        FAIL(std::string(f.what()));
+      }
+    }
+  }
+  MESSAGE("fuzz (graphs): " << total.to_string());
+  CHECK(total.captures > 20);
+  CHECK(total.capture_allocs > 50);
+  CHECK(total.launches > 20);
+  CHECK(total.refused_in_capture > 5);
+}
+
 TEST_CASE("fuzz: a seed gives the same run again, whatever else the process mapped in between" * doctest::skip(testutil::kThreadSanitizer)) {
   // Was: the host-backed simulated device handed out the addresses mmap chose, which move with ASLR
   // and with every other mapping of the process, and best fit and the harness's choices follow

@@ -294,6 +294,158 @@ TEST_CASE("graph pool: a block other streams used, freed during the capture, is 
   }
 }
 
+TEST_CASE("graph pool: a free held until the capture's end counts as freed, as a pending free does") {
+  // Was: the block left the live map but stayed allocated in the backend until the capture ended:
+  // allocation and allocated_bytes still counted it (PyTorch's free drops them at once, deferred
+  // events or not), the snapshot showed a pointer the caller had freed as allocated, and validate()
+  // failed (live map size != allocation.all.current). Found by the fuzz harness's graph operations.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* side = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(6, s);
+    void* p = sa->allocate(4 * MiB, s);
+    sa->record_stream(p, side);
+    const expseg::Stats before = sa->stats();
+    sa->deallocate(p);
+    CHECK_NOTHROW(sa->validate());
+    const expseg::Stats held = sa->stats();
+    CHECK(held.allocation[kAllPools].current == before.allocation[kAllPools].current - 1);
+    CHECK(held.allocated_bytes[kAllPools].current == 0);
+    CHECK(held.active_bytes[kAllPools].current == before.active_bytes[kAllPools].current);  // other streams may use it
+    int pending = 0;
+    for (const auto& seg : sa->snapshot().segments)
+      for (const auto& b : seg.blocks) {
+        CHECK(b.state != expseg::BlockState::allocated);
+        if (b.state == expseg::BlockState::pending_free) ++pending;
+      }
+    CHECK(pending == 1);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(6);
+    CHECK_NOTHROW(sa->validate());
+    sa->deallocate(sa->allocate(512, nullptr));  // processes completed events
+    const expseg::Stats after = sa->stats();
+    CHECK(after.allocated_bytes[kAllPools].current == 0);
+    CHECK(after.active_bytes[kAllPools].current == 0);
+    CHECK(after.allocation[kAllPools].freed == before.allocation[kAllPools].freed + 2);  // p's free counted once
+    CHECK_NOTHROW(sa->validate());
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(6);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+  }
+}
+
+TEST_CASE("graph pool: record_stream on the capture's own stream is no use of another stream") {
+  // Was: a capture's block carries its pool's key as its stream, so record_stream on the capturing
+  // stream (torch: t.record_stream(torch.cuda.current_stream()) inside torch.cuda.graph) counted as
+  // a use by another stream: its free was held until the capture's end and the capture could not
+  // reuse the memory, as it does when the stream is the allocation stream (PyTorch ignores it).
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(8, s);
+    void* p = sa->allocate(4 * MiB, s);
+    sa->record_stream(p, s);
+    sa->deallocate(p);
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    void* q = sa->allocate(4 * MiB, s);
+    CHECK(addr(q) == addr(p));
+    sa->deallocate(q);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(8);
+    sa->validate();
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(8);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+  }
+}
+
+TEST_CASE("graph pool: frees held past a failed end_graph_pool go back at release_cached") {
+  // Was: when end_graph_pool could neither record the held frees' events nor synchronize (two
+  // driver errors), the frees stayed held "until the next end": with no further capture never, and
+  // release_cached gave their memory back neither. Found by the fuzz harness (multiple faults).
+  using expseg::driver::Fault;
+  using expseg::driver::Op;
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* side = sa.sim->stream_create();
+    void* p = sa->allocate(4 * MiB, nullptr);  // eager memory, used on `side` too
+    sa->record_stream(p, side);
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(9, s);
+    sa->deallocate(p);  // held until the capture's end
+    const auto g = sa.sim->capture_end(s);
+    sa.sim->inject_fault(Op::event_record, 1, Fault::error);
+    sa.sim->inject_fault(Op::stream_sync, 1, Fault::error);
+    CHECK_THROWS_AS(sa->end_graph_pool(9), expseg::driver_error);
+    sa.sim->clear_faults();
+    sa->validate();
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(9);
+    sa->release_cached();
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    CHECK(reserved(*sa) == 0);
+    sa->validate();
+    sa.alloc.reset();
+    CHECK(sa.sim->live().physical_bytes == 0);
+  }
+}
+
+TEST_CASE("graph pool: a block freed on one capture stream goes to no capture of the pool on another stream") {
+  // Was: a pool's memory had one key whatever stream captured into it, so a graph's output freed on
+  // its stream, while eager work there still read it, went to the next capture into the pool on
+  // another stream, whose launches could overwrite it under that work. PyTorch's private pools
+  // serve a freed block to captures on its own stream only. Found by the fuzz harness's stream model.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s1 = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    sa.sim->capture_begin(s1);
+    sa->begin_graph_pool(1, s1);
+    void* b = sa->allocate(4 * MiB, s1);  // the graph's output
+    fill(sa, b, 4 * MiB, 0xAAAAAAAAu, s1);
+    const auto g1 = sa.sim->capture_end(s1);
+    sa->end_graph_pool(1);
+    sa.sim->graph_launch(g1, s1);
+    sa.sim->set_stream_busy(s1, true);  // eager work on s1 still reads the output
+    sa->deallocate(b);                  // freed on its stream: no record_stream needed
+    sa.sim->capture_begin(s2);
+    sa->begin_graph_pool(1, s2);        // a second graph sharing the pool, captured on s2
+    void* c = sa->allocate(4 * MiB, s2);
+    CHECK_FALSE(overlap(b, 4 * MiB, c, 4 * MiB));
+    sa->deallocate(c);
+    const auto g2 = sa.sim->capture_end(s2);
+    sa->end_graph_pool(1);
+    // A capture on s1 into the pool still gets its memory back.
+    sa.sim->set_stream_busy(s1, false);
+    sa.sim->capture_begin(s1);
+    sa->begin_graph_pool(1, s1);
+    void* d = sa->allocate(4 * MiB, s1);
+    CHECK(addr(d) == addr(b));
+    sa->deallocate(d);
+    const auto g3 = sa.sim->capture_end(s1);
+    sa->end_graph_pool(1);
+    sa->validate();
+    for (auto g : {g1, g2, g3}) sa.sim->graph_destroy(g);
+    for (int i = 0; i < 3; ++i) sa->release_graph_pool(1);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+  }
+}
+
 TEST_CASE("graph pool: misuse gets a clear error and changes nothing") {
   for (BackendKind kind : kBoth) {
     const std::string backend = expseg::to_string(kind);
@@ -413,14 +565,20 @@ TEST_CASE("graph pool: two captures into one pool at once; the first one's end l
       sa->deallocate(a);
       const auto g1 = sa.sim->capture_end(ended);
       sa->end_graph_pool(1);
-      // The other capture still allocates into pool 1: it gets the pool's memory back.
+      // The other capture still allocates into pool 1 (its stream's part: memory the first capture
+      // freed serves captures on the first one's stream only).
       void* b = sa->allocate(4 * MiB, going);
-      CHECK(addr(b) == addr(a));
+      CHECK(addr(b) != addr(a));
       sa->deallocate(b);
       CHECK_THROWS_AS(sa->release_cached(), expseg::error);  // a capture is still underway
       expseg::driver::graph_t g2 = nullptr;
       CHECK_NOTHROW(g2 = sa.sim->capture_end(going));
       CHECK_NOTHROW(sa->end_graph_pool(1));
+      // b's memory is the pool's, not the stream's: eager work on that stream gets other memory.
+      void* e = sa->allocate(4 * MiB, going);
+      CHECK_FALSE(overlap(e, 4 * MiB, b, 4 * MiB));
+      CHECK_FALSE(overlap(e, 4 * MiB, a, 4 * MiB));
+      sa->deallocate(e);
       sa->validate();
       sa->release_graph_pool(1);
       sa->release_graph_pool(1);
