@@ -321,6 +321,17 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   // Record an event on every stream that used the block; the free completes when all have passed.
   // Everything that can fail (host memory, the driver) happens before the block changes state,
   // and is undone when it fails: the block then stays live, as if the call had not been made.
+  // A using stream that captures a graph expseg was not told of (a told capture holds the free in
+  // deallocate): no event can stand for its work, so the free waits for that capture's end.
+  for (driver::stream_t s : b->stream_uses) {
+    if (!stream_capturing(event_stream(s))) continue;
+    frees_after_capture.push_back(b);  // on bad_alloc nothing has changed
+    if (in_live) {
+      if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+      backend->begin_pending_free(b);
+    }
+    return;
+  }
   std::vector<driver::event_t>& events = free_events;
   events.clear();
   std::size_t queued = 0;
@@ -396,7 +407,15 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream) {
   return stream;
 }
 
-bool Allocator::Impl::stream_capturing(driver::stream_t stream) noexcept {
+bool Allocator::Impl::held_free_ready() const noexcept {
+  if (ctx.capturing) return false;  // a told capture's held frees wait for its end_graph_pool
+  return std::any_of(frees_after_capture.begin(), frees_after_capture.end(), [&](const Block* b) {
+    return std::none_of(b->stream_uses.begin(), b->stream_uses.end(),
+                        [&](driver::stream_t s) { return stream_capturing(event_stream(s)); });
+  });
+}
+
+bool Allocator::Impl::stream_capturing(driver::stream_t stream) const noexcept {
   if (backends::is_graph_pool_key(stream)) return true;
   try {
     return driver->stream_capture_id(backends::capture_query_stream(stream)) != 0;
@@ -441,6 +460,8 @@ void Allocator::Impl::process_events() {
 
 void Allocator::Impl::synchronize_pending_frees() {
   stats.num_sync_all_streams += 1;  // counted on every call, events or not, as PyTorch does
+  // Held frees whose capture (one expseg was not told of) has ended get their events now.
+  if (!frees_after_capture.empty() && held_free_ready()) free_held_after_capture();
   if (pending_count == 0) return;
   for (StreamEvents& se : pending) {
     while (!se.queue.empty()) {
@@ -548,8 +569,17 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
 // fail (no event), the device is synchronized and the block freed at once. Should that fail too,
 // the rest stay held for the next end_graph_pool or release_cached (which gives them back).
 void Allocator::Impl::free_held_after_capture() {
-  while (!frees_after_capture.empty()) {
-    Block* b = frees_after_capture.back();
+  // Taken out first: a free whose stream still captures (one expseg was not told of) goes back in.
+  std::vector<Block*> held;
+  held.swap(frees_after_capture);
+  struct PutBack {  // what is left when something throws stays held
+    std::vector<Block*>& held;
+    std::vector<Block*>& to;
+    ~PutBack() { to.insert(to.end(), held.begin(), held.end()); }
+  } put_back{held, frees_after_capture};
+  frees_after_capture.reserve(held.size());  // room for each to go back: the inserts cannot throw
+  while (!held.empty()) {
+    Block* b = held.back();
     try {
       free_after_uses(b, false);
     } catch (...) {
@@ -557,7 +587,7 @@ void Allocator::Impl::free_held_after_capture() {
       b->stream_uses.clear();
       backend->free(b);
     }
-    frees_after_capture.pop_back();
+    held.pop_back();
   }
 }
 

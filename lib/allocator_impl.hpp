@@ -30,7 +30,12 @@ struct Allocator::Impl final : backends::FrontendHooks {
   void on_map(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) override;
   void on_unmap(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) override;
   void synchronize_pending_frees() override;
-  bool has_pending_frees() const noexcept override { return pending_count != 0; }
+  // Frees that synchronize_pending_frees can complete: queued behind events, or held for a capture
+  // that has ended (one still underway keeps its frees held: a retry would find nothing new).
+  bool has_pending_frees() const noexcept override {
+    return pending_count != 0 || (!frees_after_capture.empty() && held_free_ready());
+  }
+  bool held_free_ready() const noexcept;
 
   // Completes pending frees whose events have completed (PyTorch's process_events).
   void process_events();
@@ -142,10 +147,13 @@ struct Allocator::Impl final : backends::FrontendHooks {
   std::vector<CaptureRoute> capture_routes;
   // Frees of blocks other streams used (record_stream) during a capture: their events cannot be
   // recorded and queried then; pending_free already (the caller freed them), their events are
-  // recorded when the last capture ends (PyTorch defers them too).
+  // recorded when the last capture ends (PyTorch defers them too). Also a free whose using stream
+  // captures a graph expseg was not told of: an event recorded there would be part of the capture,
+  // and no query could ever wait for it (CUDA_ERROR_CAPTURED_EVENT); held until that capture has
+  // ended, looked at again before an OOM (synchronize_pending_frees) and by release_cached.
   std::vector<core::Block*> frees_after_capture;
   driver::stream_t route_to_pool(driver::stream_t stream);
-  bool stream_capturing(driver::stream_t stream) noexcept;
+  bool stream_capturing(driver::stream_t stream) const noexcept;
   void free_held_after_capture();  // frees_after_capture, once no capture allocates into a pool
   void free_after_uses(core::Block* b, bool in_live);  // deallocate()'s part for a block other streams used
 

@@ -279,24 +279,46 @@ class CudaDriver final : public Driver {
     check(api_, api_.cuMemSetAccess(to_cu(ptr), bytes, access_.data(), access_.size()), "cuMemSetAccess");
   }
 
+  // Relaxed capture mode for this thread around a call: in global mode (PyTorch's and CUDA's
+  // default) a cuMemAlloc, cuMemFree, event query or synchronization of another stream made while
+  // any stream captures fails and invalidates the capture, whichever thread makes it; relaxed, it is
+  // permitted (measured on the H200, driver 580), as PyTorch relies on for cudaMalloc during graph
+  // capture. The exchange pair costs about 21 ns.
+  class RelaxedCapture {
+   public:
+    explicit RelaxedCapture(const Api& api) : api_(api) {
+      check(api_, api_.cuThreadExchangeStreamCaptureMode(&mode_), "cuThreadExchangeStreamCaptureMode");
+    }
+    ~RelaxedCapture() { api_.cuThreadExchangeStreamCaptureMode(&mode_); }  // back to the caller's mode
+    RelaxedCapture(const RelaxedCapture&) = delete;
+    RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+   private:
+    const Api& api_;
+    CUstreamCaptureMode mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+  };
+
   dev_ptr mem_alloc(std::size_t bytes) override {
     const Timed timed(*this, Op::mem_alloc);
     CtxScope scope(*this);
-    // Relaxed capture mode for this thread around the call: in global or thread-local mode a
-    // cuMemAlloc while a stream captures fails and invalidates the capture (measured on the H200);
-    // relaxed, it is permitted, as PyTorch relies on for cudaMalloc during graph capture.
-    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-    check(api_, api_.cuThreadExchangeStreamCaptureMode(&mode), "cuThreadExchangeStreamCaptureMode");
     CUdeviceptr p = 0;
-    const CUresult r = api_.cuMemAlloc(&p, bytes);
-    api_.cuThreadExchangeStreamCaptureMode(&mode);  // back to the caller's mode
+    CUresult r = CUDA_SUCCESS;
+    {
+      const RelaxedCapture relaxed(api_);
+      r = api_.cuMemAlloc(&p, bytes);
+    }
     check(api_, r, "cuMemAlloc");
     return p;
   }
   void mem_free(dev_ptr ptr) override {
     const Timed timed(*this, Op::mem_free);
     CtxScope scope(*this);
-    check(api_, api_.cuMemFree(to_cu(ptr)), "cuMemFree");
+    CUresult r = CUDA_SUCCESS;
+    {
+      const RelaxedCapture relaxed(api_);
+      r = api_.cuMemFree(to_cu(ptr));
+    }
+    check(api_, r, "cuMemFree");
   }
   dev_ptr mem_alloc_async(std::size_t bytes, stream_t stream) override {
     CtxScope scope(*this);
@@ -338,7 +360,11 @@ class CudaDriver final : public Driver {
   bool event_query(event_t event) override {
     const Timed timed(*this, Op::event_query);
     CtxScope scope(*this);
-    const CUresult r = api_.cuEventQuery(to_cu_event(event));
+    CUresult r = CUDA_SUCCESS;
+    {
+      const RelaxedCapture relaxed(api_);
+      r = api_.cuEventQuery(to_cu_event(event));
+    }
     if (r == CUDA_ERROR_NOT_READY) return false;
     check(api_, r, "cuEventQuery");
     return true;
@@ -346,12 +372,22 @@ class CudaDriver final : public Driver {
   void event_synchronize(event_t event) override {
     const Timed timed(*this, Op::stream_sync);
     CtxScope scope(*this);
-    check(api_, api_.cuEventSynchronize(to_cu_event(event)), "cuEventSynchronize");
+    CUresult r = CUDA_SUCCESS;
+    {
+      const RelaxedCapture relaxed(api_);
+      r = api_.cuEventSynchronize(to_cu_event(event));
+    }
+    check(api_, r, "cuEventSynchronize");
   }
   void stream_synchronize(stream_t stream) override {
     const Timed timed(*this, Op::stream_sync);
     CtxScope scope(*this);
-    check(api_, api_.cuStreamSynchronize(to_cu(stream)), "cuStreamSynchronize");
+    CUresult r = CUDA_SUCCESS;
+    {
+      const RelaxedCapture relaxed(api_);
+      r = api_.cuStreamSynchronize(to_cu(stream));
+    }
+    check(api_, r, "cuStreamSynchronize");
   }
   void device_synchronize() override {
     const Timed timed(*this, Op::stream_sync);

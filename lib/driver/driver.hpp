@@ -144,11 +144,16 @@ class Driver {
   // nothing. A stream that captures in global or thread-local mode (PyTorch's torch.cuda.graph
   // uses global) makes "unsafe" calls fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
   // invalidates the capture: measured on the H200, cuStreamSynchronize, cuCtxSynchronize,
-  // cuEventQuery, cuEventSynchronize, cuMemAlloc and cuMemFree; the virtual memory calls
-  // (cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressReserve) and
-  // cuEventRecord on another stream are permitted. mem_alloc switches the calling thread to
-  // relaxed capture mode around cuMemAlloc (as PyTorch does around cudaMalloc), so that it is
-  // permitted too. The default (drivers of tests) captures nothing.
+  // cuEventQuery, cuEventSynchronize, cuMemAlloc and cuMemFree, made by the capturing thread or,
+  // in global mode, by any thread; the virtual memory calls (cuMemCreate, cuMemMap, cuMemSetAccess,
+  // cuMemUnmap, cuMemRelease, cuMemAddressReserve) and cuEventRecord on another stream are
+  // permitted. The CUDA driver layer makes mem_alloc, mem_free, event_query, event_synchronize and
+  // stream_synchronize in relaxed capture mode (as PyTorch makes cudaMalloc), where they are
+  // permitted, except what no mode permits (measured, driver 580): cuCtxSynchronize; a
+  // synchronization of a capturing stream; a query or synchronization of an event recorded during
+  // a capture (CUDA_ERROR_CAPTURED_EVENT); a synchronization of the legacy stream while a blocking
+  // stream captures. Those fail and invalidate the capture in any mode. The default (drivers of
+  // tests) captures nothing.
   virtual std::uint64_t stream_capture_id(stream_t stream);
   // Tests and tools: capture `stream`'s work in global mode, end it into an executable graph,
   // launch that graph, destroy it. The default throws CUDA_ERROR_NOT_SUPPORTED.

@@ -158,6 +158,7 @@ struct SimDriver::Impl {
     bool pending = false;  // recorded on a busy stream and not yet completed
     std::uintptr_t stream = 0;
     std::uint64_t seq = 0;  // order of recording, across streams
+    bool captured = false;  // last recorded on a capturing stream: no query or sync may wait for it
   };
 
   // The host arena's size: room for the expandable backend's default reservations (2x the device
@@ -223,10 +224,13 @@ struct SimDriver::Impl {
   };
   std::vector<Use> uses;
   std::vector<std::string> hazards;
-  // Stream capture, global mode: memsets queued on a capturing stream are recorded, not run; while
-  // any stream captures, the calls CUDA refuses then (synchronizations, event queries, cuMemFree)
-  // fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate every capture, as on the H200.
-  // cuMemAlloc is permitted: the CUDA driver layer makes it in relaxed capture mode.
+  // Stream capture: memsets queued on a capturing stream are recorded, not run. The CUDA driver
+  // layer makes cuMemAlloc, cuMemFree, event queries and stream synchronizations in relaxed capture
+  // mode, where the H200 permits them while another stream captures; what no mode permits fails
+  // here as there (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED or CUDA_ERROR_CAPTURED_EVENT) and
+  // invalidates every capture: cuCtxSynchronize, a synchronization of a capturing stream or of the
+  // legacy stream (CUDA refuses it while a blocking stream captures; the simulator treats every
+  // capturing stream as one), a query or synchronization of an event recorded during a capture.
   struct Memset {
     dev_ptr ptr = 0;
     std::uint32_t value = 0;
@@ -243,9 +247,23 @@ struct SimDriver::Impl {
 
   void refuse_while_capturing(const char* call) {
     if (captures.empty()) return;
-    for (auto& [stream, c] : captures) c.invalidated = true;
+    invalidate_captures();
     throw driver_error(call, 900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
                        "operation not permitted when stream is capturing (the capture is invalidated)");
+  }
+  void invalidate_captures() noexcept {
+    for (auto& [stream, c] : captures) c.invalidated = true;
+  }
+  // A synchronization of `stream`: refused while it captures, and for the legacy stream while any
+  // stream captures.
+  void refuse_sync_of_capturing(const char* call, std::uintptr_t stream) {
+    if (stream == 0 ? !captures.empty() : captures.contains(stream)) refuse_while_capturing(call);
+  }
+  void refuse_captured_event(const char* call, const Event& ev) {
+    if (!ev.captured) return;
+    invalidate_captures();
+    throw driver_error(call, 907, "CUDA_ERROR_CAPTURED_EVENT",
+                       "operation not permitted on an event last recorded in a capturing stream");
   }
   std::vector<int> peers;          // add_access_device: what set_access grants
   std::vector<int> context_peers;  // enable_context_peer (cuCtxEnablePeerAccess)
@@ -853,7 +871,6 @@ void SimDriver::mem_free(dev_ptr ptr) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::mem_free, call);
-  s.refuse_while_capturing(call);
   auto it = s.allocs.find(ptr);
   if (it == s.allocs.end()) invalid(call, hex(ptr) + " is not a live cuMemAlloc pointer");
   // Host-backed: back to PROT_NONE (the bytes go), not unmapped: the range stays part of the arena.
@@ -910,6 +927,7 @@ void SimDriver::event_record(event_t event, stream_t stream) {
   ev.stream = id_of(stream);
   ev.pending = s.busy_streams.contains(ev.stream);
   ev.seq = ++s.record_seq;
+  ev.captured = s.captures.contains(ev.stream);
   s.charge(kEventUs);
 }
 
@@ -918,8 +936,9 @@ bool SimDriver::event_query(event_t event) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::event_query, call);
-  s.refuse_while_capturing(call);
-  const bool done = !s.event(call, event).pending;
+  const Impl::Event& ev = s.event(call, event);
+  s.refuse_captured_event(call, ev);
+  const bool done = !ev.pending;
   s.charge(kEventUs);
   return done;
 }
@@ -929,8 +948,8 @@ void SimDriver::event_synchronize(event_t event) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::stream_sync, call);
-  s.refuse_while_capturing(call);
   const Impl::Event& ev = s.event(call, event);
+  s.refuse_captured_event(call, ev);
   // Work is done in stream order: earlier events of the same stream complete too.
   if (ev.pending) {
     const std::uintptr_t stream = ev.stream;
@@ -944,8 +963,8 @@ void SimDriver::stream_synchronize(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::stream_sync, call);
-  s.refuse_while_capturing(call);
   const std::uintptr_t id = id_of(stream);
+  s.refuse_sync_of_capturing(call, id);
   if (s.destroyed_streams.contains(id))
     throw driver_error(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(id) + " was destroyed");
   s.complete(&id, s.record_seq);

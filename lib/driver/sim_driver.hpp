@@ -35,11 +35,13 @@
 // cannot import from the simulator anyway). Bookkeeping mode's descriptors are numbers whose close
 // it cannot see: there the memory goes with its last handle and mapping.
 //
-// Stream capture (global mode) as measured on the H200: memsets queued on a capturing stream are
-// recorded into the graph and run by graph_launch, into whatever the addresses hold then; while any
-// stream captures, synchronizations, event queries and cuMemFree fail with
-// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture (mem_alloc is permitted, as the
-// CUDA driver layer's runs in relaxed capture mode).
+// Stream capture as measured on the H200: memsets queued on a capturing stream are recorded into
+// the graph and run by graph_launch, into whatever the addresses hold then. The calls the CUDA
+// driver layer makes in relaxed capture mode (mem_alloc, mem_free, event queries, stream
+// synchronizations) are permitted while another stream captures; what no mode permits fails with
+// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (or CUDA_ERROR_CAPTURED_EVENT) and invalidates the capture:
+// device_synchronize, a synchronization of a capturing stream or of the legacy stream, a query or
+// synchronization of an event recorded during a capture.
 //
 // Fault injection makes the n-th future call of an operation fail with OOM or another error; the
 // failing call has no effect. live() counts what is outstanding, for leak checks.

@@ -45,6 +45,13 @@ bool overlap(void* a, std::size_t an, void* b, std::size_t bn) { return addr(a) 
 
 std::int64_t reserved(expseg::Allocator& a) { return a.stats().reserved_bytes[kAllPools].current; }
 
+std::size_t pending_frees(expseg::Allocator& a) {
+  std::size_t n = 0;
+  for (const expseg::SegmentInfo& seg : a.snapshot().segments)
+    for (const expseg::BlockInfo& b : seg.blocks) n += b.state == expseg::BlockState::pending_free;
+  return n;
+}
+
 // A capture on `s` that writes `value` into a 4 MiB block it allocates and frees (an intermediate).
 // Returns the graph; `*block` the block's address.
 expseg::driver::graph_t capture_intermediate(SimAllocator& sa, void* s, std::uint64_t pool, void** block,
@@ -190,37 +197,136 @@ TEST_CASE("graph pool: under a limit, a live pool's memory is not reclaimed; rel
 }
 
 TEST_CASE("graph capture: no allocation during a capture invalidates it, told of the capture or not") {
-  // Under a limit with another stream's idle memory cached: a request on the capturing stream would
-  // need that memory given back, which takes a synchronization (expandable) or cuMemFree
-  // (split_merge). Either would fail and invalidate the capture; the request fails with an OOM
-  // instead, and the capture stays valid.
+  // Under a limit, with idle memory cached for another stream, the capturing stream itself, or the
+  // legacy stream: a request on the capturing stream that needs it given back. expandable takes the
+  // other stream's (cuStreamSynchronize of a stream that does not capture is permitted in relaxed
+  // capture mode); a synchronization of the capturing stream or the legacy stream would fail and
+  // invalidate the capture, so that memory stays and the request fails with an OOM. split_merge
+  // gives back nothing during a capture, as PyTorch. A capture expseg was not told of takes its
+  // stream's own cache as any request does (a told one allocates into its pool). The capture stays
+  // valid in every case.
+  enum class Owner { other_stream, capturing_stream, legacy_stream };
   for (BackendKind kind : kBoth) {
     const std::string backend = expseg::to_string(kind);
     CAPTURE(backend);
-    for (bool told : {false, true}) {
-      CAPTURE(told);
+    for (Owner owner : {Owner::other_stream, Owner::capturing_stream, Owner::legacy_stream}) {
+      CAPTURE(static_cast<int>(owner));
+      for (bool told : {false, true}) {
+        CAPTURE(told);
+        auto sa = host_backed(kind);
+        sa->set_limit(64 * MiB);
+        void* s = sa.sim->stream_create();
+        void* s2 = sa.sim->stream_create();
+        void* cached_on = owner == Owner::other_stream ? s2 : owner == Owner::capturing_stream ? s : nullptr;
+        sa->deallocate(sa->allocate(44 * MiB, cached_on));
+        const std::int64_t reserved_before = reserved(*sa);
+        sa.sim->capture_begin(s);
+        if (told) sa->begin_graph_pool(3, s);
+        const bool takes_other = kind == BackendKind::expandable && owner == Owner::other_stream;
+        const bool from_own_cache = !told && owner == Owner::capturing_stream;
+        if (takes_other || from_own_cache) {
+          void* p = sa->allocate(24 * MiB, s);
+          CHECK(reserved(*sa) <= 64 * static_cast<std::int64_t>(MiB));
+          if (takes_other) CHECK(reserved(*sa) < reserved_before + 24 * static_cast<std::int64_t>(MiB));  // s2's memory went
+          else CHECK(reserved(*sa) == reserved_before);  // no driver call
+          sa->deallocate(p);
+        } else {
+          CHECK_THROWS_AS(sa->allocate(24 * MiB, s), expseg::out_of_memory);
+          CHECK(reserved(*sa) == reserved_before);
+        }
+        // A request that fits beside the cache maps new memory (split_merge: a 20 MiB segment):
+        // permitted while capturing.
+        void* small = sa->allocate(2 * MiB, s);
+        sa->deallocate(small);
+        expseg::driver::graph_t g = nullptr;
+        CHECK_NOTHROW(g = sa.sim->capture_end(s));
+        if (told) sa->end_graph_pool(3);
+        sa->validate();
+        // After the capture the same request reclaims the cached memory as usual.
+        if (told) sa->release_graph_pool(3);
+        void* p = sa->allocate(24 * MiB, s);
+        sa->deallocate(p);
+        sa->validate();
+        if (g != nullptr) sa.sim->graph_destroy(g);
+      }
+    }
+  }
+}
+
+TEST_CASE("graph capture: a capture expseg was not told of, on another stream, survives requests elsewhere") {
+  // Stream a captures (a CuPy Stream.begin_capture, say); requests come on stream b. Idle memory
+  // cached for a is neither unmapped (expandable would synchronize a) nor freed (split_merge's
+  // cuMemFree need not wait for work a queued before its capture); b's own requests go on.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    sa->set_limit(64 * MiB);
+    void* a = sa.sim->stream_create();
+    void* b = sa.sim->stream_create();
+    sa->deallocate(sa->allocate(44 * MiB, a));  // cached for a
+    sa.sim->capture_begin(a);
+    CHECK_THROWS_AS(sa->allocate(24 * MiB, b), expseg::out_of_memory);  // would need a's memory
+    void* q = sa->allocate(8 * MiB, b);
+    sa->deallocate(q);
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = sa.sim->capture_end(a));
+    sa->validate();
+    void* p = sa->allocate(24 * MiB, b);  // a's memory is given back now
+    sa->deallocate(p);
+    sa->validate();
+    sa.sim->graph_destroy(g);
+  }
+}
+
+TEST_CASE("graph capture: a cross-stream free whose stream captures untold waits for that capture's end") {
+  // An event recorded on a capturing stream belongs to the capture: no query can wait for it
+  // (CUDA_ERROR_CAPTURED_EVENT, and the query invalidates the capture). Such a free is held; frees
+  // behind events of other streams are processed meanwhile (event queries are permitted in relaxed
+  // capture mode). The held one completes before an OOM after the capture, or on release_cached.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (bool by_release_cached : {false, true}) {
+      CAPTURE(by_release_cached);
       auto sa = host_backed(kind);
       sa->set_limit(64 * MiB);
-      void* s = sa.sim->stream_create();
-      void* s2 = sa.sim->stream_create();
-      sa->deallocate(sa->allocate(44 * MiB, s2));  // cached for s2
-      sa.sim->capture_begin(s);
-      if (told) sa->begin_graph_pool(3, s);
-      CHECK_THROWS_AS(sa->allocate(24 * MiB, s), expseg::out_of_memory);
-      // A request that fits beside the cache maps new memory (split_merge: a 20 MiB segment):
-      // permitted while capturing.
-      void* small = sa->allocate(2 * MiB, s);
-      sa->deallocate(small);
+      void* a = sa.sim->stream_create();
+      void* b = sa.sim->stream_create();
+      void* c = sa.sim->stream_create();
+      void* held = sa->allocate(40 * MiB, b);
+      sa->record_stream(held, a);
+      void* other = sa->allocate(2 * MiB, b);
+      sa->record_stream(other, c);
+      sa.sim->set_stream_busy(c, true);
+      sa->deallocate(other);  // pending behind an event on c
+      sa.sim->set_stream_busy(c, false);
+      sa.sim->capture_begin(a);
+      sa->deallocate(held);  // a captures: held, no event recorded there
+      // Both frees pending: active until their streams are done, as PyTorch counts them.
+      CHECK(sa->stats().active_bytes[kAllPools].current == 42 * static_cast<std::int64_t>(MiB));
+      CHECK(pending_frees(*sa) == 2);
+      void* r = sa->allocate(1 * MiB, b);  // queries c's event: permitted, the free of `other` completes
+      sa->deallocate(r);
+      CHECK(pending_frees(*sa) == 1);  // `held` only
+      CHECK(sa->stats().active_bytes[kAllPools].current == 40 * static_cast<std::int64_t>(MiB));
+      // An OOM meanwhile: the retry before it finds the held free still waiting, and stops there
+      // (it once retried without end, the stack overflowing).
+      CHECK_THROWS_AS(sa->allocate(40 * MiB, b), expseg::out_of_memory);
+      CHECK(pending_frees(*sa) == 1);
       expseg::driver::graph_t g = nullptr;
-      CHECK_NOTHROW(g = sa.sim->capture_end(s));
-      if (told) sa->end_graph_pool(3);
+      CHECK_NOTHROW(g = sa.sim->capture_end(a));
       sa->validate();
-      // After the capture the same request reclaims s2's memory as usual.
-      if (told) sa->release_graph_pool(3);
-      void* p = sa->allocate(24 * MiB, s);
-      sa->deallocate(p);
+      if (by_release_cached) {
+        sa->release_cached();
+        sa->deallocate(sa->allocate(512, b));  // processes the event now recorded on a
+      } else {
+        // 40 MiB are held: a 30 MiB request fails first, completes the held free and retries.
+        sa->deallocate(sa->allocate(30 * MiB, b));
+      }
+      CHECK(pending_frees(*sa) == 0);
       sa->validate();
-      if (g != nullptr) sa.sim->graph_destroy(g);
+      sa.sim->graph_destroy(g);
     }
   }
 }

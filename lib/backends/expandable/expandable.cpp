@@ -463,14 +463,13 @@ inline void ExpandableBackend::make_busy_back(ExpSegment& seg, std::uint64_t lo,
 }
 
 // Least recently idle first. An `f` that returns bool stops the walk by returning false.
-// Every reclaim, move and give-back takes its handles from here, so none is offered while a capture
-// is underway (unmapping needs a synchronization first) nor from a live graph pool (its graphs'
-// replays use that memory).
+// Every reclaim, move and give-back takes its handles from here, so none is offered from a live
+// graph pool (its graphs' replays use that memory) nor where the synchronization that must come
+// before unmapping would break a capture (may_unmap_in).
 template <class F>
 void ExpandableBackend::for_each_idle(F&& f) const {
-  if (ctx_.capturing) return;
   for (const IdleRun& r : idle_runs_) {
-    if (is_graph_pool_key(r.seg->arena->stream) && is_live_graph_pool_key(r.seg->arena->stream)) continue;
+    if (!may_unmap_in(*r.seg->arena)) continue;
     for (std::uint64_t a = r.lo; a < r.hi;) {
       ExpHandle* h = handle_at(*r.seg, a);
       a += h->bytes;
@@ -917,6 +916,12 @@ Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::
     } catch (...) {  // the segment stays, empty and consistent; the OOM is what to report
     }
   }
+  // Under a limit, bulk idle handles serve one block at a time, so that they can be given back;
+  // when no room can be made (a capture forbids the synchronization unmapping takes, or there is
+  // no idle memory to take), a mapped free block that fits serves the request sharing them rather
+  // than an OOM. Best fit; no driver call.
+  if (b == nullptr && ctx_.limit != 0)
+    if (Block* f = arena.mapped_free.lower_bound(size); f != nullptr) b = carve(arena, f, size, requested, false);
   return b;
 }
 
@@ -1390,12 +1395,31 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
   ctx_.stats.physical_handles.increase(1);
 }
 
+// Whether unmapping `arena`'s idle memory now would break a CUDA graph capture. Measured on the
+// H200 (driver 580): while a stream captures, in any capture mode, cuStreamSynchronize of that
+// stream and cuCtxSynchronize fail and invalidate the capture; cuStreamSynchronize of a stream that
+// does not capture is permitted (the CUDA driver layer makes it in relaxed capture mode), from the
+// capturing thread or another. So an arena on a plain stream is off limits only while its stream
+// captures; one on a key (a per-thread stream of any thread, a graph pool, the legacy stream),
+// which synchronize_once covers with cuCtxSynchronize, while any capture expseg knows of is
+// underway. A capture expseg is not told of on another thread's per-thread stream is not seen.
+bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
+  if (is_stream_key(arena.stream) || arena.stream == nullptr) return ctx_.capturing;
+  if (arena.capture_seen_op != operation_) {
+    arena.capture_seen_op = operation_;
+    arena.captures = stream_captures(ctx_, arena.stream);
+  }
+  return arena.captures;
+}
+
 void ExpandableBackend::synchronize_once(driver::stream_t stream) {
   SyncedStreams& s = synced_;
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
   if (s.count < std::size(s.streams) && !is_stream_key(stream)) {
     ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
     s.streams[s.count++] = stream;
+  } else if (ctx_.capturing && !is_stream_key(stream) && stream != nullptr) {
+    ctx_.driver.stream_synchronize(stream);  // cuCtxSynchronize would invalidate the capture
   } else {
     ctx_.driver.device_synchronize();
     s.all = true;

@@ -97,6 +97,10 @@ struct ExpArena {
   core::SizeIndex mapped_free;  // free blocks backed by memory: best fit by (size, address)
   UnmappedIndex unmapped;       // free address ranges without memory: first fit by address
   std::vector<ExpSegment*> segments;
+  // Whether the stream captures a CUDA graph, as asked in operation `capture_seen_op` (see
+  // ExpandableBackend::arena_captures): asked once per arena per operation, on slow paths only.
+  mutable std::uint64_t capture_seen_op = 0;
+  mutable bool captures = false;
 };
 
 class ExpandableBackend final : public Backend {
@@ -172,11 +176,13 @@ class ExpandableBackend final : public Backend {
   std::size_t new_pin_bytes(const ExpSegment& seg, const core::Block& free, std::uint64_t lo, std::uint64_t hi,
                             std::size_t max_shared_frames) const noexcept;
   void unmap_bulk_handles_under(ExpSegment& seg, const core::Block* anchor, std::uint64_t lo, std::uint64_t hi);
-  // Whether idle memory of `arena` may be unmapped now: not while a capture is underway, nor from a
-  // live graph pool (for_each_idle skips both alike).
+  // Whether idle memory of `arena` may be unmapped now: not from a live graph pool (its graphs'
+  // replays use that memory), nor when the synchronization it takes first would break a capture
+  // (arena_captures). for_each_idle skips the same arenas.
   bool may_unmap_in(const ExpArena& arena) const noexcept {
-    return !ctx_.capturing && !(is_graph_pool_key(arena.stream) && is_live_graph_pool_key(arena.stream));
+    return !(is_graph_pool_key(arena.stream) && is_live_graph_pool_key(arena.stream)) && !arena_captures(arena);
   }
+  bool arena_captures(const ExpArena& arena) const noexcept;
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
@@ -210,7 +216,10 @@ class ExpandableBackend final : public Backend {
   // stream may still be used by that work until then. Once is enough because nothing can be freed
   // while an operation runs (the caller holds the allocator's lock).
   void synchronize_once(driver::stream_t stream);
-  void begin_operation() noexcept { synced_ = {}; }
+  void begin_operation() noexcept {
+    synced_ = {};
+    ++operation_;
+  }
   void reap_retired(const ExpArena* keep);
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
   // Idle runs (see IdleRun).
@@ -268,6 +277,7 @@ class ExpandableBackend final : public Backend {
     std::size_t count = 0;
     bool all = false;  // more streams than fit: the whole device was synchronized
   } synced_;
+  std::uint64_t operation_ = 1;  // begin_operation's count: arena_captures asks once per operation
 };
 
 }  // namespace expseg::backends

@@ -324,7 +324,7 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
     const CaptureScope capture(ctx_, stream);
     if (ctx_.capturing) {
       // As PyTorch during a capture: a new segment (cuMemAlloc, relaxed capture mode), but nothing
-      // given back first, since cuMemFree and the synchronizations would invalidate the capture.
+      // given back first (its release_cached_blocks waits for no captures underway).
       found = alloc_block(p, false);
     } else {
       reap_retired(stream);

@@ -85,10 +85,14 @@ class SplitMergeBackend final : public Backend {
   bool get_free_block(Params& p);
   bool alloc_block(Params& p, bool is_retry);
   bool release_available_cached_blocks(const Params& p);
-  // A cached block that may be given back: unsplit, and not of a live graph pool (its graphs'
-  // replays use that memory; PyTorch frees a private pool's blocks only once the pool is released).
-  static bool releasable(const core::Block& b) noexcept {
-    return !b.is_split() && !(is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream));
+  // A cached block that may be given back: unsplit, not of a live graph pool (its graphs' replays
+  // use that memory; PyTorch frees a private pool's blocks only once the pool is released), and
+  // not of a stream that captures a graph expseg was not told of. cuMemFree (in relaxed capture
+  // mode) waits for the work of streams that do not capture, as outside a capture (measured on the
+  // H200); nothing says it would wait for work a capturing stream queued before its capture.
+  bool releasable(const core::Block& b) const noexcept {
+    return !b.is_split() && !(is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream)) &&
+           !stream_captures(ctx_, b.stream);
   }
   bool release_cached_blocks();
   void release_block(core::Block* block);
