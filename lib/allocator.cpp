@@ -518,8 +518,6 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
   for (const Impl::CaptureRoute& r : m.capture_routes)
     if (r.capture_id == capture)
       throw error("begin_graph_pool: this capture allocates into graph pool " + std::to_string(r.pool) + " already");
-  // A per-thread key is its thread's per-thread default stream: blocking.
-  const bool blocking = backends::is_stream_key(key) || m.driver->stream_blocking(key);
   auto it = std::find_if(m.graph_pools.begin(), m.graph_pools.end(), [&](const Impl::GraphPool& p) { return p.id == pool; });
   m.capture_routes.reserve(m.capture_routes.size() + 1);  // nothing below throws once the pool exists
   const bool made = it == m.graph_pools.end();
@@ -541,8 +539,8 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
     it->keys.emplace_back(key, pool_key);  // capacity reserved
   }
   it->uses += 1;
-  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key, blocking});
-  m.update_capturing();
+  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key});
+  m.ctx.capturing = true;
 }
 
 void Allocator::end_graph_pool(std::uint64_t pool) {
@@ -563,7 +561,7 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   }
   if (route == m.capture_routes.end()) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
   m.capture_routes.erase(route);
-  m.update_capturing();
+  m.ctx.capturing = !m.capture_routes.empty();
   if (!m.ctx.capturing) m.free_held_after_capture();
 }
 

@@ -142,13 +142,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
     std::uint64_t pool = 0;
     driver::stream_t key = nullptr;
     driver::stream_t stream = nullptr;  // begin_graph_pool's stream (its key): has the capture ended?
-    bool blocking = true;  // that stream synchronizes with the legacy stream (Driver::stream_blocking)
   };
-  // ctx.capturing and ctx.legacy_sync_ok from capture_routes.
-  void update_capturing() noexcept {
-    ctx.capturing = !capture_routes.empty();
-    ctx.legacy_sync_ok = ctx.capturing && std::none_of(capture_routes.begin(), capture_routes.end(), [](const CaptureRoute& r) { return r.blocking; });
-  }
   std::vector<GraphPool> graph_pools;
   std::vector<CaptureRoute> capture_routes;
   // Frees of blocks other streams used (record_stream) during a capture: their events cannot be

@@ -144,10 +144,6 @@ struct Context {
   // both may still map new memory. Set by the frontend while a capture allocates into a graph
   // pool, and by CaptureScope for a request on a capturing stream.
   bool capturing = false;
-  // While capturing: every capture expseg knows of runs on streams that do not synchronize with the
-  // legacy default stream (Driver::stream_blocking), so synchronizing the legacy stream is
-  // permitted (expandable may take back its idle memory). Set with `capturing`.
-  bool legacy_sync_ok = false;
   std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
 };
 
@@ -166,27 +162,18 @@ inline bool stream_captures(Context& ctx, driver::stream_t key) noexcept {
 // For the span of a slow path: sets ctx.capturing when the request's stream (key) is capturing
 // although no one said so (a capture the frontend was not told of: PyTorch's CUDAPluggableAllocator
 // passes no begin/end of a graph's pool on). One query (~15-20 ns on the H200), slow paths only.
-// Such a capture may have forked into streams of any kind: the legacy stream is not synchronized
-// during it.
 class CaptureScope {
  public:
-  CaptureScope(Context& ctx, driver::stream_t key) noexcept : ctx_(ctx), was_(ctx.capturing), was_legacy_ok_(ctx.legacy_sync_ok) {
-    if ((!was_ || was_legacy_ok_) && stream_captures(ctx, key)) {
-      ctx.capturing = true;
-      ctx.legacy_sync_ok = false;
-    }
+  CaptureScope(Context& ctx, driver::stream_t key) noexcept : ctx_(ctx), was_(ctx.capturing) {
+    if (!was_) ctx.capturing = stream_captures(ctx, key);
   }
-  ~CaptureScope() {
-    ctx_.capturing = was_;
-    ctx_.legacy_sync_ok = was_legacy_ok_;
-  }
+  ~CaptureScope() { ctx_.capturing = was_; }
   CaptureScope(const CaptureScope&) = delete;
   CaptureScope& operator=(const CaptureScope&) = delete;
 
  private:
   Context& ctx_;
   bool was_;
-  bool was_legacy_ok_;
 };
 
 struct FreeSummary {

@@ -53,7 +53,7 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
   X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)                      \
   X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020) X(cuMemSetAccess, 10020)             \
   X(cuMemAlloc, 3020) X(cuMemFree, 3020) X(cuMemAllocAsync, 11020) X(cuMemFreeAsync, 11020)        \
-  X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000) X(cuStreamGetFlags, 5050)  \
+  X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000)             \
   X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)  \
   X(cuEventQuery, 2000) X(cuEventSynchronize, 2000) X(cuMemsetD32Async, 3020)                         \
   X(cuMemcpyDtoH, 3020) X(cuMemcpyHtoD, 3020) X(cuMemExportToShareableHandle, 10020)                  \
@@ -395,13 +395,6 @@ class CudaDriver final : public Driver {
     check(api_, api_.cuCtxSynchronize(), "cuCtxSynchronize");
   }
 
-  bool stream_blocking(stream_t stream) override {
-    if (stream == nullptr || to_cu(stream) == CU_STREAM_LEGACY || to_cu(stream) == CU_STREAM_PER_THREAD) return true;
-    CtxScope scope(*this);
-    unsigned int flags = 0;
-    check(api_, api_.cuStreamGetFlags(to_cu(stream), &flags), "cuStreamGetFlags");
-    return (flags & CU_STREAM_NON_BLOCKING) == 0;
-  }
   std::uint64_t stream_capture_id(stream_t stream) override {
     CtxScope scope(*this);
     CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;

@@ -40,7 +40,6 @@ void Driver::mem_free_async(dev_ptr, stream_t) {
 }
 
 std::uint64_t Driver::stream_capture_id(stream_t) { return 0; }
-bool Driver::stream_blocking(stream_t) { return true; }
 
 namespace {
 [[noreturn]] void no_graphs(const char* call, const char* kind) {

@@ -155,11 +155,6 @@ class Driver {
   // stream captures. Those fail and invalidate the capture in any mode. The default (drivers of
   // tests) captures nothing.
   virtual std::uint64_t stream_capture_id(stream_t stream);
-  // Whether `stream` synchronizes with the legacy default stream (made without
-  // CU_STREAM_NON_BLOCKING; the legacy and per-thread default streams count as such): while such a
-  // stream captures, a synchronization of the legacy stream fails and invalidates the capture in any
-  // capture mode (measured on the H200). The default says true, the safe answer.
-  virtual bool stream_blocking(stream_t stream);
   // Tests and tools: capture `stream`'s work in global mode, end it into an executable graph,
   // launch that graph, destroy it. The default throws CUDA_ERROR_NOT_SUPPORTED.
   virtual void capture_begin(stream_t stream);

@@ -208,10 +208,6 @@ struct SimDriver::Impl {
   // Any stream value is accepted where work is queued (the default stream, streams of the program
   // or of a replayed trace); only those from stream_create() count as live and may be destroyed.
   std::unordered_set<std::uintptr_t> created_streams;
-  std::unordered_set<std::uintptr_t> blocking_streams;  // of created_streams: stream_create_blocking's
-  // Streams not made by stream_create (the legacy and per-thread default streams, replayed ids)
-  // count as blocking, the safe answer.
-  bool blocking(std::uintptr_t stream) const { return !created_streams.contains(stream) || blocking_streams.contains(stream); }
   // Ids are never reused: a sync of a destroyed stream fails (on CUDA 13 it failed with
   // CUDA_ERROR_INVALID_CONTEXT once and crashed the next time), so tests see every such call.
   std::unordered_set<std::uintptr_t> destroyed_streams;
@@ -233,8 +229,8 @@ struct SimDriver::Impl {
   // mode, where the H200 permits them while another stream captures; what no mode permits fails
   // here as there (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED or CUDA_ERROR_CAPTURED_EVENT) and
   // invalidates every capture: cuCtxSynchronize, a synchronization of a capturing stream or of the
-  // legacy stream while a blocking stream captures, a query or synchronization of an event
-  // recorded during a capture.
+  // legacy stream (CUDA refuses it while a blocking stream captures; the simulator treats every
+  // capturing stream as one), a query or synchronization of an event recorded during a capture.
   struct Memset {
     dev_ptr ptr = 0;
     std::uint32_t value = 0;
@@ -258,12 +254,10 @@ struct SimDriver::Impl {
   void invalidate_captures() noexcept {
     for (auto& [stream, c] : captures) c.invalidated = true;
   }
-  // A synchronization of `stream`: refused while it captures, and for the legacy stream while a
-  // blocking stream captures.
+  // A synchronization of `stream`: refused while it captures, and for the legacy stream while any
+  // stream captures.
   void refuse_sync_of_capturing(const char* call, std::uintptr_t stream) {
-    const bool refused = stream == 0 ? std::any_of(captures.begin(), captures.end(), [&](const auto& c) { return blocking(c.first); })
-                                     : captures.contains(stream);
-    if (refused) refuse_while_capturing(call);
+    if (stream == 0 ? !captures.empty() : captures.contains(stream)) refuse_while_capturing(call);
   }
   void refuse_captured_event(const char* call, const Event& ev) {
     if (!ev.captured) return;
@@ -897,18 +891,6 @@ stream_t SimDriver::stream_create() {
   return as_pointer(id);
 }
 
-stream_t SimDriver::stream_create_blocking() {
-  stream_t s = stream_create();
-  std::lock_guard lock(impl_->mutex);
-  impl_->blocking_streams.insert(id_of(s));
-  return s;
-}
-
-bool SimDriver::stream_blocking(stream_t stream) {
-  std::lock_guard lock(impl_->mutex);
-  return impl_->blocking(id_of(stream));
-}
-
 void SimDriver::stream_destroy(stream_t stream) {
   static constexpr const char* call = "cuStreamDestroy";
   std::lock_guard lock(impl_->mutex);
@@ -920,7 +902,6 @@ void SimDriver::stream_destroy(stream_t stream) {
   s.complete(&id, s.record_seq);
   s.busy_streams.erase(id);
   s.created_streams.erase(id);
-  s.blocking_streams.erase(id);
   s.destroyed_streams.insert(id);
 }
 

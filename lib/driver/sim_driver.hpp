@@ -107,11 +107,7 @@ class SimDriver final : public Driver {
   void set_access(dev_ptr ptr, std::size_t bytes) override;
   dev_ptr mem_alloc(std::size_t bytes) override;
   void mem_free(dev_ptr ptr) override;
-  stream_t stream_create() override;  // non-blocking, as the CUDA driver layer's
-  // Tests: a stream made without CU_STREAM_NON_BLOCKING (cuStreamCreate's default), which
-  // synchronizes with the legacy default stream (see Driver::stream_blocking).
-  stream_t stream_create_blocking();
-  bool stream_blocking(stream_t stream) override;
+  stream_t stream_create() override;
   void stream_destroy(stream_t stream) override;
   event_t event_create() override;
   void event_destroy(event_t event) override;

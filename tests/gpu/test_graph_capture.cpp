@@ -152,49 +152,6 @@ TEST_CASE("gpu: requests during a capture grow memory without invalidating it; u
   }
 }
 
-TEST_CASE("gpu: expandable takes back the legacy stream's idle memory during a capture on a non-blocking stream, not on a blocking one") {
-  // Measured on the H200: cuStreamSynchronize of the legacy stream is permitted in relaxed capture
-  // mode while a non-blocking stream captures, and fails and invalidates the capture while a
-  // blocking one (here the per-thread default stream) does.
-  for (bool blocking : {false, true}) {
-    CAPTURE(blocking);
-    Allocator a(cuda_config(BackendKind::expandable, "limit:1GiB"));
-    Driver& d = driver_of(a);
-    void* s = blocking ? reinterpret_cast<void*>(std::uintptr_t{2}) /* CU_STREAM_PER_THREAD */ : d.stream_create();
-    void* cached = a.allocate(640 * MiB, nullptr);
-    d.memset_d32(dp(cached), 1u, 640 * MiB / 4, nullptr);
-    a.deallocate(cached);  // idle memory of the legacy stream
-    d.capture_begin(s);
-    a.begin_graph_pool(7, s);
-    void* grown = a.allocate(256 * MiB, s);
-    d.memset_d32(dp(grown), 0x5eed5eedu, 256 * MiB / 4, s);
-    void* more = nullptr;
-    if (!blocking) {
-      more = a.allocate(256 * MiB, s);  // 640 + 256 + 256 MiB > 1 GiB: the legacy stream's memory goes
-      d.memset_d32(dp(more), 0x77777777u, 256 * MiB / 4, s);
-      CHECK(a.stats().reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(GiB));
-    } else {
-      CHECK_THROWS_AS(a.allocate(256 * MiB, s), expseg::out_of_memory);
-    }
-    expseg::driver::graph_t g = nullptr;
-    CHECK_NOTHROW(g = d.capture_end(s));
-    a.end_graph_pool(7);
-    REQUIRE(g != nullptr);
-    d.graph_launch(g, s);
-    d.device_synchronize();
-    CHECK(holds(d, grown, 256 * MiB, 0x5eed5eedu));
-    if (more != nullptr) CHECK(holds(d, more, 256 * MiB, 0x77777777u));
-    a.validate();
-    a.deallocate(grown);
-    a.deallocate(more);
-    d.graph_destroy(g);
-    a.release_graph_pool(7);
-    a.release_cached();
-    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
-    if (!blocking) d.stream_destroy(s);
-  }
-}
-
 TEST_CASE("gpu: a capture expseg is not told of survives requests, event queries and frees on other streams") {
   for (BackendKind kind : kBackends) {
     const std::string backend = expseg::to_string(kind);

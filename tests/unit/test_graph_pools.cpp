@@ -200,33 +200,29 @@ TEST_CASE("graph capture: no allocation during a capture invalidates it, told of
   // Under a limit, with idle memory cached for another stream, the capturing stream itself, or the
   // legacy stream: a request on the capturing stream that needs it given back. expandable takes the
   // other stream's (cuStreamSynchronize of a stream that does not capture is permitted in relaxed
-  // capture mode), and the legacy stream's during a told capture on a non-blocking stream; a
-  // synchronization of the capturing stream, or of the legacy stream while a blocking stream (or a
-  // capture expseg was not told of, which may involve one) captures, would fail and invalidate the
-  // capture, so that memory stays and the request fails with an OOM. split_merge gives back nothing
-  // during a capture, as PyTorch. A capture expseg was not told of takes its stream's own cache as
-  // any request does (a told one allocates into its pool). The capture stays valid in every case.
+  // capture mode); a synchronization of the capturing stream or the legacy stream would fail and
+  // invalidate the capture, so that memory stays and the request fails with an OOM. split_merge
+  // gives back nothing during a capture, as PyTorch. A capture expseg was not told of takes its
+  // stream's own cache as any request does (a told one allocates into its pool). The capture stays
+  // valid in every case.
   enum class Owner { other_stream, capturing_stream, legacy_stream };
   for (BackendKind kind : kBoth) {
     const std::string backend = expseg::to_string(kind);
     CAPTURE(backend);
-    for (Owner owner : {Owner::other_stream, Owner::capturing_stream, Owner::legacy_stream})
-    for (bool blocking : {false, true}) {
+    for (Owner owner : {Owner::other_stream, Owner::capturing_stream, Owner::legacy_stream}) {
       CAPTURE(static_cast<int>(owner));
-      CAPTURE(blocking);
       for (bool told : {false, true}) {
         CAPTURE(told);
         auto sa = host_backed(kind);
         sa->set_limit(64 * MiB);
-        void* s = blocking ? sa.sim->stream_create_blocking() : sa.sim->stream_create();
+        void* s = sa.sim->stream_create();
         void* s2 = sa.sim->stream_create();
         void* cached_on = owner == Owner::other_stream ? s2 : owner == Owner::capturing_stream ? s : nullptr;
         sa->deallocate(sa->allocate(44 * MiB, cached_on));
         const std::int64_t reserved_before = reserved(*sa);
         sa.sim->capture_begin(s);
         if (told) sa->begin_graph_pool(3, s);
-        const bool takes_other = kind == BackendKind::expandable &&
-                                 (owner == Owner::other_stream || (owner == Owner::legacy_stream && told && !blocking));
+        const bool takes_other = kind == BackendKind::expandable && owner == Owner::other_stream;
         const bool from_own_cache = !told && owner == Owner::capturing_stream;
         if (takes_other || from_own_cache) {
           void* p = sa->allocate(24 * MiB, s);

@@ -1399,15 +1399,12 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 // H200 (driver 580): while a stream captures, in any capture mode, cuStreamSynchronize of that
 // stream and cuCtxSynchronize fail and invalidate the capture; cuStreamSynchronize of a stream that
 // does not capture is permitted (the CUDA driver layer makes it in relaxed capture mode), from the
-// capturing thread or another, and so is one of the legacy stream unless a blocking stream
-// captures. So an arena on a plain stream is off limits only while its stream captures; the legacy
-// stream's while a capture is underway that may involve a blocking stream (ctx.legacy_sync_ok);
-// one on a key (a per-thread stream of any thread, a graph pool), which synchronize_once covers
-// with cuCtxSynchronize, while any capture expseg knows of is underway. A capture expseg is not
-// told of on another thread's per-thread stream is not seen.
+// capturing thread or another. So an arena on a plain stream is off limits only while its stream
+// captures; one on a key (a per-thread stream of any thread, a graph pool, the legacy stream),
+// which synchronize_once covers with cuCtxSynchronize, while any capture expseg knows of is
+// underway. A capture expseg is not told of on another thread's per-thread stream is not seen.
 bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
-  if (arena.stream == nullptr) return ctx_.capturing && !ctx_.legacy_sync_ok;
-  if (is_stream_key(arena.stream)) return ctx_.capturing;
+  if (is_stream_key(arena.stream) || arena.stream == nullptr) return ctx_.capturing;
   if (arena.capture_seen_op != operation_) {
     arena.capture_seen_op = operation_;
     arena.captures = stream_captures(ctx_, arena.stream);
@@ -1421,7 +1418,7 @@ void ExpandableBackend::synchronize_once(driver::stream_t stream) {
   if (s.count < std::size(s.streams) && !is_stream_key(stream)) {
     ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
     s.streams[s.count++] = stream;
-  } else if (ctx_.capturing && !is_stream_key(stream)) {
+  } else if (ctx_.capturing && !is_stream_key(stream) && stream != nullptr) {
     ctx_.driver.stream_synchronize(stream);  // cuCtxSynchronize would invalidate the capture
   } else {
     ctx_.driver.device_synchronize();
