@@ -290,7 +290,7 @@ void Allocator::Impl::throw_invalid_pointer(const char* op, std::uint64_t addr) 
 void Allocator::Impl::deallocate(void* ptr) {
   if (ptr == nullptr) return;
   const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
-  std::lock_guard<core::Mutex> lock(mu);
+  const core::LockGuard lock(mu);
   Block* b = live.erase(addr);
   if (b == nullptr) throw_invalid_pointer("free", addr);
   if (b->stream_uses.empty()) [[likely]] {

@@ -41,7 +41,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   void process_events();
   void finish_pending(core::Block* b) noexcept;
   void drop_retired_queues() noexcept;
-  [[noreturn]] void throw_invalid_pointer(const char* op, std::uint64_t addr) const;
+  [[noreturn, gnu::noinline, gnu::cold]] void throw_invalid_pointer(const char* op, std::uint64_t addr) const;
   // Context peer access (cuCtxEnablePeerAccess) for `peer` because of cuda_ipc imports: what an
   // expandable allocator needs only for them. Throws driver_error.
   void enable_context_peer_for_imports(int peer);
@@ -155,7 +155,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   driver::stream_t route_to_pool(driver::stream_t stream);
   bool stream_capturing(driver::stream_t stream) const noexcept;
   void free_held_after_capture();  // frees_after_capture, once no capture allocates into a pool
-  void free_after_uses(core::Block* b, bool in_live);  // deallocate()'s part for a block other streams used
+  [[gnu::noinline]] void free_after_uses(core::Block* b, bool in_live);  // deallocate()'s part for a block other streams used
 
   // Recently freed addresses, to tell a double free from a foreign pointer (0 = empty slot).
   std::array<std::uint64_t, 64> recent_frees{};

@@ -31,7 +31,9 @@ namespace expseg::core {
 
 class Mutex {
  public:
-  void lock() noexcept {
+  // Always inlined: the cached path's lock+unlock are a few instructions here, and GCC at times
+  // leaves unlock() out of line (a call and return per free and per allocation).
+  [[gnu::always_inline]] void lock() noexcept {
     int expected = 0;
     if (locked_.compare_exchange_strong(expected, 1, std::memory_order_acquire, std::memory_order_relaxed)) return;
     lock_slow();
@@ -40,7 +42,7 @@ class Mutex {
     int expected = 0;
     return locked_.compare_exchange_strong(expected, 1, std::memory_order_acquire, std::memory_order_relaxed);
   }
-  void unlock() noexcept {
+  [[gnu::always_inline]] void unlock() noexcept {
     locked_.store(0, std::memory_order_release);
     if (sleepers_.load(std::memory_order_relaxed) != 0) wake_one();
   }
@@ -108,6 +110,19 @@ class Mutex {
   static_assert(sizeof(std::atomic<int>) == sizeof(int) && std::atomic<int>::is_always_lock_free);
   std::atomic<int> locked_{0};
   std::atomic<int> sleepers_{0};
+};
+
+// std::lock_guard for the cached paths: GCC at times leaves lock_guard's destructor out of line
+// (callgrind: 6 more instructions per free).
+class LockGuard {
+ public:
+  [[gnu::always_inline]] explicit LockGuard(Mutex& m) noexcept : m_(m) { m_.lock(); }
+  [[gnu::always_inline]] ~LockGuard() { m_.unlock(); }
+  LockGuard(const LockGuard&) = delete;
+  LockGuard& operator=(const LockGuard&) = delete;
+
+ private:
+  Mutex& m_;
 };
 
 }  // namespace expseg::core

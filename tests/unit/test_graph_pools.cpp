@@ -1,9 +1,10 @@
 // CUDA graph capture: graph pools (Allocator::begin_graph_pool) and the calls a capture refuses.
 // A graph replays the addresses its capture used, so memory a capture allocated, freed or not, must
-// stay mapped and go to no one else while the graph may run; and a synchronization, an event query
-// or a cuMemFree while a stream captures fails and invalidates the capture (measured on the H200;
-// the simulated device refuses them the same way and records captured memsets, which graph_launch
-// replays into whatever the addresses hold then).
+// stay mapped and go to no one else while the graph may run; and some calls while a stream captures
+// fail and invalidate the capture, even in the relaxed capture mode the CUDA driver layer uses: a
+// synchronization of the capturing stream or the device, a query of an event recorded inside the
+// capture (measured on the H200; the simulated device refuses them the same way and records
+// captured memsets, which graph_launch replays into whatever the addresses hold then).
 #include <doctest/doctest.h>
 
 #include <cstdint>
