@@ -325,7 +325,12 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   // deallocate): no event can stand for its work, so the free waits for that capture's end.
   for (driver::stream_t s : b->stream_uses) {
     if (!stream_capturing(event_stream(s))) continue;
-    frees_after_capture.push_back(b);  // on bad_alloc nothing has changed
+    try {
+      frees_after_capture.push_back(b);
+    } catch (...) {
+      if (in_live) live.insert_reserved(b);  // right after its erase: room for it
+      throw;
+    }
     if (in_live) {
       if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
       backend->begin_pending_free(b);
@@ -570,14 +575,15 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
 // the rest stay held for the next end_graph_pool or release_cached (which gives them back).
 void Allocator::Impl::free_held_after_capture() {
   // Taken out first: a free whose stream still captures (one expseg was not told of) goes back in.
-  std::vector<Block*> held;
-  held.swap(frees_after_capture);
-  struct PutBack {  // what is left when something throws stays held
+  // The list keeps its capacity, so neither that nor putting back what is left when something
+  // throws allocates.
+  std::vector<Block*> held(frees_after_capture.begin(), frees_after_capture.end());  // may throw: nothing changed
+  frees_after_capture.clear();
+  struct PutBack {
     std::vector<Block*>& held;
     std::vector<Block*>& to;
     ~PutBack() { to.insert(to.end(), held.begin(), held.end()); }
   } put_back{held, frees_after_capture};
-  frees_after_capture.reserve(held.size());  // room for each to go back: the inserts cannot throw
   while (!held.empty()) {
     Block* b = held.back();
     try {
