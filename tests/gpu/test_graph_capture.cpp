@@ -10,7 +10,8 @@
 //     is given back during a capture); the capture stays valid, told of it or not;
 //   - a capture expseg is not told of survives what requests on other streams do meanwhile: event
 //     queries of pending frees, a free whose stream captures (held until the capture has ended),
-//     a request that would need the capturing stream's cached memory (an OOM).
+//     a request that would need the capturing stream's cached memory (an OOM), a request that needs
+//     the cached memory of a dozen other streams (each synchronized by itself).
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -202,6 +203,54 @@ TEST_CASE("gpu: a capture expseg is not told of survives requests, event queries
     d.stream_destroy(cs);
     d.stream_destroy(b);
     d.stream_destroy(c);
+  }
+}
+
+TEST_CASE("gpu: memory cached for a dozen streams is taken back during a capture expseg is not told of") {
+  // A request needs the idle memory of twelve streams while another stream captures in global
+  // mode. Each of the twelve is synchronized by itself (relaxed capture mode); a device
+  // synchronization, refused during any capture, would fail the request and invalidate the capture.
+  constexpr int kStreams = 12;
+  for (BackendKind kind : kBackends) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    Allocator a(cuda_config(kind, "limit:1GiB"));
+    Driver& d = driver_of(a);
+    std::vector<void*> streams;
+    for (int i = 0; i < kStreams; ++i) {
+      void* s = d.stream_create();
+      void* p = a.allocate(64 * MiB, s);
+      d.memset_d32(dp(p), static_cast<std::uint32_t>(i), 64 * MiB / 4, s);
+      a.deallocate(p);  // 768 MiB idle, spread over twelve streams
+      streams.push_back(s);
+    }
+    void* cs = d.stream_create();
+    void* m = d.stream_create();
+    void* out = a.allocate(2 * MiB, cs);
+    d.capture_begin(cs);
+    d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
+    void* big = nullptr;
+    CHECK_NOTHROW(big = a.allocate(900 * MiB, m));  // 2 + 900 MiB: at least eleven streams' memory
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = d.capture_end(cs));
+    REQUIRE(g != nullptr);
+    d.graph_launch(g, cs);
+    d.stream_synchronize(cs);
+    CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+    a.validate();
+    if (big != nullptr) {
+      d.memset_d32(dp(big), 7u, 900 * MiB / 4, m);
+      d.stream_synchronize(m);
+      CHECK(holds(d, big, 900 * MiB, 7u));
+      a.deallocate(big);
+    }
+    a.deallocate(out);
+    d.graph_destroy(g);
+    a.release_cached();
+    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+    for (void* s : streams) d.stream_destroy(s);
+    d.stream_destroy(cs);
+    d.stream_destroy(m);
   }
 }
 

@@ -401,6 +401,49 @@ TEST_CASE("expandable: blocks freed on one stream are reused on another only thr
   sa.sim->stream_destroy(s2);
 }
 
+TEST_CASE("expandable: memory of many streams is taken back after each of those streams' sync, not the device's") {
+  // Twelve streams each hold 60 MiB idle, their work still queued; a request on a thirteenth needs
+  // nearly all of it. Each of the twelve is synchronized once; a bystander stream's queued work is
+  // not waited for (a device synchronization would also invalidate a capture on any stream).
+  using expseg::driver::Op;
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:740MiB"));
+  constexpr int kStreams = 12;
+  std::vector<void*> streams, done;
+  for (int i = 0; i < kStreams; ++i) {
+    void* s = sa.sim->stream_create();
+    void* p = sa->allocate(60 * MiB, s);
+    sa.sim->set_stream_busy(s, true);
+    sa.sim->queue_use(s, addr(p), 60 * MiB);
+    sa->deallocate(p);
+    void* e = sa.sim->event_create();
+    sa.sim->event_record(e, s);
+    streams.push_back(s);
+    done.push_back(e);
+  }
+  void* bystander = sa.sim->stream_create();
+  sa.sim->set_stream_busy(bystander, true);
+  void* bystander_done = sa.sim->event_create();
+  sa.sim->event_record(bystander_done, bystander);
+  void* mine = sa.sim->stream_create();
+  const auto syncs = sa.sim->calls(Op::stream_sync);
+  void* q = sa->allocate(700 * MiB, mine);
+  CHECK(sa.sim->hazards().empty());
+  CHECK(sa.sim->calls(Op::stream_sync) - syncs == static_cast<std::uint64_t>(kStreams));
+  for (void* e : done) CHECK(sa.sim->event_query(e));
+  CHECK_FALSE(sa.sim->event_query(bystander_done));
+  sa->deallocate(q);
+  sa->validate();
+  sa.sim->set_stream_busy(bystander, false);
+  for (void* s : streams) sa.sim->set_stream_busy(s, false);
+  sa.alloc.reset();
+  CHECK(sa.sim->hazards().empty());
+  for (void* e : done) sa.sim->event_destroy(e);
+  sa.sim->event_destroy(bystander_done);
+  for (void* s : streams) sa.sim->stream_destroy(s);
+  sa.sim->stream_destroy(bystander);
+  sa.sim->stream_destroy(mine);
+}
+
 TEST_CASE("expandable: under a limit a block goes where it costs the fewest driver calls, not through an idle bulk handle") {
   // Free run: [2 MiB idle frame][32 MiB idle bulk handle][unmapped tail]. 20 MiB placed at the run's
   // start would cover the bulk handle partly: unmap it, map 9 frames again (3 calls). Placed where

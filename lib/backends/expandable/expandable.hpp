@@ -217,7 +217,8 @@ class ExpandableBackend final : public Backend {
   // while an operation runs (the caller holds the allocator's lock).
   void synchronize_once(driver::stream_t stream);
   void begin_operation() noexcept {
-    synced_ = {};
+    synced_.count = 0;
+    synced_.all = false;
     ++operation_;
   }
   void reap_retired(const ExpArena* keep);
@@ -273,9 +274,9 @@ class ExpandableBackend final : public Backend {
   std::uint64_t search_steps_ = 0;
   std::uint64_t slow_calls_ = 0;
   struct SyncedStreams {         // synchronize_once's streams in the current operation
-    driver::stream_t streams[8];
+    driver::stream_t streams[32];
     std::size_t count = 0;
-    bool all = false;  // more streams than fit: the whole device was synchronized
+    bool all = false;  // a key's memory was reached: the whole device was synchronized
   } synced_;
   std::uint64_t operation_ = 1;  // begin_operation's count: arena_captures asks once per operation
 };
