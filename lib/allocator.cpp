@@ -366,6 +366,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
       auto it = queue_of(b->stream_uses[i]);
       if (it == pending.end()) {
         drop_retired_queues();
+        drop_empty_queues();
         it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
       }
       it->queue.push_back(PendingFree{events[i], b});
@@ -443,6 +444,16 @@ void Allocator::Impl::drop_retired_queues() noexcept {
     if (!se.queue.empty()) retired_queue_left = true;
     return se.queue.empty();
   });
+}
+
+// The empty queues, once there are many: streams a program destroyed (a stream per request, say)
+// would otherwise keep theirs for good, and cross-stream frees and process_events walk them all. A
+// queue made again later costs one small allocation on that stream's next cross-stream free. The
+// next sweep waits until the queues have doubled: amortized constant work per queue made.
+void Allocator::Impl::drop_empty_queues() noexcept {
+  if (pending.size() < queue_sweep_at) return;
+  std::erase_if(pending, [](const StreamEvents& se) { return se.queue.empty(); });
+  queue_sweep_at = std::max(kQueueSweepMin, 2 * pending.size());
 }
 
 // A block out of its queue must reach the backend: nothing from the pop to the free may throw.

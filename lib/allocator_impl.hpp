@@ -41,6 +41,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   void process_events();
   void finish_pending(core::Block* b) noexcept;
   void drop_retired_queues() noexcept;
+  void drop_empty_queues() noexcept;
   [[noreturn, gnu::noinline, gnu::cold]] void throw_invalid_pointer(const char* op, std::uint64_t addr) const;
   // Context peer access (cuCtxEnablePeerAccess) for `peer` because of cuda_ipc imports: what an
   // expandable allocator needs only for them. Throws driver_error.
@@ -119,6 +120,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   std::size_t pending_count = 0;
   std::uint64_t pending_retired_seen = 0;  // retired_keys_generation() at drop_retired_queues' last look
   bool retired_queue_left = false;         // that look left an exited thread's queue holding a free
+  static constexpr std::size_t kQueueSweepMin = 32;
+  std::size_t queue_sweep_at = kQueueSweepMin;  // drop_empty_queues' next look: at this many queues
   // Recycled events. Its capacity always holds every event, spare or pending (deallocate reserves
   // it), so that completing a pending free never allocates.
   std::vector<driver::event_t> spare_events;

@@ -212,4 +212,40 @@ TEST_CASE("the per-thread default stream: record_stream from another thread wait
   }
 }
 
+TEST_CASE("streams a program creates and destroys leave no event queues behind") {
+  // A server that makes a stream per request and hands blocks to it (record_stream): each such
+  // stream gets an event queue for its frees. Once a queue is empty it need not stay; kept, they
+  // would grow without end, and every cross-stream free and pending-free pass walks them all.
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    void* own = sa.sim->stream_create();
+    void* busy = sa.sim->stream_create();  // its queue holds a free throughout: never dropped
+    void* held = sa->allocate(MiB, own);
+    sa->record_stream(held, busy);
+    sa.sim->set_stream_busy(busy, true);
+    sa->deallocate(held);
+    std::size_t most = 0;
+    for (int i = 0; i < 1000; ++i) {
+      void* s = sa.sim->stream_create();
+      void* p = sa->allocate(MiB, own);
+      sa->record_stream(p, s);
+      sa->deallocate(p);
+      sa->deallocate(sa->allocate(MiB, own));  // s's event has completed: its free completes
+      sa.sim->stream_destroy(s);
+      most = std::max(most, expseg::detail::AllocatorAccess::pending_streams(*sa));
+    }
+    CHECK(most <= 64);
+    CHECK(expseg::detail::AllocatorAccess::pending_streams(*sa) >= 1);  // busy's
+    sa.sim->set_stream_busy(busy, false);
+    sa->release_cached();
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(own);
+    sa.sim->stream_destroy(busy);
+  }
+}
+
 }  // TEST_SUITE
