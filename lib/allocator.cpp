@@ -632,6 +632,33 @@ void Allocator::release_cached() {
   impl_->backend->release_cached();
 }
 
+void Allocator::release_stream(stream_t stream) {
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  const auto v = reinterpret_cast<std::uintptr_t>(stream);
+  if (stream == nullptr || v == backends::kPerThreadStream || v == 0x1 || backends::is_stream_key(stream))
+    throw error("release_stream: only a stream the program created can be released (not the default, legacy or per-thread stream)");
+  if (m.ctx.capturing)
+    throw error("release_stream: a CUDA graph capture allocates into a graph pool; synchronizing would invalidate it");
+  if (backends::stream_captures(m.ctx, stream)) throw error("release_stream: the stream is capturing");
+  if (const std::size_t in_use = m.backend->stream_bytes_in_use(stream); in_use != 0)
+    throw error("release_stream: " + std::to_string(in_use) +
+                " bytes of blocks allocated on the stream are in use (live, or freed and waiting for other streams): free them first");
+  auto uses = [&](const Block* b) {
+    return std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) != b->stream_uses.end();
+  };
+  std::size_t recorded = 0;
+  m.live.for_each([&](const Block* b) { recorded += uses(b); });
+  recorded += static_cast<std::size_t>(std::count_if(m.frees_after_capture.begin(), m.frees_after_capture.end(), uses));
+  if (recorded != 0)
+    throw error("release_stream: " + std::to_string(recorded) +
+                " block(s) have the stream recorded (record_stream) and are not freed yet: an event would be recorded on it");
+  m.driver->stream_synchronize(stream);  // its queued work, and the events of frees that waited for it
+  if (m.pending_count != 0) m.process_events();
+  m.backend->release_stream(stream);
+  std::erase_if(m.pending, [&](const Impl::StreamEvents& se) { return se.stream == stream && se.queue.empty(); });
+}
+
 Stats Allocator::stats() const {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   return impl_->stats;

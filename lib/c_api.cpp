@@ -501,6 +501,24 @@ int expseg_release_cached(int device) noexcept {
   }
 }
 
+int expseg_release_stream(int device, expseg_stream_t stream) noexcept {
+  constexpr const char* fn = "expseg_release_stream";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = existing(device);
+  if (a == nullptr) return EXPSEG_SUCCESS;  // nothing cached
+  try {
+    a->release_stream(static_cast<expseg::stream_t>(stream));
+    return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // the stream cannot be released now: blocks use it, or it is not one's own
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
 int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
   constexpr const char* fn = "expseg_begin_graph_pool";
   Allocator* a = get_or_create(device, fn);

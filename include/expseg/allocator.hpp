@@ -11,7 +11,8 @@
 // next allocation that misses the cache, release_cached() or set_limit() (after a device
 // synchronization: work the thread queued may still run); its blocks still live (freed by another
 // thread later) go back the same way once freed.
-// A stream given here must outlive the memory cached for it: destroy it only after release_cached()
+// A stream given here must outlive the memory cached for it: destroy it only after release_stream()
+// or release_cached()
 // (the expandable backend synchronizes a block's stream before unmapping its memory, and the driver
 // may crash on a destroyed stream), as PyTorch requires of its external streams. The C API's CuPy
 // entry point (expseg_cupy_malloc) is the exception: it never hands its streams to the driver.
@@ -86,6 +87,14 @@ class Allocator {
   // Gives back to the device every cached byte that can be given back (empty_cache()). Throws
   // expseg::error while a graph capture allocates into a pool (it would have to synchronize).
   void release_cached();
+  // Before destroying a stream the program created (a stream per request, say): synchronizes it,
+  // completes the frees that waited for it, gives back everything cached for it and forgets it.
+  // The stream may then be destroyed; naming it again later starts afresh. Throws expseg::error,
+  // changing nothing else, while blocks allocated on it are live or wait for other streams, while a
+  // live block or a held free has it recorded (record_stream), while it or a graph pool's capture
+  // is capturing, and for the default, legacy or per-thread stream; expseg::driver_error when the
+  // synchronization fails.
+  void release_stream(stream_t stream);
 
   // CUDA graphs' private pools, as PyTorch's torch.cuda.graph keeps them. A graph replays the
   // addresses its capture used, so memory it allocated, and freed, during capture must not be

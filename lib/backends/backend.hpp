@@ -239,6 +239,12 @@ class Backend {
   virtual void free(core::Block* block) noexcept = 0;
   // Give every cached byte that can be given back to the device.
   virtual void release_cached() = 0;
+  // Bytes of blocks allocated on `stream` that are live or freed and waiting for other streams.
+  virtual std::size_t stream_bytes_in_use(driver::stream_t stream) const = 0;
+  // Gives back everything cached for plain stream `stream` and forgets the stream, so that its
+  // owner may destroy it (Allocator::release_stream: the frontend has synchronized it, and none of
+  // its blocks is in use).
+  virtual void release_stream(driver::stream_t stream) = 0;
   // The limit changed (ctx.limit already updated): give back cached memory above it if possible.
   virtual void on_limit_changed() { }
   // A peer device was granted access: extend it to everything already mapped.

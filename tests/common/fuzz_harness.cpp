@@ -186,6 +186,8 @@ void Counters::add(const Counters& o) {
   faults_absorbed += o.faults_absorbed;
   invalid_pointer_checks += o.invalid_pointer_checks;
   release_cached += o.release_cached;
+  streams_released += o.streams_released;
+  streams_refused += o.streams_refused;
   limit_changes += o.limit_changes;
   full_checks += o.full_checks;
   bytes_checked += o.bytes_checked;
@@ -202,7 +204,8 @@ std::string Counters::to_string() const {
   os << ops << " ops: " << allocs << " allocations, " << frees << " frees (" << pending_frees << " cross-stream), " << ooms
      << " OOMs (" << fragmentation_ooms << " fragmentation), " << faults_armed << " faults armed, " << faults_fired
      << " fired (" << driver_errors << " reached the caller, " << faults_absorbed << " absorbed), " << invalid_pointer_checks
-     << " bad pointers, " << release_cached << " release_cached, " << limit_changes << " limit changes, " << unmaps
+     << " bad pointers, " << release_cached << " release_cached, " << streams_released << " streams released ("
+     << streams_refused << " refused), " << limit_changes << " limit changes, " << unmaps
      << " unmaps/cuMemFree, " << captures << " graph captures (" << capture_allocs << " allocations, " << launches
      << " launches, " << refused_in_capture << " refused calls), " << full_checks << " full checks, " << bytes_checked << " pattern bytes checked, digest "
      << hex(digest);
@@ -926,6 +929,48 @@ void Harness::op_toggle_busy(Source& src) {
   if (!busy) complete_upto_[s] = std::max(complete_upto_[s], tick_);
 }
 
+// release_stream of a stream the harness made. Refused (expseg::error) while a block allocated on
+// it is live or pending, or a live block has it recorded; it may also be refused while a pending
+// free has it recorded (a free held for a capture records its events later). Done, the stream was
+// synchronized and nothing is cached for it.
+void Harness::op_release_stream(Source& src) {
+  if (streams_.size() < 2) return;
+  void* s = streams_[1 + src.below(streams_.size() - 1)];  // not the legacy default stream
+  if (!captures_.empty()) {
+    note(std::string("release_stream ") + stream_name(s) + " (skipped: a capture is underway)");
+    return;
+  }
+  note(std::string("release_stream ") + stream_name(s));
+  auto recorded = [&](const Live& l) { return std::find(l.uses.begin(), l.uses.end(), s) != l.uses.end(); };
+  bool must_refuse = false;
+  bool may_refuse = false;
+  for (const auto& [addr, l] : live_) must_refuse = must_refuse || (l.pool == 0 && l.stream == s) || recorded(l);
+  for (const auto& [addr, p] : pending_) {
+    must_refuse = must_refuse || (p.block.pool == 0 && p.block.stream == s);
+    may_refuse = may_refuse || recorded(p.block);
+  }
+  may_refuse = may_refuse || must_refuse;
+  try {
+    alloc_->release_stream(s);
+  } catch (const expseg::driver_error& e) {
+    on_driver_exception("release_stream", e);
+    return;
+  } catch (const Failure&) {
+    throw;
+  } catch (const expseg::error& e) {
+    if (!may_refuse) fail(std::string("release_stream refused a stream nothing uses: ") + e.what());
+    ++counters_.streams_refused;
+    return;
+  }
+  if (must_refuse) fail("release_stream released a stream with blocks in use");
+  ++counters_.streams_released;
+  if (!spy_failure_.empty() || driver_threw_) return;
+  resolve_pending();
+  for (const auto& seg : alloc_->snapshot().segments)
+    if (seg.stream == static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(s)))
+      fail("release_stream left segment " + hex(seg.address) + " of the stream");
+}
+
 void Harness::op_release_cached() {
   if (!captures_.empty()) {
     refused_in_capture(false, 0);
@@ -1281,7 +1326,12 @@ void Harness::step(Source& src) {
     op_toggle_busy(src);
   } else if (r < 83) {
     name = "release_cached";
-    op_release_cached();
+    if (src.chance(25)) {
+      name = "release_stream";
+      op_release_stream(src);
+    } else {
+      op_release_cached();
+    }
   } else if (r < 86) {
     name = "set_limit";
     op_set_limit(src);

@@ -137,6 +137,8 @@ struct Counters {
   std::uint64_t faults_absorbed = 0;  // fired, yet the operation succeeded (retry, fallback)
   std::uint64_t invalid_pointer_checks = 0;
   std::uint64_t release_cached = 0;
+  std::uint64_t streams_released = 0;  // release_stream calls that succeeded
+  std::uint64_t streams_refused = 0;   // and that were refused (blocks in use)
   std::uint64_t limit_changes = 0;
   std::uint64_t full_checks = 0;
   std::uint64_t bytes_checked = 0;
@@ -215,6 +217,7 @@ class Harness {
   void op_record_stream(Source& src);
   void op_toggle_busy(Source& src);
   void op_release_cached();
+  void op_release_stream(Source& src);
   void op_set_limit(Source& src);
   void op_fault(Source& src);
   void op_invalid(Source& src);

@@ -213,6 +213,38 @@ TEST_CASE("gpu: a block freed while a recorded stream still writes it is not han
   }
 }
 
+TEST_CASE("gpu: streams made per request and destroyed after release_stream leave nothing behind") {
+  // Each round: a new stream writes a 600 MiB block, frees it, is released and destroyed. Under a
+  // 1 GiB limit, the next request for 900 MiB on a long-lived stream fits only if the destroyed
+  // streams' memory is gone (had it stayed cached, taking it back would synchronize a destroyed
+  // stream).
+  for (BackendKind b : kBackends) {
+    const std::string backend_name = expseg::to_string(b);
+    CAPTURE(backend_name);
+    Allocator a(cuda_config(b, "limit:1GiB"));
+    Driver& d = driver_of(a);
+    void* m = d.stream_create();
+    for (int round = 0; round < 4; ++round) {
+      void* s = d.stream_create();
+      void* p = a.allocate(600 * MiB, s);
+      d.memset_d32(dp(p), 0x600u + static_cast<std::uint32_t>(round), 600 * MiB / 4, s);
+      a.deallocate(p);
+      a.release_stream(s);
+      d.stream_destroy(s);
+      CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+      void* q = a.allocate(900 * MiB, m);
+      d.memset_d32(dp(q), 0x900u, 900 * MiB / 4, m);
+      d.stream_synchronize(m);
+      CHECK(read_back(d, q, 900 * MiB, 0x900u) == -1);
+      a.deallocate(q);
+      a.release_stream(m);
+      check_stats(a);
+    }
+    a.validate();
+    d.stream_destroy(m);
+  }
+}
+
 TEST_CASE("gpu: the 800/500/300 story under a 2064 MiB limit: split_merge OOMs with 900 MiB reserved but unallocated, expandable succeeds") {
   {
     Allocator a(cuda_config(BackendKind::split_merge, "limit:2064MiB"));

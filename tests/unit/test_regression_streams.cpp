@@ -17,6 +17,10 @@ using expseg::BackendKind;
 using expseg::kAllPools;
 using expseg::driver::Op;
 
+namespace {
+std::int64_t reserved(const expseg::Allocator& a) { return a.stats().reserved_bytes[kAllPools].current; }
+}  // namespace
+
 TEST_SUITE("regression-streams") {
 
 TEST_CASE("sim: an unmap of memory that queued work still uses is a hazard; after the stream's sync it is not") {
@@ -246,6 +250,124 @@ TEST_CASE("streams a program creates and destroys leave no event queues behind")
     sa.sim->stream_destroy(own);
     sa.sim->stream_destroy(busy);
   }
+}
+
+TEST_CASE("release_stream: what is cached for a stream goes back, the stream is forgotten and may be destroyed") {
+  // A program that makes a stream per request destroys each one after its work. release_stream
+  // synchronizes it, completes the frees that waited for it, gives back its cached memory and
+  // forgets it: no later call touches the destroyed stream (the simulated device refuses a
+  // synchronization of one), under a limit too, and nothing of it stays in snapshots.
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind, 80 * GiB, "limit:256MiB"));
+    void* own = sa.sim->stream_create();
+    void* keep = sa->allocate(64 * MiB, own);  // another stream's live block: not touched
+    const auto reserved_before = reserved(*sa);
+    for (int round = 0; round < 20; ++round) {
+      void* s = sa.sim->stream_create();
+      void* big = sa->allocate(100 * MiB, s);
+      void* small = sa->allocate(1000, s);
+      void* handed = sa->allocate(8 * MiB, own);
+      sa->record_stream(handed, s);  // used on s: its free waits for s
+      sa.sim->set_stream_busy(s, true);
+      sa.sim->queue_use(s, addr(big), 100 * MiB);
+      CHECK_THROWS_AS(sa->release_stream(s), expseg::error);  // big and small are live
+      sa->deallocate(big);
+      sa->deallocate(small);
+      CHECK_THROWS_AS(sa->release_stream(s), expseg::error);  // `handed` has s recorded
+      sa->deallocate(handed);
+      const auto syncs = sa.sim->calls(Op::stream_sync);
+      sa->release_stream(s);
+      CHECK(sa.sim->calls(Op::stream_sync) == syncs + 1);  // s itself, never the device
+      CHECK(sa.sim->hazards().empty());  // big's pages went back only after s's queued work
+      CHECK(sa->stats().active_bytes[kAllPools].current == static_cast<std::int64_t>(64 * MiB));  // handed's free completed
+      for (const expseg::SegmentInfo& seg : sa->snapshot().segments) CHECK(seg.stream != addr(s));
+      sa->validate();
+      sa.sim->set_stream_busy(s, false);
+      sa.sim->stream_destroy(s);
+      // The limit leaves room only if the released memory is really gone.
+      void* next = sa->allocate(180 * MiB, own);
+      sa->deallocate(next);
+      sa->validate();
+    }
+    CHECK(expseg::detail::AllocatorAccess::pending_streams(*sa) <= 1);
+    sa->deallocate(keep);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    CHECK(reserved_before >= static_cast<std::int64_t>(64 * MiB));
+    sa->validate();
+    sa.alloc.reset();
+    CHECK(sa.sim->hazards().empty());
+    sa.sim->stream_destroy(own);
+  }
+}
+
+TEST_CASE("release_stream: refused, with nothing changed, for the default streams, a capturing stream and blocks still in use") {
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind));
+    CHECK_THROWS_AS(sa->release_stream(nullptr), expseg::error);
+    CHECK_THROWS_AS(sa->release_stream(stream_id(1)), expseg::error);  // CU_STREAM_LEGACY
+    CHECK_THROWS_AS(sa->release_stream(stream_id(2)), expseg::error);  // CU_STREAM_PER_THREAD
+    void* s = sa.sim->stream_create();
+    void* o = sa.sim->stream_create();
+    // A block of s freed but waiting for another stream's work is still in use.
+    void* p = sa->allocate(4 * MiB, s);
+    sa->record_stream(p, o);
+    sa.sim->set_stream_busy(o, true);
+    sa->deallocate(p);
+    const auto reserved_before = reserved(*sa);
+    const auto syncs = sa.sim->calls(Op::stream_sync);
+    CHECK_THROWS_AS(sa->release_stream(s), expseg::error);
+    CHECK(sa.sim->calls(Op::stream_sync) == syncs);  // refused before any synchronization
+    CHECK(reserved(*sa) == reserved_before);
+    sa.sim->set_stream_busy(o, false);
+    // A capturing stream would be invalidated by its synchronization.
+    sa.sim->capture_begin(s);
+    CHECK_THROWS_AS(sa->release_stream(s), expseg::error);
+    CHECK(sa.sim->stream_capture_id(s) != 0);
+    void* g = sa.sim->capture_end(s);
+    sa.sim->graph_destroy(g);
+    // A failed synchronization: reported, and the stream's memory stays as it was.
+    sa->deallocate(sa->allocate(MiB, o));  // completes p's free
+    const auto reserved_now = reserved(*sa);
+    sa.sim->inject_fault(Op::stream_sync, 1, expseg::driver::Fault::error);
+    CHECK_THROWS_AS(sa->release_stream(s), expseg::driver_error);
+    CHECK(reserved(*sa) == reserved_now);
+    sa->validate();
+    sa->release_stream(s);
+    CHECK(reserved(*sa) == reserved_now - reserved_before);  // s's memory, all of it
+    // Releasing a stream nothing was cached for, or one already released, does nothing.
+    sa->release_stream(s);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s);
+    sa.sim->stream_destroy(o);
+  }
+}
+
+TEST_CASE("C API: expseg_release_stream") {
+  testutil::CApiFixture fixture;
+  REQUIRE(expseg_configure("device:sim,sim_capacity:80GiB,backend:expandable") == EXPSEG_SUCCESS);
+  CHECK(expseg_release_stream(0, nullptr) == EXPSEG_SUCCESS);  // no allocator yet: nothing cached
+  CHECK(expseg_release_stream(-1, nullptr) == EXPSEG_ERROR_INVALID_DEVICE);
+  void* first = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(first != nullptr);
+  expseg::Allocator* a = expseg::capi::allocator_for_tests(0);
+  auto& sim = dynamic_cast<expseg::driver::SimDriver&>(expseg::detail::AllocatorAccess::driver(*a));
+  void* s = sim.stream_create();
+  void* p = expseg_malloc(static_cast<ssize_t>(32 * MiB), 0, s);
+  REQUIRE(p != nullptr);
+  CHECK(expseg_release_stream(0, s) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(expseg_last_error()).find("in use") != std::string::npos);
+  CHECK(expseg_release_stream(0, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  expseg_free(p, 0, 0, s);
+  CHECK(expseg_release_stream(0, s) == EXPSEG_SUCCESS);
+  sim.stream_destroy(s);
+  expseg_free(first, 0, 0, nullptr);
+  a->validate();
 }
 
 }  // TEST_SUITE

@@ -1555,30 +1555,53 @@ void ExpandableBackend::reap_retired(const ExpArena* keep) {
       }
     retired_seen_ = gen;
   }
-  std::vector<ExpHandle*> idle;
   for (std::size_t i = retired_.size(); i-- > 0;) {
     ExpArena* a = retired_[i];
     if (a == keep) continue;
-    // The idle handles: those lying wholly inside one of its mapped free blocks.
-    idle.clear();
-    a->mapped_free.for_each([&](Block& b) {
-      const auto& seg = *static_cast<const ExpSegment*>(b.segment);
-      std::uint64_t lo = 0;
-      std::uint64_t hi = 0;
-      whole_handles(seg, b, lo, hi);
-      for (std::uint64_t at = lo; at < hi; at += handle_at(seg, at)->bytes) idle.push_back(handle_at(seg, at));
-    });
-    for (ExpHandle* h : idle) {
-      synchronize_once(a->stream);
-      unmap_handle(h);
-    }
-    for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);
-    if (!a->segments.empty()) continue;  // live blocks: looked at again later
-    arenas_.erase(std::find(arenas_.begin(), arenas_.end(), a));
-    arena_index_.erase(std::find_if(arena_index_.begin(), arena_index_.end(), [&](const ArenaEntry& e) { return e.arena == a; }));
-    retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
-    delete a;
+    if (give_back_arena(a)) retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+}
+
+// Gives back the idle memory and the empty segments of an arena no request will name again, and,
+// once it holds nothing, the arena itself (deleted: true).
+bool ExpandableBackend::give_back_arena(ExpArena* a) {
+  // The idle handles: those lying wholly inside one of its mapped free blocks.
+  std::vector<ExpHandle*> idle;
+  a->mapped_free.for_each([&](Block& b) {
+    const auto& seg = *static_cast<const ExpSegment*>(b.segment);
+    std::uint64_t lo = 0;
+    std::uint64_t hi = 0;
+    whole_handles(seg, b, lo, hi);
+    for (std::uint64_t at = lo; at < hi; at += handle_at(seg, at)->bytes) idle.push_back(handle_at(seg, at));
+  });
+  for (ExpHandle* h : idle) {
+    synchronize_once(a->stream);
+    unmap_handle(h);
+  }
+  for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);
+  if (!a->segments.empty()) return false;  // live blocks: looked at again later
+  arenas_.erase(std::find(arenas_.begin(), arenas_.end(), a));
+  arena_index_.erase(std::find_if(arena_index_.begin(), arena_index_.end(), [&](const ArenaEntry& e) { return e.arena == a; }));
+  delete a;
+  return true;
+}
+
+std::size_t ExpandableBackend::stream_bytes_in_use(driver::stream_t stream) const {
+  std::size_t in_use = 0;
+  for (const ArenaEntry& e : arena_index_)
+    if (e.stream == stream)
+      for (const ExpSegment* seg : e.arena->segments)
+        for (const Block* b = seg->first; b != nullptr; b = b->next)
+          if (!b->is_free()) in_use += b->size;
+  return in_use;
+}
+
+void ExpandableBackend::release_stream(driver::stream_t stream) {
+  const auto e = std::find_if(arena_index_.begin(), arena_index_.end(), [&](const ArenaEntry& x) { return x.stream == stream; });
+  if (e == arena_index_.end()) return;
+  begin_operation();
+  synced_.streams[synced_.count++] = stream;  // by the frontend, just now
+  if (!give_back_arena(e->arena)) broken("release_stream: an arena with no block in use kept a segment");
 }
 
 void ExpandableBackend::release_cached() {

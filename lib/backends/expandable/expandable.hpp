@@ -113,6 +113,8 @@ class ExpandableBackend final : public Backend {
   core::Block* allocate(std::size_t requested, driver::stream_t stream) override;
   void free(core::Block* block) noexcept override;
   void release_cached() override;
+  std::size_t stream_bytes_in_use(driver::stream_t stream) const override;
+  void release_stream(driver::stream_t stream) override;
   void on_limit_changed() override;
   void on_peer_added(int peer) override;
   ExportPlan export_plan(const core::Block& block) const override;  // the handles under the block
@@ -222,6 +224,7 @@ class ExpandableBackend final : public Backend {
     ++operation_;
   }
   void reap_retired(const ExpArena* keep);
+  bool give_back_arena(ExpArena* a);
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
   // Idle runs (see IdleRun).
   ExpHandle* handle_at(const ExpSegment& seg, std::uint64_t addr) const noexcept { return seg.frames[frame_of(seg, addr)]; }

@@ -405,6 +405,28 @@ void SplitMergeBackend::release_cached() {
   reap_retired(nullptr);
 }
 
+std::size_t SplitMergeBackend::stream_bytes_in_use(driver::stream_t stream) const {
+  std::size_t in_use = 0;
+  for (const SmSegment& seg : segments_)
+    if (seg.stream == stream)
+      for (const Block* b = seg.first; b != nullptr; b = b->next)
+        if (!b->is_free()) in_use += b->size;
+  return in_use;
+}
+
+void SplitMergeBackend::release_stream(driver::stream_t stream) {
+  // Every block of the stream is free, so each of its segments is one unsplit free block.
+  for (Pool* pool : {&large_, &small_})
+    if (core::SizeIndex* index = pool->blocks.find(stream))
+      index->for_each([&](Block& b) {
+        if (!b.is_split()) release_block(&b);
+      });
+  if (std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == stream; }))
+    broken("release_stream: a segment with no block in use stayed");
+  large_.blocks.erase(stream);
+  small_.blocks.erase(stream);
+}
+
 // Gives back just the cached memory above the new limit, in whole unsplit segments
 // (core::pick_give_back: the least memory beyond the excess, then the fewest cuMemFree calls; the
 // expandable backend follows the same rule with its idle handles). PyTorch's setMemoryFraction and

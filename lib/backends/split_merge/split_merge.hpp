@@ -45,6 +45,8 @@ class SplitMergeBackend final : public Backend {
   core::Block* allocate(std::size_t requested, driver::stream_t stream) override;
   void free(core::Block* block) noexcept override;
   void release_cached() override;
+  std::size_t stream_bytes_in_use(driver::stream_t stream) const override;
+  void release_stream(driver::stream_t stream) override;
   void on_limit_changed() override;
   void on_peer_added(int) override {}  // cuMemAlloc memory: peers are enabled per context by the driver
   ExportPlan export_plan(const core::Block& block) const override;  // the segment holding the block
