@@ -864,7 +864,12 @@ void Harness::op_free(Source& src) {
     note("free (nothing live)");
     return;
   }
-  auto it = std::next(live_.begin(), static_cast<std::ptrdiff_t>(src.below(live_.size())));
+  free_live(std::next(live_.begin(), static_cast<std::ptrdiff_t>(src.below(live_.size()))));
+}
+
+// Frees one live block as the caller would; false when the free failed (a driver error) and the
+// block is still live.
+bool Harness::free_live(std::map<std::uint64_t, Live>::iterator it) {
   const Live l = it->second;
   note("free " + hex(l.addr) + "+" + std::to_string(l.size) + " of " + stream_name(l.stream) +
        (l.uses.empty() ? "" : " (used on " + std::to_string(l.uses.size()) + " more streams)"));
@@ -876,7 +881,7 @@ void Harness::op_free(Source& src) {
     on_driver_exception("deallocate", e);
     if (l.uses.empty()) fail("deallocate of a block without record_stream called the driver");
     check_pattern(l, "after a failed free");
-    return;  // still live
+    return false;  // still live
   } catch (const Failure&) {
     throw;
   } catch (const std::exception& e) {
@@ -897,6 +902,7 @@ void Harness::op_free(Source& src) {
     // (A capture's block too: a graph pool serves what a stream freed to that stream's captures.)
     hazards_.emplace(l.addr, Hazard{l.size, l.stream, free_tick});
   }
+  return true;
 }
 
 void Harness::op_record_stream(Source& src) {
@@ -940,8 +946,18 @@ void Harness::op_release_stream(Source& src) {
     note(std::string("release_stream ") + stream_name(s) + " (skipped: a capture is underway)");
     return;
   }
-  note(std::string("release_stream ") + stream_name(s));
   auto recorded = [&](const Live& l) { return std::find(l.uses.begin(), l.uses.end(), s) != l.uses.end(); };
+  // Half the time as a program about to destroy the stream: its blocks, and those it was handed, are
+  // freed first.
+  if (src.chance(50)) {
+    for (auto it = live_.begin(); it != live_.end();) {
+      auto next = std::next(it);
+      if ((it->second.pool == 0 && it->second.stream == s) || recorded(it->second))
+        if (!free_live(it)) return;
+      it = next;
+    }
+  }
+  note(std::string("release_stream ") + stream_name(s));
   bool must_refuse = false;
   bool may_refuse = false;
   for (const auto& [addr, l] : live_) must_refuse = must_refuse || (l.pool == 0 && l.stream == s) || recorded(l);

@@ -218,6 +218,7 @@ class Harness {
   void op_toggle_busy(Source& src);
   void op_release_cached();
   void op_release_stream(Source& src);
+  bool free_live(std::map<std::uint64_t, Live>::iterator it);
   void op_set_limit(Source& src);
   void op_fault(Source& src);
   void op_invalid(Source& src);
