@@ -636,7 +636,7 @@ void Allocator::release_stream(stream_t stream) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   Impl& m = *impl_;
   const auto v = reinterpret_cast<std::uintptr_t>(stream);
-  if (stream == nullptr || v == backends::kPerThreadStream || v == 0x1 || backends::is_stream_key(stream))
+  if (stream == nullptr || v == backends::kPerThreadStream || v == backends::kLegacyStream || backends::is_stream_key(stream))
     throw error("release_stream: only a stream the program created can be released (not the default, legacy or per-thread stream)");
   if (m.ctx.capturing)
     throw error("release_stream: a CUDA graph capture allocates into a graph pool; synchronizing would invalidate it");

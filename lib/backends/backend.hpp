@@ -45,6 +45,7 @@ bool has_roundup_power2_divisions(const Config& c) noexcept;
 //     it is collected): kForeignStreamTag | the stream (expseg_cupy_malloc's). On CUDA 13 a
 //     cuStreamSynchronize of a destroyed stream failed once and crashed the process the next time.
 inline constexpr std::uintptr_t kPerThreadStream = 0x2;
+inline constexpr std::uintptr_t kLegacyStream = 0x1;  // CU_STREAM_LEGACY: the default stream, as nullptr
 inline constexpr std::uintptr_t kPerThreadKeyTag = std::uintptr_t{0xFFFF} << 48;
 inline constexpr std::uintptr_t kForeignStreamTag = std::uintptr_t{0xFFFE} << 48;
 inline bool is_stream_key(driver::stream_t s) noexcept {  // either kind
