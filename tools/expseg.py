@@ -22,7 +22,8 @@ import weakref
 
 __all__ = [
     "ExpsegError", "library_path", "load", "version", "configure", "config", "install_torch", "install_cupy",
-    "stats", "snapshot", "oom_report", "oom_report_json", "on_oom", "release_cached", "set_limit", "get_limit",
+    "stats", "snapshot", "oom_report", "oom_report_json", "on_oom", "release_cached", "release_stream", "set_limit",
+    "get_limit",
     "reset_peak_stats", "reset_accumulated_stats", "record_start", "record_stop", "record_write", "torch_memory_stats",
     "torch_snapshot", "initialized_devices", "enable_peer_access", "ipc_export", "ipc_import", "ipc_close",
     "ipc_send", "ipc_recv",
@@ -97,6 +98,7 @@ def _declare(lib):
         "expseg_config": (c_char_p, [c_int]),
         "expseg_device_initialized": (c_int, [c_int]),
         "expseg_release_cached": (c_int, [c_int]),
+        "expseg_release_stream": (c_int, [c_int, c_void_p]),
         "expseg_set_limit": (c_int, [c_int, c_size_t]),
         "expseg_get_limit": (c_int, [c_int, ctypes.POINTER(c_size_t), ctypes.POINTER(c_size_t)]),
         "expseg_reset_peak_stats": (c_int, [c_int]),
@@ -272,6 +274,16 @@ def on_oom(fn):
 def release_cached(device=0):
     """Gives cached, unused device memory back to the device (empty_cache())."""
     _check(load().expseg_release_cached(_device(device)), "expseg_release_cached")
+
+
+def release_stream(stream, device=0):
+    """Before destroying a stream the program created: synchronizes it, gives back what is cached for
+    it and forgets it (Allocator::release_stream). `stream`: a torch.cuda.Stream / cupy Stream (its
+    .cuda_stream or .ptr) or the raw handle as an int. Raises while its blocks are in use."""
+    handle = getattr(stream, "cuda_stream", None)
+    if handle is None:
+        handle = getattr(stream, "ptr", stream)
+    _check(load().expseg_release_stream(_device(device), ctypes.c_void_p(int(handle or 0))), "expseg_release_stream")
 
 
 def set_limit(nbytes, device=0):

@@ -154,6 +154,19 @@ class GlueTest(unittest.TestCase):
         expseg.reset_peak_stats()
         self.assertEqual(expseg.stats()["allocated_bytes.all.peak"], 0)
 
+    def test_release_stream(self):
+        expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable")
+        stream = ctypes.c_void_p(0x7000)  # a stream the simulated device has not seen: it synchronizes at once
+        p = self.lib.expseg_malloc(8 * MiB, 0, stream)
+        with self.assertRaisesRegex(expseg.ExpsegError, "in use"):
+            expseg.release_stream(0x7000)
+        self.lib.expseg_free(p, 0, 0, stream)
+        self.assertGreater(expseg.stats()["reserved_bytes.all.current"], 0)
+        expseg.release_stream(0x7000)
+        self.assertEqual(expseg.stats()["reserved_bytes.all.current"], 0)
+        with self.assertRaisesRegex(expseg.ExpsegError, "only a stream the program created"):
+            expseg.release_stream(None)
+
     def test_oom_report(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:split_merge")
         self.assertEqual(expseg.oom_report(), "")
