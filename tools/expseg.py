@@ -278,8 +278,9 @@ def release_cached(device=0):
 
 def release_stream(stream, device=0):
     """Before destroying a stream the program created: synchronizes it, gives back what is cached for
-    it and forgets it (Allocator::release_stream). `stream`: a torch.cuda.Stream / cupy Stream (its
-    .cuda_stream or .ptr) or the raw handle as an int. Raises while its blocks are in use."""
+    it and forgets it (Allocator::release_stream). `stream`: a torch.cuda.Stream (its .cuda_stream),
+    an object with .ptr, or the raw handle as an int. Raises while its blocks are in use. (CuPy's
+    streams need none: memory install_cupy caches for a stream never has that stream synchronized.)"""
     handle = getattr(stream, "cuda_stream", None)
     if handle is None:
         handle = getattr(stream, "ptr", stream)
