@@ -212,20 +212,26 @@ void SplitMergeBackend::reap_retired(driver::stream_t keep) {
   for (std::size_t i = retired_.size(); i-- > 0;) {
     const driver::stream_t s = retired_[i];
     if (s == keep) continue;
-    bool cached = false;
-    for (Pool* pool : {&large_, &small_})
-      if (core::SizeIndex* index = pool->blocks.find(s)) {
-        index->for_each([&](Block& b) {
-          if (!b.is_split()) release_block(&b);
-        });
-        cached = cached || !index->empty();
-      }
-    if (cached || std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == s; }))
+    if (release_unsplit_free(s) || std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == s; }))
       continue;  // live blocks hold segments of it: looked at again later
     large_.blocks.erase(s);
     small_.blocks.erase(s);
     retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+}
+
+// Gives back the unsplit free blocks (whole free segments) cached for `stream`. Returns whether
+// free blocks of it stay cached (split ones: live blocks share their segments).
+bool SplitMergeBackend::release_unsplit_free(driver::stream_t stream) {
+  bool cached = false;
+  for (Pool* pool : {&large_, &small_})
+    if (core::SizeIndex* index = pool->blocks.find(stream)) {
+      index->for_each([&](Block& b) {
+        if (!b.is_split()) release_block(&b);
+      });
+      cached = cached || !index->empty();
+    }
+  return cached;
 }
 
 void SplitMergeBackend::garbage_collect_cached_blocks() {
@@ -416,12 +422,7 @@ std::size_t SplitMergeBackend::stream_bytes_in_use(driver::stream_t stream) cons
 
 void SplitMergeBackend::release_stream(driver::stream_t stream) {
   // Every block of the stream is free, so each of its segments is one unsplit free block.
-  for (Pool* pool : {&large_, &small_})
-    if (core::SizeIndex* index = pool->blocks.find(stream))
-      index->for_each([&](Block& b) {
-        if (!b.is_split()) release_block(&b);
-      });
-  if (std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == stream; }))
+  if (release_unsplit_free(stream) || std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == stream; }))
     broken("release_stream: a segment with no block in use stayed");
   large_.blocks.erase(stream);
   small_.blocks.erase(stream);

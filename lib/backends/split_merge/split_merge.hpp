@@ -99,6 +99,7 @@ class SplitMergeBackend final : public Backend {
   bool release_cached_blocks();
   void release_block(core::Block* block);
   void reap_retired(driver::stream_t keep);
+  bool release_unsplit_free(driver::stream_t stream);
   void garbage_collect_cached_blocks();
   core::Block* alloc_found_block(Params& p, std::size_t requested);
   std::size_t try_merge_blocks(core::Block* dst, core::Block* src) noexcept;
