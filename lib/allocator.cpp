@@ -38,25 +38,9 @@ std::string size_value(std::size_t n) {
   return std::to_string(n);
 }
 
-// The key of the calling thread's per-thread default stream (see backends::kPerThreadStream), never
-// reused: a later thread does not inherit cached memory another thread's stream may still use. The
-// thread's exit retires it (backends::PerThreadKey), and the backends give back its cached memory.
-// The value lives apart from the object that retires it: a trivially destructible thread_local stays
-// readable after the thread's other thread_local objects are destroyed, so a user's thread_local
-// destructor that allocates on cudaStreamPerThread after `retire`'s destructor ran gets the (now
-// retired) key instead of reading a destroyed object; the backends give back that memory once free.
-[[gnu::noinline, gnu::cold]] driver::stream_t per_thread_key() noexcept {
-  thread_local std::uintptr_t key = 0;
-  if (key == 0) {
-    thread_local const backends::PerThreadKey retire;
-    key = reinterpret_cast<std::uintptr_t>(retire.stream());
-  }
-  return reinterpret_cast<driver::stream_t>(key);
-}
-
 // The stream as the backends and the pending frees know it.
 driver::stream_t stream_key(driver::stream_t s) noexcept {
-  return reinterpret_cast<std::uintptr_t>(s) == backends::kPerThreadStream ? per_thread_key() : s;
+  return reinterpret_cast<std::uintptr_t>(s) == backends::kPerThreadStream ? backends::per_thread_key() : s;
 }
 
 // Where to record an event for work queued on `s` (a stream_key) so far: a per-thread stream only
@@ -64,7 +48,7 @@ driver::stream_t stream_key(driver::stream_t s) noexcept {
 // earlier work of every blocking stream, every thread's per-thread stream included.
 driver::stream_t event_stream(driver::stream_t s) noexcept {
   if (!backends::is_stream_key(s)) return s;
-  return s == per_thread_key() ? reinterpret_cast<driver::stream_t>(backends::kPerThreadStream) : nullptr;
+  return s == backends::per_thread_key() ? reinterpret_cast<driver::stream_t>(backends::kPerThreadStream) : nullptr;
 }
 
 }  // namespace

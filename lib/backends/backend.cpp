@@ -48,6 +48,22 @@ PerThreadKey::~PerThreadKey() {
   r.generation.fetch_add(1, std::memory_order_release);
 }
 
+// The key of the calling thread's per-thread default stream (see kPerThreadStream), never
+// reused: a later thread does not inherit cached memory another thread's stream may still use. The
+// thread's exit retires it (PerThreadKey), and the backends give back its cached memory.
+// The value lives apart from the object that retires it: a trivially destructible thread_local stays
+// readable after the thread's other thread_local objects are destroyed, so a user's thread_local
+// destructor that allocates on cudaStreamPerThread after `retire`'s destructor ran gets the (now
+// retired) key instead of reading a destroyed object; the backends give back that memory once free.
+[[gnu::noinline, gnu::cold]] driver::stream_t per_thread_key() noexcept {
+  thread_local std::uintptr_t key = 0;
+  if (key == 0) {
+    thread_local const PerThreadKey retire;
+    key = reinterpret_cast<std::uintptr_t>(retire.stream());
+  }
+  return reinterpret_cast<driver::stream_t>(key);
+}
+
 std::uint64_t retired_keys_generation() noexcept { return key_registry().generation.load(std::memory_order_acquire); }
 
 driver::stream_t new_graph_pool_key() {

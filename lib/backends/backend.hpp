@@ -96,6 +96,9 @@ class PerThreadKey {
   PerThreadKey* prev_ = nullptr;  // the registry's list of live keys
   PerThreadKey* next_ = nullptr;
 };
+// The calling thread's key (made at its first call; the thread's exit retires it). Out of line and
+// cold: the cached paths call it only for cudaStreamPerThread.
+driver::stream_t per_thread_key() noexcept;
 // Changes whenever a thread's key or a graph pool's key is retired.
 std::uint64_t retired_keys_generation() noexcept;
 // Whether per-thread key `key` belongs to a thread that has exited (walks the live threads' keys),

@@ -92,6 +92,26 @@ std::string range(dev_ptr p, std::size_t bytes) {
 }
 
 std::uintptr_t id_of(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
+
+// Streams as CUDA tells them apart: CU_STREAM_LEGACY (0x1) is the legacy default stream (0), and
+// CU_STREAM_PER_THREAD (0x2) names the calling thread's own per-thread stream, a different one in
+// each host thread (ids with kPerThreadStreamBit, never a created stream's).
+constexpr std::uintptr_t kPerThreadStreamBit = std::uintptr_t{1} << 62;
+std::uintptr_t stream_of(const void* p) noexcept {
+  const std::uintptr_t v = id_of(p);
+  if (v == 1) return 0;
+  if (v != 2) return v;
+  static std::atomic<std::uintptr_t> next_thread{1};
+  thread_local const std::uintptr_t mine = kPerThreadStreamBit | next_thread.fetch_add(1, std::memory_order_relaxed);
+  return mine;
+}
+// Blocking streams: the legacy stream's work waits for theirs (measured on the H200: a
+// synchronization of the legacy stream, or of an event recorded on it, waits for another thread's
+// per-thread stream and for a stream created with flags 0, not for a non-blocking one). The CUDA
+// driver layer creates non-blocking streams, so here only the legacy and per-thread streams block;
+// other stream values (a replayed trace's) are taken as non-blocking, so that the legacy stream
+// never hides an unmap under their queued work.
+bool is_blocking(std::uintptr_t stream) noexcept { return stream == 0 || (stream & kPerThreadStreamBit) != 0; }
 void* as_pointer(std::uintptr_t id) noexcept { return reinterpret_cast<void*>(id); }
 
 // --- latency model: H200 medians (DESIGN.md), µs, interpolated linearly in log(size) ---------
@@ -155,8 +175,11 @@ struct SimDriver::Impl {
     std::size_t ipc_opens = 0;
   };
   struct Event {
-    bool pending = false;  // recorded on a busy stream and not yet completed
+    bool pending = false;  // !waits_for.empty()
     std::uintptr_t stream = 0;
+    // The busy streams whose work up to `seq` it waits for: its own stream, and on the legacy
+    // stream every busy blocking stream.
+    std::vector<std::uintptr_t> waits_for;
     std::uint64_t seq = 0;  // order of recording, across streams
     bool captured = false;  // last recorded on a capturing stream: no query or sync may wait for it
   };
@@ -254,10 +277,32 @@ struct SimDriver::Impl {
   void invalidate_captures() noexcept {
     for (auto& [stream, c] : captures) c.invalidated = true;
   }
-  // A synchronization of `stream`: refused while it captures, and for the legacy stream while any
-  // stream captures.
+  // A synchronization of `stream`: refused while it captures, and for the legacy stream while a
+  // blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT on the H200).
   void refuse_sync_of_capturing(const char* call, std::uintptr_t stream) {
-    if (stream == 0 ? !captures.empty() : captures.contains(stream)) refuse_while_capturing(call);
+    if (stream == 0) return refuse_implicit(call);
+    if (captures.contains(stream)) refuse_while_capturing(call);
+  }
+  // Work on the legacy stream (an event record, a synchronization) while a blocking stream captures:
+  // it would join the capture, which no mode permits.
+  void refuse_implicit(const char* call) {
+    for (const auto& [stream, c] : captures)
+      if (is_blocking(stream)) {
+        invalidate_captures();
+        throw driver_error(call, 906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+                           "operation would make the legacy stream depend on a capturing blocking stream (the capture is invalidated)");
+      }
+  }
+  // The streams work queued now on `stream` waits for, among the busy ones, into `out` (its
+  // capacity kept: an event recorded again takes no memory).
+  void busy_dependencies(std::uintptr_t stream, std::vector<std::uintptr_t>& out) const {
+    out.clear();
+    if (stream != 0) {
+      if (busy_streams.contains(stream)) out.push_back(stream);
+      return;
+    }
+    for (std::uintptr_t b : busy_streams)
+      if (is_blocking(b)) out.push_back(b);
   }
   void refuse_captured_event(const char* call, const Event& ev) {
     if (!ev.captured) return;
@@ -562,10 +607,15 @@ struct SimDriver::Impl {
     if (it == events.end()) invalid(call, "unknown event " + hex(id_of(e)));
     return it->second;
   }
-  // Completes the pending events of `stream` recorded up to `seq` (all streams when stream is null).
+  // Completes the work of `stream` queued up to `seq` (all streams when stream is null): events
+  // waiting for it, and its uses.
   void complete(const std::uintptr_t* stream, std::uint64_t seq) noexcept {
-    for (auto& [id, ev] : events)
-      if (ev.pending && (stream == nullptr || ev.stream == *stream) && ev.seq <= seq) ev.pending = false;
+    for (auto& [id, ev] : events) {
+      if (!ev.pending || ev.seq > seq) continue;
+      if (stream == nullptr) ev.waits_for.clear();
+      else std::erase(ev.waits_for, *stream);
+      ev.pending = !ev.waits_for.empty();
+    }
     std::erase_if(uses, [&](const Use& u) { return (stream == nullptr || u.stream == *stream) && u.seq <= seq; });
   }
   // An unmap of [lo, hi) while queued work still uses part of it: recorded, not refused (CUDA does
@@ -924,8 +974,10 @@ void SimDriver::event_record(event_t event, stream_t stream) {
   Impl& s = *impl_;
   s.enter(Op::event_record, call);
   Impl::Event& ev = s.event(call, event);
-  ev.stream = id_of(stream);
-  ev.pending = s.busy_streams.contains(ev.stream);
+  ev.stream = stream_of(stream);
+  if (ev.stream == 0) s.refuse_implicit(call);
+  s.busy_dependencies(ev.stream, ev.waits_for);
+  ev.pending = !ev.waits_for.empty();
   ev.seq = ++s.record_seq;
   ev.captured = s.captures.contains(ev.stream);
   s.charge(kEventUs);
@@ -951,8 +1003,8 @@ void SimDriver::event_synchronize(event_t event) {
   const Impl::Event& ev = s.event(call, event);
   s.refuse_captured_event(call, ev);
   // Work is done in stream order: earlier events of the same stream complete too.
-  if (ev.pending) {
-    const std::uintptr_t stream = ev.stream;
+  while (!ev.waits_for.empty()) {  // each complete() takes its stream off the list
+    const std::uintptr_t stream = ev.waits_for.back();
     s.complete(&stream, ev.seq);
   }
   s.charge(kSyncUs);
@@ -963,11 +1015,15 @@ void SimDriver::stream_synchronize(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::stream_sync, call);
-  const std::uintptr_t id = id_of(stream);
+  const std::uintptr_t id = stream_of(stream);
   s.refuse_sync_of_capturing(call, id);
   if (s.destroyed_streams.contains(id))
     throw driver_error(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(id) + " was destroyed");
-  s.complete(&id, s.record_seq);
+  const std::uint64_t upto = s.record_seq;
+  if (id == 0)
+    for (const std::uintptr_t b : std::vector<std::uintptr_t>(s.busy_streams.begin(), s.busy_streams.end()))
+      if (is_blocking(b)) s.complete(&b, upto);
+  s.complete(&id, upto);
   s.charge(kSyncUs);
 }
 
@@ -988,7 +1044,7 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
   Impl& s = *impl_;
   if (ptr % 4 != 0) invalid(call, "address " + hex(ptr) + " is not 4-byte aligned");
   if (count > std::numeric_limits<std::size_t>::max() / 4) invalid(call, "count too large");
-  if (auto c = s.captures.find(id_of(stream)); c != s.captures.end()) {  // recorded into the graph, run by its launches
+  if (auto c = s.captures.find(stream_of(stream)); c != s.captures.end()) {  // recorded into the graph, run by its launches
     c->second.work.push_back({ptr, value, count});
     return;
   }
@@ -1001,7 +1057,7 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
 
 std::uint64_t SimDriver::stream_capture_id(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
-  auto it = impl_->captures.find(id_of(stream));
+  auto it = impl_->captures.find(stream_of(stream));
   return it == impl_->captures.end() ? 0 : it->second.id;
 }
 
@@ -1010,15 +1066,15 @@ void SimDriver::capture_begin(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   if (stream == nullptr) invalid(call, "the legacy default stream cannot be captured");
-  if (s.captures.contains(id_of(stream))) invalid(call, "the stream is capturing already");
-  s.captures.emplace(id_of(stream), Impl::Capture{s.next_capture_id++, false, {}});
+  if (s.captures.contains(stream_of(stream))) invalid(call, "the stream is capturing already");
+  s.captures.emplace(stream_of(stream), Impl::Capture{s.next_capture_id++, false, {}});
 }
 
 graph_t SimDriver::capture_end(stream_t stream) {
   static constexpr const char* call = "cuStreamEndCapture";
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
-  auto it = s.captures.find(id_of(stream));
+  auto it = s.captures.find(stream_of(stream));
   if (it == s.captures.end()) throw driver_error(call, 901, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", "the stream is not capturing");
   Impl::Capture c = std::move(it->second);
   s.captures.erase(it);
@@ -1256,7 +1312,7 @@ void SimDriver::set_foreign_usage(std::size_t bytes) {
 void SimDriver::queue_use(stream_t stream, dev_ptr ptr, std::size_t bytes) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
-  const std::uintptr_t id = id_of(stream);
+  const std::uintptr_t id = stream_of(stream);
   if (bytes == 0 || !s.busy_streams.contains(id)) return;  // an idle stream's work completes at once
   s.uses.push_back(Impl::Use{id, ++s.record_seq, ptr, ptr + bytes});
 }
@@ -1269,7 +1325,7 @@ std::vector<std::string> SimDriver::hazards() const {
 void SimDriver::set_stream_busy(stream_t stream, bool busy) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
-  const std::uintptr_t id = id_of(stream);
+  const std::uintptr_t id = stream_of(stream);
   if (busy) {
     s.busy_streams.insert(id);
   } else {

@@ -40,8 +40,14 @@
 // driver layer makes in relaxed capture mode (mem_alloc, mem_free, event queries, stream
 // synchronizations) are permitted while another stream captures; what no mode permits fails with
 // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (or CUDA_ERROR_CAPTURED_EVENT) and invalidates the capture:
-// device_synchronize, a synchronization of a capturing stream or of the legacy stream, a query or
-// synchronization of an event recorded during a capture.
+// device_synchronize, a synchronization of a capturing stream, a query or synchronization of an
+// event recorded during a capture; and work on the legacy stream (a synchronization, an event
+// record) while a blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT).
+//
+// Streams as on the H200: CU_STREAM_PER_THREAD (0x2) is the calling thread's own per-thread stream,
+// another in each host thread. The legacy stream (nullptr or 0x1) and the per-thread streams
+// block: a synchronization of the legacy stream, or of an event recorded on it, waits for their
+// queued work too. Created streams are non-blocking, as the CUDA driver layer creates them.
 //
 // Fault injection makes the n-th future call of an operation fail with OOM or another error; the
 // failing call has no effect. live() counts what is outstanding, for leak checks.
@@ -158,7 +164,8 @@ class SimDriver final : public Driver {
   // Simulated device memory used by someone else (another process): reduces what create() and
   // mem_alloc() can get and what mem_info() reports as free.
   void set_foreign_usage(std::size_t bytes);
-  // A busy stream keeps events recorded on it incomplete until it is made idle or synchronized.
+  // A busy stream keeps events recorded on it incomplete until it is made idle or synchronized
+  // (0x2 here is the calling thread's per-thread stream).
   void set_stream_busy(stream_t stream, bool busy);
   // Work queued on `stream` that uses [ptr, ptr + bytes): on a busy stream it stays queued until the
   // stream's work completes (synchronized, made idle or destroyed); on an idle one it is done at once.

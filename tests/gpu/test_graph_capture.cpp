@@ -11,10 +11,13 @@
 //   - a capture expseg is not told of survives what requests on other streams do meanwhile: event
 //     queries of pending frees, a free whose stream captures (held until the capture has ended),
 //     a request that would need the capturing stream's cached memory (an OOM), a request that needs
-//     the cached memory of a dozen other streams (each synchronized by itself).
+//     the cached memory of a dozen other streams (each synchronized by itself), a request that
+//     needs the memory of an exited thread's per-thread stream (the legacy stream's synchronization
+//     waits for it) or of its own thread's (that stream's synchronization).
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -251,6 +254,73 @@ TEST_CASE("gpu: memory cached for a dozen streams is taken back during a capture
     for (void* s : streams) d.stream_destroy(s);
     d.stream_destroy(cs);
     d.stream_destroy(m);
+  }
+}
+
+TEST_CASE("gpu: per-thread streams' memory is taken back during a capture expseg is not told of") {
+  // Another stream captures in global mode, untold. The idle memory of an exited thread's
+  // per-thread stream goes back after a synchronization of the legacy stream (it waits for every
+  // thread's per-thread stream, and is permitted while a non-blocking stream captures); a thread's
+  // own after its own stream's. A device synchronization would fail the request and invalidate the
+  // capture.
+  void* const per_thread = reinterpret_cast<void*>(std::uintptr_t{2});
+  for (BackendKind kind : kBackends) {
+    for (const bool own : {false, true}) {
+      const std::string backend = expseg::to_string(kind);
+      CAPTURE(backend);
+      CAPTURE(own);
+      Allocator a(cuda_config(kind, "limit:1GiB"));
+      Driver& d = driver_of(a);
+      void* cs = d.stream_create();
+      void* m = d.stream_create();
+      void* out = a.allocate(2 * MiB, cs);
+      std::uint64_t reserved_before = 0;
+      void* big = nullptr;
+      void* kept = nullptr;
+      auto fill = [&] {  // 600 MiB written on this thread's per-thread stream, then freed (idle)
+        void* p = a.allocate(600 * MiB, per_thread);
+        kept = a.allocate(100 * MiB, per_thread);  // lives on, apart from p: p's room is idle
+        d.memset_d32(dp(p), 3u, 600 * MiB / 4, per_thread);
+        a.deallocate(p);
+        reserved_before = static_cast<std::uint64_t>(a.stats().reserved_bytes[kAllPools].current);
+      };
+      auto request = [&] {
+        d.capture_begin(cs);
+        d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
+        CHECK_NOTHROW(big = a.allocate(800 * MiB, own ? per_thread : m));  // needs the 600 MiB back
+        expseg::driver::graph_t g = nullptr;
+        CHECK_NOTHROW(g = d.capture_end(cs));
+        REQUIRE(g != nullptr);
+        d.graph_launch(g, cs);
+        d.stream_synchronize(cs);
+        CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+        d.graph_destroy(g);
+      };
+      if (own) {
+        std::thread([&] {
+          fill();
+          request();
+          a.deallocate(kept);
+        }).join();
+      } else {
+        std::thread([&] { fill(); }).join();  // the thread exits; `kept` stays live
+        request();
+        a.deallocate(kept);
+      }
+      CHECK(reserved_before >= 700 * MiB);
+      a.validate();
+      if (big != nullptr) {
+        d.memset_d32(dp(big), 7u, 800 * MiB / 4, cs);
+        d.stream_synchronize(cs);
+        CHECK(holds(d, big, 800 * MiB, 7u));
+        a.deallocate(big);
+      }
+      a.deallocate(out);
+      a.release_cached();
+      a.validate();
+      d.stream_destroy(cs);
+      d.stream_destroy(m);
+    }
   }
 }
 

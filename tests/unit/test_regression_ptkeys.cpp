@@ -89,6 +89,74 @@ TEST_CASE("per-thread stream: an exited thread's memory is given back only after
   }
 }
 
+TEST_CASE("per-thread stream: another thread's idle memory is taken back after the legacy stream's synchronization") {
+  // The legacy stream's synchronization waits for every thread's per-thread stream (they block),
+  // not for non-blocking streams (every stream the program creates here), and is permitted while a
+  // non-blocking stream captures: a device synchronization would wait for the bystander's work and
+  // invalidate a capture expseg was not told of.
+  void* const per_thread = stream_id(2);
+  for (const bool capture : {false, true}) {
+    CAPTURE(capture);
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable));
+    std::thread([&] {
+      void* p = sa->allocate(60 * MiB, per_thread);
+      sa.sim->set_stream_busy(per_thread, true);  // this thread's kernel still uses p as it exits
+      sa.sim->queue_use(per_thread, addr(p), 60 * MiB);
+      sa->deallocate(p);
+    }).join();
+    void* bystander = sa.sim->stream_create();
+    auto* event = sa.sim->event_create();
+    sa.sim->set_stream_busy(bystander, true);
+    sa.sim->event_record(event, bystander);
+    void* capturing = sa.sim->stream_create();
+    if (capture) sa.sim->capture_begin(capturing);
+    void* s1 = sa.sim->stream_create();
+    void* q = sa->allocate(60 * MiB, s1);  // a miss: the exited thread's memory goes back first
+    CHECK(sa.sim->hazards().empty());
+    CHECK(reserved(*sa) <= static_cast<std::int64_t>(64 * MiB));
+    CHECK_FALSE(sa.sim->event_query(event));  // the bystander's work was not waited for
+    if (capture) CHECK_NOTHROW(sa.sim->graph_destroy(sa.sim->capture_end(capturing)));
+    sa->deallocate(q);
+    sa->validate();
+    sa.sim->set_stream_busy(bystander, false);
+    sa.alloc.reset();
+    CHECK(sa.sim->hazards().empty());
+    sa.sim->event_destroy(event);
+    for (void* s : {bystander, capturing, s1}) sa.sim->stream_destroy(s);
+  }
+}
+
+TEST_CASE("per-thread stream: a thread's own idle memory is taken back after its own stream's synchronization") {
+  // Under a limit a thread's request on cudaStreamPerThread unmaps idle memory of its own stream:
+  // waiting for that stream is enough, another thread's per-thread stream (which the legacy
+  // stream's synchronization would wait for) is not waited for.
+  void* const per_thread = stream_id(2);
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:100MiB"));
+  auto* theirs = sa.sim->event_create();
+  std::thread([&] {  // another thread's kernel, still queued on its per-thread stream
+    sa.sim->set_stream_busy(per_thread, true);
+    sa.sim->event_record(theirs, per_thread);
+  }).join();
+  std::thread([&] {
+    void* p = sa->allocate(60 * MiB, per_thread);
+    void* q = sa->allocate(30 * MiB, per_thread);
+    sa.sim->set_stream_busy(per_thread, true);
+    sa.sim->queue_use(per_thread, addr(p), 60 * MiB);
+    sa->deallocate(p);
+    void* r = sa->allocate(64 * MiB, per_thread);  // fits only with p's pages unmapped
+    CHECK(sa.sim->hazards().empty());
+    CHECK(reserved(*sa) <= static_cast<std::int64_t>(100 * MiB));
+    CHECK_FALSE(sa.sim->event_query(theirs));
+    sa->deallocate(q);
+    sa->deallocate(r);
+    sa->validate();
+    sa.sim->set_stream_busy(per_thread, false);
+  }).join();
+  sa.alloc.reset();
+  CHECK(sa.sim->hazards().empty());
+  sa.sim->event_destroy(theirs);
+}
+
 TEST_CASE("per-thread stream: a block an exited thread allocated is given back once freed elsewhere") {
   // A loader thread allocates on its per-thread stream, hands the memory over and exits; another
   // thread frees it later. It went back to the exited thread's cache, which no one can use.

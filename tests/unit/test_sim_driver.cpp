@@ -579,6 +579,67 @@ TEST_SUITE("sim") {
     check_nothing_left(d);
   }
 
+  TEST_CASE("sim: the legacy stream waits for blocking streams, and 0x2 is each thread's own stream") {
+    // As measured on the H200: a synchronization of the legacy stream, or of an event recorded on
+    // it, waits for another thread's per-thread stream, not for a non-blocking stream; a thread's
+    // own per-thread stream does not wait for another thread's.
+    SimDriver d;
+    const auto per_thread = reinterpret_cast<stream_t>(std::uintptr_t{2});
+    const stream_t nonblocking = d.stream_create();
+    const event_t mine = d.event_create();
+    const event_t theirs = d.event_create();
+    const event_t side = d.event_create();
+    const event_t legacy = d.event_create();
+    std::thread([&] {  // another thread's kernel, still queued on its per-thread stream
+      d.set_stream_busy(per_thread, true);
+      d.event_record(theirs, per_thread);
+    }).join();
+    d.set_stream_busy(nonblocking, true);
+    d.event_record(side, nonblocking);
+    d.event_record(mine, per_thread);  // this thread's per-thread stream is idle
+    CHECK(d.event_query(mine));
+    CHECK_FALSE(d.event_query(theirs));
+
+    SUBCASE("this thread's per-thread stream does not wait for another thread's") {
+      d.stream_synchronize(per_thread);
+      CHECK_FALSE(d.event_query(theirs));
+      CHECK_FALSE(d.event_query(side));
+    }
+    SUBCASE("an event on the legacy stream waits for the blocking streams only") {
+      d.event_record(legacy, nullptr);
+      CHECK_FALSE(d.event_query(legacy));
+      d.event_synchronize(legacy);
+      CHECK(d.event_query(legacy));
+      CHECK(d.event_query(theirs));
+      CHECK_FALSE(d.event_query(side));
+    }
+    SUBCASE("a synchronization of the legacy stream, named 0x1 or nullptr, likewise") {
+      d.stream_synchronize(reinterpret_cast<stream_t>(std::uintptr_t{1}));
+      CHECK(d.event_query(theirs));
+      CHECK_FALSE(d.event_query(side));
+    }
+    SUBCASE("it is permitted while a non-blocking stream captures, refused while a blocking one does") {
+      const stream_t capturing = d.stream_create();
+      d.capture_begin(capturing);
+      d.stream_synchronize(nullptr);
+      CHECK(d.event_query(theirs));
+      CHECK_NOTHROW(d.graph_destroy(d.capture_end(capturing)));
+      d.stream_destroy(capturing);
+      d.capture_begin(per_thread);
+      const auto refused = catch_driver_error([&] { d.event_record(legacy, nullptr); });
+      REQUIRE(refused.has_value());
+      CHECK(refused->code_name() == "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT");
+      CHECK_THROWS_AS(d.stream_synchronize(nullptr), driver_error);
+      CHECK_THROWS_AS(d.capture_end(per_thread), driver_error);  // invalidated
+    }
+    d.set_stream_busy(nonblocking, false);
+    d.device_synchronize();
+    CHECK(d.event_query(theirs));
+    d.stream_destroy(nonblocking);
+    for (event_t e : {mine, theirs, side, legacy}) d.event_destroy(e);
+    check_nothing_left(d);
+  }
+
   TEST_CASE("sim: streams not from stream_create are accepted (program or trace streams)") {
     SimDriver d;
     const auto foreign = reinterpret_cast<stream_t>(std::uintptr_t{0x7f0012345600});

@@ -1400,10 +1400,12 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 // stream and cuCtxSynchronize fail and invalidate the capture; cuStreamSynchronize of a stream that
 // does not capture is permitted (the CUDA driver layer makes it in relaxed capture mode), from the
 // capturing thread or another. So an arena on a plain stream is off limits only while its stream
-// captures; one on a key (a per-thread stream of any thread, a graph pool), which synchronize_once
-// covers with cuCtxSynchronize, or on the legacy stream, whose synchronization is refused while a
-// blocking stream captures, while any capture expseg knows of is underway. A capture expseg is not
-// told of on another thread's per-thread stream is not seen.
+// captures; one on a key (a per-thread stream of any thread, which synchronize_once covers with
+// the legacy stream's synchronization; a graph pool or a foreign stream, with cuCtxSynchronize) or
+// on the legacy stream, whose synchronization is refused while a blocking stream captures, while
+// any capture expseg knows of is underway (a told capture's stream may block: whether it does
+// cannot be asked while it captures). A capture expseg is not told of on another thread's
+// per-thread stream is not seen.
 bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
   if (is_stream_key(arena.stream) || arena.stream == nullptr) return ctx_.capturing;
   if (arena.capture_seen_op != operation_) {
@@ -1416,10 +1418,16 @@ bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
 // A stream is synchronized by itself however many streams an operation touches: a device
 // synchronization would wait for every other stream's work too, and invalidate a capture on any of
 // them (one expseg was not told of included). Past the remembered streams a stream may be
-// synchronized twice in one operation (~1.4 us when its work is done). Only a key, whose stream no
-// call can name from here, takes the device synchronization.
+// synchronized twice in one operation (~1.4 us when its work is done). A per-thread key names the
+// calling thread's own per-thread stream, or another thread's, which no call made here can name:
+// the legacy stream's synchronization covers it (measured on the H200: it waits for every blocking
+// stream's work, every thread's per-thread stream included, not for non-blocking streams', and is
+// permitted while a non-blocking stream captures). Only a foreign key (its stream may be destroyed)
+// and a graph pool's (its replays may run on any stream) take the device synchronization.
 void ExpandableBackend::synchronize_once(driver::stream_t stream) {
   SyncedStreams& s = synced_;
+  if (is_per_thread_key(stream) && !is_graph_pool_key(stream))
+    stream = stream == per_thread_key() ? reinterpret_cast<driver::stream_t>(kPerThreadStream) : nullptr;
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
   if (!is_stream_key(stream)) {
     ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
@@ -1539,8 +1547,9 @@ void ExpandableBackend::free(Block* b) noexcept {
 // The arena of the per-thread stream of a thread that has exited: no request can name that stream
 // again, so its memory would stay cached for good (a pool of short-lived threads grew without
 // bound, each thread's arena also holding a reservation of its own). Its idle handles are given
-// back after one device synchronization (work the thread queued may still run, and its stream
-// cannot be synchronized from another thread: synchronize_once syncs the device for a key), then
+// back after one synchronization of the legacy stream (work the thread queued may still run, and
+// its stream cannot be named from another thread; the legacy stream's synchronization waits for it:
+// synchronize_once), or of the device for a released graph pool's arena, then
 // its empty segments; the arena goes with its last segment. One whose live blocks hold memory stays
 // on retired_ and each look gives back what has come free since. Given back, not handed to another
 // stream: the next thread's first requests map their own, but no stream's cache fills with memory
