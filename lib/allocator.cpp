@@ -48,7 +48,7 @@ driver::stream_t stream_key(driver::stream_t s) noexcept {
 // earlier work of every blocking stream, every thread's per-thread stream included.
 driver::stream_t event_stream(driver::stream_t s) noexcept {
   if (!backends::is_stream_key(s)) return s;
-  return s == backends::per_thread_key() ? reinterpret_cast<driver::stream_t>(backends::kPerThreadStream) : nullptr;
+  return s == backends::calling_thread_key() ? reinterpret_cast<driver::stream_t>(backends::kPerThreadStream) : nullptr;
 }
 
 }  // namespace

@@ -55,14 +55,19 @@ PerThreadKey::~PerThreadKey() {
 // readable after the thread's other thread_local objects are destroyed, so a user's thread_local
 // destructor that allocates on cudaStreamPerThread after `retire`'s destructor ran gets the (now
 // retired) key instead of reading a destroyed object; the backends give back that memory once free.
+namespace {
+thread_local std::uintptr_t t_per_thread_key = 0;
+}  // namespace
+
 [[gnu::noinline, gnu::cold]] driver::stream_t per_thread_key() noexcept {
-  thread_local std::uintptr_t key = 0;
-  if (key == 0) {
+  if (t_per_thread_key == 0) {
     thread_local const PerThreadKey retire;
-    key = reinterpret_cast<std::uintptr_t>(retire.stream());
+    t_per_thread_key = reinterpret_cast<std::uintptr_t>(retire.stream());
   }
-  return reinterpret_cast<driver::stream_t>(key);
+  return reinterpret_cast<driver::stream_t>(t_per_thread_key);
 }
+
+driver::stream_t calling_thread_key() noexcept { return reinterpret_cast<driver::stream_t>(t_per_thread_key); }
 
 std::uint64_t retired_keys_generation() noexcept { return key_registry().generation.load(std::memory_order_acquire); }
 

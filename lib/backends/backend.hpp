@@ -99,6 +99,8 @@ class PerThreadKey {
 // The calling thread's key (made at its first call; the thread's exit retires it). Out of line and
 // cold: the cached paths call it only for cudaStreamPerThread.
 driver::stream_t per_thread_key() noexcept;
+// The calling thread's key if it has one yet, else nullptr (makes none: for comparisons).
+driver::stream_t calling_thread_key() noexcept;
 // Changes whenever a thread's key or a graph pool's key is retired.
 std::uint64_t retired_keys_generation() noexcept;
 // Whether per-thread key `key` belongs to a thread that has exited (walks the live threads' keys),

@@ -1427,7 +1427,7 @@ bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
 void ExpandableBackend::synchronize_once(driver::stream_t stream) {
   SyncedStreams& s = synced_;
   if (is_per_thread_key(stream) && !is_graph_pool_key(stream))
-    stream = stream == per_thread_key() ? reinterpret_cast<driver::stream_t>(kPerThreadStream) : nullptr;
+    stream = stream == calling_thread_key() ? reinterpret_cast<driver::stream_t>(kPerThreadStream) : nullptr;
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
   if (!is_stream_key(stream)) {
     ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
