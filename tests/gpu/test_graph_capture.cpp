@@ -13,7 +13,8 @@
 //     a request that would need the capturing stream's cached memory (an OOM), a request that needs
 //     the cached memory of a dozen other streams (each synchronized by itself), a request that
 //     needs the memory of an exited thread's per-thread stream (the legacy stream's synchronization
-//     waits for it) or of its own thread's (that stream's synchronization).
+//     waits for it) or of its own thread's (that stream's synchronization), the latter also during a
+//     told capture.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -322,6 +323,53 @@ TEST_CASE("gpu: per-thread streams' memory is taken back during a capture expseg
       d.stream_destroy(m);
     }
   }
+}
+
+TEST_CASE("gpu: expandable: during a told capture, a thread takes back its own per-thread stream's idle memory") {
+  // The calling thread's per-thread stream's synchronization is permitted while another stream
+  // captures: under a limit its idle memory serves the thread's request instead of an OOM, and the
+  // capture (into a graph pool) stays valid. split_merge gives nothing back during a told capture.
+  void* const per_thread = reinterpret_cast<void*>(std::uintptr_t{2});
+  Allocator a(cuda_config(BackendKind::expandable, "limit:1GiB"));
+  Driver& d = driver_of(a);
+  void* cs = d.stream_create();
+  d.capture_begin(cs);
+  a.begin_graph_pool(1, cs);
+  void* out = a.allocate(2 * MiB, cs);
+  d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
+  void* big = nullptr;
+  void* kept = nullptr;
+  std::uint64_t reserved_before = 0;
+  std::thread([&] {
+    void* p = a.allocate(600 * MiB, per_thread);
+    kept = a.allocate(100 * MiB, per_thread);
+    d.memset_d32(dp(p), 3u, 600 * MiB / 4, per_thread);
+    a.deallocate(p);
+    reserved_before = static_cast<std::uint64_t>(a.stats().reserved_bytes[kAllPools].current);
+    CHECK_NOTHROW(big = a.allocate(800 * MiB, per_thread));  // needs p's 600 MiB back
+    if (big != nullptr) d.memset_d32(dp(big), 7u, 800 * MiB / 4, per_thread);
+    d.stream_synchronize(per_thread);
+  }).join();
+  CHECK(reserved_before >= 700 * MiB);
+  expseg::driver::graph_t g = nullptr;
+  CHECK_NOTHROW(g = d.capture_end(cs));
+  a.end_graph_pool(1);
+  REQUIRE(g != nullptr);
+  d.graph_launch(g, cs);
+  d.stream_synchronize(cs);
+  CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+  d.graph_destroy(g);
+  a.validate();
+  if (big != nullptr) {
+    CHECK(holds(d, big, 800 * MiB, 7u));
+    a.deallocate(big);
+  }
+  a.deallocate(kept);
+  a.deallocate(out);
+  a.release_graph_pool(1);
+  a.release_cached();
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+  d.stream_destroy(cs);
 }
 
 }  // TEST_SUITE

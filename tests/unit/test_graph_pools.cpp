@@ -197,6 +197,49 @@ TEST_CASE("graph pool: under a limit, a live pool's memory is not reclaimed; rel
   }
 }
 
+TEST_CASE("graph capture: during a told capture, a thread takes back its own per-thread stream's idle memory") {
+  // The calling thread's per-thread stream may be synchronized while another stream captures
+  // (measured on the H200, blocking capture stream or not): its idle memory serves a request
+  // instead of an OOM, with its queued work waited for, and the capture stays valid.
+  void* const per_thread = reinterpret_cast<void*>(std::uintptr_t{2});
+  auto sa = host_backed(BackendKind::expandable);
+  sa->set_limit(100 * MiB);
+  void* s = sa.sim->stream_create();
+  sa.sim->capture_begin(s);
+  sa->begin_graph_pool(1, s);
+  void* c = sa->allocate(2 * MiB, s);
+  fill(sa, c, 2 * MiB, 0xAAAAAAAAu, s);
+  std::thread([&] {
+    void* p = sa->allocate(60 * MiB, per_thread);
+    void* q = sa->allocate(30 * MiB, per_thread);
+    sa.sim->set_stream_busy(per_thread, true);
+    sa.sim->queue_use(per_thread, addr(p), 60 * MiB);
+    sa->deallocate(p);
+    void* r = nullptr;
+    CHECK_NOTHROW(r = sa->allocate(64 * MiB, per_thread));  // fits only with p's pages unmapped
+    CHECK(sa.sim->hazards().empty());
+    CHECK(reserved(*sa) <= 100 * MiB);
+    sa.sim->set_stream_busy(per_thread, false);
+    sa->deallocate(q);
+    if (r != nullptr) sa->deallocate(r);
+  }).join();
+  sa->validate();
+  expseg::driver::graph_t g = nullptr;
+  CHECK_NOTHROW(g = sa.sim->capture_end(s));
+  sa->end_graph_pool(1);
+  REQUIRE(g != nullptr);
+  sa.sim->graph_launch(g, s);
+  CHECK(word(sa, c) == 0xAAAAAAAAu);
+  sa.sim->graph_destroy(g);
+  sa->deallocate(c);
+  sa->release_graph_pool(1);
+  sa->release_cached();
+  CHECK(reserved(*sa) == 0);
+  sa.alloc.reset();
+  CHECK(sa.sim->hazards().empty());
+  sa.sim->stream_destroy(s);
+}
+
 TEST_CASE("graph capture: no allocation during a capture invalidates it, told of the capture or not") {
   // Under a limit, with idle memory cached for another stream, the capturing stream itself, or the
   // legacy stream: a request on the capturing stream that needs it given back. expandable takes the

@@ -1400,14 +1400,18 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 // stream and cuCtxSynchronize fail and invalidate the capture; cuStreamSynchronize of a stream that
 // does not capture is permitted (the CUDA driver layer makes it in relaxed capture mode), from the
 // capturing thread or another. So an arena on a plain stream is off limits only while its stream
-// captures; one on a key (a per-thread stream of any thread, which synchronize_once covers with
-// the legacy stream's synchronization; a graph pool or a foreign stream, with cuCtxSynchronize) or
-// on the legacy stream, whose synchronization is refused while a blocking stream captures, while
-// any capture expseg knows of is underway (a told capture's stream may block: whether it does
-// cannot be asked while it captures). A capture expseg is not told of on another thread's
-// per-thread stream is not seen.
+// captures, and so is one on the calling thread's per-thread stream (its synchronization is
+// permitted while another stream captures, blocking or not: measured on the H200); one on another
+// key (another thread's per-thread stream, which synchronize_once covers with the legacy stream's
+// synchronization; a graph pool or a foreign stream, with cuCtxSynchronize) or on the legacy
+// stream, whose synchronization is refused while a blocking stream captures, while any capture
+// expseg knows of is underway (a told capture's stream may block: whether it does cannot be asked
+// while it captures). A capture expseg is not told of on another thread's per-thread stream is not
+// seen.
 bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
-  if (is_stream_key(arena.stream) || arena.stream == nullptr) return ctx_.capturing;
+  const bool own_per_thread = is_per_thread_key(arena.stream) && !is_graph_pool_key(arena.stream) &&
+                              arena.stream == calling_thread_key();
+  if (!own_per_thread && (is_stream_key(arena.stream) || arena.stream == nullptr)) return ctx_.capturing;
   if (arena.capture_seen_op != operation_) {
     arena.capture_seen_op = operation_;
     arena.captures = stream_captures(ctx_, arena.stream);
