@@ -8,9 +8,10 @@
 // waits for events recorded on those streams. cudaStreamPerThread (CU_STREAM_PER_THREAD) is the
 // calling thread's own stream: each thread's blocks are cached apart, as RMM's pools keep them.
 // Once the thread has exited, what is cached for its stream is given back to the device at the
-// next allocation that misses the cache, release_cached() or set_limit() (after a device
-// synchronization: work the thread queued may still run); its blocks still live (freed by another
-// thread later) go back the same way once freed.
+// next allocation that misses the cache, release_cached() or set_limit() (expandable: after a
+// synchronization of the legacy stream, which waits for every thread's per-thread stream: work the
+// thread queued may still run); its blocks still live (freed by another thread later) go back the
+// same way once freed.
 // A stream given here must outlive the memory cached for it: destroy it only after release_stream()
 // or release_cached()
 // (the expandable backend synchronizes a block's stream before unmapping its memory, and the driver
