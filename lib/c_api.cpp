@@ -414,8 +414,9 @@ void expseg_free(void* ptr, ssize_t /*size*/, int device, expseg_stream_t /*stre
 
 void* expseg_cupy_malloc(void* param, size_t size, int device_id) noexcept {
   // `param`: the stream of the CFunctionAllocator that calls (CuPy itself passes none). CuPy destroys
-  // a Stream when it is collected, maybe with memory still cached for it: a key that expseg never
-  // hands the driver (a device sync waits for its work), see backends::foreign_stream_key.
+  // a Stream when it is collected, maybe with memory still cached for it: a key whose stream expseg
+  // never synchronizes (only asks, while a request names it, whether it blocks; the legacy stream's
+  // synchronization or a device one waits for its work), see backends::foreign_stream_key.
   return allocate(size, device_id, static_cast<expseg_stream_t>(backends::foreign_stream_key(static_cast<driver::stream_t>(param))),
                   "expseg_cupy_malloc", false);
 }

@@ -16,7 +16,7 @@
 // or release_cached()
 // (the expandable backend synchronizes a block's stream before unmapping its memory, and the driver
 // may crash on a destroyed stream), as PyTorch requires of its external streams. The C API's CuPy
-// entry point (expseg_cupy_malloc) is the exception: it never hands its streams to the driver.
+// entry point (expseg_cupy_malloc) is the exception: it never synchronizes its streams.
 //
 // Thread safety: every method may be called from any thread; one lock per allocator, held for the
 // cached malloc/free path only as long as the free-block index update takes. (expandable also

@@ -36,8 +36,10 @@ std::size_t roundup_power2_divisions_size(const Config& c, std::size_t size, std
 bool has_roundup_power2_divisions(const Config& c) noexcept;
 
 // Stream keys: what the frontend hands the backends instead of a CUstream that the driver may be
-// called with. Their top bits are set, which no CUstream (a user-space pointer) has; a backend waits
-// for their work with a device synchronization, never through the stream.
+// called with. Their top bits are set, which no CUstream (a user-space pointer) has; a backend never
+// synchronizes the stream a key stands for: it waits for the calling thread's own per-thread stream
+// through CU_STREAM_PER_THREAD, for another thread's and for a blocking foreign stream through the
+// legacy stream, and for anything else with a device synchronization (expandable's synchronize_once).
 //   - cudaStreamPerThread (CU_STREAM_PER_THREAD) names another stream in each host thread: the
 //     calling thread's key (kPerThreadKeyTag | a number never reused), so that each thread's
 //     per-thread stream caches its own blocks. No other thread can name that stream.

@@ -53,7 +53,7 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
   X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)                      \
   X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020) X(cuMemSetAccess, 10020)             \
   X(cuMemAlloc, 3020) X(cuMemFree, 3020) X(cuMemAllocAsync, 11020) X(cuMemFreeAsync, 11020)        \
-  X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000)             \
+  X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000) X(cuStreamGetFlags, 5050)                          \
   X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)  \
   X(cuEventQuery, 2000) X(cuEventSynchronize, 2000) X(cuMemsetD32Async, 3020)                         \
   X(cuMemcpyDtoH, 3020) X(cuMemcpyHtoD, 3020) X(cuMemExportToShareableHandle, 10020)                  \
@@ -336,6 +336,23 @@ class CudaDriver final : public Driver {
     CUstream s = nullptr;
     check(api_, api_.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     return s;
+  }
+  stream_t stream_create_blocking() override {
+    CtxScope scope(*this);
+    CUstream s = nullptr;
+    check(api_, api_.cuStreamCreate(&s, CU_STREAM_DEFAULT), "cuStreamCreate");
+    return s;
+  }
+  bool stream_is_blocking(stream_t stream) override {
+    CtxScope scope(*this);
+    unsigned int flags = 0;
+    CUresult r = CUDA_SUCCESS;
+    {
+      const RelaxedCapture relaxed(api_);  // permitted while another stream captures (measured)
+      r = api_.cuStreamGetFlags(to_cu(stream), &flags);
+    }
+    check(api_, r, "cuStreamGetFlags");
+    return (flags & CU_STREAM_NON_BLOCKING) == 0;
   }
   void stream_destroy(stream_t stream) override {
     if (stream == nullptr) throw_invalid("cuStreamDestroy", "the default stream cannot be destroyed");

@@ -40,6 +40,10 @@ void Driver::mem_free_async(dev_ptr, stream_t) {
 }
 
 std::uint64_t Driver::stream_capture_id(stream_t) { return 0; }
+bool Driver::stream_is_blocking(stream_t) { return false; }
+stream_t Driver::stream_create_blocking() {
+  throw driver_error("cuStreamCreate", 801, "CUDA_ERROR_NOT_SUPPORTED", std::string("not provided by the ") + kind() + " driver");
+}
 
 namespace {
 [[noreturn]] void no_graphs(const char* call, const char* kind) {

@@ -129,8 +129,17 @@ class Driver {
   virtual void mem_free_async(dev_ptr ptr, stream_t stream);
 
   // --- streams and events ---
-  virtual stream_t stream_create() = 0;
+  virtual stream_t stream_create() = 0;  // non-blocking (CU_STREAM_NON_BLOCKING)
+  // Tests: a stream created with flags 0, which the legacy stream waits for. The default throws
+  // CUDA_ERROR_NOT_SUPPORTED.
+  virtual stream_t stream_create_blocking();
   virtual void stream_destroy(stream_t stream) = 0;
+  // Whether the legacy stream's work waits for `stream`'s (cuStreamGetFlags: created without
+  // CU_STREAM_NON_BLOCKING; the legacy and per-thread default streams). Measured on the H200: a
+  // synchronization of the legacy stream waits for such a stream's queued work, also once the
+  // stream is destroyed, and for no non-blocking stream's. Refused for a capturing stream (the
+  // capture is invalidated): ask only of a stream that does not capture. The default says false.
+  virtual bool stream_is_blocking(stream_t stream);
   virtual event_t event_create() = 0;
   virtual void event_destroy(event_t event) = 0;
   virtual void event_record(event_t event, stream_t stream) = 0;

@@ -105,13 +105,6 @@ std::uintptr_t stream_of(const void* p) noexcept {
   thread_local const std::uintptr_t mine = kPerThreadStreamBit | next_thread.fetch_add(1, std::memory_order_relaxed);
   return mine;
 }
-// Blocking streams: the legacy stream's work waits for theirs (measured on the H200: a
-// synchronization of the legacy stream, or of an event recorded on it, waits for another thread's
-// per-thread stream and for a stream created with flags 0, not for a non-blocking one). The CUDA
-// driver layer creates non-blocking streams, so here only the legacy and per-thread streams block;
-// other stream values (a replayed trace's) are taken as non-blocking, so that the legacy stream
-// never hides an unmap under their queued work.
-bool is_blocking(std::uintptr_t stream) noexcept { return stream == 0 || (stream & kPerThreadStreamBit) != 0; }
 void* as_pointer(std::uintptr_t id) noexcept { return reinterpret_cast<void*>(id); }
 
 // --- latency model: H200 medians (DESIGN.md), µs, interpolated linearly in log(size) ---------
@@ -235,6 +228,16 @@ struct SimDriver::Impl {
   // CUDA_ERROR_INVALID_CONTEXT once and crashed the next time), so tests see every such call.
   std::unordered_set<std::uintptr_t> destroyed_streams;
   std::unordered_set<std::uintptr_t> busy_streams;
+  std::unordered_set<std::uintptr_t> blocking_streams;  // from stream_create_blocking(), live or destroyed
+  // Blocking streams: the legacy stream's work waits for theirs (measured on the H200: a
+  // synchronization of the legacy stream, or of an event recorded on it, waits for another
+  // thread's per-thread stream and for a stream created with flags 0, not for a non-blocking one).
+  // stream_create() makes non-blocking streams, as the CUDA driver layer does; other stream values
+  // (a replayed trace's) are taken as non-blocking, so that the legacy stream never hides an unmap
+  // under their queued work.
+  bool is_blocking(std::uintptr_t stream) const noexcept {
+    return stream == 0 || (stream & kPerThreadStreamBit) != 0 || blocking_streams.contains(stream);
+  }
   std::unordered_map<std::uintptr_t, Event> events;
   std::uint64_t record_seq = 0;
   // Work queued on busy streams that uses device memory (queue_use), until the stream's work up to
@@ -941,6 +944,24 @@ stream_t SimDriver::stream_create() {
   return as_pointer(id);
 }
 
+stream_t SimDriver::stream_create_blocking() {
+  const stream_t s = stream_create();
+  std::lock_guard lock(impl_->mutex);
+  impl_->blocking_streams.insert(id_of(s));
+  return s;
+}
+
+bool SimDriver::stream_is_blocking(stream_t stream) {
+  static constexpr const char* call = "cuStreamGetFlags";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  const std::uintptr_t id = stream_of(stream);
+  if (s.captures.contains(id)) s.refuse_while_capturing(call);  // refused in every mode (measured)
+  if (s.destroyed_streams.contains(id))
+    throw driver_error(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(id) + " was destroyed");
+  return s.is_blocking(id);
+}
+
 void SimDriver::stream_destroy(stream_t stream) {
   static constexpr const char* call = "cuStreamDestroy";
   std::lock_guard lock(impl_->mutex);
@@ -1022,7 +1043,7 @@ void SimDriver::stream_synchronize(stream_t stream) {
   const std::uint64_t upto = s.record_seq;
   if (id == 0)
     for (const std::uintptr_t b : std::vector<std::uintptr_t>(s.busy_streams.begin(), s.busy_streams.end()))
-      if (is_blocking(b)) s.complete(&b, upto);
+      if (s.is_blocking(b)) s.complete(&b, upto);
   s.complete(&id, upto);
   s.charge(kSyncUs);
 }

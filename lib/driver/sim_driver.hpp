@@ -46,8 +46,9 @@
 //
 // Streams as on the H200: CU_STREAM_PER_THREAD (0x2) is the calling thread's own per-thread stream,
 // another in each host thread. The legacy stream (nullptr or 0x1) and the per-thread streams
-// block: a synchronization of the legacy stream, or of an event recorded on it, waits for their
-// queued work too. Created streams are non-blocking, as the CUDA driver layer creates them.
+// block, and so do streams from stream_create_blocking(): a synchronization of the legacy stream,
+// or of an event recorded on it, waits for their queued work too. stream_create() makes
+// non-blocking streams, as the CUDA driver layer does.
 //
 // Fault injection makes the n-th future call of an operation fail with OOM or another error; the
 // failing call has no effect. live() counts what is outstanding, for leak checks.
@@ -114,7 +115,9 @@ class SimDriver final : public Driver {
   dev_ptr mem_alloc(std::size_t bytes) override;
   void mem_free(dev_ptr ptr) override;
   stream_t stream_create() override;
+  stream_t stream_create_blocking() override;
   void stream_destroy(stream_t stream) override;
+  bool stream_is_blocking(stream_t stream) override;
   event_t event_create() override;
   void event_destroy(event_t event) override;
   void event_record(event_t event, stream_t stream) override;

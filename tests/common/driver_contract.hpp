@@ -237,6 +237,14 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     d.event_record(e, s);
     d.stream_synchronize(s);
     CHECK(d.event_query(e));
+    // Which streams the legacy stream waits for: not a created (non-blocking) one; a blocking one,
+    // the legacy and the per-thread default streams.
+    CHECK_FALSE(d.stream_is_blocking(s));
+    CHECK(d.stream_is_blocking(nullptr));
+    CHECK(d.stream_is_blocking(reinterpret_cast<stream_t>(std::uintptr_t{2})));
+    const stream_t blocking = d.stream_create_blocking();
+    CHECK(d.stream_is_blocking(blocking));
+    d.stream_destroy(blocking);
     d.device_synchronize();
     if (p) d.mem_free(p);
     d.event_destroy(e2);

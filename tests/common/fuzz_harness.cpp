@@ -269,6 +269,8 @@ class Spy final : public expseg::driver::Driver {
     if (h_) all_complete_ = h_->tick_;
   }
   expseg::driver::stream_t stream_create() override { return sim_->stream_create(); }
+  expseg::driver::stream_t stream_create_blocking() override { return sim_->stream_create_blocking(); }
+  bool stream_is_blocking(expseg::driver::stream_t stream) override { return sim_->stream_is_blocking(stream); }
   void stream_destroy(expseg::driver::stream_t stream) override { sim_->stream_destroy(stream); }
   expseg::driver::event_t event_create() override { return sim_->event_create(); }
   void event_destroy(expseg::driver::event_t event) override {

@@ -14,7 +14,7 @@
 //     the cached memory of a dozen other streams (each synchronized by itself), a request that
 //     needs the memory of an exited thread's per-thread stream (the legacy stream's synchronization
 //     waits for it) or of its own thread's (that stream's synchronization), the latter also during a
-//     told capture.
+//     told capture; or of a destroyed blocking CuPy stream (the legacy stream's synchronization).
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "allocator_impl.hpp"
+#include "backends/backend.hpp"
 #include "driver/driver.hpp"
 #include "expseg/errors.hpp"
 #include "gpu_util.hpp"
@@ -370,6 +371,51 @@ TEST_CASE("gpu: expandable: during a told capture, a thread takes back its own p
   a.release_cached();
   CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
   d.stream_destroy(cs);
+}
+
+TEST_CASE("gpu: expandable: a destroyed blocking CuPy stream's memory is taken back during a capture expseg is not told of") {
+  // CuPy's streams block by default and may be destroyed with memory cached for them (expseg never
+  // names them to the driver again). Whether the stream blocks is asked while its arena is made;
+  // the legacy stream's synchronization then waits for its work, destroyed or not, and is permitted
+  // while a non-blocking stream captures. A device synchronization would fail the request and
+  // invalidate the capture.
+  Allocator a(cuda_config(BackendKind::expandable, "limit:1GiB"));
+  Driver& d = driver_of(a);
+  void* cupy_stream = d.stream_create_blocking();
+  void* key = expseg::backends::foreign_stream_key(cupy_stream);
+  void* p = a.allocate(600 * MiB, key);
+  void* kept = a.allocate(100 * MiB, key);
+  d.memset_d32(dp(p), 3u, 600 * MiB / 4, cupy_stream);
+  a.deallocate(p);
+  d.stream_destroy(cupy_stream);  // collected by CuPy; its memset may still run
+  CHECK(a.stats().reserved_bytes[kAllPools].current >= static_cast<std::int64_t>(700 * MiB));
+  void* cs = d.stream_create();
+  void* m = d.stream_create();
+  void* out = a.allocate(2 * MiB, cs);
+  d.capture_begin(cs);
+  d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
+  void* big = nullptr;
+  CHECK_NOTHROW(big = a.allocate(800 * MiB, m));  // needs the CuPy stream's 600 MiB back
+  expseg::driver::graph_t g = nullptr;
+  CHECK_NOTHROW(g = d.capture_end(cs));
+  REQUIRE(g != nullptr);
+  d.graph_launch(g, cs);
+  d.stream_synchronize(cs);
+  CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+  d.graph_destroy(g);
+  a.validate();
+  if (big != nullptr) {
+    d.memset_d32(dp(big), 7u, 800 * MiB / 4, m);
+    d.stream_synchronize(m);
+    CHECK(holds(d, big, 800 * MiB, 7u));
+    a.deallocate(big);
+  }
+  a.deallocate(kept);
+  a.deallocate(out);
+  a.release_cached();
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+  d.stream_destroy(cs);
+  d.stream_destroy(m);
 }
 
 }  // TEST_SUITE

@@ -52,7 +52,8 @@ TEST_CASE("sim: an unmap of memory that queued work still uses is a hazard; afte
 TEST_CASE("C API: CuPy's streams may be destroyed with memory cached for them: expseg never syncs them") {
   // CuPy destroys a Stream when it is collected, and expseg_cupy_malloc caches memory per stream. On
   // CUDA 13 a cuStreamSynchronize of a destroyed stream failed once and crashed the next time; the
-  // simulated device refuses it. Reclaiming that stream's idle memory must wait with a device sync.
+  // simulated device refuses it. Reclaiming that stream's idle memory (a non-blocking stream here)
+  // must wait with a device sync.
   testutil::CApiFixture fixture;
   REQUIRE(expseg_configure("device:sim,sim_capacity:80GiB,backend:expandable,limit:100MiB") == EXPSEG_SUCCESS);
   void* first = expseg_cupy_malloc(nullptr, MiB, 0);  // creates the allocator
@@ -79,6 +80,59 @@ TEST_CASE("C API: CuPy's streams may be destroyed with memory cached for them: e
   expseg_cupy_free(nullptr, first, 0);
   CHECK(expseg_release_cached(0) == EXPSEG_SUCCESS);
   a->validate();
+}
+
+TEST_CASE("C API: a blocking CuPy stream's idle memory goes back after the legacy stream's synchronization") {
+  // CuPy's streams block by default (cupy.cuda.Stream(non_blocking=False)): the legacy stream's
+  // synchronization waits for their work (on the H200 also once the stream is destroyed), not for a
+  // non-blocking bystander's, and is permitted while a non-blocking stream captures. Whether the
+  // stream blocks is asked when its arena is made, while the stream is alive. A non-blocking CuPy
+  // stream still takes the device synchronization.
+  for (const bool blocking : {true, false}) {
+    for (const bool capture : {false, true}) {
+      CAPTURE(blocking);
+      CAPTURE(capture);
+      testutil::CApiFixture fixture;
+      REQUIRE(expseg_configure("device:sim,sim_capacity:80GiB,backend:expandable,limit:100MiB") == EXPSEG_SUCCESS);
+      void* first = expseg_cupy_malloc(nullptr, MiB, 0);  // creates the allocator
+      REQUIRE(first != nullptr);
+      expseg::Allocator* a = expseg::capi::allocator_for_tests(0);
+      REQUIRE(a != nullptr);
+      auto& sim = dynamic_cast<expseg::driver::SimDriver&>(expseg::detail::AllocatorAccess::driver(*a));
+      void* cupy_stream = blocking ? sim.stream_create_blocking() : sim.stream_create();
+      void* p = expseg_cupy_malloc(cupy_stream, 60 * MiB, 0);
+      REQUIRE(p != nullptr);
+      sim.set_stream_busy(cupy_stream, true);
+      sim.queue_use(cupy_stream, addr(p), 60 * MiB);  // a kernel on the stream, then the free
+      expseg_cupy_free(nullptr, p, 0);
+      void* bystander = sim.stream_create();
+      auto* event = sim.event_create();
+      sim.set_stream_busy(bystander, true);
+      sim.event_record(event, bystander);
+      void* capturing = sim.stream_create();
+      if (capture) sim.capture_begin(capturing);
+      void* q = expseg_cupy_malloc(nullptr, 60 * MiB, 0);  // needs the CuPy stream's idle memory
+      if (blocking || !capture) {
+        CHECK(q != nullptr);
+        CHECK(sim.hazards().empty());
+      } else {
+        CHECK(q == nullptr);  // the device synchronization was refused (the capture is invalidated)
+      }
+      CHECK(sim.event_query(event) == (!blocking && !capture));  // waited for by a device synchronization only
+      if (capture) {
+        if (blocking) CHECK_NOTHROW(sim.graph_destroy(sim.capture_end(capturing)));
+        else CHECK_THROWS_AS(sim.capture_end(capturing), expseg::driver_error);
+      }
+      sim.set_stream_busy(bystander, false);
+      sim.set_stream_busy(cupy_stream, false);
+      if (q != nullptr) expseg_cupy_free(nullptr, q, 0);
+      expseg_cupy_free(nullptr, first, 0);
+      CHECK(expseg_release_cached(0) == EXPSEG_SUCCESS);
+      a->validate();
+      sim.event_destroy(event);
+      for (void* s : {cupy_stream, bystander, capturing}) sim.stream_destroy(s);
+    }
+  }
 }
 
 TEST_CASE("expandable: reclaim under a limit and release_cached wait for the stream that used the memory") {

@@ -618,6 +618,23 @@ TEST_SUITE("sim") {
       CHECK(d.event_query(theirs));
       CHECK_FALSE(d.event_query(side));
     }
+    SUBCASE("a stream created blocking is waited for too; whether a stream blocks is refused while it captures") {
+      const stream_t blocking = d.stream_create_blocking();
+      CHECK(d.stream_is_blocking(blocking));
+      CHECK_FALSE(d.stream_is_blocking(nonblocking));
+      d.set_stream_busy(blocking, true);
+      const event_t on_blocking = d.event_create();
+      d.event_record(on_blocking, blocking);
+      d.stream_synchronize(nullptr);
+      CHECK(d.event_query(on_blocking));
+      CHECK_FALSE(d.event_query(side));
+      d.capture_begin(blocking);
+      CHECK_THROWS_AS((void)d.stream_is_blocking(blocking), driver_error);
+      CHECK_THROWS_AS(d.capture_end(blocking), driver_error);  // invalidated
+      d.set_stream_busy(blocking, false);
+      d.event_destroy(on_blocking);
+      d.stream_destroy(blocking);
+    }
     SUBCASE("it is permitted while a non-blocking stream captures, refused while a blocking one does") {
       const stream_t capturing = d.stream_create();
       d.capture_begin(capturing);

@@ -249,6 +249,14 @@ std::size_t ExpandableBackend::round_size(std::size_t size) const noexcept {
 ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
   auto* a = new ExpArena;
   a->stream = stream;
+  // A foreign key's stream (CuPy's) is alive now, while a request names it: ask whether it blocks
+  // (~24 ns), unless it captures (the question is refused then and would invalidate the capture).
+  if (is_stream_key(stream) && !is_per_thread_key(stream) && !stream_captures(ctx_, stream)) {
+    try {
+      a->legacy_waits = ctx_.driver.stream_is_blocking(capture_query_stream(stream));
+    } catch (const driver_error&) {  // stays false: the device synchronization, as before
+    }
+  }
   try {
     arenas_.push_back(a);
     try {
@@ -526,7 +534,7 @@ void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, const Block* a
     const std::uint64_t hhi = hlo + h->bytes;
     if (hlo < run_lo || hhi > run_hi) continue;  // not idle
     if (h->nframes == 1 || (hlo >= lo && hhi <= hi)) continue;
-    synchronize_once(seg.arena->stream);  // work queued there may still use the memory
+    synchronize_once(*seg.arena);  // work queued there may still use the memory
     unmap_handle(h);
   }
 }
@@ -1116,7 +1124,7 @@ std::size_t ExpandableBackend::move_idle_handle(ExpSegment& seg, std::size_t fra
   });
   if (best == nullptr) return 0;
   // The memory was freed on its arena's stream: work queued there may still use it.
-  synchronize_once(best->seg->arena->stream);
+  synchronize_once(*best->seg->arena);
   const std::size_t moved = best->nframes;
   unmap_mapping(best);
   if (!map_handle(seg, frame, best, anchor)) return 0;
@@ -1310,7 +1318,7 @@ std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& 
   for (ExpHandle* h : order) {
     if (freed >= bytes) break;
     // The memory was freed on the arena's stream: work queued there may still use it.
-    synchronize_once(h->seg->arena->stream);
+    synchronize_once(*h->seg->arena);
     const std::size_t hb = h->bytes;
     unmap_handle(h);
     freed += hb;
@@ -1426,12 +1434,16 @@ bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
 // calling thread's own per-thread stream, or another thread's, which no call made here can name:
 // the legacy stream's synchronization covers it (measured on the H200: it waits for every blocking
 // stream's work, every thread's per-thread stream included, not for non-blocking streams', and is
-// permitted while a non-blocking stream captures). Only a foreign key (its stream may be destroyed)
-// and a graph pool's (its replays may run on any stream) take the device synchronization.
-void ExpandableBackend::synchronize_once(driver::stream_t stream) {
+// permitted while a non-blocking stream captures), and so it does a foreign key's stream that was
+// blocking when its arena was made (it waits for such a stream's work also once it is destroyed).
+// Only a foreign key of a non-blocking stream (which may be destroyed) and a graph pool's (its
+// replays may run on any stream) take the device synchronization.
+void ExpandableBackend::synchronize_once(const ExpArena& arena) {
   SyncedStreams& s = synced_;
+  driver::stream_t stream = arena.stream;
   if (is_per_thread_key(stream) && !is_graph_pool_key(stream))
     stream = stream == calling_thread_key() ? reinterpret_cast<driver::stream_t>(kPerThreadStream) : nullptr;
+  else if (arena.legacy_waits) stream = nullptr;
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
   if (!is_stream_key(stream)) {
     ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
@@ -1588,7 +1600,7 @@ bool ExpandableBackend::give_back_arena(ExpArena* a) {
     for (std::uint64_t at = lo; at < hi; at += handle_at(seg, at)->bytes) idle.push_back(handle_at(seg, at));
   });
   for (ExpHandle* h : idle) {
-    synchronize_once(a->stream);
+    synchronize_once(*a);
     unmap_handle(h);
   }
   for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);
@@ -1643,7 +1655,7 @@ void ExpandableBackend::on_limit_changed() {
   std::vector<std::size_t> sizes(idle.size());
   for (std::size_t i = 0; i < idle.size(); ++i) sizes[i] = idle[i]->bytes;
   for (std::size_t i : core::pick_give_back(sizes, reserved_ - limit)) {
-    synchronize_once(idle[i]->seg->arena->stream);  // work queued there may still use the memory
+    synchronize_once(*idle[i]->seg->arena);  // work queued there may still use the memory
     unmap_handle(idle[i]);
   }
 }

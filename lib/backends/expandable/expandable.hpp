@@ -101,6 +101,9 @@ struct ExpArena {
   // ExpandableBackend::arena_captures): asked once per arena per operation, on slow paths only.
   mutable std::uint64_t capture_seen_op = 0;
   mutable bool captures = false;
+  // A foreign key's arena (a CuPy stream) whose stream was blocking when the arena was made: a
+  // synchronization of the legacy stream waits for its work, destroyed or not (synchronize_once).
+  bool legacy_waits = false;
 };
 
 class ExpandableBackend final : public Backend {
@@ -217,7 +220,7 @@ class ExpandableBackend final : public Backend {
   // allocation, release_cached, a limit change; begin_operation starts one): idle memory freed on a
   // stream may still be used by that work until then. Once is enough because nothing can be freed
   // while an operation runs (the caller holds the allocator's lock).
-  void synchronize_once(driver::stream_t stream);
+  void synchronize_once(const ExpArena& arena);
   void begin_operation() noexcept {
     synced_.count = 0;
     synced_.all = false;
