@@ -331,16 +331,12 @@ class CudaDriver final : public Driver {
     check(api_, api_.cuMemFreeAsync(to_cu(ptr), to_cu(stream)), "cuMemFreeAsync");
   }
 
-  stream_t stream_create() override {
+  stream_t stream_create() override { return create_stream(CU_STREAM_NON_BLOCKING); }
+  stream_t stream_create_blocking() override { return create_stream(CU_STREAM_DEFAULT); }
+  stream_t create_stream(unsigned int flags) {
     CtxScope scope(*this);
     CUstream s = nullptr;
-    check(api_, api_.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    return s;
-  }
-  stream_t stream_create_blocking() override {
-    CtxScope scope(*this);
-    CUstream s = nullptr;
-    check(api_, api_.cuStreamCreate(&s, CU_STREAM_DEFAULT), "cuStreamCreate");
+    check(api_, api_.cuStreamCreate(&s, flags), "cuStreamCreate");
     return s;
   }
   bool stream_is_blocking(stream_t stream) override {

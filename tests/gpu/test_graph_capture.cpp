@@ -56,6 +56,31 @@ bool holds(Driver& d, void* p, std::size_t bytes, std::uint32_t value) {
   return true;
 }
 
+// Captures on `cs`, in global mode and untold, a memset of the 2 MiB at `out`, with `during()` run
+// while it captures; the capture must end valid and its graph write `out` when launched.
+template <class F>
+void capture_around(Driver& d, void* cs, void* out, F&& during) {
+  d.capture_begin(cs);
+  d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
+  during();
+  expseg::driver::graph_t g = nullptr;
+  CHECK_NOTHROW(g = d.capture_end(cs));
+  REQUIRE(g != nullptr);
+  d.graph_launch(g, cs);
+  d.stream_synchronize(cs);
+  CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+  d.graph_destroy(g);
+}
+
+// Writes `bytes` at `p` on stream `s`, reads them back and frees p (nothing when p is null).
+void write_read_free(Allocator& a, Driver& d, void* p, std::size_t bytes, void* s) {
+  if (p == nullptr) return;
+  d.memset_d32(dp(p), 7u, bytes / 4, s);
+  d.stream_synchronize(s);
+  CHECK(holds(d, p, bytes, 7u));
+  a.deallocate(p);
+}
+
 }  // namespace
 
 TEST_SUITE("gpu_graph_capture") {
@@ -232,25 +257,13 @@ TEST_CASE("gpu: memory cached for a dozen streams is taken back during a capture
     void* cs = d.stream_create();
     void* m = d.stream_create();
     void* out = a.allocate(2 * MiB, cs);
-    d.capture_begin(cs);
-    d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
     void* big = nullptr;
-    CHECK_NOTHROW(big = a.allocate(900 * MiB, m));  // 2 + 900 MiB: at least eleven streams' memory
-    expseg::driver::graph_t g = nullptr;
-    CHECK_NOTHROW(g = d.capture_end(cs));
-    REQUIRE(g != nullptr);
-    d.graph_launch(g, cs);
-    d.stream_synchronize(cs);
-    CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+    capture_around(d, cs, out, [&] {
+      CHECK_NOTHROW(big = a.allocate(900 * MiB, m));  // 2 + 900 MiB: at least eleven streams' memory
+    });
     a.validate();
-    if (big != nullptr) {
-      d.memset_d32(dp(big), 7u, 900 * MiB / 4, m);
-      d.stream_synchronize(m);
-      CHECK(holds(d, big, 900 * MiB, 7u));
-      a.deallocate(big);
-    }
+    write_read_free(a, d, big, 900 * MiB, m);
     a.deallocate(out);
-    d.graph_destroy(g);
     a.release_cached();
     CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
     for (void* s : streams) d.stream_destroy(s);
@@ -287,16 +300,9 @@ TEST_CASE("gpu: per-thread streams' memory is taken back during a capture expseg
         reserved_before = static_cast<std::uint64_t>(a.stats().reserved_bytes[kAllPools].current);
       };
       auto request = [&] {
-        d.capture_begin(cs);
-        d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
-        CHECK_NOTHROW(big = a.allocate(800 * MiB, own ? per_thread : m));  // needs the 600 MiB back
-        expseg::driver::graph_t g = nullptr;
-        CHECK_NOTHROW(g = d.capture_end(cs));
-        REQUIRE(g != nullptr);
-        d.graph_launch(g, cs);
-        d.stream_synchronize(cs);
-        CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
-        d.graph_destroy(g);
+        capture_around(d, cs, out, [&] {
+          CHECK_NOTHROW(big = a.allocate(800 * MiB, own ? per_thread : m));  // needs the 600 MiB back
+        });
       };
       if (own) {
         std::thread([&] {
@@ -311,12 +317,7 @@ TEST_CASE("gpu: per-thread streams' memory is taken back during a capture expseg
       }
       CHECK(reserved_before >= 700 * MiB);
       a.validate();
-      if (big != nullptr) {
-        d.memset_d32(dp(big), 7u, 800 * MiB / 4, cs);
-        d.stream_synchronize(cs);
-        CHECK(holds(d, big, 800 * MiB, 7u));
-        a.deallocate(big);
-      }
+      write_read_free(a, d, big, 800 * MiB, cs);
       a.deallocate(out);
       a.release_cached();
       a.validate();
@@ -348,8 +349,6 @@ TEST_CASE("gpu: expandable: during a told capture, a thread takes back its own p
     a.deallocate(p);
     reserved_before = static_cast<std::uint64_t>(a.stats().reserved_bytes[kAllPools].current);
     CHECK_NOTHROW(big = a.allocate(800 * MiB, per_thread));  // needs p's 600 MiB back
-    if (big != nullptr) d.memset_d32(dp(big), 7u, 800 * MiB / 4, per_thread);
-    d.stream_synchronize(per_thread);
   }).join();
   CHECK(reserved_before >= 700 * MiB);
   expseg::driver::graph_t g = nullptr;
@@ -361,10 +360,7 @@ TEST_CASE("gpu: expandable: during a told capture, a thread takes back its own p
   CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
   d.graph_destroy(g);
   a.validate();
-  if (big != nullptr) {
-    CHECK(holds(d, big, 800 * MiB, 7u));
-    a.deallocate(big);
-  }
+  write_read_free(a, d, big, 800 * MiB, cs);
   a.deallocate(kept);
   a.deallocate(out);
   a.release_graph_pool(1);
@@ -392,24 +388,12 @@ TEST_CASE("gpu: expandable: a destroyed blocking CuPy stream's memory is taken b
   void* cs = d.stream_create();
   void* m = d.stream_create();
   void* out = a.allocate(2 * MiB, cs);
-  d.capture_begin(cs);
-  d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
   void* big = nullptr;
-  CHECK_NOTHROW(big = a.allocate(800 * MiB, m));  // needs the CuPy stream's 600 MiB back
-  expseg::driver::graph_t g = nullptr;
-  CHECK_NOTHROW(g = d.capture_end(cs));
-  REQUIRE(g != nullptr);
-  d.graph_launch(g, cs);
-  d.stream_synchronize(cs);
-  CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
-  d.graph_destroy(g);
+  capture_around(d, cs, out, [&] {
+    CHECK_NOTHROW(big = a.allocate(800 * MiB, m));  // needs the CuPy stream's 600 MiB back
+  });
   a.validate();
-  if (big != nullptr) {
-    d.memset_d32(dp(big), 7u, 800 * MiB / 4, m);
-    d.stream_synchronize(m);
-    CHECK(holds(d, big, 800 * MiB, 7u));
-    a.deallocate(big);
-  }
+  write_read_free(a, d, big, 800 * MiB, m);
   a.deallocate(kept);
   a.deallocate(out);
   a.release_cached();
