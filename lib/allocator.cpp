@@ -392,8 +392,14 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream) {
   } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
   }
   if (id != 0)
-    for (const CaptureRoute& r : capture_routes)
-      if (r.capture_id == id) return r.key;
+    for (CaptureRoute& r : capture_routes)
+      if (r.capture_id == id) {
+        if (stream != r.stream && !r.may_block) {  // a stream the capture forked to: it may block
+          r.may_block = true;
+          update_capture_state();
+        }
+        return r.key;
+      }
   return stream;
 }
 
@@ -539,8 +545,36 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
     it->keys.emplace_back(key, pool_key);  // capacity reserved
   }
   it->uses += 1;
-  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key});
-  m.ctx.capturing = true;
+  // prepare_capture's answer for this stream, asked before the capture began (it cannot be now).
+  bool may_block = true;
+  if (auto p = std::find_if(m.prepared_captures.begin(), m.prepared_captures.end(), [&](const auto& e) { return e.first == key; });
+      p != m.prepared_captures.end()) {
+    may_block = p->second;
+    m.prepared_captures.erase(p);
+  }
+  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key, may_block});
+  m.update_capture_state();
+}
+
+void Allocator::prepare_capture(stream_t stream) {
+  const driver::stream_t key = stream_key(stream);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  if (backends::is_graph_pool_key(key)) throw error("prepare_capture: not a stream");
+  m.prepared_captures.reserve(Impl::kMaxPreparedCaptures);  // nothing below allocates
+  const driver::stream_t query = backends::capture_query_stream(key);
+  // Asking a capturing stream's flags would invalidate its capture.
+  if (m.driver->stream_capture_id(query) != 0)
+    throw error("prepare_capture: the stream captures already; call it before cuStreamBeginCapture");
+  // The default streams block: the legacy stream itself, and each thread's per-thread stream.
+  const bool blocks = backends::is_legacy_stream(key) || backends::is_per_thread_key(key) || m.driver->stream_is_blocking(query);
+  auto p = std::find_if(m.prepared_captures.begin(), m.prepared_captures.end(), [&](const auto& e) { return e.first == key; });
+  if (p != m.prepared_captures.end()) {
+    p->second = blocks;
+    return;
+  }
+  if (m.prepared_captures.size() == Impl::kMaxPreparedCaptures) m.prepared_captures.erase(m.prepared_captures.begin());
+  m.prepared_captures.emplace_back(key, blocks);
 }
 
 void Allocator::end_graph_pool(std::uint64_t pool) {
@@ -561,7 +595,7 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   }
   if (route == m.capture_routes.end()) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
   m.capture_routes.erase(route);
-  m.ctx.capturing = !m.capture_routes.empty();
+  m.update_capture_state();
   if (!m.ctx.capturing) m.free_held_after_capture();
 }
 

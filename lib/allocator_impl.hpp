@@ -145,9 +145,23 @@ struct Allocator::Impl final : backends::FrontendHooks {
     std::uint64_t pool = 0;
     driver::stream_t key = nullptr;
     driver::stream_t stream = nullptr;  // begin_graph_pool's stream (its key): has the capture ended?
+    // Whether the capture may involve a stream that blocks (the legacy stream's work waits for it):
+    // unless prepare_capture found its stream non-blocking, and until a request comes from another
+    // stream of the capture (a fork, whose flags cannot be asked while it captures).
+    bool may_block = true;
   };
   std::vector<GraphPool> graph_pools;
   std::vector<CaptureRoute> capture_routes;
+  // prepare_capture's answers (a stream's key, whether it blocks), each taken by the next
+  // begin_graph_pool of its stream; the oldest dropped past kMaxPreparedCaptures.
+  static constexpr std::size_t kMaxPreparedCaptures = 16;
+  std::vector<std::pair<driver::stream_t, bool>> prepared_captures;
+  // ctx.capturing and ctx.capture_spares_legacy from capture_routes.
+  void update_capture_state() noexcept {
+    ctx.capturing = !capture_routes.empty();
+    ctx.capture_spares_legacy =
+        ctx.capturing && std::none_of(capture_routes.begin(), capture_routes.end(), [](const CaptureRoute& r) { return r.may_block; });
+  }
   // Frees of blocks other streams used (record_stream) during a capture: their events cannot be
   // recorded and queried then; pending_free already (the caller freed them), their events are
   // recorded when the last capture ends (PyTorch defers them too). Also a free whose using stream

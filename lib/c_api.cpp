@@ -532,6 +532,23 @@ int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t
   }
 }
 
+int expseg_prepare_capture(int device, expseg_stream_t stream) noexcept {
+  constexpr const char* fn = "expseg_prepare_capture";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->prepare_capture(static_cast<expseg::stream_t>(stream));
+    return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // the stream captures already
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
 int expseg_end_graph_pool(int device, unsigned long long pool) noexcept {
   constexpr const char* fn = "expseg_end_graph_pool";
   Allocator* a = get_or_create(device, fn);

@@ -125,6 +125,7 @@ def _declare(lib):
                                       ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]),
         "expseg_ipc_close": (c_int, [c_void_p, c_int]),
         "expseg_begin_graph_pool": (c_int, [c_int, ctypes.c_ulonglong, c_void_p]),
+        "expseg_prepare_capture": (c_int, [c_int, c_void_p]),
         "expseg_end_graph_pool": (c_int, [c_int, ctypes.c_ulonglong]),
         "expseg_release_graph_pool": (c_int, [c_int, ctypes.c_ulonglong]),
     }
@@ -739,6 +740,10 @@ def _patch_torch(torch):
     pool_numbers = {"next": 0}  # PyTorch's pool id (a, b) -> expseg's pool number; "next": the last one made
 
     def capture_begin(self, pool=None, capture_error_mode="global"):
+        # Before the capture begins, expseg asks whether its stream blocks (it cannot be asked later): if not,
+        # expseg may take back the default stream's idle memory during the capture. Best effort.
+        if lib.expseg_prepare_capture(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream) != SUCCESS:
+            lib.expseg_clear_error()
         if pool is None:
             torch_capture_begin(self, capture_error_mode=capture_error_mode)
         else:

@@ -119,6 +119,18 @@ class Allocator {
   // but its blocks are not kept apart: use begin_graph_pool for graphs. Throws expseg::error for a
   // stream that is not capturing, a capture that already has a pool, pool 0, or an unknown pool.
   void begin_graph_pool(std::uint64_t pool, stream_t capture_stream);
+  // Optional, just before cuStreamBeginCapture(s) and begin_graph_pool(pool, s): asks now whether
+  // `s` blocks (cuStreamGetFlags; it cannot be asked once s captures). When every told capture
+  // underway is on a stream that does not block, the expandable backend takes back during it the
+  // idle memory that the legacy stream's synchronization covers (the legacy stream's, other
+  // threads' per-thread streams', blocking CuPy streams'): measured on the H200, that
+  // synchronization is permitted while a non-blocking stream captures, and fails and invalidates
+  // the capture while a blocking one does. Without it, such memory stays cached during the capture
+  // (a request that needs it fails). A request during the capture from another of its streams (a
+  // fork) counts as a stream that may block. The answer is taken by the next begin_graph_pool on
+  // `s` (the 16 latest are kept). Throws expseg::error for a stream that captures already,
+  // driver_error when the driver cannot say.
+  void prepare_capture(stream_t s);
   void end_graph_pool(std::uint64_t pool);
   void release_graph_pool(std::uint64_t pool);
 

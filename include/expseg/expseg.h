@@ -158,6 +158,11 @@ EXPSEG_API int expseg_release_stream(int device, expseg_stream_t stream) EXPSEG_
  * expseg_release_graph_pool(device, pool) has dropped every begin's use. End the pool after the
  * capture ends; release it when the graph is destroyed. Creates the allocator when needed. */
 EXPSEG_API int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t stream) EXPSEG_NOEXCEPT;
+/* Optional, just before the capture on `stream` begins (see Allocator::prepare_capture): asks whether
+ * the stream blocks, so that during the capture the expandable backend may take back idle memory of
+ * the legacy stream, other threads' per-thread streams and blocking CuPy streams when it does not.
+ * EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, for a stream that captures already. */
+EXPSEG_API int expseg_prepare_capture(int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_end_graph_pool(int device, unsigned long long pool) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_release_graph_pool(int device, unsigned long long pool) EXPSEG_NOEXCEPT;
 /* Bytes of device memory `device`'s allocator may hold; 0 removes the limit. Creates the allocator

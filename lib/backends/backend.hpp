@@ -48,6 +48,9 @@ bool has_roundup_power2_divisions(const Config& c) noexcept;
 //     cuStreamSynchronize of a destroyed stream failed once and crashed the process the next time.
 inline constexpr std::uintptr_t kPerThreadStream = 0x2;
 inline constexpr std::uintptr_t kLegacyStream = 0x1;  // CU_STREAM_LEGACY: the default stream, as nullptr
+inline bool is_legacy_stream(driver::stream_t s) noexcept {
+  return s == nullptr || reinterpret_cast<std::uintptr_t>(s) == kLegacyStream;
+}
 inline constexpr std::uintptr_t kPerThreadKeyTag = std::uintptr_t{0xFFFF} << 48;
 inline constexpr std::uintptr_t kForeignStreamTag = std::uintptr_t{0xFFFE} << 48;
 inline bool is_stream_key(driver::stream_t s) noexcept {  // either kind
@@ -152,6 +155,14 @@ struct Context {
   // both may still map new memory. Set by the frontend while a capture allocates into a graph
   // pool, and by CaptureScope for a request on a capturing stream.
   bool capturing = false;
+  // While `capturing`: every capture underway is one the frontend was told of, on a stream that
+  // does not block (Allocator::prepare_capture asked it before the capture began), and no request's
+  // stream of this operation captures untold. The legacy stream's synchronization is then permitted
+  // (measured on the H200: while a non-blocking stream captures it waits and the capture stays
+  // valid; while a blocking one does, it fails and invalidates the capture), so expandable may take
+  // back idle memory it covers: the legacy stream's, other threads' per-thread streams', blocking
+  // foreign streams'. A capture that forks to a blocking stream that allocates nothing is not seen.
+  bool capture_spares_legacy = false;
   std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
 };
 
@@ -169,19 +180,29 @@ inline bool stream_captures(Context& ctx, driver::stream_t key) noexcept {
 
 // For the span of a slow path: sets ctx.capturing when the request's stream (key) is capturing
 // although no one said so (a capture the frontend was not told of: PyTorch's CUDAPluggableAllocator
-// passes no begin/end of a graph's pool on). One query (~15-20 ns on the H200), slow paths only.
+// passes no begin/end of a graph's pool on), and then clears ctx.capture_spares_legacy (that
+// capture's stream may block). One query (~15-20 ns on the H200), slow paths only.
 class CaptureScope {
  public:
-  CaptureScope(Context& ctx, driver::stream_t key) noexcept : ctx_(ctx), was_(ctx.capturing) {
-    if (!was_) ctx.capturing = stream_captures(ctx, key);
+  CaptureScope(Context& ctx, driver::stream_t key) noexcept
+      : ctx_(ctx), was_(ctx.capturing), spared_(ctx.capture_spares_legacy) {
+    if (!was_ || spared_) {
+      const bool untold = stream_captures(ctx, key);
+      ctx.capturing = was_ || untold;
+      ctx.capture_spares_legacy = spared_ && !untold;
+    }
   }
-  ~CaptureScope() { ctx_.capturing = was_; }
+  ~CaptureScope() {
+    ctx_.capturing = was_;
+    ctx_.capture_spares_legacy = spared_;
+  }
   CaptureScope(const CaptureScope&) = delete;
   CaptureScope& operator=(const CaptureScope&) = delete;
 
  private:
   Context& ctx_;
   bool was_;
+  bool spared_;
 };
 
 struct FreeSummary {

@@ -54,7 +54,8 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
   X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020) X(cuMemSetAccess, 10020)             \
   X(cuMemAlloc, 3020) X(cuMemFree, 3020) X(cuMemAllocAsync, 11020) X(cuMemFreeAsync, 11020)        \
   X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000) X(cuStreamGetFlags, 5050)                          \
-  X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)  \
+  X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000) \
+  X(cuStreamWaitEvent, 3020)                                                                            \
   X(cuEventQuery, 2000) X(cuEventSynchronize, 2000) X(cuMemsetD32Async, 3020)                         \
   X(cuMemcpyDtoH, 3020) X(cuMemcpyHtoD, 3020) X(cuMemExportToShareableHandle, 10020)                  \
   X(cuMemImportFromShareableHandle, 10020) X(cuIpcGetMemHandle, 4010) X(cuIpcOpenMemHandle, 11000)    \
@@ -369,6 +370,10 @@ class CudaDriver final : public Driver {
     const Timed timed(*this, Op::event_record);
     CtxScope scope(*this);
     check(api_, api_.cuEventRecord(to_cu_event(event), to_cu(stream)), "cuEventRecord");
+  }
+  void stream_wait_event(stream_t stream, event_t event) override {
+    CtxScope scope(*this);
+    check(api_, api_.cuStreamWaitEvent(to_cu(stream), to_cu_event(event), 0), "cuStreamWaitEvent");
   }
   bool event_query(event_t event) override {
     const Timed timed(*this, Op::event_query);

@@ -55,5 +55,6 @@ void Driver::capture_begin(stream_t) { no_graphs("cuStreamBeginCapture", kind())
 graph_t Driver::capture_end(stream_t) { no_graphs("cuStreamEndCapture", kind()); }
 void Driver::graph_launch(graph_t, stream_t) { no_graphs("cuGraphLaunch", kind()); }
 void Driver::graph_destroy(graph_t) { no_graphs("cuGraphExecDestroy", kind()); }
+void Driver::stream_wait_event(stream_t, event_t) { no_graphs("cuStreamWaitEvent", kind()); }
 
 }  // namespace expseg::driver

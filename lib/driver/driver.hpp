@@ -170,6 +170,10 @@ class Driver {
   virtual graph_t capture_end(stream_t stream);
   virtual void graph_launch(graph_t graph, stream_t stream);
   virtual void graph_destroy(graph_t graph);
+  // Tests: work queued on `stream` from now on waits for `event`'s (cuStreamWaitEvent); an event
+  // recorded on a capturing stream makes `stream` join that capture (a fork: its work is captured,
+  // stream_capture_id gives the capture's id). The default throws CUDA_ERROR_NOT_SUPPORTED.
+  virtual void stream_wait_event(stream_t stream, event_t event);
 
   // --- data access (tests, the GPU stress test, contract checks) ---
   virtual void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) = 0;

@@ -268,6 +268,14 @@ struct SimDriver::Impl {
     std::vector<Memset> work;
   };
   std::unordered_map<std::uintptr_t, Capture> captures;  // stream -> its capture
+  // A stream that joined a capture (stream_wait_event on an event recorded inside it) -> the stream
+  // that began the capture; until that capture ends.
+  std::unordered_map<std::uintptr_t, std::uintptr_t> forks;
+  Capture* capture_of(std::uintptr_t stream) {
+    if (auto it = captures.find(stream); it != captures.end()) return &it->second;
+    if (auto f = forks.find(stream); f != forks.end()) return &captures.at(f->second);
+    return nullptr;
+  }
   std::uint64_t next_capture_id = 1;
   std::unordered_map<std::uintptr_t, std::vector<Memset>> graphs;  // executable graphs
 
@@ -284,17 +292,17 @@ struct SimDriver::Impl {
   // blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT on the H200).
   void refuse_sync_of_capturing(const char* call, std::uintptr_t stream) {
     if (stream == 0) return refuse_implicit(call);
-    if (captures.contains(stream)) refuse_while_capturing(call);
+    if (capture_of(stream) != nullptr) refuse_while_capturing(call);
   }
   // Work on the legacy stream (an event record, a synchronization) while a blocking stream captures:
   // it would join the capture, which no mode permits.
   void refuse_implicit(const char* call) {
-    for (const auto& [stream, c] : captures)
-      if (is_blocking(stream)) {
-        invalidate_captures();
-        throw driver_error(call, 906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
-                           "operation would make the legacy stream depend on a capturing blocking stream (the capture is invalidated)");
-      }
+    bool blocking = std::any_of(forks.begin(), forks.end(), [&](const auto& f) { return is_blocking(f.first); });
+    for (const auto& [stream, c] : captures) blocking = blocking || is_blocking(stream);
+    if (!blocking) return;
+    invalidate_captures();
+    throw driver_error(call, 906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+                       "operation would make the legacy stream depend on a capturing blocking stream (the capture is invalidated)");
   }
   // The streams work queued now on `stream` waits for, among the busy ones, into `out` (its
   // capacity kept: an event recorded again takes no memory).
@@ -956,7 +964,7 @@ bool SimDriver::stream_is_blocking(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   const std::uintptr_t id = stream_of(stream);
-  if (s.captures.contains(id)) s.refuse_while_capturing(call);  // refused in every mode (measured)
+  if (s.capture_of(id) != nullptr) s.refuse_while_capturing(call);  // refused in every mode (measured)
   if (s.destroyed_streams.contains(id))
     throw driver_error(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(id) + " was destroyed");
   return s.is_blocking(id);
@@ -1000,7 +1008,7 @@ void SimDriver::event_record(event_t event, stream_t stream) {
   s.busy_dependencies(ev.stream, ev.waits_for);
   ev.pending = !ev.waits_for.empty();
   ev.seq = ++s.record_seq;
-  ev.captured = s.captures.contains(ev.stream);
+  ev.captured = s.capture_of(ev.stream) != nullptr;
   s.charge(kEventUs);
 }
 
@@ -1057,6 +1065,20 @@ void SimDriver::device_synchronize() {
   s.charge(kSyncUs);
 }
 
+void SimDriver::stream_wait_event(stream_t stream, event_t event) {
+  static constexpr const char* call = "cuStreamWaitEvent";
+  std::lock_guard lock(impl_->mutex);
+  Impl& s = *impl_;
+  const Impl::Event& ev = s.event(call, event);
+  const std::uintptr_t id = stream_of(stream);
+  if (!ev.captured || s.capture_of(ev.stream) == nullptr)
+    throw driver_error(call, 801, "CUDA_ERROR_NOT_SUPPORTED", "the simulator models a wait only for an event recorded inside a capture");
+  if (id == 0) s.refuse_implicit(call);
+  if (s.capture_of(id) != nullptr) return;  // in the capture already
+  auto f = s.forks.find(ev.stream);
+  s.forks.emplace(id, f != s.forks.end() ? f->second : ev.stream);
+}
+
 // --- data access ---------------------------------------------------------------------------------
 
 void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) {
@@ -1065,8 +1087,8 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
   Impl& s = *impl_;
   if (ptr % 4 != 0) invalid(call, "address " + hex(ptr) + " is not 4-byte aligned");
   if (count > std::numeric_limits<std::size_t>::max() / 4) invalid(call, "count too large");
-  if (auto c = s.captures.find(stream_of(stream)); c != s.captures.end()) {  // recorded into the graph, run by its launches
-    c->second.work.push_back({ptr, value, count});
+  if (Impl::Capture* c = s.capture_of(stream_of(stream)); c != nullptr) {  // recorded into the graph, run by its launches
+    c->work.push_back({ptr, value, count});
     return;
   }
   // Otherwise host-backed work completes at once, on any stream.
@@ -1078,8 +1100,8 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
 
 std::uint64_t SimDriver::stream_capture_id(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
-  auto it = impl_->captures.find(stream_of(stream));
-  return it == impl_->captures.end() ? 0 : it->second.id;
+  const Impl::Capture* c = impl_->capture_of(stream_of(stream));
+  return c == nullptr ? 0 : c->id;
 }
 
 void SimDriver::capture_begin(stream_t stream) {
@@ -1087,7 +1109,7 @@ void SimDriver::capture_begin(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   if (stream == nullptr) invalid(call, "the legacy default stream cannot be captured");
-  if (s.captures.contains(stream_of(stream))) invalid(call, "the stream is capturing already");
+  if (s.capture_of(stream_of(stream)) != nullptr) invalid(call, "the stream is capturing already");
   s.captures.emplace(stream_of(stream), Impl::Capture{s.next_capture_id++, false, {}});
 }
 
@@ -1099,6 +1121,7 @@ graph_t SimDriver::capture_end(stream_t stream) {
   if (it == s.captures.end()) throw driver_error(call, 901, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", "the stream is not capturing");
   Impl::Capture c = std::move(it->second);
   s.captures.erase(it);
+  std::erase_if(s.forks, [&](const auto& f) { return f.second == stream_of(stream); });  // joined back
   if (c.invalidated)
     throw driver_error(call, 901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "the capture was invalidated by an unsupported call");
   const std::uintptr_t id = s.next_id++;

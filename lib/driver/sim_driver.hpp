@@ -42,7 +42,8 @@
 // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (or CUDA_ERROR_CAPTURED_EVENT) and invalidates the capture:
 // device_synchronize, a synchronization of a capturing stream, a query or synchronization of an
 // event recorded during a capture; and work on the legacy stream (a synchronization, an event
-// record) while a blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT).
+// record) while a blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT). A stream that waits
+// for an event recorded inside a capture joins it (a fork), as on a GPU, until the capture ends.
 //
 // Streams as on the H200: CU_STREAM_PER_THREAD (0x2) is the calling thread's own per-thread stream,
 // another in each host thread. The legacy stream (nullptr or 0x1) and the per-thread streams
@@ -130,6 +131,9 @@ class SimDriver final : public Driver {
   graph_t capture_end(stream_t stream) override;
   void graph_launch(graph_t graph, stream_t stream) override;
   void graph_destroy(graph_t graph) override;
+  // Only the fork into a capture (an event recorded on a capturing stream): ordering between
+  // streams outside captures is not modelled, and such a wait throws CUDA_ERROR_NOT_SUPPORTED.
+  void stream_wait_event(stream_t stream, event_t event) override;
   void memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, stream_t stream) override;
   void copy_to_host(void* dst, dev_ptr src, std::size_t bytes) override;
   void copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) override;

@@ -244,6 +244,18 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     CHECK(d.stream_is_blocking(reinterpret_cast<stream_t>(std::uintptr_t{2})));
     const stream_t blocking = d.stream_create_blocking();
     CHECK(d.stream_is_blocking(blocking));
+    // A fork: a stream that waits for an event recorded inside a capture joins it (same capture id)
+    // until it joins back and the capture ends.
+    d.capture_begin(s);
+    d.event_record(e, s);
+    d.stream_wait_event(blocking, e);
+    CHECK(d.stream_capture_id(blocking) != 0);
+    CHECK(d.stream_capture_id(blocking) == d.stream_capture_id(s));
+    d.event_record(e2, blocking);
+    d.stream_wait_event(s, e2);
+    const expseg::driver::graph_t g = d.capture_end(s);
+    CHECK(d.stream_capture_id(blocking) == 0);
+    d.graph_destroy(g);
     d.stream_destroy(blocking);
     d.device_synchronize();
     if (p) d.mem_free(p);

@@ -14,7 +14,10 @@
 //     the cached memory of a dozen other streams (each synchronized by itself), a request that
 //     needs the memory of an exited thread's per-thread stream (the legacy stream's synchronization
 //     waits for it) or of its own thread's (that stream's synchronization), the latter also during a
-//     told capture; or of a destroyed blocking CuPy stream (the legacy stream's synchronization).
+//     told capture; or of a destroyed blocking CuPy stream (the legacy stream's synchronization);
+//   - during a told capture on a stream prepare_capture found non-blocking, expandable takes back
+//     the legacy stream's idle memory (its synchronization is permitted then); not prepared, on a
+//     blocking stream, or with a fork to a blocking stream, it fails the request instead.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -367,6 +370,83 @@ TEST_CASE("gpu: expandable: during a told capture, a thread takes back its own p
   a.release_cached();
   CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
   d.stream_destroy(cs);
+}
+
+TEST_CASE("gpu: expandable: during a told capture on a stream that does not block, the legacy stream's idle memory is taken back") {
+  // Whether the capture's stream blocks is asked before the capture (prepare_capture). When it does
+  // not, the legacy stream's synchronization is permitted during the capture and waits for the
+  // memset queued there: the legacy stream's 600 MiB serve the capture's request under the limit.
+  // Not prepared, a blocking capture stream, or a fork of the capture to a blocking stream: the
+  // request is an OOM, and the capture stays valid (the synchronization would invalidate it).
+  struct Case {
+    const char* name;
+    bool prepare;
+    bool blocking_capture;
+    bool fork;
+    bool served;
+  };
+  constexpr Case kCases[] = {
+      {"prepared, non-blocking", true, false, false, true},
+      {"not prepared", false, false, false, false},
+      {"prepared, blocking", true, true, false, false},
+      {"prepared, non-blocking, forked to a blocking stream", true, false, true, false},
+  };
+  for (const Case& k : kCases) {
+    const std::string name = k.name;
+    CAPTURE(name);
+    Allocator a(cuda_config(BackendKind::expandable, "limit:1GiB"));
+    Driver& d = driver_of(a);
+    void* p = a.allocate(600 * MiB, nullptr);
+    void* kept = a.allocate(100 * MiB, nullptr);
+    d.memset_d32(dp(p), 3u, 600 * MiB / 4, nullptr);
+    a.deallocate(p);
+    CHECK(a.stats().reserved_bytes[kAllPools].current >= static_cast<std::int64_t>(700 * MiB));
+    void* cs = k.blocking_capture ? d.stream_create_blocking() : d.stream_create();
+    void* t = d.stream_create_blocking();
+    expseg::driver::event_t fork = d.event_create();
+    expseg::driver::event_t join = d.event_create();
+    if (k.prepare) a.prepare_capture(cs);
+    d.capture_begin(cs);
+    a.begin_graph_pool(1, cs);
+    void* out = a.allocate(2 * MiB, cs);
+    d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
+    if (k.fork) {
+      d.event_record(fork, cs);
+      d.stream_wait_event(t, fork);
+      CHECK(d.stream_capture_id(t) == d.stream_capture_id(cs));
+      a.deallocate(a.allocate(1 * MiB, t));  // routed into the capture's pool
+    }
+    void* big = nullptr;
+    if (k.served) {
+      CHECK_NOTHROW(big = a.allocate(800 * MiB, cs));  // needs p's 600 MiB back
+      CHECK(a.stats().reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(1 * GiB));
+    } else {
+      CHECK_THROWS_AS(big = a.allocate(800 * MiB, cs), expseg::out_of_memory);
+    }
+    if (k.fork) {
+      d.event_record(join, t);
+      d.stream_wait_event(cs, join);
+    }
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = d.capture_end(cs));
+    a.end_graph_pool(1);
+    REQUIRE(g != nullptr);
+    d.graph_launch(g, cs);
+    d.stream_synchronize(cs);
+    CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+    d.graph_destroy(g);
+    a.validate();
+    write_read_free(a, d, big, 800 * MiB, cs);
+    a.deallocate(kept);
+    a.deallocate(out);
+    a.release_graph_pool(1);
+    a.release_cached();
+    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+    d.event_destroy(fork);
+    d.event_destroy(join);
+    d.stream_destroy(cs);
+    d.stream_destroy(t);
+  }
 }
 
 TEST_CASE("gpu: expandable: a destroyed blocking CuPy stream's memory is taken back during a capture expseg is not told of") {

@@ -16,7 +16,9 @@ For each backend, in a fresh process under install_torch("backend:<b>"), on the 
   - torch.cuda.memory._record_memory_history / _snapshot / _dump_snapshot: PyTorch's snapshot format, which
     PyTorch's own readers (torch.cuda._memory_viz.segsum, .trace) take;
   - CUDA graphs (torch.cuda.graph, a second graph sharing the pool): outputs right at every replay, eager
-    tensors made after the capture untouched by replays, the graphs' memory given back once they are gone.
+    tensors made after the capture untouched by replays, the graphs' memory given back once they are gone;
+    under a limit, a capture (CUDAGraph.capture_begin) that needs the default stream's cached memory gets it on
+    expandable (the capture's stream does not block) and fails with an OOM on split_merge, as in PyTorch.
 
 Exit status: 0 passed, 1 a failure, 77 skipped (no torch, or no CUDA device). The library comes from
 $EXPSEG_LIBRARY (else <repo>/build/lib/libexpseg.so).
@@ -185,9 +187,50 @@ def child(backend, tmp):
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() < reserved_with_graphs, (torch.cuda.memory_reserved(), reserved_with_graphs)
     assert float(torch.ones(1000, device="cuda").sum()) == 1000.0
+
+    # Under a limit, a capture needs memory the default stream cached. torch.cuda.graph empties the cache before
+    # it captures; CUDAGraph.capture_begin does not. The glue asks expseg before the capture whether the capture's
+    # stream blocks (a torch.cuda.Stream does not): expandable then takes the default stream's idle memory back
+    # during the capture (the legacy stream's synchronization is permitted while a non-blocking stream
+    # captures); split_merge gives nothing back during a capture, as PyTorch, and the request fails.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 1024 * MiB) / total)
+    cached = torch.empty(600 * MiB, dtype=torch.uint8, device="cuda")
+    cached.fill_(3)
+    held = torch.empty(100 * MiB, dtype=torch.uint8, device="cuda")
+    del cached  # 600 MiB cached for the default stream, its fill maybe still queued
+    cap2 = torch.cuda.Stream()
+    graph4 = torch.cuda.CUDAGraph()
+    failure = None
+    with torch.cuda.stream(cap2):
+        graph4.capture_begin()
+        try:
+            big = torch.empty(800 * MiB, dtype=torch.uint8, device="cuda")
+            big.fill_(7)
+        except RuntimeError as e:
+            failure = str(e)
+        finally:
+            graph4.capture_end()
+    if backend == "expandable":
+        assert failure is None, failure
+        big.zero_()
+        graph4.replay()
+        torch.cuda.synchronize()
+        for part in (big[:MiB], big[400 * MiB:401 * MiB], big[-MiB:]):  # small reads: the limit still holds
+            assert int(part.sum()) == 7 * MiB, int(part.sum())
+        del big
+    else:
+        assert failure is not None and "out of memory" in failure, failure
+    del graph4, held
+    gc.collect()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
     print("torch_api %s: PASS (memory_stats/allocated/reserved/summary, peak and accumulated resets, empty_cache, "
-          "memory fraction, record_stream, memory history + snapshot in PyTorch's format, CUDA graphs in expseg graph pools)" % backend, flush=True)
+          "memory fraction, record_stream, memory history + snapshot in PyTorch's format, CUDA graphs in expseg graph pools, "
+          "a capture under a limit)" % backend, flush=True)
 
 
 def main():

@@ -240,6 +240,170 @@ TEST_CASE("graph capture: during a told capture, a thread takes back its own per
   sa.sim->stream_destroy(s);
 }
 
+TEST_CASE("graph capture: expandable: during a told capture on a stream that does not block, the legacy stream's idle memory is taken back") {
+  // The legacy stream's synchronization is permitted while a non-blocking stream captures and
+  // invalidates the capture while a blocking one does (measured on the H200; the simulated device
+  // refuses it the same way). Whether the capture's stream blocks can be asked only before the
+  // capture (prepare_capture). Memory the legacy stream's synchronization covers (the legacy
+  // stream's own, an exited thread's per-thread stream's) then serves a request of the capture
+  // instead of an OOM; unknown, a blocking capture stream, or a fork of the capture to another
+  // stream (which may block) leave it cached, and the capture valid.
+  struct Case {
+    const char* name;
+    bool prepare;
+    bool blocking_capture;
+    bool fork;
+    bool served;
+  };
+  constexpr Case kCases[] = {
+      {"prepared, non-blocking", true, false, false, true},
+      {"not prepared", false, false, false, false},
+      {"prepared, blocking", true, true, false, false},
+      {"prepared, non-blocking, forked to a blocking stream", true, false, true, false},
+  };
+  void* const per_thread = reinterpret_cast<void*>(std::uintptr_t{2});
+  for (const bool other_thread : {false, true}) {
+    for (const Case& k : kCases) {
+      const std::string name = k.name;
+      CAPTURE(other_thread);
+      CAPTURE(name);
+      auto sa = host_backed(BackendKind::expandable);
+      sa->set_limit(100 * MiB);
+      void* q = nullptr;
+      auto cache = [&](void* stream) {  // 60 MiB idle, its stream's work on it still queued
+        void* p = sa->allocate(60 * MiB, stream);
+        q = sa->allocate(30 * MiB, stream);
+        sa.sim->set_stream_busy(stream, true);
+        sa.sim->queue_use(stream, addr(p), 60 * MiB);
+        sa->deallocate(p);
+      };
+      if (other_thread) std::thread([&] { cache(per_thread); }).join();  // exited, its work queued
+      else cache(nullptr);
+      void* s = k.blocking_capture ? sa.sim->stream_create_blocking() : sa.sim->stream_create();
+      void* t = sa.sim->stream_create_blocking();
+      if (k.prepare) sa->prepare_capture(s);
+      sa.sim->capture_begin(s);
+      sa->begin_graph_pool(1, s);
+      void* c = sa->allocate(2 * MiB, s);
+      fill(sa, c, 2 * MiB, 0xAAAAAAAAu, s);
+      expseg::driver::event_t fork = sa.sim->event_create();
+      expseg::driver::event_t join = sa.sim->event_create();
+      if (k.fork) {
+        sa.sim->event_record(fork, s);
+        sa.sim->stream_wait_event(t, fork);
+        CHECK(sa.sim->stream_capture_id(t) == sa.sim->stream_capture_id(s));
+        void* f = sa->allocate(1 * MiB, t);  // routed into the capture's pool
+        sa->deallocate(f);
+      }
+      void* big = nullptr;
+      if (k.served) {
+        CHECK_NOTHROW(big = sa->allocate(64 * MiB, s));  // fits only with the idle 60 MiB unmapped
+        CHECK(reserved(*sa) <= 100 * MiB);
+      } else {
+        CHECK_THROWS_AS(big = sa->allocate(64 * MiB, s), expseg::out_of_memory);
+      }
+      CHECK(sa.sim->hazards().empty());  // what was unmapped, its stream's work was waited for
+      sa->validate();
+      if (k.fork) {
+        sa.sim->event_record(join, t);
+        sa.sim->stream_wait_event(s, join);
+      }
+      expseg::driver::graph_t g = nullptr;
+      CHECK_NOTHROW(g = sa.sim->capture_end(s));
+      CHECK(sa.sim->stream_capture_id(t) == 0);
+      sa->end_graph_pool(1);
+      REQUIRE(g != nullptr);
+      sa.sim->graph_launch(g, s);
+      CHECK(word(sa, c) == 0xAAAAAAAAu);
+      sa.sim->graph_destroy(g);
+      sa.sim->set_stream_busy(nullptr, false);
+      sa->deallocate(q);
+      if (big != nullptr) sa->deallocate(big);
+      sa->deallocate(c);
+      sa->release_graph_pool(1);
+      sa->release_cached();
+      CHECK(reserved(*sa) == 0);
+      sa.alloc.reset();
+      CHECK(sa.sim->hazards().empty());
+      sa.sim->event_destroy(fork);
+      sa.sim->event_destroy(join);
+      sa.sim->stream_destroy(s);
+      sa.sim->stream_destroy(t);
+    }
+  }
+}
+
+TEST_CASE("graph capture: expandable: a request on a stream that captures untold, during a told capture, leaves the legacy stream's memory alone") {
+  // The told capture's stream does not block, but the request's own stream captures a graph expseg
+  // was not told of, on a blocking stream: the legacy stream's synchronization would invalidate
+  // both captures. The request fails instead, and both captures stay valid.
+  auto sa = host_backed(BackendKind::expandable);
+  sa->set_limit(100 * MiB);
+  void* p = sa->allocate(60 * MiB, nullptr);
+  void* q = sa->allocate(30 * MiB, nullptr);
+  sa->deallocate(p);
+  void* s = sa.sim->stream_create();
+  void* u = sa.sim->stream_create_blocking();
+  sa->prepare_capture(s);
+  sa.sim->capture_begin(s);
+  sa->begin_graph_pool(1, s);
+  void* c = sa->allocate(2 * MiB, s);
+  sa.sim->capture_begin(u);
+  CHECK_THROWS_AS(sa->allocate(64 * MiB, u), expseg::out_of_memory);
+  expseg::driver::graph_t gu = nullptr;
+  CHECK_NOTHROW(gu = sa.sim->capture_end(u));
+  CHECK_NOTHROW(sa->deallocate(sa->allocate(64 * MiB, s)));  // the told capture alone: served
+  expseg::driver::graph_t gs = nullptr;
+  CHECK_NOTHROW(gs = sa.sim->capture_end(s));
+  sa->end_graph_pool(1);
+  sa->validate();
+  if (gu != nullptr) sa.sim->graph_destroy(gu);
+  if (gs != nullptr) sa.sim->graph_destroy(gs);
+  sa->deallocate(c);
+  sa->deallocate(q);
+  sa->release_graph_pool(1);
+  sa->release_cached();
+  CHECK(reserved(*sa) == 0);
+  sa.sim->stream_destroy(s);
+  sa.sim->stream_destroy(u);
+}
+
+TEST_CASE("graph capture: prepare_capture asks before the capture, and refuses a stream that captures already") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    // Asking a capturing stream's flags would invalidate its capture: refused before any driver call.
+    CHECK_THROWS_WITH_AS(sa->prepare_capture(s), doctest::Contains("captures already"), expseg::error);
+    CHECK_NOTHROW(sa.sim->capture_end(s));
+    sa->prepare_capture(s);
+    sa->prepare_capture(nullptr);  // the default streams block; nothing to ask
+    sa->prepare_capture(reinterpret_cast<void*>(std::uintptr_t{2}));
+    void* gone = sa.sim->stream_create();
+    sa.sim->stream_destroy(gone);
+    CHECK_THROWS_AS(sa->prepare_capture(gone), expseg::driver_error);
+    sa->validate();
+    sa.sim->stream_destroy(s);
+  }
+  CApiFixture fixture;
+  REQUIRE(expseg_configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable") == EXPSEG_SUCCESS);
+  CHECK(expseg_prepare_capture(-1, nullptr) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_prepare_capture(0, nullptr) == EXPSEG_SUCCESS);
+  expseg::Allocator* a = expseg::capi::allocator_for_tests(0);
+  REQUIRE(a != nullptr);
+  auto& sim = dynamic_cast<expseg::driver::SimDriver&>(expseg::detail::AllocatorAccess::driver(*a));
+  void* s = sim.stream_create();
+  CHECK(expseg_prepare_capture(0, s) == EXPSEG_SUCCESS);
+  sim.capture_begin(s);
+  CHECK(expseg_prepare_capture(0, s) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(expseg_last_error()).find("captures already") != std::string::npos);
+  CHECK_NOTHROW(sim.capture_end(s));
+  sim.stream_destroy(s);
+  CHECK(expseg_prepare_capture(0, s) == EXPSEG_ERROR_DRIVER);  // destroyed
+}
+
 TEST_CASE("graph capture: no allocation during a capture invalidates it, told of the capture or not") {
   // Under a limit, with idle memory cached for another stream, the capturing stream itself, or the
   // legacy stream: a request on the capturing stream that needs it given back. expandable takes the

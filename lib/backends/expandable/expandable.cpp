@@ -1414,12 +1414,14 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 // synchronization; a graph pool or a foreign stream, with cuCtxSynchronize) or on the legacy
 // stream, whose synchronization is refused while a blocking stream captures, while any capture
 // expseg knows of is underway (a told capture's stream may block: whether it does cannot be asked
-// while it captures). A capture expseg is not told of on another thread's per-thread stream is not
-// seen.
+// while it captures), unless every such capture's stream is known not to block
+// (ctx_.capture_spares_legacy) and the arena's synchronization is the legacy stream's. A capture
+// expseg is not told of on another thread's per-thread stream is not seen.
 bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
   const bool own_per_thread = is_per_thread_key(arena.stream) && !is_graph_pool_key(arena.stream) &&
                               arena.stream == calling_thread_key();
-  if (!own_per_thread && (is_stream_key(arena.stream) || arena.stream == nullptr)) return ctx_.capturing;
+  if (!own_per_thread && (is_stream_key(arena.stream) || is_legacy_stream(arena.stream)))
+    return ctx_.capturing && !(ctx_.capture_spares_legacy && is_legacy_stream(stream_to_synchronize(arena)));
   if (arena.capture_seen_op != operation_) {
     arena.capture_seen_op = operation_;
     arena.captures = stream_captures(ctx_, arena.stream);
@@ -1438,12 +1440,16 @@ bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
 // blocking when its arena was made (it waits for such a stream's work also once it is destroyed).
 // Only a foreign key of a non-blocking stream (which may be destroyed) and a graph pool's (its
 // replays may run on any stream) take the device synchronization.
+driver::stream_t ExpandableBackend::stream_to_synchronize(const ExpArena& arena) noexcept {
+  const driver::stream_t stream = arena.stream;
+  if (is_per_thread_key(stream) && !is_graph_pool_key(stream))
+    return stream == calling_thread_key() ? reinterpret_cast<driver::stream_t>(kPerThreadStream) : nullptr;
+  return arena.legacy_waits ? nullptr : stream;
+}
+
 void ExpandableBackend::synchronize_once(const ExpArena& arena) {
   SyncedStreams& s = synced_;
-  driver::stream_t stream = arena.stream;
-  if (is_per_thread_key(stream) && !is_graph_pool_key(stream))
-    stream = stream == calling_thread_key() ? reinterpret_cast<driver::stream_t>(kPerThreadStream) : nullptr;
-  else if (arena.legacy_waits) stream = nullptr;
+  const driver::stream_t stream = stream_to_synchronize(arena);
   if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
   if (!is_stream_key(stream)) {
     ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again

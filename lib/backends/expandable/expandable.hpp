@@ -188,6 +188,9 @@ class ExpandableBackend final : public Backend {
     return !(is_graph_pool_key(arena.stream) && is_live_graph_pool_key(arena.stream)) && !arena_captures(arena);
   }
   bool arena_captures(const ExpArena& arena) const noexcept;
+  // What synchronize_once synchronizes for `arena`'s work: a stream (nullptr: the legacy stream), or
+  // a key (is_stream_key: a graph pool's, a non-blocking foreign stream's) for the device.
+  static driver::stream_t stream_to_synchronize(const ExpArena& arena) noexcept;
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
