@@ -111,9 +111,9 @@ class Allocator {
   //     the next allocation that misses the cache, or release_cached()), and blocks of it still
   //     allocated are given back when freed.
   // While a capture allocates into a pool, expseg makes no call the capture refuses (a
-  // synchronization, an event query, cuMemFree): it reclaims and gives back nothing, processes no
-  // cross-stream free (those of the capture's streams wait for its end), and fails a request it
-  // cannot serve without one. The expandable backend may still map new memory (cuMemCreate/Map are
+  // synchronization it forbids, an event query, cuMemFree): it reclaims only idle memory of streams
+  // it may synchronize (expandable; see prepare_capture), processes no cross-stream free (those of
+  // the capture's streams wait for its end), and fails a request it cannot serve otherwise. The expandable backend may still map new memory (cuMemCreate/Map are
   // permitted while capturing); split_merge's cuMemAlloc runs in relaxed capture mode, as PyTorch's.
   // A capture that expseg is not told of is noticed on the slow path, which then reclaims nothing,
   // but its blocks are not kept apart: use begin_graph_pool for graphs. Throws expseg::error for a

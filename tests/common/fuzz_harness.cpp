@@ -389,7 +389,8 @@ Harness::Harness(const Options& options) : options_(options) {
   alloc_ = expseg::detail::AllocatorAccess::make(c, spy_);
   limit_ = alloc_->limit();
   streams_.push_back(nullptr);
-  for (unsigned i = 0; i < options.streams; ++i) streams_.push_back(sim_->stream_create());
+  for (unsigned i = 0; i < options.streams; ++i)  // with graphs, the last one blocks: captures on it forbid legacy work
+    streams_.push_back(options.graphs && i + 1 == options.streams && i > 0 ? sim_->stream_create_blocking() : sim_->stream_create());
   for (void* s : streams_) busy_[s] = false;
 }
 
@@ -1203,7 +1204,16 @@ void Harness::begin_capture(Source& src) {
   g->id = next_graph_++;
   g->pool_id = pool_id;
   g->stream = s;
-  note("begin capture of graph " + std::to_string(g->id) + " on " + stream_name(s) + " into pool " + std::to_string(pool_id));
+  const bool prepare = src.chance(50);  // told whether s blocks: the legacy stream's idle memory may go back meanwhile
+  note("begin capture of graph " + std::to_string(g->id) + " on " + stream_name(s) + " into pool " + std::to_string(pool_id) +
+       (prepare ? " (prepared)" : ""));
+  if (prepare) {
+    try {
+      alloc_->prepare_capture(s);
+    } catch (const std::exception& e) {
+      fail(std::string("prepare_capture threw ") + e.what());
+    }
+  }
   sim_->capture_begin(s);
   try {
     alloc_->begin_graph_pool(pool_id, s);
