@@ -17,7 +17,10 @@
 //     told capture; or of a destroyed blocking CuPy stream (the legacy stream's synchronization);
 //   - during a told capture on a stream prepare_capture found non-blocking, expandable takes back
 //     the legacy stream's idle memory (its synchronization is permitted then); not prepared, on a
-//     blocking stream, or with a fork to a blocking stream, it fails the request instead.
+//     blocking stream, or with a fork to a blocking stream, it fails the request instead;
+//   - a capture expseg is not told of, on a stream it has an arena for, seen from a request on
+//     another stream: the memory the legacy stream's synchronization (while a blocking stream
+//     captures) or the device's (while any does) would take stays cached until the capture ends.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -446,6 +449,55 @@ TEST_CASE("gpu: expandable: during a told capture on a stream that does not bloc
     d.event_destroy(join);
     d.stream_destroy(cs);
     d.stream_destroy(t);
+  }
+}
+
+TEST_CASE("gpu: expandable: a capture expseg is not told of, on a stream it has memory for, keeps what a synchronization it refuses would take") {
+  // The request comes from another stream; expseg sees the capture through the capture stream's
+  // arena. The legacy stream's synchronization is refused while a blocking stream captures, the
+  // device's while any does (and they invalidate the capture): that memory stays cached until the
+  // capture ends. While a non-blocking stream captures, the legacy stream's is permitted.
+  struct Case {
+    const char* name;
+    bool cupy_idle;  // a non-blocking CuPy stream's idle memory (the device's synchronization), else the legacy stream's
+    bool blocking_capture;
+    bool served_during;
+  };
+  constexpr Case kCases[] = {
+      {"legacy stream's memory, blocking capture stream", false, true, false},
+      {"legacy stream's memory, non-blocking capture stream", false, false, true},
+      {"non-blocking CuPy stream's memory, non-blocking capture stream", true, false, false},
+  };
+  for (const Case& k : kCases) {
+    const std::string name = k.name;
+    CAPTURE(name);
+    Allocator a(cuda_config(BackendKind::expandable, "limit:1GiB"));
+    Driver& d = driver_of(a);
+    void* cupy = d.stream_create();
+    void* const work = k.cupy_idle ? cupy : nullptr;
+    void* const key = k.cupy_idle ? expseg::backends::foreign_stream_key(cupy) : nullptr;
+    void* p = a.allocate(600 * MiB, key);
+    void* kept = a.allocate(100 * MiB, key);
+    d.memset_d32(dp(p), 3u, 600 * MiB / 4, work);
+    a.deallocate(p);
+    void* cs = k.blocking_capture ? d.stream_create_blocking() : d.stream_create();
+    void* m = d.stream_create();
+    void* out = a.allocate(2 * MiB, cs);  // cs's arena: expseg knows cs
+    void* big = nullptr;
+    capture_around(d, cs, out, [&] {
+      if (k.served_during) CHECK_NOTHROW(big = a.allocate(800 * MiB, m));
+      else CHECK_THROWS_AS(big = a.allocate(800 * MiB, m), expseg::out_of_memory);
+    });
+    a.validate();
+    if (big == nullptr) CHECK_NOTHROW(big = a.allocate(800 * MiB, m));  // the capture over: taken now
+    write_read_free(a, d, big, 800 * MiB, m);
+    a.deallocate(kept);
+    a.deallocate(out);
+    a.release_cached();
+    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+    d.stream_destroy(cs);
+    d.stream_destroy(m);
+    d.stream_destroy(cupy);
   }
 }
 

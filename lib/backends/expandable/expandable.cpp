@@ -257,6 +257,16 @@ ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
     } catch (const driver_error&) {  // stays false: the device synchronization, as before
     }
   }
+  // A plain stream: whether a capture on it would refuse the legacy stream's synchronization.
+  if (!is_stream_key(stream) && !is_legacy_stream(stream)) {
+    a->stream_blocks = true;  // unless the driver says otherwise
+    if (!stream_captures(ctx_, stream)) {
+      try {
+        a->stream_blocks = ctx_.driver.stream_is_blocking(stream);
+      } catch (const driver_error&) {
+      }
+    }
+  }
   try {
     arenas_.push_back(a);
     try {
@@ -1420,8 +1430,11 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
   const bool own_per_thread = is_per_thread_key(arena.stream) && !is_graph_pool_key(arena.stream) &&
                               arena.stream == calling_thread_key();
-  if (!own_per_thread && (is_stream_key(arena.stream) || is_legacy_stream(arena.stream)))
-    return ctx_.capturing && !(ctx_.capture_spares_legacy && is_legacy_stream(stream_to_synchronize(arena)));
+  if (!own_per_thread && (is_stream_key(arena.stream) || is_legacy_stream(arena.stream))) {
+    const bool via_legacy = is_legacy_stream(stream_to_synchronize(arena));
+    if (ctx_.capturing && !(ctx_.capture_spares_legacy && via_legacy)) return true;
+    return seen_capture(via_legacy);  // the device's synchronization: any capture refuses it
+  }
   if (arena.capture_seen_op != operation_) {
     arena.capture_seen_op = operation_;
     arena.captures = stream_captures(ctx_, arena.stream);
@@ -1440,6 +1453,28 @@ bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
 // blocking when its arena was made (it waits for such a stream's work also once it is destroyed).
 // Only a foreign key of a non-blocking stream (which may be destroyed) and a graph pool's (its
 // replays may run on any stream) take the device synchronization.
+bool ExpandableBackend::seen_capture(bool blocking_only) const noexcept {
+  if (seen_capture_op_ != operation_) {
+    seen_capture_op_ = operation_;
+    seen_capture_any_ = seen_capture_blocking_ = false;
+    if (const driver::stream_t own = calling_thread_key(); own != nullptr && stream_captures(ctx_, own))
+      seen_capture_any_ = seen_capture_blocking_ = true;
+    for (const ExpArena* a : arenas_) {
+      if (seen_capture_blocking_) break;
+      if (is_stream_key(a->stream) || is_legacy_stream(a->stream) || (seen_capture_any_ && !a->stream_blocks)) continue;
+      if (a->capture_seen_op != operation_) {
+        a->capture_seen_op = operation_;
+        a->captures = stream_captures(ctx_, a->stream);
+      }
+      if (a->captures) {
+        seen_capture_any_ = true;
+        seen_capture_blocking_ = a->stream_blocks;
+      }
+    }
+  }
+  return blocking_only ? seen_capture_blocking_ : seen_capture_any_;
+}
+
 driver::stream_t ExpandableBackend::stream_to_synchronize(const ExpArena& arena) noexcept {
   const driver::stream_t stream = arena.stream;
   if (is_per_thread_key(stream) && !is_graph_pool_key(stream))
@@ -1605,6 +1640,7 @@ bool ExpandableBackend::give_back_arena(ExpArena* a) {
     whole_handles(seg, b, lo, hi);
     for (std::uint64_t at = lo; at < hi; at += handle_at(seg, at)->bytes) idle.push_back(handle_at(seg, at));
   });
+  if (!idle.empty() && !may_unmap_in(*a)) return false;  // a capture would refuse its synchronization: later
   for (ExpHandle* h : idle) {
     synchronize_once(*a);
     unmap_handle(h);

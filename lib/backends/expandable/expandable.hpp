@@ -104,6 +104,10 @@ struct ExpArena {
   // A foreign key's arena (a CuPy stream) whose stream was blocking when the arena was made: a
   // synchronization of the legacy stream waits for its work, destroyed or not (synchronize_once).
   bool legacy_waits = false;
+  // A plain stream's arena whose stream blocks (asked when the arena was made; true when it could
+  // not be asked): while it captures, the legacy stream's synchronization would invalidate the
+  // capture (ExpandableBackend::seen_capture).
+  bool stream_blocks = false;
 };
 
 class ExpandableBackend final : public Backend {
@@ -191,6 +195,13 @@ class ExpandableBackend final : public Backend {
   // What synchronize_once synchronizes for `arena`'s work: a stream (nullptr: the legacy stream), or
   // a key (is_stream_key: a graph pool's, a non-blocking foreign stream's) for the device.
   static driver::stream_t stream_to_synchronize(const ExpArena& arena) noexcept;
+  // Whether a stream expseg can ask captures now, where no capture was told or noticed on the
+  // request's stream: a plain stream of an arena (blocking_only: one that blocks) or the calling
+  // thread's per-thread stream (which blocks). Asked once per operation.
+  bool seen_capture(bool blocking_only) const noexcept;
+  mutable std::uint64_t seen_capture_op_ = 0;
+  mutable bool seen_capture_any_ = false;
+  mutable bool seen_capture_blocking_ = false;
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
