@@ -113,10 +113,13 @@ class Allocator {
   // While a capture allocates into a pool, expseg makes no call the capture refuses (a
   // synchronization it forbids, an event query, cuMemFree): it reclaims only idle memory of streams
   // it may synchronize (expandable; see prepare_capture), processes no cross-stream free (those of
-  // the capture's streams wait for its end), and fails a request it cannot serve otherwise. The expandable backend may still map new memory (cuMemCreate/Map are
-  // permitted while capturing); split_merge's cuMemAlloc runs in relaxed capture mode, as PyTorch's.
-  // A capture that expseg is not told of is noticed on the slow path, which then reclaims nothing,
-  // but its blocks are not kept apart: use begin_graph_pool for graphs. Throws expseg::error for a
+  // the capture's streams wait for its end), and fails a request it cannot serve otherwise. The
+  // expandable backend may still map new memory (cuMemCreate/Map are permitted while capturing);
+  // split_merge's cuMemAlloc runs in relaxed capture mode, as PyTorch's. A capture that expseg is
+  // not told of is noticed on the slow path of a request on its stream, and of one on another
+  // stream when expseg has an arena for its stream (or it is the calling thread's per-thread
+  // stream); what a synchronization it refuses would take then stays cached. Its blocks are not
+  // kept apart: use begin_graph_pool for graphs. Throws expseg::error for a
   // stream that is not capturing, a capture that already has a pool, pool 0, or an unknown pool.
   void begin_graph_pool(std::uint64_t pool, stream_t capture_stream);
   // Optional, just before cuStreamBeginCapture(s) and begin_graph_pool(pool, s): asks now whether

@@ -1425,8 +1425,10 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 // stream, whose synchronization is refused while a blocking stream captures, while any capture
 // expseg knows of is underway (a told capture's stream may block: whether it does cannot be asked
 // while it captures), unless every such capture's stream is known not to block
-// (ctx_.capture_spares_legacy) and the arena's synchronization is the legacy stream's. A capture
-// expseg is not told of on another thread's per-thread stream is not seen.
+// (ctx_.capture_spares_legacy) and the arena's synchronization is the legacy stream's. Otherwise
+// those synchronizations wait while a capture expseg can see from here is underway (seen_capture:
+// on a plain stream of an arena, or the calling thread's per-thread stream). A capture expseg is
+// not told of on another thread's per-thread stream or a foreign stream is not seen.
 bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
   const bool own_per_thread = is_per_thread_key(arena.stream) && !is_graph_pool_key(arena.stream) &&
                               arena.stream == calling_thread_key();
@@ -1442,17 +1444,6 @@ bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
   return arena.captures;
 }
 
-// A stream is synchronized by itself however many streams an operation touches: a device
-// synchronization would wait for every other stream's work too, and invalidate a capture on any of
-// them (one expseg was not told of included). Past the remembered streams a stream may be
-// synchronized twice in one operation (~1.4 us when its work is done). A per-thread key names the
-// calling thread's own per-thread stream, or another thread's, which no call made here can name:
-// the legacy stream's synchronization covers it (measured on the H200: it waits for every blocking
-// stream's work, every thread's per-thread stream included, not for non-blocking streams', and is
-// permitted while a non-blocking stream captures), and so it does a foreign key's stream that was
-// blocking when its arena was made (it waits for such a stream's work also once it is destroyed).
-// Only a foreign key of a non-blocking stream (which may be destroyed) and a graph pool's (its
-// replays may run on any stream) take the device synchronization.
 bool ExpandableBackend::seen_capture(bool blocking_only) const noexcept {
   if (seen_capture_op_ != operation_) {
     seen_capture_op_ = operation_;
@@ -1482,6 +1473,17 @@ driver::stream_t ExpandableBackend::stream_to_synchronize(const ExpArena& arena)
   return arena.legacy_waits ? nullptr : stream;
 }
 
+// A stream is synchronized by itself however many streams an operation touches: a device
+// synchronization would wait for every other stream's work too, and invalidate a capture on any of
+// them (one expseg was not told of included). Past the remembered streams a stream may be
+// synchronized twice in one operation (~1.4 us when its work is done). A per-thread key names the
+// calling thread's own per-thread stream, or another thread's, which no call made here can name:
+// the legacy stream's synchronization covers it (measured on the H200: it waits for every blocking
+// stream's work, every thread's per-thread stream included, not for non-blocking streams', and is
+// permitted while a non-blocking stream captures), and so it does a foreign key's stream that was
+// blocking when its arena was made (it waits for such a stream's work also once it is destroyed).
+// Only a foreign key of a non-blocking stream (which may be destroyed) and a graph pool's (its
+// replays may run on any stream) take the device synchronization.
 void ExpandableBackend::synchronize_once(const ExpArena& arena) {
   SyncedStreams& s = synced_;
   const driver::stream_t stream = stream_to_synchronize(arena);
