@@ -87,6 +87,29 @@ void write_read_free(Allocator& a, Driver& d, void* p, std::size_t bytes, void* 
   a.deallocate(p);
 }
 
+// Ends a told capture on `cs` (into pool 1) whose work wrote 0x5eed5eed into the 2 MiB at `out`: the
+// capture must end valid, and its graph write `out` when launched.
+void end_told_capture(Allocator& a, Driver& d, void* cs, void* out) {
+  expseg::driver::graph_t g = nullptr;
+  CHECK_NOTHROW(g = d.capture_end(cs));
+  a.end_graph_pool(1);
+  REQUIRE(g != nullptr);
+  d.graph_launch(g, cs);
+  d.stream_synchronize(cs);
+  CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+  d.graph_destroy(g);
+}
+
+// Under a 1 GiB limit: 600 MiB idle on `key` after a memset queued on `work` (its stream), and
+// 100 MiB live there (returned). A request of 800 MiB fits only with the 600 MiB unmapped.
+void* idle_600_of_700(Allocator& a, Driver& d, void* key, void* work) {
+  void* p = a.allocate(600 * MiB, key);
+  void* kept = a.allocate(100 * MiB, key);
+  d.memset_d32(dp(p), 3u, 600 * MiB / 4, work);
+  a.deallocate(p);
+  return kept;
+}
+
 }  // namespace
 
 TEST_SUITE("gpu_graph_capture") {
@@ -357,14 +380,7 @@ TEST_CASE("gpu: expandable: during a told capture, a thread takes back its own p
     CHECK_NOTHROW(big = a.allocate(800 * MiB, per_thread));  // needs p's 600 MiB back
   }).join();
   CHECK(reserved_before >= 700 * MiB);
-  expseg::driver::graph_t g = nullptr;
-  CHECK_NOTHROW(g = d.capture_end(cs));
-  a.end_graph_pool(1);
-  REQUIRE(g != nullptr);
-  d.graph_launch(g, cs);
-  d.stream_synchronize(cs);
-  CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
-  d.graph_destroy(g);
+  end_told_capture(a, d, cs, out);
   a.validate();
   write_read_free(a, d, big, 800 * MiB, cs);
   a.deallocate(kept);
@@ -399,10 +415,7 @@ TEST_CASE("gpu: expandable: during a told capture on a stream that does not bloc
     CAPTURE(name);
     Allocator a(cuda_config(BackendKind::expandable, "limit:1GiB"));
     Driver& d = driver_of(a);
-    void* p = a.allocate(600 * MiB, nullptr);
-    void* kept = a.allocate(100 * MiB, nullptr);
-    d.memset_d32(dp(p), 3u, 600 * MiB / 4, nullptr);
-    a.deallocate(p);
+    void* kept = idle_600_of_700(a, d, nullptr, nullptr);
     CHECK(a.stats().reserved_bytes[kAllPools].current >= static_cast<std::int64_t>(700 * MiB));
     void* cs = k.blocking_capture ? d.stream_create_blocking() : d.stream_create();
     void* t = d.stream_create_blocking();
@@ -430,14 +443,7 @@ TEST_CASE("gpu: expandable: during a told capture on a stream that does not bloc
       d.event_record(join, t);
       d.stream_wait_event(cs, join);
     }
-    expseg::driver::graph_t g = nullptr;
-    CHECK_NOTHROW(g = d.capture_end(cs));
-    a.end_graph_pool(1);
-    REQUIRE(g != nullptr);
-    d.graph_launch(g, cs);
-    d.stream_synchronize(cs);
-    CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
-    d.graph_destroy(g);
+    end_told_capture(a, d, cs, out);
     a.validate();
     write_read_free(a, d, big, 800 * MiB, cs);
     a.deallocate(kept);
@@ -476,10 +482,7 @@ TEST_CASE("gpu: expandable: a capture expseg is not told of, on a stream it has 
     void* cupy = d.stream_create();
     void* const work = k.cupy_idle ? cupy : nullptr;
     void* const key = k.cupy_idle ? expseg::backends::foreign_stream_key(cupy) : nullptr;
-    void* p = a.allocate(600 * MiB, key);
-    void* kept = a.allocate(100 * MiB, key);
-    d.memset_d32(dp(p), 3u, 600 * MiB / 4, work);
-    a.deallocate(p);
+    void* kept = idle_600_of_700(a, d, key, work);
     void* cs = k.blocking_capture ? d.stream_create_blocking() : d.stream_create();
     void* m = d.stream_create();
     void* out = a.allocate(2 * MiB, cs);  // cs's arena: expseg knows cs
@@ -511,10 +514,7 @@ TEST_CASE("gpu: expandable: a destroyed blocking CuPy stream's memory is taken b
   Driver& d = driver_of(a);
   void* cupy_stream = d.stream_create_blocking();
   void* key = expseg::backends::foreign_stream_key(cupy_stream);
-  void* p = a.allocate(600 * MiB, key);
-  void* kept = a.allocate(100 * MiB, key);
-  d.memset_d32(dp(p), 3u, 600 * MiB / 4, cupy_stream);
-  a.deallocate(p);
+  void* kept = idle_600_of_700(a, d, key, cupy_stream);
   d.stream_destroy(cupy_stream);  // collected by CuPy; its memset may still run
   CHECK(a.stats().reserved_bytes[kAllPools].current >= static_cast<std::int64_t>(700 * MiB));
   void* cs = d.stream_create();

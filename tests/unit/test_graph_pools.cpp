@@ -68,6 +68,17 @@ expseg::driver::graph_t capture_intermediate(SimAllocator& sa, void* s, std::uin
   return g;
 }
 
+// Under a 100 MiB limit: 60 MiB idle on `key` while the work queued on `work` (its stream) still
+// uses them, and 30 MiB live there (returned). A request of 64 MiB fits only with the 60 MiB unmapped.
+void* idle_60_of_90(SimAllocator& sa, void* key, void* work) {
+  void* p = sa->allocate(60 * MiB, key);
+  void* q = sa->allocate(30 * MiB, key);
+  sa.sim->set_stream_busy(work, true);
+  sa.sim->queue_use(work, addr(p), 60 * MiB);
+  sa->deallocate(p);
+  return q;
+}
+
 }  // namespace
 
 TEST_SUITE("graph-pools") {
@@ -270,15 +281,8 @@ TEST_CASE("graph capture: expandable: during a told capture on a stream that doe
       auto sa = host_backed(BackendKind::expandable);
       sa->set_limit(100 * MiB);
       void* q = nullptr;
-      auto cache = [&](void* stream) {  // 60 MiB idle, its stream's work on it still queued
-        void* p = sa->allocate(60 * MiB, stream);
-        q = sa->allocate(30 * MiB, stream);
-        sa.sim->set_stream_busy(stream, true);
-        sa.sim->queue_use(stream, addr(p), 60 * MiB);
-        sa->deallocate(p);
-      };
-      if (other_thread) std::thread([&] { cache(per_thread); }).join();  // exited, its work queued
-      else cache(nullptr);
+      if (other_thread) std::thread([&] { q = idle_60_of_90(sa, per_thread, per_thread); }).join();  // exited, its work queued
+      else q = idle_60_of_90(sa, nullptr, nullptr);
       void* s = k.blocking_capture ? sa.sim->stream_create_blocking() : sa.sim->stream_create();
       void* t = sa.sim->stream_create_blocking();
       if (k.prepare) sa->prepare_capture(s);
@@ -393,11 +397,7 @@ TEST_CASE("graph capture: expandable: a capture expseg is not told of, on a stre
     void* cupy = sa.sim->stream_create();
     void* const work = k.cupy_idle ? cupy : nullptr;
     void* const key = k.cupy_idle ? expseg::backends::foreign_stream_key(cupy) : nullptr;
-    void* p = sa->allocate(60 * MiB, key);
-    void* q = sa->allocate(30 * MiB, key);
-    sa.sim->set_stream_busy(work, true);
-    sa.sim->queue_use(work, addr(p), 60 * MiB);
-    sa->deallocate(p);
+    void* q = idle_60_of_90(sa, key, work);
     void* u = k.blocking_capture ? sa.sim->stream_create_blocking() : sa.sim->stream_create();
     void* m = sa.sim->stream_create();
     void* c = sa->allocate(2 * MiB, u);  // u's arena: expseg knows u
