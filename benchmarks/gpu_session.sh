@@ -20,6 +20,7 @@
 #   cupy       benchmarks/cupy_story.py
 #   torch      tests/gpu/torch_oom.py: an OOM inside PyTorch raises RuntimeError with the report;
 #              tests/gpu/torch_api.py: PyTorch's memory API (memory_stats, empty_cache, ...) under expseg
+#              tests/gpu/torch_compile.py: torch.compile(mode="reduce-overhead") (CUDA graph trees) on expseg's pools
 #   multi      tests/gpu/run_multi_gpu.sh (two GPUs)
 # Each phase prints one summary line; the last lines of the output are the summary table. Logs go
 # to a work folder and are packed into $OUT/gpu-session.tgz at the end (one file to fetch).
@@ -77,7 +78,7 @@ for p in "${phases[@]}"; do
     workloads)
       run_phase workloads 560 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" PYTHONUNBUFFERED=1 python3 benchmarks/workloads.py --out "$OUT/workloads" ${WORKLOADS_ARGS:-} ;;
     torch)
-      run_phase torch 300 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" bash -c "python3 tests/gpu/torch_oom.py && python3 tests/gpu/torch_api.py" ;;
+      run_phase torch 900 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" bash -c "python3 tests/gpu/torch_oom.py && python3 tests/gpu/torch_api.py && python3 tests/gpu/torch_compile.py" ;;
     cupy)
       run_phase cupy 200 env EXPSEG_LIBRARY="$PWD/$B/lib/libexpseg.so" python3 benchmarks/cupy_story.py ;;
     multi)

@@ -200,9 +200,10 @@ Allocator::Impl::~Impl() {
 [[gnu::always_inline]] inline void* Allocator::Impl::allocate(std::size_t bytes, driver::stream_t stream) {
   if (bytes == 0) return nullptr;
   std::unique_lock<core::Mutex> lock(mu);
-  if (!capture_routes.empty()) [[unlikely]] stream = route_to_pool(stream);
+  const driver::stream_t asked_on = stream;
+  if (routing) [[unlikely]] stream = route_to_pool(stream);
   // No event query while the request's stream captures: it would invalidate the capture.
-  if (pending_count != 0 && !ctx.capturing && !stream_capturing(stream)) process_events();
+  if (pending_count != 0 && !ctx.capturing && !stream_capturing(asked_on)) process_events();
   // Room in the live table before the backend hands out a block: a bad_alloc growing it afterwards
   // would leave the block allocated with no pointer to free it by.
   live.reserve_one();
@@ -378,19 +379,25 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   if (stream == b->stream) return;  // the allocation stream is always waited for
   // A capture's block carries its pool's key as its stream: a stream of that capture, while it
   // captures, is its allocation stream too.
-  if (!capture_routes.empty() && backends::is_graph_pool_key(b->stream) && route_to_pool(stream) == b->stream) return;
+  if (routing && backends::is_graph_pool_key(b->stream) && route_to_pool(stream) == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
 }
 
-// The pool key of a request on a stream of a capture that allocates into a graph pool; `stream`
-// otherwise. Asks the driver (~20 ns), only while some capture allocates into a pool.
+// The pool key of a request on a stream of a capture that allocates into a graph pool, or on a
+// stream routed by begin_pool_allocations; `stream` otherwise. Asks the driver (~20 ns), only while
+// some capture allocates into a pool.
 driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream) {
   if (backends::is_graph_pool_key(stream)) return stream;
   std::uint64_t id = 0;
-  try {
-    id = driver->stream_capture_id(backends::capture_query_stream(stream));
-  } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
+  if (!capture_routes.empty()) {
+    try {
+      id = driver->stream_capture_id(backends::capture_query_stream(stream));
+    } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
+    }
   }
+  if (id == 0)
+    for (const EagerRoute& e : eager_routes)
+      if (e.stream == stream) return e.key;
   if (id != 0)
     for (CaptureRoute& r : capture_routes)
       if (r.capture_id == id) {
@@ -524,27 +531,9 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
   for (const Impl::CaptureRoute& r : m.capture_routes)
     if (r.capture_id == capture)
       throw error("begin_graph_pool: this capture allocates into graph pool " + std::to_string(r.pool) + " already");
-  auto it = std::find_if(m.graph_pools.begin(), m.graph_pools.end(), [&](const Impl::GraphPool& p) { return p.id == pool; });
   m.capture_routes.reserve(m.capture_routes.size() + 1);  // nothing below throws once the pool exists
-  const bool made = it == m.graph_pools.end();
-  if (made) {
-    m.graph_pools.reserve(m.graph_pools.size() + 1);
-    it = m.graph_pools.insert(m.graph_pools.end(), Impl::GraphPool{pool, {}, 0});
-  }
-  driver::stream_t pool_key = nullptr;
-  for (const auto& [s, k] : it->keys)
-    if (s == key) pool_key = k;
-  if (pool_key == nullptr) {
-    try {
-      it->keys.reserve(it->keys.size() + 1);
-      pool_key = backends::new_graph_pool_key();
-    } catch (...) {
-      if (made) m.graph_pools.erase(it);
-      throw;
-    }
-    it->keys.emplace_back(key, pool_key);  // capacity reserved
-  }
-  it->uses += 1;
+  const auto [graph_pool, pool_key] = m.pool_key_for(pool, key);
+  graph_pool->uses += 1;
   // prepare_capture's answer for this stream, asked before the capture began (it cannot be now).
   bool may_block = true;
   if (auto p = std::find_if(m.prepared_captures.begin(), m.prepared_captures.end(), [&](const auto& e) { return e.first == key; });
@@ -554,6 +543,103 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
   }
   m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key, may_block});
   m.update_capture_state();
+}
+
+std::pair<Allocator::Impl::GraphPool*, driver::stream_t> Allocator::Impl::pool_key_for(std::uint64_t pool, driver::stream_t stream) {
+  GraphPool* p = find_graph_pool(pool);
+  const bool made = p == nullptr;
+  if (made) {
+    graph_pools.push_back(GraphPool{pool, {}, 0, {}});  // may throw: nothing changed
+    p = &graph_pools.back();
+  }
+  for (const auto& [s, k] : p->keys)
+    if (s == stream) return {p, k};
+  try {
+    p->keys.reserve(p->keys.size() + 1);
+    const driver::stream_t key = backends::new_graph_pool_key();
+    p->keys.emplace_back(stream, key);  // capacity reserved
+    return {p, key};
+  } catch (...) {
+    if (made) graph_pools.pop_back();
+    throw;
+  }
+}
+
+void Allocator::Impl::prune_released_keys(GraphPool& p) const noexcept {
+  // Keys are few (one per stream that allocated into the pool): a walk of the live blocks per key.
+  std::erase_if(p.released_keys, [&](driver::stream_t key) {
+    bool carried = false;
+    live.for_each([&](const Block* b) { carried = carried || b->stream == key; });
+    return !carried;
+  });
+}
+
+void Allocator::begin_pool_allocations(std::uint64_t pool, stream_t stream) {
+  if (pool == 0) throw error("begin_pool_allocations: pool 0 is not a pool id (use any other number)");
+  const driver::stream_t key = stream_key(stream);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  if (backends::is_graph_pool_key(key)) throw error("begin_pool_allocations: not a stream");
+  if (m.driver->stream_capture_id(backends::capture_query_stream(key)) != 0)
+    throw error("begin_pool_allocations: the stream is capturing; a capture allocates into a pool through begin_graph_pool");
+  for (const Impl::EagerRoute& e : m.eager_routes)
+    if (e.stream == key)
+      throw error("begin_pool_allocations: the stream allocates into graph pool " + std::to_string(e.pool) + " already");
+  m.eager_routes.reserve(m.eager_routes.size() + 1);  // nothing below throws once the pool exists
+  const auto [graph_pool, pool_key] = m.pool_key_for(pool, key);
+  graph_pool->uses += 1;
+  m.eager_routes.push_back(Impl::EagerRoute{pool, key, pool_key});
+  m.update_routing();
+}
+
+void Allocator::end_pool_allocations(std::uint64_t pool, stream_t stream) {
+  const driver::stream_t key = stream_key(stream);
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  auto e = std::find_if(m.eager_routes.begin(), m.eager_routes.end(), [&](const Impl::EagerRoute& r) { return r.pool == pool && r.stream == key; });
+  if (e == m.eager_routes.end())
+    throw error("end_pool_allocations: the stream does not allocate into graph pool " + std::to_string(pool) + " (begin_pool_allocations)");
+  m.eager_routes.erase(e);
+  m.update_routing();
+}
+
+std::vector<std::pair<std::uint64_t, std::size_t>> Allocator::graph_pool_blocks(std::uint64_t pool) const {
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  std::vector<std::pair<std::uint64_t, std::size_t>> out;
+  Impl::GraphPool* p = m.find_graph_pool(pool);
+  if (p == nullptr) return out;
+  m.prune_released_keys(*p);
+  m.live.for_each([&](const Block* b) {
+    if (b->status != core::BlockStatus::allocated || !backends::is_graph_pool_key(b->stream)) return;
+    const bool ours = std::any_of(p->keys.begin(), p->keys.end(), [&](const auto& k) { return k.second == b->stream; }) ||
+                      std::find(p->released_keys.begin(), p->released_keys.end(), b->stream) != p->released_keys.end();
+    if (ours) out.emplace_back(b->addr, b->size);
+  });
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void Allocator::restore_graph_pool_block(std::uint64_t pool, void* ptr, std::size_t size) {
+  const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  Impl::GraphPool* p = m.find_graph_pool(pool);
+  if (p == nullptr || p->uses == 0)
+    throw error("restore_graph_pool_block: no graph pool " + std::to_string(pool) + " (never begun, or released)");
+  if (size == 0 || addr % 512 != 0 || size % 512 != 0)
+    throw error("restore_graph_pool_block: " + hex(addr) + " and " + std::to_string(size) + " B must be nonzero multiples of 512 B");
+  if (m.live.find(addr) != nullptr) throw error("restore_graph_pool_block: " + hex(addr) + " is allocated already");
+  m.live.reserve_one();  // before the backend hands the block out (see allocate)
+  for (const auto& [s, key] : p->keys) {
+    Block* b = m.backend->allocate_at(key, addr, size);
+    if (b == nullptr) continue;
+    m.live.insert_reserved(b);
+    if (m.recorder.enabled()) m.recorder.add(TraceAction::allocate, b->addr, size, key);
+    return;
+  }
+  throw error("restore_graph_pool_block: [" + hex(addr) + ", +" + std::to_string(size) + " B) is not free memory of graph pool " +
+              std::to_string(pool));
 }
 
 void Allocator::prepare_capture(stream_t stream) {
@@ -629,16 +715,25 @@ void Allocator::Impl::free_held_after_capture() {
 void Allocator::release_graph_pool(std::uint64_t pool) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   Impl& m = *impl_;
-  auto it = std::find_if(m.graph_pools.begin(), m.graph_pools.end(), [&](const Impl::GraphPool& p) { return p.id == pool; });
-  if (it == m.graph_pools.end()) throw error("release_graph_pool: no graph pool " + std::to_string(pool));
-  if (it->uses > 1) {
-    it->uses -= 1;
+  Impl::GraphPool* p = m.find_graph_pool(pool);
+  if (p == nullptr || p->uses == 0) throw error("release_graph_pool: no graph pool " + std::to_string(pool) + " (never begun, or released as often as begun)");
+  if (p->uses > 1) {
+    p->uses -= 1;
     return;
   }
   if (std::any_of(m.capture_routes.begin(), m.capture_routes.end(), [&](const Impl::CaptureRoute& r) { return r.pool == pool; }))
     throw error("release_graph_pool: a capture still allocates into graph pool " + std::to_string(pool) + " (end_graph_pool first)");
-  for (const auto& [s, k] : it->keys) backends::retire_graph_pool_key(k);  // the backends give its memory back from their next look
-  m.graph_pools.erase(it);
+  if (std::any_of(m.eager_routes.begin(), m.eager_routes.end(), [&](const Impl::EagerRoute& r) { return r.pool == pool; }))
+    throw error("release_graph_pool: a stream still allocates into graph pool " + std::to_string(pool) + " (end_pool_allocations first)");
+  p->released_keys.reserve(p->released_keys.size() + p->keys.size());  // may throw: nothing changed
+  p->uses = 0;
+  for (const auto& [s, k] : p->keys) {
+    backends::retire_graph_pool_key(k);  // the backends give its memory back from their next look
+    p->released_keys.push_back(k);       // capacity reserved
+  }
+  p->keys.clear();
+  m.prune_released_keys(*p);
+  if (p->released_keys.empty()) m.graph_pools.erase(m.graph_pools.begin() + (p - m.graph_pools.data()));
 }
 
 void Allocator::release_cached() {

@@ -138,7 +138,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
     // PyTorch's private pools, memory a capture on one stream freed serves that stream's captures
     // only (eager work on the stream may still use it when another stream's graph would write it).
     std::vector<std::pair<driver::stream_t, driver::stream_t>> keys;  // capturing stream -> key
-    std::uint64_t uses = 0;  // begin_graph_pool calls not yet released
+    std::uint64_t uses = 0;  // begin_graph_pool and begin_pool_allocations calls not yet released
+    // Keys an earlier release retired (their memory is given back), kept while blocks allocated under
+    // them may still be live: they belong to the pool (graph_pool_blocks) until freed. A pool at no
+    // use stays listed while it has such keys, and a later begin takes it up again with new keys.
+    std::vector<driver::stream_t> released_keys;
   };
   struct CaptureRoute {
     std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams
@@ -152,12 +156,34 @@ struct Allocator::Impl final : backends::FrontendHooks {
   };
   std::vector<GraphPool> graph_pools;
   std::vector<CaptureRoute> capture_routes;
+  // Allocations outside a capture routed into a pool (begin_pool_allocations): a stream's key -> the
+  // pool's key for that stream.
+  struct EagerRoute {
+    std::uint64_t pool = 0;
+    driver::stream_t stream = nullptr;
+    driver::stream_t key = nullptr;
+  };
+  std::vector<EagerRoute> eager_routes;
+  // capture_routes or eager_routes non-empty: allocate() asks route_to_pool (one test on the cached path).
+  bool routing = false;
+  void update_routing() noexcept { routing = !capture_routes.empty() || !eager_routes.empty(); }
+  GraphPool* find_graph_pool(std::uint64_t id) noexcept {
+    for (GraphPool& p : graph_pools)
+      if (p.id == id) return &p;
+    return nullptr;
+  }
+  // The pool's key for requests of `stream` (made on its first begin there), in pool `p` (made
+  // first when null); the pool's use is not taken. Strong guarantee.
+  std::pair<GraphPool*, driver::stream_t> pool_key_for(std::uint64_t pool, driver::stream_t stream);
+  // Drops the released keys of `p` that no live block carries any more.
+  void prune_released_keys(GraphPool& p) const noexcept;
   // prepare_capture's answers (a stream's key, whether it blocks), each taken by the next
   // begin_graph_pool of its stream; the oldest dropped past kMaxPreparedCaptures.
   static constexpr std::size_t kMaxPreparedCaptures = 16;
   std::vector<std::pair<driver::stream_t, bool>> prepared_captures;
   // ctx.capturing and ctx.capture_spares_legacy from capture_routes.
   void update_capture_state() noexcept {
+    update_routing();
     ctx.capturing = !capture_routes.empty();
     ctx.capture_spares_legacy =
         ctx.capturing && std::none_of(capture_routes.begin(), capture_routes.end(), [](const CaptureRoute& r) { return r.may_block; });

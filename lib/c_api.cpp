@@ -573,6 +573,80 @@ int expseg_release_graph_pool(int device, unsigned long long pool) noexcept {
   }
 }
 
+int expseg_begin_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
+  constexpr const char* fn = "expseg_begin_pool_allocations";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->begin_pool_allocations(pool, static_cast<expseg::stream_t>(stream));
+    return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // misuse: nothing changed
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_end_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
+  constexpr const char* fn = "expseg_end_pool_allocations";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->end_pool_allocations(pool, static_cast<expseg::stream_t>(stream));
+    return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // misuse: nothing changed
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_restore_graph_pool_block(int device, unsigned long long pool, void* ptr, size_t size) noexcept {
+  constexpr const char* fn = "expseg_restore_graph_pool_block";
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    a->restore_graph_pool_block(pool, ptr, size);
+    return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // misuse: nothing changed
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
+int expseg_graph_pool_blocks(int device, unsigned long long pool, unsigned long long* addresses, size_t* sizes, size_t capacity,
+                             size_t* count) noexcept {
+  constexpr const char* fn = "expseg_graph_pool_blocks";
+  if (count == nullptr || (capacity > 0 && (addresses == nullptr || sizes == nullptr)))
+  {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "count is NULL, or addresses or sizes is NULL with a capacity above 0");
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  }
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    const auto blocks = a->graph_pool_blocks(pool);
+    for (std::size_t i = 0; i < blocks.size() && i < capacity; ++i) {
+      addresses[i] = blocks[i].first;
+      sizes[i] = blocks[i].second;
+    }
+    *count = blocks.size();
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
 int expseg_set_limit(int device, size_t bytes) noexcept {
   constexpr const char* fn = "expseg_set_limit";
   Allocator* a = get_or_create(device, fn);

@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 import weakref
 
 __all__ = [
@@ -128,6 +129,11 @@ def _declare(lib):
         "expseg_prepare_capture": (c_int, [c_int, c_void_p]),
         "expseg_end_graph_pool": (c_int, [c_int, ctypes.c_ulonglong]),
         "expseg_release_graph_pool": (c_int, [c_int, ctypes.c_ulonglong]),
+        "expseg_begin_pool_allocations": (c_int, [c_int, ctypes.c_ulonglong, c_void_p]),
+        "expseg_end_pool_allocations": (c_int, [c_int, ctypes.c_ulonglong, c_void_p]),
+        "expseg_restore_graph_pool_block": (c_int, [c_int, ctypes.c_ulonglong, c_void_p, c_size_t]),
+        "expseg_graph_pool_blocks": (c_int, [c_int, ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong),
+                                             ctypes.POINTER(c_size_t), c_size_t, ctypes.POINTER(c_size_t)]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)  # AttributeError here: an old or foreign libexpseg.so
@@ -616,6 +622,21 @@ def _torch_trace(device, expandable):
         os.unlink(path)
 
 
+def graph_pool_blocks(pool, device=0):
+    """The allocated blocks of expseg graph pool `pool` (a number) on `device`: [(address, size)], by address."""
+    lib = load()
+    count = ctypes.c_size_t(0)
+    capacity = 0
+    while True:
+        addrs = (ctypes.c_ulonglong * max(capacity, 1))()
+        sizes = (ctypes.c_size_t * max(capacity, 1))()
+        _check(lib.expseg_graph_pool_blocks(device, pool, addrs, sizes, capacity, ctypes.byref(count)),
+               "expseg_graph_pool_blocks")
+        if count.value <= capacity:
+            return [(addrs[i], sizes[i]) for i in range(count.value)]
+        capacity = count.value + 16  # blocks made meanwhile (another thread): ask again with room to spare
+
+
 def torch_snapshot(devices=None):
     """The allocators' state as PyTorch's torch.cuda.memory._snapshot() gives it ({"segments": [...],
     "device_traces": [[...] per device]}), so torch.cuda.memory._dump_snapshot() writes a file that
@@ -642,6 +663,9 @@ def _patch_torch(torch):
         return torch_memory_stats(device)
 
     def empty_cache():
+        trees = getattr(torch.cuda.CUDAGraph, "_expseg_trees", None)
+        if trees is not None:
+            trees.sweep()
         for d in initialized_devices():
             release_cached(d)
 
@@ -739,6 +763,12 @@ def _patch_torch(torch):
     torch_reset = getattr(CUDAGraph, "reset", None)
     pool_numbers = {"next": 0}  # PyTorch's pool id (a, b) -> expseg's pool number; "next": the last one made
 
+    def pool_number(pool):
+        a, b = (int(v) for v in pool)
+        return pool_numbers.get((a, b)) or ((a & 0xFFFFFFFF) << 32 | (b & 0xFFFFFFFF) | (1 << 63))
+
+    trees = _GraphTrees(torch, lib, pool_number)
+
     def capture_begin(self, pool=None, capture_error_mode="global"):
         # Before the capture begins, expseg asks whether its stream blocks (it cannot be asked later): if not,
         # expseg may take back the default stream's idle memory during the capture. Best effort.
@@ -754,9 +784,9 @@ def _patch_torch(torch):
             pool_numbers["next"] += 1
             number = pool_numbers["next"]
         else:
-            a, b = (int(v) for v in pool)
-            number = pool_numbers.get((a, b)) or ((a & 0xFFFFFFFF) << 32 | (b & 0xFFFFFFFF) | (1 << 63))
+            number = pool_number(pool)
         device = torch.cuda.current_device()
+        trees.sweep(device)
         if lib.expseg_begin_graph_pool(device, number, torch.cuda.current_stream().cuda_stream) != SUCCESS:
             error = _error("expseg_begin_graph_pool")
             try:
@@ -788,6 +818,217 @@ def _patch_torch(torch):
     capture_end.__doc__ = torch_capture_end.__doc__
     CUDAGraph.capture_begin, CUDAGraph.capture_end, CUDAGraph.reset = capture_begin, capture_end, reset
     CUDAGraph._expseg_patched = True
+    CUDAGraph._expseg_trees = trees
+    trees.install()
+
+
+class _GraphTrees:
+    """torch.compile(mode="reduce-overhead"): PyTorch's CUDA graph trees (torch/_inductor/cudagraph_trees.py)
+    drive its caching allocator's private pools through torch._C entry points that its pluggable allocator
+    does not serve (it raises, or does nothing). Each is routed to expseg's graph pools:
+
+    - _cuda_beginAllocateCurrentThreadToPool / _cuda_endAllocateToPool / _cuda_releasePool (the warm-ups, the
+      copies of a recording's inputs): the current stream's requests go to the pool (expseg_begin_pool_allocations),
+      as the capture's later do;
+    - _cuda_checkPoolLiveAllocations (the trees' checks of their own bookkeeping): whether the pool's allocated
+      blocks are exactly the live storages given;
+    - _cuda_getCheckpointState: the pool's allocated blocks once a graph is recorded;
+    - _cuda_setCheckpointPoolState (recording or warming up after replays, in the middle of a path): the pool's
+      blocks put back to a checkpoint's (expseg_restore_graph_pool_block). PyTorch then gives the live outputs'
+      storages its deleter; a pluggable allocator's cannot be set from Python, so the glue keeps a weak reference
+      to each such storage and frees its block once the storage is gone: at the trees' next call into the pool,
+      a capture's begin or empty_cache(), before anything could allocate in the pool again;
+    - _cuda_cudaCachingAllocator_raw_delete: frees such restored blocks (others go to PyTorch's as before);
+      _has_Standard_Deleter: true of the storages such blocks were given to (PyTorch's check that they free them);
+      _free_And_Remove_DeleterFn: for such a storage, frees its block (others: PyTorch's, as before).
+    """
+
+    def __init__(self, torch, lib, pool_number):
+        self.torch, self.lib, self.pool_number = torch, lib, pool_number
+        self.routes = {}    # (device, pool number) -> streams begun (begin_pool_allocations), last first
+        self.restored = {}  # (device, address) -> (StorageWeakRef, StorageImpl address) it was given to, or None
+        self.lock = threading.RLock()  # each thread has trees of its own; these dicts are shared
+        # How often PyTorch called each entry point (tests check that a path was taken).
+        self.calls = {"begin": 0, "end": 0, "release": 0, "check": 0, "get_checkpoint": 0, "set_checkpoint": 0,
+                      "restored_blocks": 0, "raw_delete": 0}
+
+    def install(self):
+        C = self.torch._C
+        self.torch_raw_delete = getattr(C, "_cuda_cudaCachingAllocator_raw_delete", None)
+        self.torch_has_standard_deleter = getattr(C, "_has_Standard_Deleter", None)
+        self.torch_free_and_remove_deleter = getattr(C, "_free_And_Remove_DeleterFn", None)
+        replacements = {
+            "_cuda_beginAllocateCurrentThreadToPool": self.begin_allocate_to_pool,
+            "_cuda_beginAllocateCurrentStreamToPool": self.begin_allocate_to_pool,  # PyTorch before 2.6
+            "_cuda_endAllocateToPool": self.end_allocate_to_pool,
+            "_cuda_endAllocateCurrentStreamToPool": self.end_allocate_to_pool,    # PyTorch before 2.6
+            "_cuda_releasePool": self.release_pool,
+            "_cuda_checkPoolLiveAllocations": self.check_pool_live_allocations,
+            "_cuda_getCheckpointState": self.get_checkpoint_state,
+            "_cuda_setCheckpointPoolState": self.set_checkpoint_pool_state,
+            "_cuda_cudaCachingAllocator_raw_delete": self.raw_delete,
+            "_has_Standard_Deleter": self.has_standard_deleter,
+            "_free_And_Remove_DeleterFn": self.free_and_remove_deleter,
+        }
+        for name, fn in replacements.items():
+            if hasattr(C, name):
+                setattr(C, name, fn)
+
+    def _free(self, device, address):
+        self.lib.expseg_free(ctypes.c_void_p(address), 0, device, None)
+        if self.lib.expseg_last_error_code() != SUCCESS:
+            raise _error("expseg_free")
+
+    def sweep(self, device=None):
+        """Frees the restored blocks whose storages are gone. One that no storage took stays allocated until
+        raw_delete, as in PyTorch (the trees raw_delete those of outputs dead since the replay right away)."""
+        with self.lock:
+            for key, ref in list(self.restored.items()):
+                if (device is None or key[0] == device) and ref is not None and ref[0].expired():
+                    del self.restored[key]
+                    self._free(*key)
+
+    def begin_allocate_to_pool(self, device, pool):
+        self.calls["begin"] += 1
+        device = int(device)
+        self.sweep(device)
+        number = self.pool_number(pool)
+        stream = self.torch.cuda.current_stream(device).cuda_stream
+        _check(self.lib.expseg_begin_pool_allocations(device, number, stream), "expseg_begin_pool_allocations")
+        self.routes.setdefault((device, number), []).append(stream)
+
+    def end_allocate_to_pool(self, device, pool=None):
+        self.calls["end"] += 1
+        device = int(device)
+        if pool is None:  # PyTorch before 2.6 names no pool: the route of the current stream
+            stream = self.torch.cuda.current_stream(device).cuda_stream
+            for (d, number), streams in self.routes.items():
+                if d == device and stream in streams:
+                    break
+            else:
+                raise ExpsegError("expseg: _cuda_endAllocateCurrentStreamToPool: the current stream allocates into "
+                                  "no graph pool", INVALID_ARGUMENT)
+        else:
+            number = self.pool_number(pool)
+        streams = self.routes.get((device, number))
+        if not streams:
+            raise ExpsegError("expseg: _cuda_endAllocateToPool: no stream allocates into pool %r" % (pool,),
+                              INVALID_ARGUMENT)
+        stream = streams.pop()
+        _check(self.lib.expseg_end_pool_allocations(device, number, stream), "expseg_end_pool_allocations")
+
+    def release_pool(self, device, pool):
+        self.calls["release"] += 1
+        _check(self.lib.expseg_release_graph_pool(int(device), self.pool_number(pool)), "expseg_release_graph_pool")
+
+    def check_pool_live_allocations(self, device, pool, live_ptrs):
+        self.calls["check"] += 1
+        device = int(device)
+        self.sweep(device)
+        allocated = [a for a, _ in graph_pool_blocks(self.pool_number(pool), device)]
+        return len(allocated) == len(live_ptrs) and set(allocated) == set(int(p) for p in live_ptrs)
+
+    def get_checkpoint_state(self, device, pool):
+        self.calls["get_checkpoint"] += 1
+        device = int(device)
+        self.sweep(device)
+        return _PoolCheckpoint(device, pool, self.pool_number(pool), graph_pool_blocks(self.pool_number(pool), device))
+
+    def set_checkpoint_pool_state(self, device, state, stale_storages, storages_to_add_deleters_to=()):
+        self.calls["set_checkpoint"] += 1
+        device = int(device)
+        if not isinstance(state, _PoolCheckpoint):
+            raise ExpsegError("expseg: _cuda_setCheckpointPoolState needs a state from _cuda_getCheckpointState "
+                              "under expseg, got %r" % type(state).__name__, INVALID_ARGUMENT)
+        if stale_storages:
+            # PyTorch passes none today ("we deallocate instead of allowing stale recordings"); taking their
+            # deleters away needs PyTorch's C++.
+            raise ExpsegError("expseg: _cuda_setCheckpointPoolState with stale storages is not supported under "
+                              "expseg's pluggable allocator", INVALID_ARGUMENT)
+        with self.lock:
+            self._set_checkpoint_pool_state(device, state, storages_to_add_deleters_to)
+
+    def _set_checkpoint_pool_state(self, device, state, storages_to_add_deleters_to):
+        self.sweep(device)
+        wanted = dict(state.blocks)
+        # As PyTorch's: the pool's blocks that the checkpoint does not list are freed (no live storage owns
+        # them: the trees freed or gave up their outputs); those it lists and the pool lacks are made again
+        # where they were. A block allocated in both stays as it is, with its owner.
+        for address, size in graph_pool_blocks(state.number, device):
+            if wanted.get(address) == size:
+                del wanted[address]
+            else:
+                self.restored.pop((device, address), None)
+                self._free(device, address)
+        for address, size in sorted(wanted.items()):
+            _check(self.lib.expseg_restore_graph_pool_block(device, state.number, ctypes.c_void_p(address), size),
+                   "expseg_restore_graph_pool_block")
+            self.restored[(device, address)] = None
+            self.calls["restored_blocks"] += 1
+        # The live outputs' storages (PyTorch gives them its deleter): their blocks are freed once they are gone.
+        # As in PyTorch, the checkpoint's blocks belong to the storages given now (an earlier owner is stale).
+        for address in dict(state.blocks):
+            if (device, address) in self.restored:
+                self.restored[(device, address)] = None
+        reductions = getattr(getattr(self.torch, "multiprocessing", None), "reductions", None)
+        if reductions is None:
+            import torch.multiprocessing.reductions as reductions
+        StorageWeakRef = reductions.StorageWeakRef
+        for cdata in storages_to_add_deleters_to:
+            storage = self.torch.UntypedStorage._new_with_weak_ptr(cdata)
+            if storage is None:
+                continue
+            key = (device, storage.data_ptr())
+            if key in self.restored and self.restored[key] is None:
+                self.restored[key] = (StorageWeakRef(storage), int(cdata))
+            del storage
+
+    def _restored_to(self, storage_ptr):
+        """The restored block's key given to the live storage at StorageImpl address storage_ptr, or None."""
+        with self.lock:
+            for key, ref in self.restored.items():
+                if ref is not None and ref[1] == int(storage_ptr) and not ref[0].expired():
+                    return key
+        return None
+
+    def has_standard_deleter(self, storage_ptr):
+        # The trees' check (slow_path_cudagraph_asserts) that a live output's storage now frees its memory to the
+        # allocator when it dies: true of a storage a restored block was given to (the glue frees the block then).
+        if self._restored_to(storage_ptr) is not None:
+            return True
+        return self.torch_has_standard_deleter(storage_ptr) if self.torch_has_standard_deleter is not None else False
+
+    def free_and_remove_deleter(self, storage_ptr):
+        # The trees end a generation: a live output's memory goes back to the pool, its storage keeps the address
+        # without owning it. For a storage a restored block was given to, that block.
+        with self.lock:
+            key = self._restored_to(storage_ptr)
+            if key is not None:
+                del self.restored[key]
+                self._free(*key)
+                return
+        return self.torch_free_and_remove_deleter(storage_ptr)
+
+    def raw_delete(self, ptr):
+        with self.lock:
+            for key in [k for k in self.restored if k[1] == int(ptr)]:
+                self.calls["raw_delete"] += 1
+                del self.restored[key]
+                self._free(*key)
+                return
+        if self.torch_raw_delete is None:
+            raise ExpsegError("expseg: raw_delete of %#x, which is not a block expseg restored" % int(ptr), INVALID_POINTER)
+        self.torch_raw_delete(ptr)
+
+
+class _PoolCheckpoint:
+    """What _cuda_getCheckpointState returns under expseg: a graph pool's allocated blocks."""
+
+    def __init__(self, device, pool, number, blocks):
+        self.device, self.pool, self.number, self.blocks = device, pool, number, tuple(blocks)
+
+    def __repr__(self):
+        return "expseg pool checkpoint (device %d, pool %r, %d blocks)" % (self.device, self.pool, len(self.blocks))
 
 
 def install_torch(conf="", raise_on_oom=True, patch_torch=True):

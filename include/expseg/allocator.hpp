@@ -136,6 +136,28 @@ class Allocator {
   void prepare_capture(stream_t s);
   void end_graph_pool(std::uint64_t pool);
   void release_graph_pool(std::uint64_t pool);
+  // Allocations into a graph pool outside a capture, as PyTorch's beginAllocateToPool there (its CUDA
+  // graph trees, torch.compile(mode="reduce-overhead"), warm a graph up this way, so that the
+  // warm-up's outputs live in the pool its recording allocates from): until
+  // end_pool_allocations(pool, s), requests on stream `s` come from graph pool `pool` (made if it does
+  // not exist) and their frees go back to it, for later requests of `s` into the pool (its
+  // captures' among them). Takes one use of the pool, which release_graph_pool drops. Throws
+  // expseg::error for pool 0, a stream that captures (begin_graph_pool is for captures) or one that
+  // allocates into a pool already; end_pool_allocations for a stream that does not.
+  void begin_pool_allocations(std::uint64_t pool, stream_t stream);
+  void end_pool_allocations(std::uint64_t pool, stream_t stream);
+  // The allocated blocks of graph pool `pool` (address, size), by address: what PyTorch's
+  // checkPoolLiveAllocations and getCheckpointState look at. Blocks allocated into the pool before
+  // its last release belong to it until freed (a later begin takes the pool up again). Empty for a
+  // pool that does not exist.
+  std::vector<std::pair<std::uint64_t, std::size_t>> graph_pool_blocks(std::uint64_t pool) const;
+  // Allocates exactly [ptr, ptr + size) again in graph pool `pool`, for PyTorch's
+  // setCheckpointPoolState, which puts a pool back to the blocks a checkpoint (graph_pool_blocks)
+  // listed once replays have written them: the range must lie in free memory the pool holds, as
+  // when those blocks were freed and nothing has allocated there since. The block is freed with
+  // deallocate(ptr) as any other. Throws expseg::error, nothing changed, otherwise (a pool that does
+  // not exist or was released, a range not free in it, a size or address not a multiple of 512 B).
+  void restore_graph_pool_block(std::uint64_t pool, void* ptr, std::size_t size);
 
   Stats stats() const;
   void reset_peak_stats();

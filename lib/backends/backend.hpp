@@ -266,6 +266,10 @@ class Backend {
   // allocated or pending_free -> free (cached for reuse, merged with free neighbours). Never
   // fails: the caller has already forgotten the pointer (the live table, a pending queue).
   virtual void free(core::Block* block) noexcept = 0;
+  // Allocates exactly [addr, addr + size) (512 B aligned) out of free memory cached for `stream`
+  // (a graph pool's key: PyTorch's setCheckpointPoolState puts a pool's blocks back where a
+  // checkpoint had them). nullptr, nothing changed, when that range is not such free memory.
+  virtual core::Block* allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) = 0;
   // Give every cached byte that can be given back to the device.
   virtual void release_cached() = 0;
   // Bytes of blocks allocated on `stream` that are live or freed and waiting for other streams.

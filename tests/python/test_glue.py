@@ -16,6 +16,7 @@ import tempfile
 import threading
 import types
 import unittest
+import weakref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools")
@@ -546,7 +547,10 @@ class FakeTorch:
     by tests/gpu/torch_oom.py."""
     NAMES = ["_cuda_memoryStats", "_cuda_resetPeakMemoryStats", "_cuda_resetAccumulatedMemoryStats", "_cuda_emptyCache",
              "_cuda_setMemoryFraction", "_cuda_getMemoryFraction", "_cuda_memorySnapshot",
-             "_cuda_record_memory_history", "_cuda_record_memory_history_legacy"]
+             "_cuda_record_memory_history", "_cuda_record_memory_history_legacy",
+             # CUDA graph trees' (torch.compile(mode="reduce-overhead")) entry points into the allocator's pools
+             "_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool", "_cuda_releasePool",
+             "_cuda_checkPoolLiveAllocations", "_cuda_getCheckpointState", "_cuda_setCheckpointPoolState"]
 
     def __init__(self):
         def unsupported(name):
@@ -555,6 +559,38 @@ class FakeTorch:
             return fn
         self._C = types.SimpleNamespace(**{n: unsupported(n) for n in self.NAMES})
         self._C._cuda_emptyCache = lambda: None  # PyTorch: no reset function set, nothing happens
+        self.raw_deleted = []
+        self._C._cuda_cudaCachingAllocator_raw_delete = self.raw_deleted.append
+        self._C._has_Standard_Deleter = lambda storage_ptr: False  # a storage made from a data pointer
+        self.freed_storages = []
+        self._C._free_And_Remove_DeleterFn = self.freed_storages.append
+
+        # Storages as the trees hand them over (StorageImpl pointers, weakly referenced).
+        storages = {}
+
+        class Storage:
+            def __init__(self, ptr):
+                self.ptr = ptr
+                self.cdata = len(storages) + 1000
+                storages[self.cdata] = weakref.ref(self)
+
+            def data_ptr(self):
+                return self.ptr
+
+        class UntypedStorage:
+            @staticmethod
+            def _new_with_weak_ptr(cdata):
+                return storages[cdata]()
+
+        class StorageWeakRef:
+            def __init__(self, storage):
+                self.ref = weakref.ref(storage)
+
+            def expired(self):
+                return self.ref() is None
+
+        self.Storage, self.UntypedStorage = Storage, UntypedStorage
+        self.multiprocessing = types.SimpleNamespace(reductions=types.SimpleNamespace(StorageWeakRef=StorageWeakRef))
 
         class Tensor:
             def __init__(self, ptr, device=0):
@@ -588,7 +624,7 @@ class FakeTorch:
 
         self.Tensor = Tensor
         self.cuda = types.SimpleNamespace(current_device=lambda: 0, CUDAGraph=CUDAGraph,
-                                          current_stream=lambda: types.SimpleNamespace(cuda_stream=None),
+                                          current_stream=lambda device=None: types.SimpleNamespace(cuda_stream=None),
                                           graphs=types.SimpleNamespace(graph=graph), graph=graph)
 
 
@@ -715,6 +751,70 @@ class TorchApiTest(unittest.TestCase):
         self.assertEqual(g2.calls, [("capture_begin", (0, 9), "global"), ("capture_end",), ("reset",)])
         expseg._patch_torch(self.torch)  # a second patch wraps nothing twice
         self.assertTrue(self.torch.cuda.CUDAGraph._expseg_patched)
+
+    def test_graph_trees_use_expseg_graph_pools(self):
+        # torch.compile(mode="reduce-overhead")'s CUDA graph trees, as PyTorch calls them (the GPU suite's
+        # torch_compile.py runs the real thing): a warm-up routed into the pool, the trees' checks of its blocks,
+        # a checkpoint, and the pool put back to it after replays.
+        for backend in ("split_merge", "expandable"):
+            self.lib.expseg_reset_for_tests()
+            expseg.configure("device:sim,sim_capacity:1GiB,backend:" + backend)
+            C, lib, pool = self.torch._C, self.lib, (0, 7)
+            trees = self.torch.cuda.CUDAGraph._expseg_trees
+            restored_before = trees.calls["restored_blocks"]
+            C._cuda_beginAllocateCurrentThreadToPool(0, pool)
+            a = lib.expseg_malloc(3 << 20, 0, None)
+            b = lib.expseg_malloc(1 << 20, 0, None)
+            C._cuda_endAllocateToPool(0, pool)  # the pool's use stays, as a recorded graph holds one
+            outside = lib.expseg_malloc(1 << 20, 0, None)  # not routed any more
+            self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, {a, b}))
+            self.assertFalse(C._cuda_checkPoolLiveAllocations(0, pool, {a}))
+            self.assertFalse(C._cuda_checkPoolLiveAllocations(0, pool, {a, b, outside}))
+            state = C._cuda_getCheckpointState(0, pool)
+            self.assertEqual(len(state.blocks), 2)
+            # The trees free the recorded outputs (their storages give up their memory), replays write them again
+            # and hand out storages without a deleter; recording anew puts the pool back to the checkpoint.
+            lib.expseg_free(a, 0, 0, None)
+            lib.expseg_free(b, 0, 0, None)
+            self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, set()))
+            replay_output = self.torch.Storage(a)
+            C._cuda_setCheckpointPoolState(0, state, [], [replay_output.cdata])
+            self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, {a, b}))
+            self.assertTrue(C._has_Standard_Deleter(replay_output.cdata))  # its block is freed when it dies
+            self.assertFalse(C._has_Standard_Deleter(replay_output.cdata + 1))  # PyTorch's answer for others
+            C._cuda_cudaCachingAllocator_raw_delete(b)  # an output dead since the replay: expseg's block
+            C._cuda_cudaCachingAllocator_raw_delete(outside)  # not restored: PyTorch's raw_delete
+            self.assertEqual(self.torch.raw_deleted, [outside])
+            self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, {a}))
+            del replay_output  # its block is freed at the trees' next call into the pool
+            self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, set()))
+            # Restored again; the trees end the generation while the output lives: its block is freed now.
+            C._cuda_setCheckpointPoolState(0, state, [], [])
+            C._cuda_cudaCachingAllocator_raw_delete(b)
+            replay_output = self.torch.Storage(a)
+            C._cuda_setCheckpointPoolState(0, state, [], [replay_output.cdata])  # a stays, b is made again
+            C._cuda_cudaCachingAllocator_raw_delete(b)
+            self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, {a}))
+            C._free_And_Remove_DeleterFn(replay_output.cdata)
+            self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, set()))
+            C._free_And_Remove_DeleterFn(replay_output.cdata + 1)  # not one of expseg's: PyTorch's
+            self.assertEqual(self.torch.freed_storages, [replay_output.cdata + 1])
+            del replay_output
+            self.assertEqual(trees.calls["restored_blocks"] - restored_before, 5)
+            # Misuse: a stale storage (PyTorch passes none), a state that is not expseg's, an end without a begin.
+            with self.assertRaises(expseg.ExpsegError):
+                C._cuda_setCheckpointPoolState(0, state, [1234], [])
+            with self.assertRaises(expseg.ExpsegError):
+                C._cuda_setCheckpointPoolState(0, object(), [], [])
+            with self.assertRaises(expseg.ExpsegError):
+                C._cuda_endAllocateToPool(0, pool)
+            C._cuda_releasePool(0, pool)
+            with self.assertRaises(expseg.ExpsegError):
+                C._cuda_releasePool(0, pool)
+            lib.expseg_free(outside, 0, 0, None)
+            self.torch.raw_deleted.clear()
+            self.torch.freed_storages.clear()
+            self.assertEqual(expseg.stats()["allocated_bytes.all.current"], 0)
 
     def test_snapshot_and_history_in_torch_format(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB")

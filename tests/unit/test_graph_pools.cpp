@@ -7,6 +7,7 @@
 // captured memsets, which graph_launch replays into whatever the addresses hold then).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -1168,3 +1169,338 @@ TEST_CASE("graph pool: an OOM report counts a live pool's cached memory as held,
 }
 
 }  // TEST_SUITE
+
+// PyTorch's CUDA graph trees (torch.compile(mode="reduce-overhead")) warm each graph up with its
+// allocations routed into the pool its recording uses (beginAllocateToPool outside a capture),
+// check the pool's allocated blocks against the storages they track, and put the pool back to a
+// checkpoint of those blocks when they record again after replays (setCheckpointPoolState).
+TEST_SUITE("graph-trees") {
+
+using Blocks = std::vector<std::pair<std::uint64_t, std::size_t>>;
+
+bool listed(const Blocks& blocks, void* p) {
+  return std::any_of(blocks.begin(), blocks.end(), [&](const auto& b) { return b.first == addr(p); });
+}
+
+TEST_CASE("graph pool: allocations outside a capture go into the pool, and the pool's captures reuse what they freed") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    sa->begin_pool_allocations(5, s);
+    void* w = sa->allocate(3 * MiB, s);          // a warm-up output, kept
+    void* x = sa->allocate(4 * MiB, s);          // a warm-up intermediate, freed
+    void* other = sa->allocate(4 * MiB, nullptr);  // another stream: not routed
+    sa->deallocate(x);
+    CHECK(sa->graph_pool_blocks(5) == Blocks{{addr(w), 3 * MiB}});
+    sa->end_pool_allocations(5, s);
+    // The stream's own requests no longer come from the pool: x's memory is the pool's.
+    void* y = sa->allocate(4 * MiB, s);
+    CHECK_FALSE(overlap(y, 4 * MiB, x, 4 * MiB));
+    CHECK_FALSE(listed(sa->graph_pool_blocks(5), y));
+    // A capture on the stream into the pool gets x's memory back.
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(5, s);
+    void* c = sa->allocate(4 * MiB, s);
+    CHECK(addr(c) == addr(x));
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(5);
+    Blocks expected{{addr(w), 3 * MiB}, {addr(c), 4 * MiB}};
+    std::sort(expected.begin(), expected.end());
+    CHECK(sa->graph_pool_blocks(5) == expected);
+    sa->validate();
+    // Two uses (the warm-up's, the capture's). Released with w and c still allocated, the pool's
+    // blocks stay listed until freed; a later begin takes the pool up again.
+    sa->release_graph_pool(5);
+    sa->release_graph_pool(5);
+    CHECK_THROWS_WITH_AS(sa->release_graph_pool(5), doctest::Contains("no graph pool 5"), expseg::error);
+    CHECK(sa->graph_pool_blocks(5) == expected);
+    sa->begin_pool_allocations(5, s);
+    void* z = sa->allocate(1 * MiB, s);
+    sa->end_pool_allocations(5, s);
+    CHECK(listed(sa->graph_pool_blocks(5), z));
+    CHECK(listed(sa->graph_pool_blocks(5), w));
+    sa->deallocate(w);
+    sa->deallocate(c);
+    CHECK(sa->graph_pool_blocks(5) == Blocks{{addr(z), 1 * MiB}});
+    sa->deallocate(z);
+    sa->release_graph_pool(5);
+    CHECK(sa->graph_pool_blocks(5).empty());
+    CHECK_THROWS_AS(sa->release_graph_pool(5), expseg::error);
+    sa->deallocate(y);
+    sa->deallocate(other);
+    sa->validate();
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa.sim->graph_destroy(g);
+    sa.alloc.reset();
+    CHECK(sa.sim->live().handles == 0);
+    CHECK(sa.sim->live().mem_allocs == 0);
+  }
+}
+
+TEST_CASE("graph pool: restore_graph_pool_block puts freed blocks back exactly where they were") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    sa->begin_pool_allocations(3, s);
+    const std::size_t sizes[] = {3 * MiB, 5 * MiB + 512, 700 * KiB, 2 * MiB, 512, 12 * MiB};
+    std::vector<void*> ptrs;
+    for (std::size_t n : sizes) ptrs.push_back(sa->allocate(n, s));
+    sa->end_pool_allocations(3, s);
+    for (std::size_t i = 0; i < ptrs.size(); ++i) fill(sa, ptrs[i], sizes[i] / 4 * 4, 0x1000u + static_cast<std::uint32_t>(i), s);
+    const Blocks checkpoint = sa->graph_pool_blocks(3);
+    REQUIRE(checkpoint.size() == ptrs.size());
+    auto block_size = [&](void* p) {  // the pool's size of the block at p (rounded)
+      for (const auto& [a, n] : checkpoint)
+        if (a == addr(p)) return n;
+      FAIL("not in the checkpoint");
+      return std::size_t{0};
+    };
+    const auto allocated = sa->stats().allocated_bytes[kAllPools].current;
+    const auto reserved_before = reserved(*sa);
+    // Every block freed (neighbours merge), then put back in another order.
+    for (void* p : ptrs) sa->deallocate(p);
+    CHECK(sa->graph_pool_blocks(3).empty());
+    for (std::size_t i : {3, 0, 5, 1, 4, 2})
+      sa->restore_graph_pool_block(3, reinterpret_cast<void*>(checkpoint[i].first), checkpoint[i].second);
+    CHECK(sa->graph_pool_blocks(3) == checkpoint);
+    CHECK(sa->stats().allocated_bytes[kAllPools].current == allocated);
+    CHECK(reserved(*sa) == reserved_before);  // nothing was mapped or allocated anew
+    sa->validate();
+    for (std::size_t i = 0; i < ptrs.size(); ++i) CHECK(word(sa, ptrs[i]) == 0x1000u + static_cast<std::uint32_t>(i));
+    // One block freed between two live ones, and put back.
+    sa->deallocate(ptrs[2]);
+    sa->restore_graph_pool_block(3, ptrs[2], block_size(ptrs[2]));
+    CHECK(sa->graph_pool_blocks(3) == checkpoint);
+    sa->validate();
+    // Misuse: nothing changes.
+    CHECK_THROWS_WITH_AS(sa->restore_graph_pool_block(3, ptrs[1], block_size(ptrs[1])), doctest::Contains("allocated already"),
+                         expseg::error);
+    sa->deallocate(ptrs[1]);
+    // Overlapping a live block, misaligned, in no pool, released pool.
+    CHECK_THROWS_WITH_AS(sa->restore_graph_pool_block(3, ptrs[1], block_size(ptrs[1]) + 3 * MiB), doctest::Contains("not free memory"),
+                         expseg::error);
+    CHECK_THROWS_WITH_AS(sa->restore_graph_pool_block(3, reinterpret_cast<char*>(ptrs[1]) + 100, 512), doctest::Contains("multiples of 512"),
+                         expseg::error);
+    CHECK_THROWS_WITH_AS(sa->restore_graph_pool_block(4, ptrs[1], 512), doctest::Contains("no graph pool 4"), expseg::error);
+    void* elsewhere = sa->allocate(1 * MiB, s);
+    sa->deallocate(elsewhere);
+    CHECK_THROWS_WITH_AS(sa->restore_graph_pool_block(3, elsewhere, 1 * MiB), doctest::Contains("not free memory"), expseg::error);
+    CHECK(sa->graph_pool_blocks(3).size() == checkpoint.size() - 1);
+    sa->validate();
+    for (std::size_t i = 0; i < ptrs.size(); ++i)
+      if (i != 1) sa->deallocate(ptrs[i]);
+    sa->release_graph_pool(3);
+    CHECK_THROWS_WITH_AS(sa->restore_graph_pool_block(3, ptrs[0], block_size(ptrs[0])), doctest::Contains("no graph pool 3"), expseg::error);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    CHECK(sa->stats().allocated_bytes[kAllPools].current == 0);
+    sa->validate();
+    sa.alloc.reset();
+    CHECK(sa.sim->live().handles == 0);
+    CHECK(sa.sim->live().mem_allocs == 0);
+  }
+}
+
+TEST_CASE("graph pool: misuse of allocations outside a capture gets a clear error and changes nothing") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* t = sa.sim->stream_create();
+    CHECK_THROWS_WITH_AS(sa->begin_pool_allocations(0, s), doctest::Contains("pool 0"), expseg::error);
+    CHECK_THROWS_WITH_AS(sa->end_pool_allocations(1, s), doctest::Contains("does not allocate into graph pool 1"), expseg::error);
+    sa->begin_pool_allocations(1, s);
+    CHECK_THROWS_WITH_AS(sa->begin_pool_allocations(2, s), doctest::Contains("graph pool 1 already"), expseg::error);
+    CHECK_THROWS_WITH_AS(sa->end_pool_allocations(1, t), doctest::Contains("does not allocate"), expseg::error);
+    CHECK_THROWS_WITH_AS(sa->release_graph_pool(1), doctest::Contains("end_pool_allocations first"), expseg::error);
+    sa.sim->capture_begin(t);
+    CHECK_THROWS_WITH_AS(sa->begin_pool_allocations(1, t), doctest::Contains("capturing"), expseg::error);
+    const auto g = sa.sim->capture_end(t);
+    void* p = sa->allocate(1 * MiB, s);  // still routed into pool 1
+    CHECK(listed(sa->graph_pool_blocks(1), p));
+    sa->deallocate(p);
+    sa->end_pool_allocations(1, s);
+    sa->release_graph_pool(1);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa->validate();
+    sa.sim->graph_destroy(g);
+  }
+}
+
+TEST_CASE("graph pool: the C API of allocations outside a capture, pool blocks and their restoring") {
+  CApiFixture fixture;
+  REQUIRE(expseg_configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:split_merge") == EXPSEG_SUCCESS);
+  CHECK(expseg_begin_pool_allocations(-1, 1, nullptr) == EXPSEG_ERROR_INVALID_DEVICE);
+  std::size_t count = 99;
+  CHECK(expseg_graph_pool_blocks(0, 1, nullptr, nullptr, 0, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_graph_pool_blocks(0, 1, nullptr, nullptr, 4, &count) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  REQUIRE(expseg_graph_pool_blocks(0, 1, nullptr, nullptr, 0, &count) == EXPSEG_SUCCESS);
+  CHECK(count == 0);
+  CHECK(expseg_begin_pool_allocations(0, 0, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  REQUIRE(expseg_begin_pool_allocations(0, 1, nullptr) == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(4 * MiB, 0, nullptr);
+  void* q = expseg_malloc(1 * MiB, 0, nullptr);
+  REQUIRE(p != nullptr);
+  REQUIRE(q != nullptr);
+  REQUIRE(expseg_end_pool_allocations(0, 1, nullptr) == EXPSEG_SUCCESS);
+  CHECK(expseg_end_pool_allocations(0, 1, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  unsigned long long addrs[2] = {};
+  std::size_t sizes[2] = {};
+  REQUIRE(expseg_graph_pool_blocks(0, 1, addrs, sizes, 1, &count) == EXPSEG_SUCCESS);
+  CHECK(count == 2);  // more than the room given: the first only
+  CHECK(addrs[0] == std::min(addr(p), addr(q)));
+  REQUIRE(expseg_graph_pool_blocks(0, 1, addrs, sizes, 2, &count) == EXPSEG_SUCCESS);
+  CHECK(count == 2);
+  const std::size_t p_size = addrs[0] == addr(p) ? sizes[0] : sizes[1];
+  expseg_free(p, 4 * MiB, 0, nullptr);
+  CHECK(expseg_restore_graph_pool_block(0, 1, q, 1 * MiB) == EXPSEG_ERROR_INVALID_ARGUMENT);  // allocated already
+  CHECK(std::string(expseg_last_error()).find("allocated already") != std::string::npos);
+  REQUIRE(expseg_restore_graph_pool_block(0, 1, p, p_size) == EXPSEG_SUCCESS);
+  REQUIRE(expseg_graph_pool_blocks(0, 1, addrs, sizes, 2, &count) == EXPSEG_SUCCESS);
+  CHECK(count == 2);
+  expseg_free(p, 4 * MiB, 0, nullptr);
+  expseg_free(q, 1 * MiB, 0, nullptr);
+  REQUIRE(expseg_release_graph_pool(0, 1) == EXPSEG_SUCCESS);
+  CHECK(expseg_restore_graph_pool_block(0, 1, p, p_size) == EXPSEG_ERROR_INVALID_ARGUMENT);
+}
+
+
+// Random warm-ups (routed allocations and frees), checkpoints and restores in a pool, beside other
+// streams' work under a limit: after each step validate() holds, the pool lists exactly the blocks
+// the test holds there, and every live block keeps the pattern written into it.
+TEST_CASE("graph pool: random checkpoints and restores keep every block's data and the backends' invariants") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    for (std::uint64_t seed : {1, 2, 3}) {
+      CAPTURE(seed);
+      auto sa = host_backed(kind, 1 * GiB);
+      sa->set_limit(512 * MiB);
+      void* s = sa.sim->stream_create();
+      void* other = sa.sim->stream_create();
+      std::uint64_t x = seed * 0x9E3779B97F4A7C15ull;
+      auto next = [&] {  // splitmix64
+        x += 0x9E3779B97F4A7C15ull;
+        std::uint64_t z = x;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        return z ^ (z >> 31);
+      };
+      auto size_of = [&] {  // 512 B - 32 MiB, log-uniform
+        const unsigned bits = 9 + static_cast<unsigned>(next() % 17);
+        return std::size_t{1} << bits | (next() % (std::size_t{1} << bits)) / 512 * 512;
+      };
+      struct Live {
+        void* p;
+        std::size_t size;
+        std::uint32_t value;
+      };
+      std::vector<Live> pool, elsewhere;
+      std::uint32_t values = 0;
+      auto check = [&](const std::vector<Live>& blocks) {
+        for (const Live& l : blocks) {
+          REQUIRE(word(sa, l.p) == l.value);
+          REQUIRE(word(sa, l.p, l.size / 4 * 4 - 4) == l.value);
+        }
+      };
+      sa->begin_pool_allocations(9, s);
+      sa->end_pool_allocations(9, s);  // the pool's use stays (a recorded graph's)
+      Blocks checkpoint;
+      std::size_t restores = 0;
+      for (int step = 0; step < 400; ++step) {
+        const std::uint64_t r = next() % 100;
+        if (r < 35) {  // a warm-up allocation into the pool
+          sa->begin_pool_allocations(9, s);
+          const std::size_t n = size_of();
+          void* p = nullptr;
+          try {
+            p = sa->allocate(n, s);
+          } catch (const expseg::out_of_memory&) {
+          }
+          sa->end_pool_allocations(9, s);
+          sa->release_graph_pool(9);  // each begin's use, as the trees' releasePool
+          if (p != nullptr) {
+            pool.push_back({p, n, ++values});
+            fill(sa, p, n / 4 * 4, values, s);
+          }
+        } else if (r < 55 && !pool.empty()) {  // a pool block freed
+          const std::size_t i = next() % pool.size();
+          sa->deallocate(pool[i].p);
+          pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
+        } else if (r < 75) {  // other streams' work, competing for the limit
+          if (!elsewhere.empty() && next() % 2 == 0) {
+            const std::size_t i = next() % elsewhere.size();
+            sa->deallocate(elsewhere[i].p);
+            elsewhere.erase(elsewhere.begin() + static_cast<std::ptrdiff_t>(i));
+          } else {
+            const std::size_t n = size_of();
+            try {
+              void* p = sa->allocate(n, next() % 2 ? other : nullptr);
+              elsewhere.push_back({p, n, ++values});
+              fill(sa, p, n / 4 * 4, values, nullptr);
+            } catch (const expseg::out_of_memory&) {
+            }
+          }
+        } else if (r < 85) {  // a checkpoint of the pool's blocks
+          checkpoint = sa->graph_pool_blocks(9);
+        } else {
+          // Back to the checkpoint: blocks it lacks are freed, blocks it lists and the pool lacks are
+          // allocated again where they were (their old contents are the graph's to rewrite).
+          // Kept: a block the checkpoint lists at its address with its size (the pool's, rounded).
+          const Blocks now = sa->graph_pool_blocks(9);
+          std::vector<Live> kept;
+          for (const Live& l : pool) {
+            const auto listed_size = std::find_if(now.begin(), now.end(), [&](const auto& c) { return c.first == addr(l.p); })->second;
+            if (std::find(checkpoint.begin(), checkpoint.end(), std::make_pair(addr(l.p), listed_size)) != checkpoint.end()) {
+              kept.push_back(l);
+            } else {
+              sa->deallocate(l.p);
+            }
+          }
+          pool = kept;
+          for (const auto& [a, n] : checkpoint) {
+            if (std::any_of(pool.begin(), pool.end(), [&](const Live& l) { return addr(l.p) == a; })) continue;
+            void* p = reinterpret_cast<void*>(a);
+            sa->restore_graph_pool_block(9, p, n);
+            ++restores;
+            pool.push_back({p, n, ++values});
+            fill(sa, p, n / 4 * 4, values, s);
+          }
+          CHECK(sa->graph_pool_blocks(9) == checkpoint);
+        }
+        sa->validate();
+        Blocks held;
+        for (const Live& l : pool) held.emplace_back(addr(l.p), 0);
+        std::sort(held.begin(), held.end());
+        const Blocks listed_now = sa->graph_pool_blocks(9);
+        REQUIRE(listed_now.size() == held.size());
+        for (std::size_t i = 0; i < held.size(); ++i) REQUIRE(listed_now[i].first == held[i].first);
+        if (step % 20 == 0) {
+          check(pool);
+          check(elsewhere);
+        }
+      }
+      CHECK(restores > 10);
+      check(pool);
+      check(elsewhere);
+      for (const Live& l : pool) sa->deallocate(l.p);
+      for (const Live& l : elsewhere) sa->deallocate(l.p);
+      sa->release_graph_pool(9);
+      sa->release_cached();
+      CHECK(reserved(*sa) == 0);
+      sa->validate();
+      sa.alloc.reset();
+      CHECK(sa.sim->live().handles == 0);
+      CHECK(sa.sim->live().mem_allocs == 0);
+    }
+  }
+}
+
+}  // TEST_SUITE("graph-trees")

@@ -1020,25 +1020,45 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
   while (b->end() <= pl.start) b = b->next;
   if (!b->is_free() || !b->mapped || b->end() < pl.start + size) broken("mapped run at " + hex(pl.start) + " is not one free block");
+  return carve_at(arena, *pl.seg, b, pl.start, size, requested);
+}
+
+Block* ExpandableBackend::carve_at(ExpArena& arena, ExpSegment& seg, Block* b, std::uint64_t start, std::size_t size,
+                                   std::size_t requested) noexcept {
   // The idle handles under the new block leave their runs here, against b as a whole: once b is
-  // split, a handle across pl.start would lie wholly inside neither part.
+  // split, a handle across start would lie wholly inside neither part.
   std::uint64_t wlo = 0;
   std::uint64_t whi = 0;
-  whole_handles(*pl.seg, *b, wlo, whi);
+  whole_handles(seg, *b, wlo, whi);
   if (wlo < whi) {
-    const ExpHandle* first = handle_at(*pl.seg, pl.start);
-    const ExpHandle* last = handle_at(*pl.seg, pl.start + size - 1);
-    make_busy(*pl.seg, wlo, whi, std::max(frame_addr(*pl.seg, first->first_frame), wlo),
-              std::min(frame_addr(*pl.seg, last->first_frame) + last->bytes, whi));
+    const ExpHandle* first = handle_at(seg, start);
+    const ExpHandle* last = handle_at(seg, start + size - 1);
+    make_busy(seg, wlo, whi, std::max(frame_addr(seg, first->first_frame), wlo), std::min(frame_addr(seg, last->first_frame) + last->bytes, whi));
   }
-  if (b->addr < pl.start) {
+  if (b->addr < start) {
     erase_free(arena, b);
-    Block* upper = split_after(arena.blocks, b, pl.start);
+    Block* upper = split_after(arena.blocks, b, start);
     insert_free(arena, b);
     insert_free(arena, upper);
     b = upper;
   }
   return carve(arena, b, size, requested, false, true);
+}
+
+Block* ExpandableBackend::allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) {
+  if (size == 0 || addr % kMinBlockSize != 0 || size % kMinBlockSize != 0) return nullptr;
+  for (const ArenaEntry& e : arena_index_) {
+    if (e.stream != stream) continue;
+    for (ExpSegment* seg : e.arena->segments) {
+      if (addr < seg->base || addr - seg->base >= seg->va_bytes || seg->va_bytes - (addr - seg->base) < size) continue;
+      Block* b = mapped_block_at(*seg, addr);
+      if (!b->is_free() || !b->mapped || b->end() - addr < size) return nullptr;
+      reserve_runs(1);
+      e.arena->blocks.reserve_two();  // nothing may fail once the runs change
+      return carve_at(*e.arena, *seg, b, addr, size, size);
+    }
+  }
+  return nullptr;
 }
 
 // Maps every unmapped frame of [lo, map_hi). [lo, hi) is the block being allocated: the frames it

@@ -119,6 +119,7 @@ class ExpandableBackend final : public Backend {
   std::size_t round_size(std::size_t requested) const noexcept override;
   core::Block* allocate(std::size_t requested, driver::stream_t stream) override;
   void free(core::Block* block) noexcept override;
+  core::Block* allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) override;
   void release_cached() override;
   std::size_t stream_bytes_in_use(driver::stream_t stream) const override;
   void release_stream(driver::stream_t stream) override;
@@ -206,6 +207,9 @@ class ExpandableBackend final : public Backend {
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested);
+  // Allocates [start, start + size) out of free mapped block `b`, which holds it; the caller has
+  // reserved one idle run and two Blocks (nothing here throws).
+  core::Block* carve_at(ExpArena& arena, ExpSegment& seg, core::Block* b, std::uint64_t start, std::size_t size, std::size_t requested) noexcept;
   void drop_segment(ExpArena& arena, ExpSegment* seg);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
   bool find_mapped_place(ExpArena& arena, std::size_t size, Placement& out);

@@ -273,13 +273,13 @@ void SplitMergeBackend::reposition(const Pool& pool, core::SizeIndex& index, Blo
   index.reposition(*b);
 }
 
-Block* SplitMergeBackend::alloc_found_block(Params& p, std::size_t requested) {
+Block* SplitMergeBackend::alloc_found_block(Params& p, std::size_t requested, bool exact) {
   Block* block = p.block;
   Pool& pool = *p.pool;
   const int sp = pool.stat_pool;
   const bool already_split = block->is_split();
   const bool indexed = block->free_hook.is_linked();  // found in the pool, not a new segment
-  if (should_split(*block, p.size)) {
+  if (exact ? block->size > p.size : should_split(*block, p.size)) {
     // The allocation takes the front; the remainder stays free behind it.
     Block* remaining = block;
     block = blocks_.make();
@@ -348,6 +348,53 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   Block* b = alloc_found_block(p, requested);
   if (cached) ctx_.stats.num_free_blocks -= 1;
   return b;
+}
+
+Block* SplitMergeBackend::allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) {
+  if (size == 0 || addr % kMinBlockSize != 0 || size % kMinBlockSize != 0) return nullptr;
+  Block* b = nullptr;
+  for (SmSegment& seg : segments_) {
+    if (seg.stream != stream || addr < seg.base || addr - seg.base >= seg.size) continue;
+    for (b = seg.first; b->end() <= addr; b = b->next) {
+    }
+    break;
+  }
+  if (b == nullptr || !b->is_free() || b->end() - addr < size) return nullptr;
+  Pool& pool = pool_of(*b);
+  core::SizeIndex& index = index_of(*b);
+  blocks_.reserve_two();  // the front's Block and the split's: nothing below may throw
+  if (b->addr < addr) {
+    // [b->addr, addr) stays free as a block of its own; b becomes [addr, end).
+    const bool was_split = b->is_split();
+    Block* front = blocks_.make();
+    front->addr = b->addr;
+    front->size = addr - b->addr;
+    front->stream = b->stream;
+    front->segment = b->segment;
+    front->pool = b->pool;
+    front->prev = b->prev;
+    if (front->prev) front->prev->next = front;
+    else static_cast<SmSegment*>(b->segment)->first = front;
+    front->next = b;
+    b->prev = front;
+    b->addr = addr;
+    b->size -= front->size;
+    reposition(pool, index, b);
+    insert_free(pool, index, front);
+    ctx_.stats.num_free_blocks += 1;
+    // Free split blocks count as inactive: one more now (or both, when b was whole), the bytes as before.
+    if (was_split) account_inactive(b->pool, 1, 0);
+    else account_inactive(b->pool, 2, static_cast<std::int64_t>(front->size + b->size));
+  }
+  Params p;
+  p.size = size;
+  p.stream = stream;
+  p.pool = &pool;
+  p.index = &index;
+  p.block = b;
+  Block* got = alloc_found_block(p, size, true);
+  ctx_.stats.num_free_blocks -= 1;
+  return got;
 }
 
 // Merges free neighbour `src` into `dst` (the list links only; `src` stays in the index for the

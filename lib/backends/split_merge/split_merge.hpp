@@ -44,6 +44,7 @@ class SplitMergeBackend final : public Backend {
   std::size_t round_size(std::size_t requested) const noexcept override;
   core::Block* allocate(std::size_t requested, driver::stream_t stream) override;
   void free(core::Block* block) noexcept override;
+  core::Block* allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) override;
   void release_cached() override;
   std::size_t stream_bytes_in_use(driver::stream_t stream) const override;
   void release_stream(driver::stream_t stream) override;
@@ -101,7 +102,8 @@ class SplitMergeBackend final : public Backend {
   void reap_retired(driver::stream_t keep);
   bool release_unsplit_free(driver::stream_t stream);
   void garbage_collect_cached_blocks();
-  core::Block* alloc_found_block(Params& p, std::size_t requested);
+  // exact: split whenever the block is larger than p.size (allocate_at), not by should_split.
+  core::Block* alloc_found_block(Params& p, std::size_t requested, bool exact = false);
   std::size_t try_merge_blocks(core::Block* dst, core::Block* src) noexcept;
   void reposition(const Pool& pool, core::SizeIndex& index, core::Block* b) noexcept;
   void insert_free(const Pool& pool, core::SizeIndex& index, core::Block* block) noexcept;
