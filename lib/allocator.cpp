@@ -504,6 +504,14 @@ Snapshot Allocator::Impl::snapshot_locked() const {
   s.device_total_bytes = ctx.device_total;
   backend->snapshot(s.segments);
   std::sort(s.segments.begin(), s.segments.end(), [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+  for (SegmentInfo& seg : s.segments) {
+    const auto key = reinterpret_cast<driver::stream_t>(static_cast<std::uintptr_t>(seg.stream));
+    if (!backends::is_graph_pool_key(key)) continue;
+    for (const GraphPool& p : graph_pools)
+      if (std::any_of(p.keys.begin(), p.keys.end(), [&](const auto& k) { return k.second == key; }) ||
+          std::find(p.released_keys.begin(), p.released_keys.end(), key) != p.released_keys.end())
+        seg.graph_pool = p.id;
+  }
   s.stats = stats;
   return s;
 }

@@ -295,6 +295,7 @@ Snapshot read_snapshot(const Reader& r, const JsonValue& o) {
     if (pool != "small" && pool != "large") throw std::runtime_error("member '" + rs.name("pool") + "' is neither small nor large");
     seg.small_pool = pool == "small";
     seg.physical_handles = rs.u64(so, "physical_handles");
+    if (so.has("graph_pool")) seg.graph_pool = rs.u64(so, "graph_pool");  // written for graph pools' segments only
     const JsonValue& blocks = rs.at(so, "blocks");
     if (!blocks.is_array()) throw std::runtime_error("member '" + rs.name("blocks") + "' is not an array");
     for (std::size_t j = 0; j < blocks.as_array().size(); ++j) {

@@ -47,6 +47,7 @@ std::string Snapshot::to_json() const {
     w.field("stream", hex(seg.stream));
     w.field("pool", seg.small_pool ? "small" : "large");
     w.field("physical_handles", std::uint64_t{seg.physical_handles});
+    if (seg.graph_pool != 0) w.field("graph_pool", std::uint64_t{seg.graph_pool});
     w.key("blocks").begin_array();
     for (const BlockInfo& b : seg.blocks) {
       w.begin_object();

@@ -43,6 +43,7 @@ _torch_allocator = None  # kept alive for the life of the process (PyTorch holds
 _torch_conf = None
 _cupy_allocator = None
 _cupy_conf = None
+_torch_pool_ids = {}  # expseg graph pool number -> PyTorch's pool id (a, b), for snapshots' segment_pool_id
 _history_max_entries = 0  # torch.cuda.memory._record_memory_history's bound on trace entries (0: none)
 
 
@@ -581,7 +582,8 @@ def _torch_segments(device, snap):
             allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
             out.append({
                 "device": device, "address": lo, "total_size": size, "stream": int(seg["stream"], 16),
-                "segment_type": seg.get("pool", "large"), "segment_pool_id": (0, 0), "is_expandable": expandable,
+                "segment_type": seg.get("pool", "large"),
+                "segment_pool_id": _torch_pool_ids.get(seg.get("graph_pool", 0), (0, 0)), "is_expandable": expandable,
                 "allocated_size": allocated,
                 "active_size": sum(b["size"] for b in blocks if b["state"] != "inactive"),
                 "requested_size": sum(b["requested_size"] for b in blocks if b["state"] == "active_allocated"),
@@ -765,7 +767,9 @@ def _patch_torch(torch):
 
     def pool_number(pool):
         a, b = (int(v) for v in pool)
-        return pool_numbers.get((a, b)) or ((a & 0xFFFFFFFF) << 32 | (b & 0xFFFFFFFF) | (1 << 63))
+        number = pool_numbers.get((a, b)) or ((a & 0xFFFFFFFF) << 32 | (b & 0xFFFFFFFF) | (1 << 63))
+        _torch_pool_ids[number] = (a, b)
+        return number
 
     trees = _GraphTrees(torch, lib, pool_number)
 
@@ -807,6 +811,7 @@ def _patch_torch(torch):
                 _check(lib.expseg_end_graph_pool(device, number), "expseg_end_graph_pool")
         a, b = self.pool()
         pool_numbers[(int(a), int(b))] = number
+        _torch_pool_ids[number] = (int(a), int(b))
 
     def reset(self):
         if torch_reset is not None:

@@ -40,6 +40,8 @@ struct SegmentInfo {
   std::uint64_t stream = 0;
   bool small_pool = false;
   std::size_t physical_handles = 0;
+  // The graph pool (Allocator::begin_graph_pool's id) whose memory this is, released or not; 0: none.
+  std::uint64_t graph_pool = 0;
   std::vector<BlockInfo> blocks;            // address order, tiling [address, address+size)
   std::vector<AddressRange> mapped_ranges;  // expandable: maximal mapped runs
   bool operator==(const SegmentInfo&) const = default;

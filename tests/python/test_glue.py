@@ -767,6 +767,10 @@ class TorchApiTest(unittest.TestCase):
             b = lib.expseg_malloc(1 << 20, 0, None)
             C._cuda_endAllocateToPool(0, pool)  # the pool's use stays, as a recorded graph holds one
             outside = lib.expseg_malloc(1 << 20, 0, None)  # not routed any more
+            # Snapshots name the pool's segments by PyTorch's pool id, as PyTorch's own do.
+            pool_ids = {seg["address"]: seg["segment_pool_id"] for seg in expseg.torch_snapshot([0])["segments"]}
+            self.assertEqual(pool_ids[max(lo for lo in pool_ids if lo <= a)], pool)
+            self.assertEqual(pool_ids[max(lo for lo in pool_ids if lo <= outside)], (0, 0))
             self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, {a, b}))
             self.assertFalse(C._cuda_checkPoolLiveAllocations(0, pool, {a}))
             self.assertFalse(C._cuda_checkPoolLiveAllocations(0, pool, {a, b, outside}))

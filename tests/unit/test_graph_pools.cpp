@@ -1210,12 +1210,23 @@ TEST_CASE("graph pool: allocations outside a capture go into the pool, and the p
     std::sort(expected.begin(), expected.end());
     CHECK(sa->graph_pool_blocks(5) == expected);
     sa->validate();
+    auto pool_of = [&](void* p) {  // the snapshot's graph pool of the segment holding p
+      for (const expseg::SegmentInfo& seg : sa->snapshot().segments)
+        if (seg.address <= addr(p) && addr(p) < seg.address + seg.size) return seg.graph_pool;
+      FAIL("no segment holds the pointer");
+      return std::uint64_t{99};
+    };
+    CHECK(pool_of(w) == 5);
+    CHECK(pool_of(c) == 5);
+    CHECK(pool_of(y) == 0);
+    CHECK(pool_of(other) == 0);
     // Two uses (the warm-up's, the capture's). Released with w and c still allocated, the pool's
     // blocks stay listed until freed; a later begin takes the pool up again.
     sa->release_graph_pool(5);
     sa->release_graph_pool(5);
     CHECK_THROWS_WITH_AS(sa->release_graph_pool(5), doctest::Contains("no graph pool 5"), expseg::error);
     CHECK(sa->graph_pool_blocks(5) == expected);
+    CHECK(pool_of(w) == 5);  // released: its segments still say whose they were while w lives
     sa->begin_pool_allocations(5, s);
     void* z = sa->allocate(1 * MiB, s);
     sa->end_pool_allocations(5, s);
