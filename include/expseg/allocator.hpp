@@ -149,7 +149,7 @@ class Allocator {
   // The allocated blocks of graph pool `pool` (address, size), by address: what PyTorch's
   // checkPoolLiveAllocations and getCheckpointState look at. Blocks allocated into the pool before
   // its last release belong to it until freed (a later begin takes the pool up again). Empty for a
-  // pool that does not exist.
+  // pool that does not exist. Walks the live blocks: for the trees' checks, not for a hot path.
   std::vector<std::pair<std::uint64_t, std::size_t>> graph_pool_blocks(std::uint64_t pool) const;
   // Allocates exactly [ptr, ptr + size) again in graph pool `pool`, for PyTorch's
   // setCheckpointPoolState, which puts a pool back to the blocks a checkpoint (graph_pool_blocks)
