@@ -194,6 +194,8 @@ void Counters::add(const Counters& o) {
   unmaps += o.unmaps;
   captures += o.captures;
   capture_allocs += o.capture_allocs;
+  warmup_allocs += o.warmup_allocs;
+  restores += o.restores;
   launches += o.launches;
   refused_in_capture += o.refused_in_capture;
   digest = (digest ^ o.digest) * 0x100000001b3ULL;
@@ -206,7 +208,8 @@ std::string Counters::to_string() const {
      << " fired (" << driver_errors << " reached the caller, " << faults_absorbed << " absorbed), " << invalid_pointer_checks
      << " bad pointers, " << release_cached << " release_cached, " << streams_released << " streams released ("
      << streams_refused << " refused), " << limit_changes << " limit changes, " << unmaps
-     << " unmaps/cuMemFree, " << captures << " graph captures (" << capture_allocs << " allocations, " << launches
+     << " unmaps/cuMemFree, " << captures << " graph captures (" << capture_allocs << " allocations, " << warmup_allocs << " warm-up allocations, " << restores
+     << " restores, " << launches
      << " launches, " << refused_in_capture << " refused calls), " << full_checks << " full checks, " << bytes_checked << " pattern bytes checked, digest "
      << hex(digest);
   return os.str();
@@ -1180,7 +1183,8 @@ void Harness::op_graph(Source& src) {
     return;
   }
   if (r < 45 && graphs_.size() < 4) begin_capture(src);
-  else if (r < 80 && !graphs_.empty()) launch_graph(src);
+  else if (r < 65 && !graphs_.empty()) launch_graph(src);
+  else if (r < 80 && !graphs_.empty()) warm_up(src);
   else if (!graphs_.empty()) destroy_graph(src.below(graphs_.size()));
   else begin_capture(src);
 }
@@ -1274,6 +1278,98 @@ void Harness::launch_graph(Source& src) {
   for (auto& [a, l] : live_) update(l);
   for (auto& [a, p] : pending_) update(p.block);
   full_check();
+}
+
+void Harness::check_pool_listing(std::uint64_t pool_id) {
+  const auto inst = pool_instance_.find(pool_id);
+  if (inst == pool_instance_.end()) return;
+  std::vector<std::uint64_t> model;
+  for (const auto& [a, l] : live_)
+    if (l.pool == inst->second) model.push_back(a);
+  std::vector<std::uint64_t> listed;
+  for (const auto& [a, n] : alloc_->graph_pool_blocks(pool_id)) listed.push_back(a);
+  if (listed != model)
+    fail("graph_pool_blocks(" + std::to_string(pool_id) + ") lists " + std::to_string(listed.size()) + " blocks, the model holds " +
+         std::to_string(model.size()) + " there");
+}
+
+// As PyTorch's CUDA graph trees between replays (no capture underway): allocations of a warm-up on a
+// graph's stream go into its pool; then a block of the pool is freed and restored where it was.
+void Harness::warm_up(Source& src) {
+  const Graph& g = graphs_[src.below(graphs_.size())];
+  const std::uint64_t pool_id = g.pool_id;
+  void* s = g.stream;
+  note("warm-up into pool " + std::to_string(pool_id) + " on " + stream_name(s));
+  try {
+    alloc_->begin_pool_allocations(pool_id, s);
+  } catch (const std::exception& e) {
+    fail(std::string("begin_pool_allocations threw ") + e.what());
+  }
+  ++pool_uses_[pool_id];
+  const std::uint64_t instance = pool_instance_.at(pool_id);
+  for (std::uint64_t n = 1 + src.below(3); n > 0; --n) {
+    const std::size_t size = 512 + src.below(8 * options_.granularity);
+    note("  allocate " + std::to_string(size) + " into the pool");
+    void* p = nullptr;
+    try {
+      p = alloc_->allocate(size, s);
+    } catch (const expseg::out_of_memory&) {
+      ++ooms_seen_;
+      ++counters_.ooms;
+      continue;
+    } catch (const expseg::driver_error& e) {
+      on_driver_exception("allocate", e);
+      continue;
+    } catch (const Failure&) {
+      throw;
+    } catch (const std::exception& e) {
+      fail(std::string("allocate into a pool threw ") + e.what());
+    }
+    const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p));
+    note_result(addr);
+    check_new_block(addr, size, s);
+    if (!sim_->is_accessible(addr, size)) fail("warm-up allocation " + hex(addr) + " is not accessible");
+    // The pool's memory: its graphs' launches may write it (the trees replay only once such blocks are
+    // dead), so no pattern is kept; the separation check covers everyone else.
+    Live l{addr, size, s, next_tag_++, {}};
+    l.pool = instance;
+    live_[addr] = l;
+    live_requested_ += size;
+    ++counters_.allocs;
+    ++counters_.warmup_allocs;
+  }
+  try {
+    alloc_->end_pool_allocations(pool_id, s);
+    alloc_->release_graph_pool(pool_id);
+  } catch (const std::exception& e) {
+    fail(std::string("end_pool_allocations / release_graph_pool threw ") + e.what());
+  }
+  --pool_uses_[pool_id];
+  check_pool_listing(pool_id);
+  // A block of the pool freed and restored where it was: the trees' setCheckpointPoolState.
+  std::vector<std::uint64_t> candidates;
+  for (const auto& [a, l] : live_)
+    if (l.pool == instance && l.graph == 0 && l.uses.empty() && captures_.empty()) candidates.push_back(a);  // a warm-up's
+  if (candidates.empty()) return;
+  Live l = live_.at(candidates[src.below(candidates.size())]);
+  std::size_t block = 0;
+  for (const auto& [a, n] : alloc_->graph_pool_blocks(pool_id))
+    if (a == l.addr) block = n;
+  if (block == 0) fail("live pool block " + hex(l.addr) + " is not in graph_pool_blocks");
+  note("restore " + hex(l.addr) + "+" + std::to_string(block) + " in pool " + std::to_string(pool_id));
+  void* p = reinterpret_cast<void*>(static_cast<std::uintptr_t>(l.addr));
+  try {
+    alloc_->deallocate(p);
+    alloc_->restore_graph_pool_block(pool_id, p, block);
+  } catch (const std::exception& e) {
+    fail(std::string("free and restore of a pool block threw ") + e.what());
+  }
+  live_requested_ += block - l.size;  // the restored block asks for all of itself
+  Live& restored = live_.at(l.addr);
+  restored.size = block;
+  restored.known = false;
+  ++counters_.restores;
+  check_pool_listing(pool_id);
 }
 
 void Harness::destroy_graph(std::size_t index) {

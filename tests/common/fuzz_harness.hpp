@@ -145,6 +145,8 @@ struct Counters {
   std::uint64_t unmaps = 0;          // driver unmaps / cuMemFree seen (memory really moved)
   std::uint64_t captures = 0;        // graph captures ended (kept graphs)
   std::uint64_t capture_allocs = 0;  // allocations made into a graph pool during a capture
+  std::uint64_t warmup_allocs = 0;   // allocations routed into a graph pool outside a capture
+  std::uint64_t restores = 0;        // blocks freed and restored where they were (restore_graph_pool_block)
   std::uint64_t launches = 0;        // graph launches
   std::uint64_t refused_in_capture = 0;  // release_cached/set_limit refused while capturing
   // FNV-1a of every operation's text and every address allocate returned: equal digests mean the
@@ -228,6 +230,11 @@ class Harness {
   void end_capture(std::size_t index);
   Graph* capture_on(void* stream);
   void launch_graph(Source& src);
+  // CUDA graph trees' calls into a graph's pool outside a capture: a warm-up's allocations routed
+  // into it (begin_pool_allocations), a block freed and restored where it was
+  // (restore_graph_pool_block), and the pool's listing checked against the model.
+  void warm_up(Source& src);
+  void check_pool_listing(std::uint64_t pool_id);
   void destroy_graph(std::size_t index);
   void refused_in_capture(bool set_limit, std::size_t v);
   void check_graph_separation();
