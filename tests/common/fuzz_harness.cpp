@@ -1225,7 +1225,10 @@ void Harness::begin_capture(Source& src) {
     fail(std::string("begin_graph_pool threw ") + e.what());
   }
   auto inst = pool_instance_.find(pool_id);
-  if (inst == pool_instance_.end()) inst = pool_instance_.emplace(pool_id, next_pool_instance_++).first;
+  if (inst == pool_instance_.end()) {
+    inst = pool_instance_.emplace(pool_id, next_pool_instance_++).first;
+    id_of_instance_[inst->second] = pool_id;
+  }
   g->pool = inst->second;
   ++pool_uses_[pool_id];
   captures_.push_back(std::move(*g));
@@ -1280,12 +1283,12 @@ void Harness::launch_graph(Source& src) {
   full_check();
 }
 
+// The pool lists its live blocks, those allocated before an earlier release of its id included (as
+// PyTorch's private pool, released and begun again, keeps its blocks still allocated).
 void Harness::check_pool_listing(std::uint64_t pool_id) {
-  const auto inst = pool_instance_.find(pool_id);
-  if (inst == pool_instance_.end()) return;
   std::vector<std::uint64_t> model;
   for (const auto& [a, l] : live_)
-    if (l.pool == inst->second) model.push_back(a);
+    if (l.pool != 0 && id_of_instance_.at(l.pool) == pool_id) model.push_back(a);
   std::vector<std::uint64_t> listed;
   for (const auto& [a, n] : alloc_->graph_pool_blocks(pool_id)) listed.push_back(a);
   if (listed != model)

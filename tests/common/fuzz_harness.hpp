@@ -288,6 +288,7 @@ class Harness {
   std::vector<Graph> graphs_;
   std::map<std::uint64_t, std::uint64_t> pool_instance_;  // live pool id -> its instance
   std::map<std::uint64_t, std::uint64_t> pool_uses_;      // live pool id -> begins not yet released
+  std::map<std::uint64_t, std::uint64_t> id_of_instance_;  // every pool instance -> its pool id
   std::uint64_t next_graph_ = 1;
   std::uint64_t next_pool_instance_ = 1;
 
