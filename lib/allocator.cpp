@@ -508,9 +508,7 @@ Snapshot Allocator::Impl::snapshot_locked() const {
     const auto key = reinterpret_cast<driver::stream_t>(static_cast<std::uintptr_t>(seg.stream));
     if (!backends::is_graph_pool_key(key)) continue;
     for (const GraphPool& p : graph_pools)
-      if (std::any_of(p.keys.begin(), p.keys.end(), [&](const auto& k) { return k.second == key; }) ||
-          std::find(p.released_keys.begin(), p.released_keys.end(), key) != p.released_keys.end())
-        seg.graph_pool = p.id;
+      if (p.owns(key)) seg.graph_pool = p.id;
   }
   s.stats = stats;
   return s;
@@ -619,10 +617,8 @@ std::vector<std::pair<std::uint64_t, std::size_t>> Allocator::graph_pool_blocks(
   if (p == nullptr) return out;
   m.prune_released_keys(*p);
   m.live.for_each([&](const Block* b) {
-    if (b->status != core::BlockStatus::allocated || !backends::is_graph_pool_key(b->stream)) return;
-    const bool ours = std::any_of(p->keys.begin(), p->keys.end(), [&](const auto& k) { return k.second == b->stream; }) ||
-                      std::find(p->released_keys.begin(), p->released_keys.end(), b->stream) != p->released_keys.end();
-    if (ours) out.emplace_back(b->addr, b->size);
+    if (b->status == core::BlockStatus::allocated && backends::is_graph_pool_key(b->stream) && p->owns(b->stream))
+      out.emplace_back(b->addr, b->size);
   });
   std::sort(out.begin(), out.end());
   return out;

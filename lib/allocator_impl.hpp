@@ -143,6 +143,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
     // them may still be live: they belong to the pool (graph_pool_blocks) until freed. A pool at no
     // use stays listed while it has such keys, and a later begin takes it up again with new keys.
     std::vector<driver::stream_t> released_keys;
+    // Whether `key` is one of the pool's, current or released.
+    bool owns(driver::stream_t key) const noexcept {
+      return std::any_of(keys.begin(), keys.end(), [&](const auto& k) { return k.second == key; }) ||
+             std::find(released_keys.begin(), released_keys.end(), key) != released_keys.end();
+    }
   };
   struct CaptureRoute {
     std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams

@@ -527,6 +527,11 @@ int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t
   try {
     a->begin_graph_pool(pool, static_cast<expseg::stream_t>(stream));
     return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // misuse: nothing changed
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
   } catch (...) {
     return fail_current(fn);
   }
@@ -556,6 +561,11 @@ int expseg_end_graph_pool(int device, unsigned long long pool) noexcept {
   try {
     a->end_graph_pool(pool);
     return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // misuse: nothing changed
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
   } catch (...) {
     return fail_current(fn);
   }
@@ -568,6 +578,11 @@ int expseg_release_graph_pool(int device, unsigned long long pool) noexcept {
   try {
     a->release_graph_pool(pool);
     return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // misuse: nothing changed
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
   } catch (...) {
     return fail_current(fn);
   }

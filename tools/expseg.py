@@ -880,6 +880,7 @@ class _GraphTrees:
                 setattr(C, name, fn)
 
     def _free(self, device, address):
+        self.lib.expseg_clear_error()  # expseg_free returns nothing: its failure shows in the thread's code
         self.lib.expseg_free(ctypes.c_void_p(address), 0, device, None)
         if self.lib.expseg_last_error_code() != SUCCESS:
             raise _error("expseg_free")

@@ -156,7 +156,9 @@ EXPSEG_API int expseg_release_stream(int device, expseg_stream_t stream) EXPSEG_
  * expseg_begin_graph_pool(device, pool, stream) and until expseg_end_graph_pool(device, pool), the
  * capture's allocations come from pool `pool` (nonzero), whose memory nothing else gets until
  * expseg_release_graph_pool(device, pool) has dropped every begin's use. End the pool after the
- * capture ends; release it when the graph is destroyed. Creates the allocator when needed. */
+ * capture ends; release it when the graph is destroyed. Creates the allocator when needed.
+ * EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, for misuse (a stream not capturing, pool 0, a pool
+ * not begun or released already, a release while a capture allocates into the pool). */
 EXPSEG_API int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 /* Optional, just before the capture on `stream` begins (see Allocator::prepare_capture): asks whether
  * the stream blocks, so that during the capture the expandable backend may take back idle memory of

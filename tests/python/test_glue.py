@@ -786,6 +786,7 @@ class TorchApiTest(unittest.TestCase):
             self.assertTrue(C._cuda_checkPoolLiveAllocations(0, pool, {a, b}))
             self.assertTrue(C._has_Standard_Deleter(replay_output.cdata))  # its block is freed when it dies
             self.assertFalse(C._has_Standard_Deleter(replay_output.cdata + 1))  # PyTorch's answer for others
+            self.assertEqual(lib.expseg_release_graph_pool(0, 12345), expseg.INVALID_ARGUMENT)  # an error left behind
             C._cuda_cudaCachingAllocator_raw_delete(b)  # an output dead since the replay: expseg's block
             C._cuda_cudaCachingAllocator_raw_delete(outside)  # not restored: PyTorch's raw_delete
             self.assertEqual(self.torch.raw_deleted, [outside])

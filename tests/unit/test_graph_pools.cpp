@@ -907,7 +907,7 @@ TEST_CASE("graph pool: the C API") {
   REQUIRE(a != nullptr);
   auto& sim = dynamic_cast<expseg::driver::SimDriver&>(expseg::detail::AllocatorAccess::driver(*a));
   void* s = sim.stream_create();
-  CHECK(expseg_begin_graph_pool(0, 1, s) != EXPSEG_SUCCESS);  // not capturing
+  CHECK(expseg_begin_graph_pool(0, 1, s) == EXPSEG_ERROR_INVALID_ARGUMENT);  // not capturing
   CHECK(std::string(expseg_last_error()).find("not capturing") != std::string::npos);
   sim.capture_begin(s);
   REQUIRE(expseg_begin_graph_pool(0, 1, s) == EXPSEG_SUCCESS);
@@ -920,8 +920,9 @@ TEST_CASE("graph pool: the C API") {
   CHECK_FALSE(overlap(p, 4 * MiB, q, 4 * MiB));
   expseg_free(q, 4 * MiB, 0, s);
   CHECK(expseg_release_graph_pool(0, 1) == EXPSEG_SUCCESS);
-  CHECK(expseg_release_graph_pool(0, 1) != EXPSEG_SUCCESS);  // released already
+  CHECK(expseg_release_graph_pool(0, 1) == EXPSEG_ERROR_INVALID_ARGUMENT);  // released already
   CHECK(std::string(expseg_last_error()).find("no graph pool 1") != std::string::npos);
+  CHECK(expseg_end_graph_pool(0, 1) == EXPSEG_ERROR_INVALID_ARGUMENT);  // no capture allocates into it
   expseg_free(warm, 1024, 0, nullptr);
   sim.graph_destroy(g);
 }
