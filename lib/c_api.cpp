@@ -325,6 +325,26 @@ void deallocate(void* ptr, int device, const char* fn) noexcept {
   }
 }
 
+// The calls whose misuse (an expseg::error: a pool not begun, a stream already capturing, ...)
+// changes nothing and is the caller's mistake: EXPSEG_ERROR_INVALID_ARGUMENT with the reason;
+// a driver error or anything else is reported as every other call reports it.
+template <class F>
+int with_allocator(int device, const char* fn, F&& call) noexcept {
+  Allocator* a = get_or_create(device, fn);
+  if (a == nullptr) return tls().code;
+  try {
+    call(a);
+    return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
 }  // namespace
 
 void reset_for_tests() noexcept {
@@ -521,122 +541,31 @@ int expseg_release_stream(int device, expseg_stream_t stream) noexcept {
 }
 
 int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
-  constexpr const char* fn = "expseg_begin_graph_pool";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
-  try {
-    a->begin_graph_pool(pool, static_cast<expseg::stream_t>(stream));
-    return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // misuse: nothing changed
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
-  }
+  return with_allocator(device, "expseg_begin_graph_pool", [&](Allocator* a) { a->begin_graph_pool(pool, static_cast<expseg::stream_t>(stream)); });
 }
 
 int expseg_prepare_capture(int device, expseg_stream_t stream) noexcept {
-  constexpr const char* fn = "expseg_prepare_capture";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
-  try {
-    a->prepare_capture(static_cast<expseg::stream_t>(stream));
-    return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // the stream captures already
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
-  }
+  return with_allocator(device, "expseg_prepare_capture", [&](Allocator* a) { a->prepare_capture(static_cast<expseg::stream_t>(stream)); });
 }
 
 int expseg_end_graph_pool(int device, unsigned long long pool) noexcept {
-  constexpr const char* fn = "expseg_end_graph_pool";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
-  try {
-    a->end_graph_pool(pool);
-    return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // misuse: nothing changed
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
-  }
+  return with_allocator(device, "expseg_end_graph_pool", [&](Allocator* a) { a->end_graph_pool(pool); });
 }
 
 int expseg_release_graph_pool(int device, unsigned long long pool) noexcept {
-  constexpr const char* fn = "expseg_release_graph_pool";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
-  try {
-    a->release_graph_pool(pool);
-    return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // misuse: nothing changed
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
-  }
+  return with_allocator(device, "expseg_release_graph_pool", [&](Allocator* a) { a->release_graph_pool(pool); });
 }
 
 int expseg_begin_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
-  constexpr const char* fn = "expseg_begin_pool_allocations";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
-  try {
-    a->begin_pool_allocations(pool, static_cast<expseg::stream_t>(stream));
-    return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // misuse: nothing changed
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
-  }
+  return with_allocator(device, "expseg_begin_pool_allocations", [&](Allocator* a) { a->begin_pool_allocations(pool, static_cast<expseg::stream_t>(stream)); });
 }
 
 int expseg_end_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
-  constexpr const char* fn = "expseg_end_pool_allocations";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
-  try {
-    a->end_pool_allocations(pool, static_cast<expseg::stream_t>(stream));
-    return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // misuse: nothing changed
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
-  }
+  return with_allocator(device, "expseg_end_pool_allocations", [&](Allocator* a) { a->end_pool_allocations(pool, static_cast<expseg::stream_t>(stream)); });
 }
 
 int expseg_restore_graph_pool_block(int device, unsigned long long pool, void* ptr, size_t size) noexcept {
-  constexpr const char* fn = "expseg_restore_graph_pool_block";
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
-  try {
-    a->restore_graph_pool_block(pool, ptr, size);
-    return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // misuse: nothing changed
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
-  }
+  return with_allocator(device, "expseg_restore_graph_pool_block", [&](Allocator* a) { a->restore_graph_pool_block(pool, ptr, size); });
 }
 
 int expseg_graph_pool_blocks(int device, unsigned long long pool, unsigned long long* addresses, size_t* sizes, size_t capacity,
