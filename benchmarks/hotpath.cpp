@@ -14,7 +14,13 @@
 //   valgrind --tool=callgrind --toggle-collect='*hot_loop*' build/benchmarks/expseg_hotpath churn expandable 200000
 // Prints the wall time per operation (meaningless under valgrind) and, for churn, the driver
 // allocations inside the measured loop (none on the simulator's cost, tens of µs each on a GPU).
+// Where the kernel lets a process count its own events (perf_event_open), the pair and churn loops
+// also print cycles, instructions, branch misses and L1d load misses per operation: what a host
+// without a `perf` binary (a GPU machine's container) can still say about where the time goes.
+// EXPSEG_ALLOC_CONF is applied first (e.g. device:cuda to time the cached paths over a real
+// device's segments; the backend argument still picks the backend; the default device is sim).
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +29,13 @@
 
 #include "bench_common.hpp"
 #include "expseg/trace.hpp"
+
+#if defined(__linux__)
+#include <linux/perf_event.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #ifndef EXPSEG_BENCH_TRACE_DIR
 #define EXPSEG_BENCH_TRACE_DIR "benchmarks/traces"
@@ -51,6 +64,77 @@ using expseg::bench::ExpsegSubject;
   return seconds;
 }
 
+// Hardware counters of this thread, user space only; silently absent where the kernel or the
+// virtual machine does not offer them.
+class Counters {
+ public:
+  Counters() {
+#if defined(__linux__)
+    const std::pair<std::uint32_t, std::uint64_t> events[kEvents] = {
+        {PERF_TYPE_HARDWARE, PERF_COUNT_HW_CPU_CYCLES},
+        {PERF_TYPE_HARDWARE, PERF_COUNT_HW_INSTRUCTIONS},
+        {PERF_TYPE_HARDWARE, PERF_COUNT_HW_BRANCH_MISSES},
+        {PERF_TYPE_HW_CACHE, PERF_COUNT_HW_CACHE_L1D | (PERF_COUNT_HW_CACHE_OP_READ << 8) | (PERF_COUNT_HW_CACHE_RESULT_MISS << 16)},
+    };
+    for (int i = 0; i < kEvents; ++i) {
+      perf_event_attr attr{};
+      attr.size = sizeof attr;
+      attr.type = events[i].first;
+      attr.config = events[i].second;
+      attr.disabled = 1;
+      attr.exclude_kernel = 1;
+      attr.exclude_hv = 1;
+      fd_[i] = static_cast<int>(syscall(SYS_perf_event_open, &attr, 0, -1, -1, 0));
+    }
+#endif
+  }
+  ~Counters() {
+#if defined(__linux__)
+    for (int fd : fd_)
+      if (fd >= 0) close(fd);
+#endif
+  }
+  Counters(const Counters&) = delete;
+  Counters& operator=(const Counters&) = delete;
+  void start() {
+#if defined(__linux__)
+    for (int fd : fd_)
+      if (fd >= 0) {
+        ioctl(fd, PERF_EVENT_IOC_RESET, 0);
+        ioctl(fd, PERF_EVENT_IOC_ENABLE, 0);
+      }
+#endif
+  }
+  void stop() {
+#if defined(__linux__)
+    for (int i = 0; i < kEvents; ++i)
+      if (fd_[i] >= 0) {
+        ioctl(fd_[i], PERF_EVENT_IOC_DISABLE, 0);
+        if (read(fd_[i], &value_[i], sizeof value_[i]) != static_cast<ssize_t>(sizeof value_[i])) value_[i] = -1;
+      }
+#endif
+  }
+  // One line per operation, or a line saying why there is none.
+  void print(long operations) const {
+    static const char* const names[kEvents] = {"cycles", "instructions", "branch misses", "L1d load misses"};
+    std::string line;
+    for (int i = 0; i < kEvents; ++i) {
+      if (fd_[i] < 0 || value_[i] < 0) continue;
+      char part[96];
+      std::snprintf(part, sizeof part, "%s%.1f %s", line.empty() ? "" : ", ", static_cast<double>(value_[i]) / static_cast<double>(operations ? operations : 1),
+                    names[i]);
+      line += part;
+    }
+    if (line.empty()) std::printf("hardware counters: not available here (perf_event_open refused)\n");
+    else std::printf("per operation: %s\n", line.c_str());
+  }
+
+ private:
+  static constexpr int kEvents = 4;
+  int fd_[kEvents] = {-1, -1, -1, -1};
+  long long value_[kEvents] = {-1, -1, -1, -1};
+};
+
 int usage() {
   std::fprintf(stderr, "usage: expseg_hotpath pair|churn|wide|replay split_merge|expandable [iterations] [bytes|trace]\n");
   return 2;
@@ -64,8 +148,9 @@ int main(int argc, char** argv) {
   const std::string backend = argv[2];
   const long iterations = argc > 3 ? std::atol(argv[3]) : 1000000;
   const std::size_t bytes = argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 512;
-  expseg::Config cfg;
-  cfg.device = expseg::DeviceKind::sim;
+  expseg::Config cfg = expseg::Config::from_env();
+  if (const char* conf = std::getenv("EXPSEG_ALLOC_CONF"); conf == nullptr || std::strstr(conf, "device:") == nullptr)
+    cfg.device = expseg::DeviceKind::sim;
   if (backend == "split_merge") cfg.backend = expseg::BackendKind::split_merge;
   else if (backend == "expandable") cfg.backend = expseg::BackendKind::expandable;
   else return usage();
@@ -93,18 +178,26 @@ int main(int argc, char** argv) {
                 std::chrono::duration<double, std::nano>(t1 - w).count() / static_cast<double>(iterations ? iterations : 1), iterations);
   } else if (workload == "pair") {
     s.free(s.alloc(bytes, nullptr), nullptr);
+    Counters counters;
     const auto w = std::chrono::steady_clock::now();
+    counters.start();
     hot_loop_pair(s, bytes, iterations);
+    counters.stop();
     const auto t1 = std::chrono::steady_clock::now();
+    counters.print(iterations);
     std::printf("pair %s %zu B: %.1f ns/pair over %ld\n", backend.c_str(), bytes,
                 std::chrono::duration<double, std::nano>(t1 - w).count() / static_cast<double>(iterations ? iterations : 1), iterations);
   } else if (workload == "churn") {
     Churn<ExpsegSubject> c(s, nullptr, 1);
     for (int i = 0; i < 20000; ++i) c.step();
     const auto before = s.allocator().stats();
+    Counters counters;
     const auto w = std::chrono::steady_clock::now();
+    counters.start();
     hot_loop_churn(c, iterations);
+    counters.stop();
     const auto t1 = std::chrono::steady_clock::now();
+    counters.print(iterations);
     const auto after = s.allocator().stats();
     // Driver calls in the timed loop: on a GPU each costs tens of microseconds.
     std::printf("driver calls in the loop: %lld maps, %lld unmaps\n", static_cast<long long>(after.num_device_alloc - before.num_device_alloc),
