@@ -212,7 +212,7 @@ Allocator::Impl::~Impl() {
   Block* b = bytes < kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
   if (b != nullptr) {
     live.insert_reserved(b);
-    if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, stream);
+    if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, routing ? traced_stream(stream) : stream);
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
   }
   fail_allocation(lock, bytes, stream);
@@ -228,7 +228,7 @@ void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::
     // No host memory for the report: the caller still gets the OOM (PyTorch's OutOfMemoryError, the
     // C API's code, last_oom()), with a short report below. Building it changed nothing.
   }
-  if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, stream);
+  if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, traced_stream(stream));
   std::shared_ptr<const OomReport> report;
   if (full) {
     if (!config.oom_dump.empty()) write_oom_dump(*full);  // under the lock: the dump is of this moment
@@ -549,6 +549,7 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
   }
   m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key, may_block});
   m.update_capture_state();
+  if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_begin, pool, 0, key);
 }
 
 std::pair<Allocator::Impl::GraphPool*, driver::stream_t> Allocator::Impl::pool_key_for(std::uint64_t pool, driver::stream_t stream) {
@@ -596,6 +597,7 @@ void Allocator::begin_pool_allocations(std::uint64_t pool, stream_t stream) {
   graph_pool->uses += 1;
   m.eager_routes.push_back(Impl::EagerRoute{pool, key, pool_key});
   m.update_routing();
+  if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_begin, pool, 0, key);
 }
 
 void Allocator::end_pool_allocations(std::uint64_t pool, stream_t stream) {
@@ -605,6 +607,7 @@ void Allocator::end_pool_allocations(std::uint64_t pool, stream_t stream) {
   auto e = std::find_if(m.eager_routes.begin(), m.eager_routes.end(), [&](const Impl::EagerRoute& r) { return r.pool == pool && r.stream == key; });
   if (e == m.eager_routes.end())
     throw error("end_pool_allocations: the stream does not allocate into graph pool " + std::to_string(pool) + " (begin_pool_allocations)");
+  if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_end, pool, 0, key);
   m.eager_routes.erase(e);
   m.update_routing();
 }
@@ -684,6 +687,7 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
     if (id != r->capture_id) break;
   }
   if (route == m.capture_routes.end()) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
+  if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_end, pool, 0, route->stream);
   m.capture_routes.erase(route);
   m.update_capture_state();
   if (!m.ctx.capturing) m.free_held_after_capture();
@@ -723,6 +727,7 @@ void Allocator::release_graph_pool(std::uint64_t pool) {
   if (p == nullptr || p->uses == 0) throw error("release_graph_pool: no graph pool " + std::to_string(pool) + " (never begun, or released as often as begun)");
   if (p->uses > 1) {
     p->uses -= 1;
+    if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_release, pool, 0, nullptr);
     return;
   }
   if (std::any_of(m.capture_routes.begin(), m.capture_routes.end(), [&](const Impl::CaptureRoute& r) { return r.pool == pool; }))
@@ -736,6 +741,7 @@ void Allocator::release_graph_pool(std::uint64_t pool) {
     p->released_keys.push_back(k);       // capacity reserved
   }
   p->keys.clear();
+  if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_release, pool, 0, nullptr);
   m.prune_released_keys(*p);
   if (p->released_keys.empty()) m.graph_pools.erase(m.graph_pools.begin() + (p - m.graph_pools.data()));
 }

@@ -201,6 +201,17 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // ended, looked at again before an OOM (synchronize_pending_frees) and by release_cached.
   std::vector<core::Block*> frees_after_capture;
   driver::stream_t route_to_pool(driver::stream_t stream);
+  // The stream a trace names for an allocation on `key`: for a graph pool's key, the stream whose
+  // route into the pool made it (the trace's `pool begin` names that stream), else `key`. (A block
+  // restore_graph_pool_block puts back is traced on the pool's key: it replays on a stream of its own.)
+  driver::stream_t traced_stream(driver::stream_t key) const noexcept {
+    if (!backends::is_graph_pool_key(key)) return key;
+    for (const CaptureRoute& r : capture_routes)
+      if (r.key == key) return r.stream;
+    for (const EagerRoute& e : eager_routes)
+      if (e.key == key) return e.stream;
+    return key;
+  }
   bool stream_capturing(driver::stream_t stream) const noexcept;
   void free_held_after_capture();  // frees_after_capture, once no capture allocates into a pool
   [[gnu::noinline]] void free_after_uses(core::Block* b, bool in_live);  // deallocate()'s part for a block other streams used

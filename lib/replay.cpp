@@ -20,13 +20,13 @@ namespace expseg {
 
 namespace {
 
-enum class OpKind : std::uint8_t { alloc, free, failed_alloc };
+enum class OpKind : std::uint8_t { alloc, free, failed_alloc, pool_begin, pool_end, pool_release };
 
 struct Op {
   OpKind kind;
   std::uint32_t stream;  // index into the stream table
   std::uint32_t slot;
-  std::uint64_t size;
+  std::uint64_t size;    // the pool id of pool_begin, pool_end and pool_release
 };
 
 // The slot of size-0 allocations at pointer 0 (allocate(0) gives nullptr, in RMM and CUDA alike) and
@@ -59,6 +59,13 @@ Program compile(const Trace& trace, bool lenient) {
   std::unordered_map<std::uint64_t, std::uint32_t> live;        // pointer -> slot
   std::unordered_map<std::uint64_t, std::uint64_t> live_line;   // pointer -> line of its allocation
   std::vector<std::uint32_t> free_slots;
+  // Graph pools as the allocator will see them, so that a trace that would misuse them is refused
+  // here with its line (or, lenient, the event skipped: a ring may have dropped a pool's begin).
+  std::unordered_map<std::uint64_t, std::uint64_t> routed;  // stream id -> pool it allocates into
+  std::unordered_map<std::uint64_t, std::uint64_t> uses;    // pool id -> begins not yet released
+  auto pool_misuse = [&](std::uint64_t line, const std::string& what) {
+    if (!lenient) throw trace_error(trace.name, line, what + kPartialHint);
+  };
   auto stream_index = [&](std::uint64_t id) {
     auto [it, inserted] = streams.try_emplace(id, static_cast<std::uint32_t>(p.stream_ids.size()));
     if (inserted) p.stream_ids.push_back(id);
@@ -125,6 +132,48 @@ Program compile(const Trace& trace, bool lenient) {
       case TraceAction::map:
       case TraceAction::unmap:
         break;  // driver events of the recorded run: the replayed allocator makes its own
+      case TraceAction::pool_begin: {
+        if (e.pointer == 0) {
+          pool_misuse(line, "pool begin of pool 0 (not a pool id)");
+          break;
+        }
+        const auto [it, inserted] = routed.try_emplace(e.stream, e.pointer);
+        if (!inserted) {
+          pool_misuse(line, "pool begin of pool " + hex(e.pointer) + " on stream " + hex(e.stream) + ", which allocates into pool " + hex(it->second) +
+                                " already (no pool end)");
+          break;
+        }
+        ++uses[e.pointer];
+        p.ops.push_back(Op{OpKind::pool_begin, stream_index(e.stream), 0, e.pointer});
+        p.event_of.push_back(i);
+        break;
+      }
+      case TraceAction::pool_end: {
+        auto it = routed.find(e.stream);
+        if (it == routed.end() || it->second != e.pointer) {
+          pool_misuse(line, "pool end of pool " + hex(e.pointer) + " on stream " + hex(e.stream) + ", which does not allocate into it (no pool begin)");
+          break;
+        }
+        routed.erase(it);
+        p.ops.push_back(Op{OpKind::pool_end, stream_index(e.stream), 0, e.pointer});
+        p.event_of.push_back(i);
+        break;
+      }
+      case TraceAction::pool_release: {
+        auto it = uses.find(e.pointer);
+        if (it == uses.end() || it->second == 0) {
+          pool_misuse(line, "pool release of pool " + hex(e.pointer) + ", begun no more often than released");
+          break;
+        }
+        if (it->second == 1 && std::any_of(routed.begin(), routed.end(), [&](const auto& r) { return r.second == e.pointer; })) {
+          pool_misuse(line, "pool release of pool " + hex(e.pointer) + " while a stream still allocates into it (no pool end)");
+          break;
+        }
+        --it->second;
+        p.ops.push_back(Op{OpKind::pool_release, stream_index(e.stream), 0, e.pointer});
+        p.event_of.push_back(i);
+        break;
+      }
     }
   }
   return p;
@@ -255,6 +304,15 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
               if (!r.first_oom) r.first_oom = e.report();
             }
           }
+          break;
+        case OpKind::pool_begin:  // as CUDA graph trees route a stream into a pool outside a capture
+          a.begin_pool_allocations(op.size, streams[op.stream]);
+          break;
+        case OpKind::pool_end:
+          a.end_pool_allocations(op.size, streams[op.stream]);
+          break;
+        case OpKind::pool_release:
+          a.release_graph_pool(op.size);
           break;
       }
       if (first_pass) {

@@ -4,7 +4,8 @@
 // event per line:
 //   Thread  decimal thread id
 //   Time    RMM's "HH:MM:SS.ffffff" (also "HH:MM:SS:ffffff"), or a plain number (seconds, or an index)
-//   Action  allocate | free | deallocate (= free) | allocate failure | map | unmap
+//   Action  allocate | free | deallocate (= free) | allocate failure | map | unmap |
+//           pool begin | pool end | pool release
 //   Pointer hex (0x...) address; only an identity for replay, never dereferenced
 //   Size    decimal bytes as requested
 //   Stream  hex (0x...) or decimal stream id; 0 is the default stream
@@ -13,6 +14,14 @@
 // now, frees it at once; it counts in ReplayResult::allocations and, if it fails again, in ooms (with
 // its OOM report, as any failed allocation). map/unmap (driver events written by expseg's recorder)
 // are kept in the trace but ignored by replay: the replayed allocator makes its own driver calls.
+// pool begin/end/release (graph pool lifetimes written by expseg's recorder; Pointer is the pool id,
+// Size 0): from `pool begin` to `pool end`, the Stream's allocations go into that CUDA graph pool (a
+// capture's, or one a stream allocates into outside a capture, as CUDA graph trees do), and the pool's
+// memory serves only the pool until as many `pool release` as `pool begin` (Stream 0). Replay does the
+// same through Allocator::begin_pool_allocations / end_pool_allocations / release_graph_pool, so a
+// replayed pool holds its memory as the recorded one did. The recorder writes a pool's allocations on
+// the stream that began it (a capture's forked streams included); RMM's strict format leaves the pool
+// lines out.
 #pragma once
 
 #include <cstddef>
@@ -30,7 +39,7 @@
 
 namespace expseg {
 
-enum class TraceAction : std::uint8_t { allocate, free, allocate_failure, map, unmap };
+enum class TraceAction : std::uint8_t { allocate, free, allocate_failure, map, unmap, pool_begin, pool_end, pool_release };
 const char* to_string(TraceAction) noexcept;  // the CSV spelling
 
 struct TraceEvent {

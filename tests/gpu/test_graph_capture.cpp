@@ -2,6 +2,8 @@
 // the same on the simulated device):
 //   - a graph pool keeps what a captured graph wrote, freed during the capture or not, apart from
 //     later eager blocks: replays leave those blocks' bytes alone;
+//   - the recorder writes the pool's lifetime and the capture's allocations on its stream, and the
+//     recording replays on the simulated device to the same peak reserved;
 //   - requests during a capture that the cache cannot serve grow memory without invalidating the
 //     capture (expandable: cuMemCreate/Map/SetAccess; split_merge: cuMemAlloc in relaxed mode);
 //   - under a limit, a request during a capture that needs another stream's cached memory given
@@ -32,6 +34,7 @@
 #include "backends/backend.hpp"
 #include "driver/driver.hpp"
 #include "expseg/errors.hpp"
+#include "expseg/trace.hpp"
 #include "gpu_util.hpp"
 #include "test_util.hpp"
 
@@ -122,6 +125,7 @@ TEST_CASE("gpu: a graph pool keeps a captured graph's memory apart: replays leav
     Driver& d = driver_of(a);
     void* s = d.stream_create();
     constexpr std::size_t kBytes = 64 * MiB;
+    a.start_recording();  // the trace must carry the pool's lifetime (checked at the end)
     d.capture_begin(s);
     a.begin_graph_pool(1, s);
     void* in = a.allocate(kBytes, s);   // the graph's output, kept
@@ -156,6 +160,24 @@ TEST_CASE("gpu: a graph pool keeps a captured graph's memory apart: replays leav
     a.deallocate(in);
     d.graph_destroy(g);
     a.release_graph_pool(1);
+    // The recording names the pool's begin, end and release, the capture's allocations on its
+    // stream, and replays on the simulated device to the same peak: the eager blocks after the
+    // capture do not take the pool's memory there either.
+    const std::vector<expseg::TraceEvent> ev = a.recorded();
+    int begins = 0, ends = 0, releases = 0, on_s = 0;
+    for (const expseg::TraceEvent& e : ev) {
+      begins += e.action == expseg::TraceAction::pool_begin && e.pointer == 1 && e.stream == dp(s);
+      ends += e.action == expseg::TraceAction::pool_end && e.pointer == 1 && e.stream == dp(s);
+      releases += e.action == expseg::TraceAction::pool_release && e.pointer == 1;
+      on_s += e.action == expseg::TraceAction::allocate && e.stream == dp(s);
+    }
+    CHECK(begins == 1);
+    CHECK(ends == 1);
+    CHECK(releases == 1);
+    CHECK(on_s == 4);  // in, tmp, tmp2 (the pool's) and e1
+    const auto r = expseg::replay(expseg::Trace{"capture", ev}, sim_config(kind));
+    CHECK(r.ooms == 0);
+    CHECK(r.peak_reserved_bytes == a.stats().reserved_bytes[kAllPools].peak);
     a.release_cached();
     CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
     d.stream_destroy(s);

@@ -1,0 +1,229 @@
+// Graph pool lifetimes in traces: the recorder writes `pool begin` / `pool end` / `pool release`
+// lines and a pool's allocations on the stream that began it; replay routes them into a pool again,
+// so that a replayed pool holds its memory as the recorded one did; bad pool lines are refused with
+// their line (or skipped, --lenient).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "driver/sim_driver.hpp"
+#include "expseg/allocator.hpp"
+#include "expseg/trace.hpp"
+#include "test_util.hpp"
+
+using namespace testutil;
+using expseg::BackendKind;
+using expseg::TraceAction;
+
+namespace {
+
+constexpr const char* kHdr = "Thread,Time,Action,Pointer,Size,Stream\n";
+
+// 64 MiB allocated into pool 7 on the default stream and freed there, then 64 MiB more on the same
+// stream outside the pool: with the pool live, the second cannot take the first one's memory.
+const std::string kPoolThenPlain = std::string(kHdr) +
+                                   "1,0,pool begin,0x7,0,0x0\n"
+                                   "1,1,allocate,0x1000,67108864,0x0\n"
+                                   "1,2,pool end,0x7,0,0x0\n"
+                                   "1,3,free,0x1000,67108864,0x0\n"
+                                   "1,4,allocate,0x2000,67108864,0x0\n"
+                                   "1,5,free,0x2000,67108864,0x0\n";
+
+std::string without_pool_lines(const std::string& csv) {
+  std::istringstream in(csv);
+  std::string out, line;
+  while (std::getline(in, line))
+    if (line.find(",pool ") == std::string::npos) out += line + "\n";
+  return out;
+}
+
+}  // namespace
+
+TEST_SUITE("trace") {
+
+TEST_CASE("trace pools: the pool actions' CSV spellings, written and read back; RMM's strict format leaves them out") {
+  const auto t = expseg::parse_trace(std::string(kHdr) + "1,0,pool begin,0x2a,0,0x5\n1,1,pool end,0x2a,0,0x5\n1,2,pool release,42,0,0\n", "p.csv");
+  REQUIRE(t.events.size() == 3);
+  CHECK(t.events[0].action == TraceAction::pool_begin);
+  CHECK(t.events[1].action == TraceAction::pool_end);
+  CHECK(t.events[2].action == TraceAction::pool_release);
+  for (const auto& e : t.events) CHECK(e.pointer == 42);
+  CHECK(t.events[0].stream == 5);
+  CHECK(std::string(expseg::to_string(TraceAction::pool_begin)) == "pool begin");
+  CHECK(std::string(expseg::to_string(TraceAction::pool_end)) == "pool end");
+  CHECK(std::string(expseg::to_string(TraceAction::pool_release)) == "pool release");
+
+  std::ostringstream full, strict;
+  expseg::write_trace(full, t.events);
+  expseg::write_trace(strict, t.events, true);
+  const auto back = expseg::parse_trace(full.str(), "back.csv");
+  REQUIRE(back.events.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    CHECK(back.events[i].action == t.events[i].action);
+    CHECK(back.events[i].pointer == 42);
+    CHECK(back.events[i].stream == t.events[i].stream);
+  }
+  CHECK(expseg::parse_trace(strict.str(), "strict.csv").events.empty());
+  CHECK_NOTHROW(expseg::validate_trace(t));
+}
+
+TEST_CASE("trace pools: replay keeps a live pool's memory to the pool, as the recorded run did") {
+  const auto with = expseg::parse_trace(kPoolThenPlain, "pool.csv");
+  const auto without = expseg::parse_trace(without_pool_lines(kPoolThenPlain), "plain.csv");
+  REQUIRE(without.events.size() == 4);
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    const auto r_with = expseg::replay(with, sim_config(b));
+    const auto r_without = expseg::replay(without, sim_config(b));
+    CHECK(r_with.allocations == 2);
+    CHECK(r_with.frees == 2);
+    CHECK(r_with.ooms == 0);
+    // Without the pool the second request reuses the first one's cached memory; with it, the pool
+    // keeps that memory and the second maps its own.
+    CHECK(r_without.peak_reserved_bytes == 64 * MiB);
+    CHECK(r_with.peak_reserved_bytes == 128 * MiB);
+    CHECK(r_with.stats.num_device_alloc > r_without.stats.num_device_alloc);
+  }
+  // Released before the second request: the pool's memory serves it again, as without a pool, on
+  // expandable (split_merge keeps a released pool's segment out of other streams' reach until it is
+  // given back; PyTorch's private pools do the same).
+  std::string released = kPoolThenPlain;
+  released.insert(released.find("1,4,allocate"), "1,3,pool release,0x7,0,0x0\n");
+  const auto r = expseg::replay(expseg::parse_trace(released, "released.csv"), sim_config(BackendKind::expandable));
+  CHECK(r.peak_reserved_bytes == 64 * MiB);
+}
+
+TEST_CASE("trace pools: the recorder writes pool lifetimes, and a pool's allocations on the stream that began it") {
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    expseg::Allocator a(sim_config(b));
+    const auto s = reinterpret_cast<expseg::stream_t>(std::uintptr_t{0x5});
+    a.start_recording();
+    a.begin_pool_allocations(9, s);
+    void* in_pool = a.allocate(4 * MiB, s);
+    a.end_pool_allocations(9, s);
+    void* plain = a.allocate(4 * MiB, s);
+    a.deallocate(in_pool);
+    a.deallocate(plain);
+    a.begin_pool_allocations(9, s);  // a second use of the pool
+    a.end_pool_allocations(9, s);
+    a.release_graph_pool(9);
+    a.release_graph_pool(9);
+    const auto ev = a.recorded();
+    std::vector<TraceAction> actions;
+    for (const auto& e : ev) actions.push_back(e.action);
+    // Map events come from the backend (split_merge's cuMemAlloc, expandable's mappings): the rest
+    // in order, and some of those.
+    const std::vector<TraceAction> want = {TraceAction::pool_begin, TraceAction::allocate,   TraceAction::pool_end,     TraceAction::allocate,
+                                           TraceAction::free,       TraceAction::free,       TraceAction::pool_begin,   TraceAction::pool_end,
+                                           TraceAction::pool_release, TraceAction::pool_release};
+    std::vector<TraceAction> got;
+    for (TraceAction x : actions)
+      if (x != TraceAction::map && x != TraceAction::unmap) got.push_back(x);
+    CHECK(got == want);
+    CHECK(std::count(actions.begin(), actions.end(), TraceAction::map) >= 2);
+    for (const auto& e : ev) {
+      if (e.action == TraceAction::pool_begin || e.action == TraceAction::pool_end) {
+        CHECK(e.pointer == 9);
+        CHECK(e.stream == 0x5);
+      } else if (e.action == TraceAction::pool_release) {
+        CHECK(e.pointer == 9);
+        CHECK(e.stream == 0);
+      } else if (e.action == TraceAction::allocate) {
+        CHECK(e.stream == 0x5);  // the pool's allocation too: not the pool's internal key
+      }
+    }
+    // The recording replays with the pool: the plain allocation could not use the pool's memory.
+    const auto r = expseg::replay(expseg::Trace{"recorded", ev}, sim_config(b));
+    CHECK(r.ooms == 0);
+    CHECK(r.peak_allocated_bytes == 8 * MiB);
+  }
+}
+
+TEST_CASE("trace pools: a capture's allocations, its forked stream's too, are traced on the stream that began the pool") {
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto sa = make_sim_allocator(sim_config(b, 1 * GiB));
+    void* s = sa.sim->stream_create();
+    void* t = sa.sim->stream_create();
+    sa->start_recording();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(3, s);
+    void* c = sa->allocate(2 * MiB, s);
+    const expseg::driver::event_t fork = sa.sim->event_create();
+    sa.sim->event_record(fork, s);
+    sa.sim->stream_wait_event(t, fork);  // t joins the capture: its requests go into the pool too
+    void* f = sa->allocate(1 * MiB, t);
+    sa->deallocate(f);
+    sa->deallocate(c);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(3);
+    void* after = sa->allocate(2 * MiB, s);  // not in the pool: the pool keeps the capture's memory
+    sa->deallocate(after);
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(3);
+    sa.sim->event_destroy(fork);
+    const auto ev = sa->recorded();
+    const auto stream_of = [](void* p) { return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)); };
+    int allocations = 0;
+    for (const auto& e : ev) {
+      if (e.action == TraceAction::allocate) {
+        ++allocations;
+        CHECK(e.stream == stream_of(s));
+      }
+      if (e.action == TraceAction::pool_begin || e.action == TraceAction::pool_end) CHECK(e.stream == stream_of(s));
+    }
+    CHECK(allocations == 3);
+    CHECK(std::count_if(ev.begin(), ev.end(), [](const expseg::TraceEvent& e) { return e.action == TraceAction::pool_begin; }) == 1);
+    CHECK(std::count_if(ev.begin(), ev.end(), [](const expseg::TraceEvent& e) { return e.action == TraceAction::pool_end; }) == 1);
+    CHECK(std::count_if(ev.begin(), ev.end(), [](const expseg::TraceEvent& e) { return e.action == TraceAction::pool_release; }) == 1);
+    // Replayed, the allocation after the capture does not reuse the pool's memory, as in the run.
+    const auto r = expseg::replay(expseg::Trace{"captured", ev}, sim_config(b, 1 * GiB));
+    CHECK(r.ooms == 0);
+    CHECK(r.allocations == 3);
+    CHECK(r.peak_reserved_bytes == sa->stats().reserved_bytes[expseg::kAllPools].peak);
+  }
+}
+
+TEST_CASE("trace pools: pool lines the allocator would refuse are refused with their line, or skipped with lenient") {
+  struct Bad {
+    std::string body;
+    const char* message;
+  };
+  const Bad bad[] = {
+      {"1,0,pool end,0x7,0,0x0\n", "bad.csv:2: pool end of pool 0x7 on stream 0x0, which does not allocate into it (no pool begin)"},
+      {"1,0,pool begin,0x0,0,0x0\n", "bad.csv:2: pool begin of pool 0 (not a pool id)"},
+      {"1,0,pool begin,0x7,0,0x0\n1,1,pool begin,0x8,0,0x0\n",
+       "bad.csv:3: pool begin of pool 0x8 on stream 0x0, which allocates into pool 0x7 already (no pool end)"},
+      {"1,0,pool begin,0x7,0,0x1\n1,1,pool end,0x8,0,0x1\n", "bad.csv:3: pool end of pool 0x8 on stream 0x1, which does not allocate into it (no pool begin)"},
+      {"1,0,pool release,0x7,0,0\n", "bad.csv:2: pool release of pool 0x7, begun no more often than released"},
+      {"1,0,pool begin,0x7,0,0x0\n1,1,pool release,0x7,0,0\n",
+       "bad.csv:3: pool release of pool 0x7 while a stream still allocates into it (no pool end)"},
+  };
+  for (const Bad& c : bad) {
+    CAPTURE(c.body);
+    const auto t = expseg::parse_trace(std::string(kHdr) + c.body + "1,9,allocate,0x1000,4096,0x0\n1,10,free,0x1000,4096,0x0\n", "bad.csv");
+    for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+      try {
+        expseg::replay(t, sim_config(b));
+        FAIL("replay accepted a pool line the allocator would refuse");
+      } catch (const expseg::trace_error& e) {
+        const std::string what = e.what();
+        CHECK(what.rfind(c.message, 0) == 0);
+        CHECK(what.find("--lenient") != std::string::npos);
+      }
+      expseg::ReplayOptions lenient;
+      lenient.lenient = true;
+      const auto r = expseg::replay(t, sim_config(b), lenient);
+      CHECK(r.allocations == 1);
+      CHECK(r.frees == 1);
+      CHECK(r.ooms == 0);
+    }
+  }
+}
+
+}  // TEST_SUITE
