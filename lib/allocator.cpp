@@ -642,7 +642,10 @@ void Allocator::restore_graph_pool_block(std::uint64_t pool, void* ptr, std::siz
     Block* b = m.backend->allocate_at(key, addr, size);
     if (b == nullptr) continue;
     m.live.insert_reserved(b);
-    if (m.recorder.enabled()) m.recorder.add(TraceAction::allocate, b->addr, size, key);
+    if (m.recorder.enabled()) {  // the block's allocation, marked as a restore into the pool's memory for stream s
+      m.recorder.add(TraceAction::pool_restore, pool, 0, s);
+      m.recorder.add(TraceAction::allocate, b->addr, size, s);
+    }
     return;
   }
   throw error("restore_graph_pool_block: [" + hex(addr) + ", +" + std::to_string(size) + " B) is not free memory of graph pool " +

@@ -203,7 +203,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
   driver::stream_t route_to_pool(driver::stream_t stream);
   // The stream a trace names for an allocation on `key`: for a graph pool's key, the stream whose
   // route into the pool made it (the trace's `pool begin` names that stream), else `key`. (A block
-  // restore_graph_pool_block puts back is traced on the pool's key: it replays on a stream of its own.)
+  // restore_graph_pool_block puts back is traced on that stream too, after a `pool restore` line.)
   driver::stream_t traced_stream(driver::stream_t key) const noexcept {
     if (!backends::is_graph_pool_key(key)) return key;
     for (const CaptureRoute& r : capture_routes)

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <unordered_map>
 
 #include "allocator_impl.hpp"
@@ -20,13 +21,14 @@ namespace expseg {
 
 namespace {
 
-enum class OpKind : std::uint8_t { alloc, free, failed_alloc, pool_begin, pool_end, pool_release };
+enum class OpKind : std::uint8_t { alloc, free, failed_alloc, pool_begin, pool_end, pool_release, pool_restore };
 
 struct Op {
   OpKind kind;
   std::uint32_t stream;  // index into the stream table
   std::uint32_t slot;
   std::uint64_t size;    // the pool id of pool_begin, pool_end and pool_release
+  std::uint64_t pool = 0;  // pool_restore's pool
 };
 
 // The slot of size-0 allocations at pointer 0 (allocate(0) gives nullptr, in RMM and CUDA alike) and
@@ -71,16 +73,51 @@ Program compile(const Trace& trace, bool lenient) {
     if (inserted) p.stream_ids.push_back(id);
     return it->second;
   };
+  // A `pool restore` waiting for its block's allocate (the next line).
+  struct PendingRestore {
+    std::uint64_t pool = 0;
+    std::uint64_t stream = 0;
+    std::uint64_t line = 0;
+  };
+  std::optional<PendingRestore> restore;
+  auto restore_misuse = [&](const PendingRestore& r) {
+    pool_misuse(r.line, "pool restore into pool " + hex(r.pool) + " on stream " + hex(r.stream) + " not followed by its block's allocate on that stream");
+  };
   for (std::size_t i = 0; i < trace.events.size(); ++i) {
     const TraceEvent& e = trace.events[i];
     const std::uint64_t line = e.line ? e.line : i + 2;
+    // The block a `pool restore` announced: this allocate, or the marker was not followed by it.
+    std::uint64_t restore_pool = 0;
+    if (restore) {
+      if (e.action == TraceAction::allocate && e.stream == restore->stream && e.pointer != 0 && e.size != 0)
+        restore_pool = restore->pool;
+      else
+        restore_misuse(*restore);
+      restore.reset();
+    }
     if (e.pointer == 0 && (e.action == TraceAction::free || (e.action == TraceAction::allocate && e.size == 0))) {
       p.ops.push_back(Op{e.action == TraceAction::free ? OpKind::free : OpKind::alloc, stream_index(e.stream), kNullSlot, 0});
       p.event_of.push_back(i);
       continue;
     }
     switch (e.action) {
+      case TraceAction::pool_restore: {
+        // Only into a live pool (the allocator refuses others), and from a stream that is not
+        // routed into another pool (the replay routes it into this one for the block).
+        auto u = uses.find(e.pointer);
+        if (e.pointer == 0 || u == uses.end() || u->second == 0) {
+          pool_misuse(line, "pool restore into pool " + hex(e.pointer) + ", which is not live (begun no more often than released)");
+          break;
+        }
+        if (auto r = routed.find(e.stream); r != routed.end() && r->second != e.pointer) {
+          pool_misuse(line, "pool restore into pool " + hex(e.pointer) + " on stream " + hex(e.stream) + ", which allocates into pool " + hex(r->second));
+          break;
+        }
+        restore = PendingRestore{e.pointer, e.stream, line};
+        break;
+      }
       case TraceAction::allocate: {
+        const std::uint32_t stream = stream_index(e.stream);
         if (live.count(e.pointer)) {
           if (!lenient)
             throw trace_error(trace.name, line,
@@ -91,7 +128,7 @@ Program compile(const Trace& trace, bool lenient) {
           // replay holds it to the end.
           ++p.unknown_frees;
           const std::uint32_t old = live[e.pointer];
-          p.ops.push_back(Op{OpKind::free, stream_index(e.stream), old, 0});
+          p.ops.push_back(Op{OpKind::free, stream, old, 0});
           p.event_of.push_back(i);
           free_slots.push_back(old);
           live.erase(e.pointer);
@@ -105,7 +142,11 @@ Program compile(const Trace& trace, bool lenient) {
         }
         live[e.pointer] = slot;
         live_line[e.pointer] = line;
-        p.ops.push_back(Op{OpKind::alloc, stream_index(e.stream), slot, e.size});
+        // A restore on a stream routed into its pool already is an allocation like the others.
+        if (restore_pool != 0 && routed.count(e.stream) == 0)
+          p.ops.push_back(Op{OpKind::pool_restore, stream, slot, e.size, restore_pool});
+        else
+          p.ops.push_back(Op{OpKind::alloc, stream, slot, e.size});
         p.event_of.push_back(i);
         break;
       }
@@ -176,6 +217,7 @@ Program compile(const Trace& trace, bool lenient) {
       }
     }
   }
+  if (restore) restore_misuse(*restore);  // the trace ends after the marker
   return p;
 }
 
@@ -254,11 +296,20 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
       const Op& op = prog.ops[i];
       switch (op.kind) {
         case OpKind::alloc:
+        case OpKind::pool_restore: {
           if (first_pass) ++r.allocations;
           if (op.size == 0) {  // allocate(0) is nullptr by contract: not a failure, its free is a no-op
             if (op.slot != kNullSlot) zero[op.slot] = true;
             break;
           }
+          // A restored block goes into its pool's memory for its stream, as restore_graph_pool_block
+          // put it there when recorded (not at its old address: this replay's pool is laid out by its
+          // own backend). The stream is routed into the pool for this one allocation; that begin is
+          // a use the recorded run did not have, so the release after the end takes it back (the
+          // pool is live, so that release only counts its uses down).
+          const bool restore = op.kind == OpKind::pool_restore;
+          // (Another exception ends the replay, and the allocator with it: no route is left behind.)
+          if (restore) a.begin_pool_allocations(op.pool, streams[op.stream]);
           try {
             ptr[op.slot] = a.allocate(op.size, streams[op.stream]);
             size[op.slot] = op.size;
@@ -272,7 +323,12 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
               if (!r.first_oom) r.first_oom = e.report();
             }
           }
+          if (restore) {
+            a.end_pool_allocations(op.pool, streams[op.stream]);
+            a.release_graph_pool(op.pool);
+          }
           break;
+        }
         case OpKind::free:
           if (op.slot == kNullSlot) {  // free(nullptr): a no-op
             if (first_pass) ++r.frees;

@@ -5,7 +5,7 @@
 //   Thread  decimal thread id
 //   Time    RMM's "HH:MM:SS.ffffff" (also "HH:MM:SS:ffffff"), or a plain number (seconds, or an index)
 //   Action  allocate | free | deallocate (= free) | allocate failure | map | unmap |
-//           pool begin | pool end | pool release
+//           pool begin | pool end | pool release | pool restore
 //   Pointer hex (0x...) address; only an identity for replay, never dereferenced
 //   Size    decimal bytes as requested
 //   Stream  hex (0x...) or decimal stream id; 0 is the default stream
@@ -20,8 +20,12 @@
 // memory serves only the pool until as many `pool release` as `pool begin` (Stream 0). Replay does the
 // same through Allocator::begin_pool_allocations / end_pool_allocations / release_graph_pool, so a
 // replayed pool holds its memory as the recorded one did. The recorder writes a pool's allocations on
-// the stream that began it (a capture's forked streams included); RMM's strict format leaves the pool
-// lines out.
+// the stream that began it (a capture's forked streams included).
+// pool restore (Pointer the pool id, Size 0) is followed by an `allocate` on the same Stream: a block
+// put back into that live pool's memory for that stream (Allocator::restore_graph_pool_block, as CUDA
+// graph trees restore a checkpoint). Replay allocates it in the pool again (routing the stream into
+// the pool for that one allocation when it is not routed there already). RMM's strict format leaves
+// the pool lines out; the allocations stay.
 #pragma once
 
 #include <cstddef>
@@ -39,7 +43,7 @@
 
 namespace expseg {
 
-enum class TraceAction : std::uint8_t { allocate, free, allocate_failure, map, unmap, pool_begin, pool_end, pool_release };
+enum class TraceAction : std::uint8_t { allocate, free, allocate_failure, map, unmap, pool_begin, pool_end, pool_release, pool_restore };
 const char* to_string(TraceAction) noexcept;  // the CSV spelling
 
 struct TraceEvent {

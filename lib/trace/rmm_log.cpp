@@ -35,6 +35,7 @@ const char* to_string(TraceAction a) noexcept {
     case TraceAction::pool_begin: return "pool begin";
     case TraceAction::pool_end: return "pool end";
     case TraceAction::pool_release: return "pool release";
+    case TraceAction::pool_restore: return "pool restore";
   }
   return "unknown";
 }
@@ -147,7 +148,7 @@ bool parse_action(std::string_view s, TraceAction& a) {
     case 5: if (s == "unmap") return a = TraceAction::unmap, true; break;
     case 8: if (s == "pool end") return a = TraceAction::pool_end, true; if (s == "allocate") return a = TraceAction::allocate, true; break;
     case 10: if (s == "pool begin") return a = TraceAction::pool_begin, true; if (s == "deallocate") return a = TraceAction::free, true; break;
-    case 12: if (s == "pool release") return a = TraceAction::pool_release, true; break;
+    case 12: if (s == "pool release") return a = TraceAction::pool_release, true; if (s == "pool restore") return a = TraceAction::pool_restore, true; break;
     case 16: if (s == "allocate failure") return a = TraceAction::allocate_failure, true; break;
     default: break;
   }
@@ -247,7 +248,7 @@ struct Parser {
     if (!parse_time(f[c_time], e.time))
       bad(line_no, c_time, f[c_time], "expected HH:MM:SS.ffffff, HH:MM:SS:ffffff or a non-negative number");
     if (!parse_action(f[c_action], e.action))
-      bad(line_no, c_action, f[c_action], "expected allocate, free, deallocate, allocate failure, map, unmap, pool begin, pool end or pool release");
+      bad(line_no, c_action, f[c_action], "expected allocate, free, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore");
     if (auto err = parse_address(f[c_pointer], e.pointer); err != NumError::none) bad(line_no, c_pointer, f[c_pointer], num_reason(err, true));
     if (auto err = parse_u64(f[c_size], e.size); err != NumError::none) bad(line_no, c_size, f[c_size], num_reason(err, false));
     if (auto err = parse_address(f[c_stream], e.stream); err != NumError::none) bad(line_no, c_stream, f[c_stream], num_reason(err, true));

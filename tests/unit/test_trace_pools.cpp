@@ -189,6 +189,81 @@ TEST_CASE("trace pools: a capture's allocations, its forked stream's too, are tr
   }
 }
 
+TEST_CASE("trace pools: a block restored into a live pool is traced as a pool restore and replays inside its pool") {
+  // Spelling: Pointer the pool id, Size 0, then the block's allocate on the same stream. RMM's strict
+  // format keeps the allocate and leaves the marker out, as the other pool lines.
+  const auto t = expseg::parse_trace(std::string(kHdr) + "1,0,pool restore,0x9,0,0x5\n1,1,allocate,0x4000,512,0x5\n", "r.csv");
+  REQUIRE(t.events.size() == 2);
+  CHECK(t.events[0].action == TraceAction::pool_restore);
+  CHECK(t.events[0].pointer == 9);
+  CHECK(t.events[0].stream == 5);
+  CHECK(std::string(expseg::to_string(TraceAction::pool_restore)) == "pool restore");
+  std::ostringstream full, strict;
+  expseg::write_trace(full, t.events);
+  expseg::write_trace(strict, t.events, true);
+  CHECK(full.str().find(",pool restore,0x9,0,0x5\n") != std::string::npos);
+  const auto plain = expseg::parse_trace(strict.str(), "strict.csv");
+  REQUIRE(plain.events.size() == 1);
+  CHECK(plain.events[0].action == TraceAction::allocate);
+  CHECK(plain.events[0].pointer == 0x4000);
+
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    expseg::Allocator a(sim_config(b));
+    const auto s = reinterpret_cast<expseg::stream_t>(std::uintptr_t{0x5});
+    a.start_recording();
+    a.begin_pool_allocations(9, s);
+    void* p = a.allocate(64 * MiB, s);
+    a.end_pool_allocations(9, s);
+    a.deallocate(p);                                // the live pool keeps its memory
+    a.restore_graph_pool_block(9, p, 64 * MiB);    // a checkpoint puts the block back there
+    void* q = a.allocate(64 * MiB, s);             // outside the pool: memory of its own
+    a.deallocate(p);
+    a.deallocate(q);
+    a.release_graph_pool(9);
+    const std::int64_t recorded_peak = a.stats().reserved_bytes[expseg::kAllPools].peak;
+    CHECK(recorded_peak == 128 * MiB);
+    const auto ev = a.recorded();
+    int restores = 0;
+    for (std::size_t i = 0; i < ev.size(); ++i) {
+      if (ev[i].action != TraceAction::pool_restore) continue;
+      ++restores;
+      CHECK(ev[i].pointer == 9);
+      CHECK(ev[i].stream == 0x5);
+      REQUIRE(i + 1 < ev.size());
+      CHECK(ev[i + 1].action == TraceAction::allocate);
+      CHECK(ev[i + 1].pointer == reinterpret_cast<std::uintptr_t>(p));
+      CHECK(ev[i + 1].size == 64 * MiB);
+      CHECK(ev[i + 1].stream == 0x5);
+    }
+    CHECK(restores == 1);
+    // Replayed, the restored block takes the pool's memory again, as it did when recorded: the
+    // peak is the run's. As a plain allocation (without the marker) it would not use the pool's
+    // memory, and the next one would map 64 MiB more.
+    const auto r = expseg::replay(expseg::Trace{"restored", ev}, sim_config(b));
+    CHECK(r.ooms == 0);
+    CHECK(r.allocations == 3);
+    CHECK(r.frees == 3);
+    CHECK(r.peak_reserved_bytes == recorded_peak);
+    std::vector<expseg::TraceEvent> unmarked;
+    for (const auto& e : ev)
+      if (e.action != TraceAction::pool_restore) unmarked.push_back(e);
+    CHECK(expseg::replay(expseg::Trace{"unmarked", unmarked}, sim_config(b)).peak_reserved_bytes == recorded_peak + 64 * MiB);
+    // The replay's route into the pool for the restore leaves the pool's uses as recorded: its one
+    // recorded release ends the pool (a second one would be refused).
+    auto released_twice = ev;
+    released_twice.push_back(expseg::TraceEvent{1, 0.0, TraceAction::pool_release, 9, 0, 0, 0});
+    CHECK_THROWS_AS(expseg::replay(expseg::Trace{"twice", released_twice}, sim_config(b)), expseg::trace_error);
+  }
+  // A restore on a stream routed into the pool already is an allocation into it as any other.
+  const auto routed = expseg::parse_trace(std::string(kHdr) +
+                                              "1,0,pool begin,0x7,0,0x0\n1,1,allocate,0x1000,67108864,0x0\n1,2,free,0x1000,67108864,0x0\n"
+                                              "1,3,pool restore,0x7,0,0x0\n1,4,allocate,0x1000,67108864,0x0\n1,5,pool end,0x7,0,0x0\n"
+                                              "1,6,allocate,0x2000,67108864,0x0\n",
+                                          "routed.csv");
+  CHECK(expseg::replay(routed, sim_config(BackendKind::expandable)).peak_reserved_bytes == 128 * MiB);
+}
+
 TEST_CASE("trace pools: pool lines the allocator would refuse are refused with their line, or skipped with lenient") {
   struct Bad {
     std::string body;
@@ -203,6 +278,13 @@ TEST_CASE("trace pools: pool lines the allocator would refuse are refused with t
       {"1,0,pool release,0x7,0,0\n", "bad.csv:2: pool release of pool 0x7, begun no more often than released"},
       {"1,0,pool begin,0x7,0,0x0\n1,1,pool release,0x7,0,0\n",
        "bad.csv:3: pool release of pool 0x7 while a stream still allocates into it (no pool end)"},
+      {"1,0,pool restore,0x7,0,0x0\n", "bad.csv:2: pool restore into pool 0x7, which is not live (begun no more often than released)"},
+      {"1,0,pool begin,0x7,0,0x0\n1,1,pool end,0x7,0,0x0\n1,2,pool release,0x7,0,0\n1,3,pool restore,0x7,0,0x0\n",
+       "bad.csv:5: pool restore into pool 0x7, which is not live (begun no more often than released)"},
+      {"1,0,pool begin,0x7,0,0x1\n1,1,pool begin,0x8,0,0x0\n1,2,pool restore,0x7,0,0x0\n",
+       "bad.csv:4: pool restore into pool 0x7 on stream 0x0, which allocates into pool 0x8"},
+      {"1,0,pool begin,0x7,0,0x1\n1,1,pool end,0x7,0,0x1\n1,2,pool restore,0x7,0,0x0\n1,3,free,0x3000,4096,0x0\n",
+       "bad.csv:4: pool restore into pool 0x7 on stream 0x0 not followed by its block's allocate on that stream"},
   };
   for (const Bad& c : bad) {
     CAPTURE(c.body);
