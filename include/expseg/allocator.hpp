@@ -164,7 +164,11 @@ class Allocator {
   void reset_accumulated_stats();
   // Bytes of device memory this allocator may hold; 0 removes the limit. Lowering it gives back
   // cached memory above the new limit at once, in whole cached pieces (split_merge's unsplit
-  // segments, expandable's idle handles), chosen to give back the least beyond the excess.
+  // segments, expandable's idle handles), chosen to give back the least beyond the excess. What
+  // cannot go (memory live blocks use, split_merge's segments they split) stays held, so reserved
+  // may stay above the new limit; then split_merge, as PyTorch's caching allocator, still serves
+  // requests from the free blocks it holds (only new device memory must fit under the limit), while
+  // expandable maps nothing new until reserved is back under the limit.
   void set_limit(std::size_t bytes);
   std::size_t limit() const;
 

@@ -4,12 +4,16 @@
 //
 // Each Stat is {current, peak, allocated, freed}: `allocated`/`freed` are running totals of
 // increases/decreases; current = allocated - freed; peak = max current since the last
-// reset_peak_stats(). Arrays are indexed by StatPool: all, small_pool, large_pool.
+// reset_peak_stats(). Arrays are indexed by StatPool: all, small_pool, large_pool. Blocks of <= 1 MiB
+// count in small_pool on both backends; split_merge's small segments (2 MiB) do too, but expandable's
+// arenas hold all sizes in one segment per stream, so it counts all reserved memory and segments in
+// large_pool (its small_pool reserved is 0 while small blocks are allocated).
 //
 // Identities (checked by tests after every step of randomized runs):
 //   allocated_bytes.current <= active_bytes.current (a block freed while a stream still uses it is
 //     no longer allocated but still active)
-//   active_bytes.current <= reserved_bytes.current <= limit (when a limit is set)
+//   active_bytes.current <= reserved_bytes.current <= limit (when a limit is set; after set_limit
+//     lowered it below what was held, reserved may stay above it until live blocks are freed)
 //   CuPy: total_bytes == used_bytes + free_bytes
 //   every peak >= its current
 #pragma once
@@ -69,7 +73,7 @@ const char* stat_pool_name(int pool) noexcept;  // "all", "small_pool", "large_p
   X(num_ooms, "allocations that ended in out_of_memory")                                            \
   X(num_sync_all_streams, "times all pending cross-stream frees were synchronized")                 \
   X(num_device_alloc, "driver allocation calls (cuMemAlloc, cuMemCreate+cuMemMap)")                 \
-  X(num_device_free, "driver free calls (cuMemFree, cuMemUnmap)")
+  X(num_device_free, "driver free calls (cuMemFree, cuMemUnmap+cuMemRelease; a handle moved counts in neither)")
 
 struct Stats {
 #define EXPSEG_DECLARE_POOL_STAT(name, help) Stat name[kStatPools];

@@ -204,6 +204,10 @@ struct SimDriver::Impl {
   std::uint64_t next_id = 1;  // handles, physical allocations, events and streams: never reused
   dev_ptr next_address;  // bookkeeping mode: the next free address of this device's span
   const dev_ptr address_end;
+  // Bookkeeping mode: ranges given back below next_address (cuMemAddressFree, cuMemFree), start ->
+  // length with the guard granule, merged: taken again first fit, as the driver reuses freed
+  // address ranges (a process can reserve and free ranges for ever; it would run out otherwise).
+  std::map<dev_ptr, std::size_t> freed_addresses;
   // Host-backed mode: the arena (0 until first use) and the ranges taken in it, start -> length
   // with the guard granule. Free parts of the arena are PROT_NONE anonymous memory, never unmapped,
   // so no other mapping of the process can land in it.
@@ -330,12 +334,49 @@ struct SimDriver::Impl {
   // followed by a one-granule guard gap (no two ranges touch; addresses are never reused).
   dev_ptr take_addresses(const char* call, std::size_t bytes) {
     const std::size_t g = gran();
-    const dev_ptr base = (next_address + g - 1) & ~static_cast<dev_ptr>(g - 1);
     const std::size_t span = bytes / g * g + (bytes % g ? g : 0);
+    for (auto it = freed_addresses.begin(); it != freed_addresses.end(); ++it) {
+      if (it->second < span + g) continue;
+      const dev_ptr base = it->first;
+      const std::size_t rest = it->second - (span + g);
+      if (rest != 0) freed_addresses.emplace_hint(std::next(it), base + span + g, rest);  // may throw: nothing changed
+      freed_addresses.erase(it);
+      return base;
+    }
+    const dev_ptr base = (next_address + g - 1) & ~static_cast<dev_ptr>(g - 1);
     if (base >= address_end || span > address_end - base || address_end - base - span < g)
       out_of_memory(call, "the address space of simulated device " + std::to_string(opt.device) + " is exhausted");
     next_address = base + span + g;
     return base;
+  }
+
+  // Gives back what take_addresses(bytes) returned at `base`. Never throws: a range that cannot be
+  // recorded (no memory for the map node) is simply not reused.
+  void give_addresses(dev_ptr base, std::size_t bytes) noexcept {
+    const std::size_t g = gran();
+    std::size_t len = (bytes / g * g + (bytes % g ? g : 0)) + g;
+    auto next = freed_addresses.lower_bound(base);
+    if (next != freed_addresses.end() && next->first == base + len) {  // merge with the range above
+      len += next->second;
+      next = freed_addresses.erase(next);
+    }
+    if (next != freed_addresses.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == base) {  // and with the one below
+        prev->second += len;
+        base = prev->first;
+        len = prev->second;
+        freed_addresses.erase(prev);
+      }
+    }
+    if (base + len == next_address) {  // the top of what was taken: taken no more
+      next_address = base;
+      return;
+    }
+    try {
+      freed_addresses.emplace(base, len);
+    } catch (...) {
+    }
   }
 
   // Host-backed mode: reserves the arena (once). Throws CUDA_ERROR_OUT_OF_MEMORY if the host has no
@@ -723,12 +764,11 @@ dev_ptr SimDriver::reserve(std::size_t bytes) {
       throw;
     }
   } else {
-    const dev_ptr saved = s.next_address;
     base = s.take_addresses(call, bytes);
     try {
       s.reservations.emplace(base, bytes);
     } catch (...) {
-      s.next_address = saved;
+      s.give_addresses(base, bytes);
       throw;
     }
   }
@@ -751,6 +791,7 @@ void SimDriver::free_reserve(dev_ptr base, std::size_t bytes) {
   // Host-backed: nothing is mapped in it, so a range of the arena is PROT_NONE anonymous memory
   // again (forget() maps it so once more; it stays part of the arena).
   if (options_.host_backed && !s.forget(base)) host_failure(call, "munmap", errno);
+  if (!options_.host_backed) s.give_addresses(base, bytes);
   s.reservations.erase(it);
 }
 
@@ -913,12 +954,11 @@ dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
       throw;
     }
   } else {
-    const dev_ptr saved = s.next_address;
     p = s.take_addresses(call, bytes);
     try {
       s.allocs.emplace(p, a);
     } catch (...) {
-      s.next_address = saved;
+      s.give_addresses(p, bytes);
       throw;
     }
   }
@@ -936,6 +976,7 @@ void SimDriver::mem_free(dev_ptr ptr) {
   if (it == s.allocs.end()) invalid(call, hex(ptr) + " is not a live cuMemAlloc pointer");
   // Host-backed: back to PROT_NONE (the bytes go), not unmapped: the range stays part of the arena.
   if (options_.host_backed && !s.forget(ptr)) host_failure(call, "mmap", errno);
+  if (!options_.host_backed) s.give_addresses(ptr, it->second.size);
   s.physical -= it->second.size;
   s.charge_table(kAllocSizes, kMemFreeUs, it->second.size);
   s.allocs.erase(it);

@@ -675,3 +675,64 @@ TEST_CASE("gpu: regression: short-lived threads on cudaStreamPerThread do not gr
     }
   }
 }
+
+TEST_SUITE("gpu_reliability") {
+
+TEST_CASE("gpu: expandable: streams used once do not use up the address range, and release_cached gives the ranges back") {
+  // Each stream's segment reserves expandable_va_size of address range (8 TiB here: the process's
+  // address space holds at most a few dozen). Streams that used memory once and freed it give their
+  // ranges back when a new stream finds none left, and release_cached gives back every range.
+  Allocator a(cuda_config(BackendKind::expandable, "expandable_va_size:8TiB"));
+  Driver& d = driver_of(a);
+  std::vector<void*> streams;
+  std::int64_t most_segments = 0;
+  for (int i = 0; i < 64; ++i) {
+    void* s = d.stream_create();
+    streams.push_back(s);
+    void* p = a.allocate(2 * MiB, s);
+    d.memset_d32(dp(p), 0x5e60u + static_cast<std::uint32_t>(i), 2 * MiB / 4, s);
+    d.stream_synchronize(s);
+    CHECK(read_back(d, p, 2 * MiB, 0x5e60u + static_cast<std::uint32_t>(i)) == -1);
+    a.deallocate(p);
+    most_segments = std::max(most_segments, a.stats().segment[kAllPools].current);
+  }
+  CHECK(a.stats().num_ooms == 0);
+  // 64 ranges of 8 TiB never fit at once: some streams' ranges were given back on the way.
+  CHECK(most_segments < 64);
+  MESSAGE("segments held at most: " << most_segments << " of 64 streams");
+  check_stats(a);
+  a.release_cached();
+  CHECK(a.stats().segment[kAllPools].current == 0);
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+
+  // Streams whose blocks stay live keep their ranges: a new stream is refused for the address range,
+  // and served once one of them frees its block.
+  std::vector<void*> live;
+  bool refused = false;
+  for (std::size_t i = 0; i < streams.size() && !refused; ++i) {
+    try {
+      live.push_back(a.allocate(2 * MiB, streams[i]));
+    } catch (const expseg::out_of_memory& e) {
+      refused = true;
+      CHECK(std::string(e.what()).find("address range") != std::string::npos);
+    }
+  }
+  CHECK(refused);
+  REQUIRE(live.size() >= 2);
+  a.deallocate(live.front());
+  live.erase(live.begin());
+  void* s = d.stream_create();
+  void* p = a.allocate(2 * MiB, s);
+  d.memset_d32(dp(p), 0xa11u, 2 * MiB / 4, s);
+  d.stream_synchronize(s);
+  CHECK(read_back(d, p, 2 * MiB, 0xa11u) == -1);
+  a.deallocate(p);
+  for (void* q : live) a.deallocate(q);
+  check_stats(a);
+  a.release_cached();
+  CHECK(a.stats().segment[kAllPools].current == 0);
+  for (void* x : streams) d.stream_destroy(x);
+  d.stream_destroy(s);
+}
+
+}  // TEST_SUITE

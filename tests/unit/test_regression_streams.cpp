@@ -225,9 +225,13 @@ TEST_CASE("the per-thread default stream: a block freed by one thread is not han
     std::thread([&] { p = sa->allocate(8 * MiB, per_thread); sa->deallocate(p); }).join();  // A's kernel may still use p
     const auto syncs = sa.sim->calls(Op::stream_sync);
     const auto records = sa.sim->calls(Op::event_record);
+    const auto frees = sa.sim->calls(Op::mem_free);
     void* q = nullptr;
     std::thread([&] { q = sa->allocate(8 * MiB, per_thread); }).join();
-    CHECK((q != p || sa.sim->calls(Op::stream_sync) > syncs || sa.sim->calls(Op::event_record) > records));
+    // Another block, or A's after a wait for A's work: a synchronization, an event, or its memory
+    // given back with cuMemFree (which waits for the device) and its address handed out again.
+    CHECK((q != p || sa.sim->calls(Op::stream_sync) > syncs || sa.sim->calls(Op::event_record) > records ||
+           sa.sim->calls(Op::mem_free) > frees));
     // On its own thread, the per-thread stream reuses its block at once (stream order).
     void* r = nullptr;
     void* again = nullptr;
@@ -422,6 +426,60 @@ TEST_CASE("C API: expseg_release_stream") {
   sim.stream_destroy(s);
   expseg_free(first, 0, 0, nullptr);
   a->validate();
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("regression-streams") {
+
+TEST_CASE("expandable: streams used once do not use up the address range; release_cached gives their ranges back") {
+  // Each stream's segment reserves about twice the device's memory of address range. A program that
+  // uses many streams over its life (a stream per request, never released) ran out of range: every
+  // later new stream failed, even after release_cached, with nothing allocated. Here the simulated
+  // span holds 63 segments of 1024 TiB.
+  const auto conf = sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:1024TiB");
+  auto stream = [](int i) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(0x10000 + 16 * i)); };
+  {
+    expseg::Allocator a(conf);
+    for (int i = 0; i < 200; ++i) {  // more streams than the span holds segments: each empty once freed
+      void* p = a.allocate(1 * MiB, stream(i));
+      a.deallocate(p);
+    }
+    CHECK(a.stats().num_ooms == 0);
+    a.validate();
+    a.release_cached();
+    const auto s = a.stats();
+    CHECK(s.reserved_bytes[kAllPools].current == 0);
+    CHECK(s.segment[kAllPools].current == 0);  // every range given back, the first of each stream too
+    void* p = a.allocate(1 * MiB, reinterpret_cast<void*>(std::uintptr_t{0xABC000}));
+    a.deallocate(p);
+    a.validate();
+  }
+  {
+    // Streams whose blocks are live keep their ranges: once those fill the span, a new stream fails
+    // for the address range (not before), and works again once one of them is freed.
+    expseg::Allocator a(conf);
+    std::vector<void*> live;
+    int refused_at = -1;
+    for (int i = 0; i < 100 && refused_at < 0; ++i) {
+      try {
+        live.push_back(a.allocate(1 * MiB, stream(i)));
+      } catch (const expseg::out_of_memory& e) {
+        refused_at = i;
+        CHECK(std::string(e.what()).find("address range") != std::string::npos);
+      }
+    }
+    CHECK(refused_at >= 60);  // the span, not a stream count, ran out
+    REQUIRE(!live.empty());
+    a.deallocate(live.front());
+    live.erase(live.begin());
+    void* p = a.allocate(1 * MiB, stream(1000));  // the freed stream's empty segment gives its range
+    live.push_back(p);
+    a.validate();
+    for (void* q : live) a.deallocate(q);
+    a.release_cached();
+    CHECK(a.stats().segment[kAllPools].current == 0);
+  }
 }
 
 }  // TEST_SUITE

@@ -853,14 +853,29 @@ TEST_SUITE("sim") {
     d.release(a);
     d.release(b);
     d.free_reserve(base, 140 * GiB);
-    // Addresses are never reused.
+    // Freed address ranges are taken again, first fit, as the driver reuses them: a process that
+    // reserves and frees ranges for ever never runs out.
     const dev_ptr again = d.reserve(140 * GiB);
-    CHECK(again != base);
-    CHECK(again >= base + 140 * GiB);
+    CHECK(again == base);
     const dev_ptr p = d.mem_alloc(100);
-    CHECK(p >= again + 140 * GiB);
+    CHECK(p >= again + 140 * GiB);  // live ranges never overlap
+    const dev_ptr q = d.mem_alloc(100);
+    CHECK(q >= p + g);
     d.mem_free(p);
+    CHECK(d.mem_alloc(100) == p);  // the freed one, below q
     d.free_reserve(again, 140 * GiB);
+    const dev_ptr small = d.reserve(g);  // the first fit: the start of the freed 140 GiB
+    CHECK(small == base);
+    const dev_ptr next = d.reserve(g);
+    CHECK(next == base + 2 * g);  // each range keeps a guard granule after it
+    d.free_reserve(small, g);
+    d.free_reserve(next, g);
+    d.mem_free(p);
+    d.mem_free(q);
+    // Everything given back: the span is whole again, a range of all of it fits once more.
+    const dev_ptr whole = d.reserve(140 * GiB);
+    CHECK(whole == base);
+    d.free_reserve(whole, 140 * GiB);
     check_nothing_left(d);
   }
 

@@ -865,12 +865,18 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
   arena.segments.reserve(arena.segments.size() + 1);
   arena.blocks.reserve_two();  // the segment's free block
   driver::dev_ptr base = 0;
-  try {
-    base = ctx_.driver.reserve(va);
-  } catch (const driver_error& e) {
-    if (!e.is_out_of_memory()) throw;
-    ctx_.refused = Context::Refusal::address_range;
-    return nullptr;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      base = ctx_.driver.reserve(va);
+      break;
+    } catch (const driver_error& e) {
+      if (!e.is_out_of_memory()) throw;
+      // Out of address range: give back the memory and ranges of other streams that hold no
+      // block in use, once.
+      if (attempt == 0 && give_back_unused_arenas(&arena) != 0) continue;
+      ctx_.refused = Context::Refusal::address_range;
+      return nullptr;
+    }
   }
   seg->base = base;
   seg->va_bytes = va;
@@ -1156,7 +1162,7 @@ std::size_t ExpandableBackend::move_idle_handle(ExpSegment& seg, std::size_t fra
   // The memory was freed on its arena's stream: work queued there may still use it.
   synchronize_once(*best->seg->arena);
   const std::size_t moved = best->nframes;
-  unmap_mapping(best);
+  unmap_mapping(best);  // the handle stays held: neither a device free nor, mapped again, an allocation
   if (!map_handle(seg, frame, best, anchor)) return 0;
   return moved;
 }
@@ -1381,7 +1387,6 @@ void ExpandableBackend::unmap_mapping(ExpHandle* h) {
     seg.mapped_words[f / 64] &= ~(std::uint64_t{1} << (f % 64));
   }
   seg.mapped_bytes -= h->bytes;
-  ctx_.stats.num_device_free += 1;
   if (ctx_.hooks) ctx_.hooks->on_unmap(lo, h->bytes, arena.stream);
 
   // An idle handle lies inside exactly one free mapped block (adjacent free mapped blocks merge).
@@ -1519,6 +1524,7 @@ void ExpandableBackend::synchronize_once(const ExpArena& arena) {
 
 void ExpandableBackend::unmap_handle(ExpHandle* h) {
   unmap_mapping(h);
+  ctx_.stats.num_device_free += 1;  // given back (an orphan's release is retried later)
   try {
     ctx_.driver.release(h->handle);
   } catch (...) {
@@ -1646,7 +1652,7 @@ void ExpandableBackend::reap_retired(const ExpArena* keep) {
   for (std::size_t i = retired_.size(); i-- > 0;) {
     ExpArena* a = retired_[i];
     if (a == keep) continue;
-    if (give_back_arena(a)) retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
+    give_back_arena(a);  // once given back, forget_arena has taken it out of retired_
   }
 }
 
@@ -1669,10 +1675,49 @@ bool ExpandableBackend::give_back_arena(ExpArena* a) {
   }
   for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);
   if (!a->segments.empty()) return false;  // live blocks: looked at again later
+  forget_arena(a);
+  return true;
+}
+
+void ExpandableBackend::forget_arena(ExpArena* a) noexcept {
   arenas_.erase(std::find(arenas_.begin(), arenas_.end(), a));
   arena_index_.erase(std::find_if(arena_index_.begin(), arena_index_.end(), [&](const ArenaEntry& e) { return e.arena == a; }));
+  if (auto r = std::find(retired_.begin(), retired_.end(), a); r != retired_.end()) retired_.erase(r);
   delete a;
-  return true;
+}
+
+std::size_t ExpandableBackend::give_back_unused_arenas(const ExpArena* keep) {
+  std::vector<ExpArena*> unused;
+  for (ExpArena* a : arenas_) {
+    if (a == keep) continue;
+    bool in_use = false;
+    for (const ExpSegment* seg : a->segments)
+      for (const Block* b = seg->first; b != nullptr && !in_use; b = b->next) in_use = !b->is_free();
+    if (!in_use) unused.push_back(a);
+  }
+  std::size_t given = 0;
+  for (ExpArena* a : unused) given += give_back_arena(a) ? 1 : 0;
+  return given;
+}
+
+// Gives back the address range of every segment that holds nothing (one free unmapped block), but
+// `keep`'s, and forgets the arenas left without a segment (a later request on their stream makes a
+// new one). Each stream's segment reserves about twice the device's memory, so a process that has
+// used a few hundred streams would otherwise run out of address range for the next one (PyTorch's
+// empty_cache gives back an expandable segment's range the same way). Returns the segments dropped.
+std::size_t ExpandableBackend::drop_empty_segments(const ExpArena* keep) {
+  std::size_t dropped = 0;
+  for (std::size_t i = arenas_.size(); i-- > 0;) {
+    ExpArena* a = arenas_[i];
+    if (a == keep) continue;
+    for (std::size_t j = a->segments.size(); j-- > 0;) {
+      const std::size_t before = a->segments.size();
+      drop_segment(*a, a->segments[j]);
+      dropped += before - a->segments.size();
+    }
+    if (a->segments.empty()) forget_arena(a);
+  }
+  return dropped;
 }
 
 std::size_t ExpandableBackend::stream_bytes_in_use(driver::stream_t stream) const {
@@ -1699,9 +1744,7 @@ void ExpandableBackend::release_cached() {
   reap_retired(nullptr);
   reclaim_idle(std::numeric_limits<std::size_t>::max(), Exclusion{});
   retry_orphans();
-  // Give back the address space of segments that hold nothing, keeping each arena's first one.
-  for (ExpArena* arena : arenas_)
-    for (std::size_t i = arena->segments.size(); i-- > 1;) drop_segment(*arena, arena->segments[i]);
+  drop_empty_segments(nullptr);
 }
 
 // Gives back just the idle memory above the new limit, in whole handles (core::pick_give_back:

@@ -246,6 +246,11 @@ class ExpandableBackend final : public Backend {
   }
   void reap_retired(const ExpArena* keep);
   bool give_back_arena(ExpArena* a);
+  void forget_arena(ExpArena* a) noexcept;  // an arena without segments: deleted
+  std::size_t drop_empty_segments(const ExpArena* keep);
+  // Out of address range: the idle memory, ranges and arenas of the streams (but `keep`'s) that
+  // hold no block in use, given back (give_back_arena). Walks their blocks: that rare path only.
+  std::size_t give_back_unused_arenas(const ExpArena* keep);
   ExpSegment* new_segment(ExpArena& arena, std::size_t min_bytes);
   // Idle runs (see IdleRun).
   ExpHandle* handle_at(const ExpSegment& seg, std::uint64_t addr) const noexcept { return seg.frames[frame_of(seg, addr)]; }
