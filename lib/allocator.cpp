@@ -677,8 +677,11 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   Impl& m = *impl_;
   // One capture's routing per end (as PyTorch's endAllocateToPool): captures may share a pool, and
-  // the others go on allocating into it. The one whose capture has ended; none yet, the last begun.
+  // the others go on allocating into it. The one whose capture has ended. While every one still
+  // captures, the end is refused: the capture's later requests would leave the pool, and eager
+  // blocks could then get memory the graph writes when replayed.
   auto route = m.capture_routes.end();
+  bool ended = false;
   for (auto r = m.capture_routes.begin(); r != m.capture_routes.end(); ++r) {
     if (r->pool != pool) continue;
     route = r;
@@ -687,9 +690,15 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
       id = m.driver->stream_capture_id(backends::capture_query_stream(r->stream));
     } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
     }
-    if (id != r->capture_id) break;
+    if (id != r->capture_id) {
+      ended = true;
+      break;
+    }
   }
   if (route == m.capture_routes.end()) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
+  if (!ended)
+    throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
+                " is still running; end the capture (cuStreamEndCapture) first");
   if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_end, pool, 0, route->stream);
   m.capture_routes.erase(route);
   m.update_capture_state();

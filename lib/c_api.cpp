@@ -299,6 +299,7 @@ void* allocate(std::size_t size, int device, expseg_stream_t stream, const char*
   } catch (const out_of_memory& e) {
     set_thread_oom(device, &e.report());
     notify_oom(device, e.report());
+    set_thread_oom(device, &e.report());  // again: an allocation the callback made may have failed too
     set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
     if (print_oom && g_oom_stderr.load(std::memory_order_relaxed))
       std::fprintf(stderr, "expseg: %s returns NULL (out of memory):\n%s\n", fn, e.what());
@@ -327,11 +328,19 @@ void deallocate(void* ptr, int device, const char* fn) noexcept {
 
 // The calls whose misuse (an expseg::error: a pool not begun, a stream already capturing, ...)
 // changes nothing and is the caller's mistake: EXPSEG_ERROR_INVALID_ARGUMENT with the reason;
-// a driver error or anything else is reported as every other call reports it.
+// a driver error or anything else is reported as every other call reports it. Only the calls that
+// begin something create the allocator (Creates::yes); the others name a pool or a capture that
+// cannot exist on a device without one, and refuse that without creating it.
+enum class Creates : bool { no, yes };
 template <class F>
-int with_allocator(int device, const char* fn, F&& call) noexcept {
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
+int with_allocator(int device, const char* fn, Creates creates, F&& call) noexcept {
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = creates == Creates::yes ? get_or_create(device, fn) : existing(device);
+  if (a == nullptr && creates == Creates::yes) return tls().code;
+  if (a == nullptr) {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "the device has no allocator yet, so no graph pool or capture");
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  }
   try {
     call(a);
     return EXPSEG_SUCCESS;
@@ -386,6 +395,7 @@ void expseg_reset_for_tests(void) noexcept { reset_for_tests(); }
 
 void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) noexcept {
   if (size < 0) {
+    set_thread_oom(device, nullptr);  // a failed allocation without a report: no earlier OOM's stands for it
     set_error(EXPSEG_ERROR_INVALID_ARGUMENT, "expseg_malloc", "negative size");
     return nullptr;
   }
@@ -395,6 +405,7 @@ void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) noexcept {
 void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
   constexpr const char* fn = "expseg_torch_malloc";
   if (size < 0) {
+    set_thread_oom(device, nullptr);  // a failed allocation without a report: no earlier OOM's stands for it
     set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "negative size");
     throw std::invalid_argument(std::string(fn) + ": negative size");
   }
@@ -411,6 +422,7 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
   } catch (const out_of_memory& e) {
     set_thread_oom(device, &e.report());
     notify_oom(device, e.report());
+    set_thread_oom(device, &e.report());  // again: an allocation the callback made may have failed too
     set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
     throw;
   } catch (...) {
@@ -517,6 +529,13 @@ int expseg_release_cached(int device) noexcept {
   try {
     a->release_cached();
     return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const config_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // refused now (a capture allocates into a graph pool): nothing changed
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
   } catch (...) {
     return fail_current(fn);
   }
@@ -540,32 +559,44 @@ int expseg_release_stream(int device, expseg_stream_t stream) noexcept {
   }
 }
 
+namespace {
+// Pool 0 is refused before the allocator is created for it (nothing changed).
+int refuse_pool_zero(const char* fn) noexcept {
+  set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "pool 0 is not a pool id (use any other number)");
+  return EXPSEG_ERROR_INVALID_ARGUMENT;
+}
+}  // namespace
+
 int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
-  return with_allocator(device, "expseg_begin_graph_pool", [&](Allocator* a) { a->begin_graph_pool(pool, static_cast<expseg::stream_t>(stream)); });
+  constexpr const char* fn = "expseg_begin_graph_pool";
+  if (pool == 0 && valid_device(device, fn)) return refuse_pool_zero(fn);
+  return with_allocator(device, fn, Creates::yes, [&](Allocator* a) { a->begin_graph_pool(pool, static_cast<expseg::stream_t>(stream)); });
 }
 
 int expseg_prepare_capture(int device, expseg_stream_t stream) noexcept {
-  return with_allocator(device, "expseg_prepare_capture", [&](Allocator* a) { a->prepare_capture(static_cast<expseg::stream_t>(stream)); });
+  return with_allocator(device, "expseg_prepare_capture", Creates::yes, [&](Allocator* a) { a->prepare_capture(static_cast<expseg::stream_t>(stream)); });
 }
 
 int expseg_end_graph_pool(int device, unsigned long long pool) noexcept {
-  return with_allocator(device, "expseg_end_graph_pool", [&](Allocator* a) { a->end_graph_pool(pool); });
+  return with_allocator(device, "expseg_end_graph_pool", Creates::no, [&](Allocator* a) { a->end_graph_pool(pool); });
 }
 
 int expseg_release_graph_pool(int device, unsigned long long pool) noexcept {
-  return with_allocator(device, "expseg_release_graph_pool", [&](Allocator* a) { a->release_graph_pool(pool); });
+  return with_allocator(device, "expseg_release_graph_pool", Creates::no, [&](Allocator* a) { a->release_graph_pool(pool); });
 }
 
 int expseg_begin_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
-  return with_allocator(device, "expseg_begin_pool_allocations", [&](Allocator* a) { a->begin_pool_allocations(pool, static_cast<expseg::stream_t>(stream)); });
+  constexpr const char* fn = "expseg_begin_pool_allocations";
+  if (pool == 0 && valid_device(device, fn)) return refuse_pool_zero(fn);
+  return with_allocator(device, fn, Creates::yes, [&](Allocator* a) { a->begin_pool_allocations(pool, static_cast<expseg::stream_t>(stream)); });
 }
 
 int expseg_end_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) noexcept {
-  return with_allocator(device, "expseg_end_pool_allocations", [&](Allocator* a) { a->end_pool_allocations(pool, static_cast<expseg::stream_t>(stream)); });
+  return with_allocator(device, "expseg_end_pool_allocations", Creates::no, [&](Allocator* a) { a->end_pool_allocations(pool, static_cast<expseg::stream_t>(stream)); });
 }
 
 int expseg_restore_graph_pool_block(int device, unsigned long long pool, void* ptr, size_t size) noexcept {
-  return with_allocator(device, "expseg_restore_graph_pool_block", [&](Allocator* a) { a->restore_graph_pool_block(pool, ptr, size); });
+  return with_allocator(device, "expseg_restore_graph_pool_block", Creates::no, [&](Allocator* a) { a->restore_graph_pool_block(pool, ptr, size); });
 }
 
 int expseg_graph_pool_blocks(int device, unsigned long long pool, unsigned long long* addresses, size_t* sizes, size_t capacity,
@@ -576,8 +607,12 @@ int expseg_graph_pool_blocks(int device, unsigned long long pool, unsigned long 
     set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "count is NULL, or addresses or sizes is NULL with a capacity above 0");
     return EXPSEG_ERROR_INVALID_ARGUMENT;
   }
-  Allocator* a = get_or_create(device, fn);
-  if (a == nullptr) return tls().code;
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  Allocator* a = existing(device);  // a query: a device without an allocator has no pool
+  if (a == nullptr) {
+    *count = 0;
+    return EXPSEG_SUCCESS;
+  }
   try {
     const auto blocks = a->graph_pool_blocks(pool);
     for (std::size_t i = 0; i < blocks.size() && i < capacity; ++i) {
@@ -598,6 +633,13 @@ int expseg_set_limit(int device, size_t bytes) noexcept {
   try {
     a->set_limit(bytes);
     return EXPSEG_SUCCESS;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const config_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {  // refused now (a capture allocates into a graph pool): nothing changed
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
   } catch (...) {
     return fail_current(fn);
   }

@@ -627,6 +627,8 @@ def _torch_trace(device, expandable):
 def graph_pool_blocks(pool, device=0):
     """The allocated blocks of expseg graph pool `pool` (a number) on `device`: [(address, size)], by address."""
     lib = load()
+    device = _device(device)
+    pool = _size(pool, "graph_pool_blocks: pool")
     count = ctypes.c_size_t(0)
     capacity = 0
     while True:

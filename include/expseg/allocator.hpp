@@ -106,7 +106,9 @@ class Allocator {
   //     frees go back to it, for later allocations of the pool only: of captures on the same
   //     stream, as PyTorch's private pools (eager work there may still use a freed block). Each
   //     begin takes one use of the pool (a graph that replays it). Captures may share a pool at
-  //     once: each end_graph_pool(pool) ends one of them, the one whose capture has ended.
+  //     once: each end_graph_pool(pool) ends one of them, the one whose capture has ended (call it
+  //     after cuStreamEndCapture: while every capture of the pool still runs, it throws
+  //     expseg::error, nothing changed, as the capture's later requests would leave the pool).
   //   release_graph_pool(pool): drops one use; at none, the pool's cached memory is given back (at
   //     the next allocation that misses the cache, or release_cached()), and blocks of it still
   //     allocated are given back when freed.

@@ -158,7 +158,8 @@ EXPSEG_API int expseg_release_stream(int device, expseg_stream_t stream) EXPSEG_
  * expseg_release_graph_pool(device, pool) has dropped every begin's use. End the pool after the
  * capture ends; release it when the graph is destroyed. Creates the allocator when needed.
  * EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, for misuse (a stream not capturing, pool 0, a pool
- * not begun or released already, a release while a capture allocates into the pool). */
+ * not begun or released already, an end while the capture still runs, a release while a capture
+ * allocates into the pool); the calls but begin and prepare never create the allocator for it. */
 EXPSEG_API int expseg_begin_graph_pool(int device, unsigned long long pool, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 /* Optional, just before the capture on `stream` begins (see Allocator::prepare_capture): asks whether
  * the stream blocks, so that during the capture the expandable backend may take back idle memory of
@@ -184,7 +185,8 @@ EXPSEG_API int expseg_graph_pool_blocks(int device, unsigned long long pool, uns
                                         size_t capacity, size_t* count) EXPSEG_NOEXCEPT;
 /* Bytes of device memory `device`'s allocator may hold; 0 removes the limit. Creates the allocator
  * when needed. Lowering the limit gives back cached memory above it at once (see
- * Allocator::set_limit). */
+ * Allocator::set_limit). EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, while a capture allocates
+ * into a graph pool (giving memory back would invalidate it); expseg_release_cached likewise. */
 EXPSEG_API int expseg_set_limit(int device, size_t bytes) EXPSEG_NOEXCEPT;
 /* The limit of `device`'s allocator (0: none) and the device's total memory, for PyTorch's
  * get/set_per_process_memory_fraction; either pointer may be NULL. A query: it never creates the

@@ -253,6 +253,16 @@ class GlueTest(unittest.TestCase):
             with self.assertRaises(expseg.ExpsegError) as cm:
                 expseg.set_limit(bad)
             self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+        for bad in (2 ** 32, 2 ** 32 + 1, -1):  # ctypes wrapped these to devices 0 and 1 (and made their allocators)
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                expseg.graph_pool_blocks(7, bad)
+            self.assertEqual(cm.exception.code, expseg.INVALID_DEVICE)
+        for bad in (-1, 2 ** 64):
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                expseg.graph_pool_blocks(bad)
+            self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+        self.assertEqual(expseg.graph_pool_blocks(7), [])  # a query: no pool, and no allocator made for it
+        self.assertEqual(expseg.initialized_devices(), [])
         self.assertEqual(expseg.get_limit(0)[0], 0)  # nothing was set
         with self.assertRaises(expseg.ExpsegError):
             expseg.record_start(0, ring=-5)

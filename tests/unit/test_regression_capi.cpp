@@ -13,7 +13,9 @@
 
 #include <unistd.h>
 
+#include "allocator_impl.hpp"
 #include "c_api_internal.hpp"
+#include "driver/sim_driver.hpp"
 #include "capi_fixture.hpp"
 #include "expseg/allocator.hpp"
 #include "expseg/errors.hpp"
@@ -224,6 +226,114 @@ TEST_CASE_FIXTURE(CApiFixture, "capi regression: expseg_torch_malloc throws out_
   // The report is retrievable as after any OOM. Was: "" (no OOM recorded).
   CHECK(std::string(expseg_last_oom_report(0)).find("out of memory") != std::string::npos);
   expseg_free(p, 0, 0, nullptr);
+}
+
+
+TEST_CASE_FIXTURE(CApiFixture, "capi regression: graph pool calls that refuse create no allocator, so the configuration may still be set") {
+  // Was: each of these created device 0's allocator before refusing, after which expseg_configure
+  // was refused for good (a glue probing pools before the first tensor locked the configuration).
+  REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB") == EXPSEG_SUCCESS);
+  int block = 0;
+  CHECK(expseg_end_graph_pool(0, 7) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("no allocator yet") != std::string::npos);
+  CHECK(expseg_release_graph_pool(0, 7) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_end_pool_allocations(0, 7, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_restore_graph_pool_block(0, 7, &block, 512) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_begin_graph_pool(0, 0, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("pool 0") != std::string::npos);
+  CHECK(expseg_begin_pool_allocations(0, 0, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  unsigned long long addresses[1] = {};
+  std::size_t sizes[1] = {};
+  std::size_t count = 9;
+  CHECK(expseg_graph_pool_blocks(0, 7, addresses, sizes, 1, &count) == EXPSEG_SUCCESS);  // a query
+  CHECK(count == 0);
+  CHECK(expseg_end_graph_pool(EXPSEG_MAX_DEVICES, 7) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_graph_pool_blocks(-1, 7, addresses, sizes, 1, &count) == EXPSEG_ERROR_INVALID_DEVICE);
+  CHECK(expseg_device_initialized(0) == 0);
+  CHECK(expseg_configure("device:sim,sim_capacity:2GiB") == EXPSEG_SUCCESS);
+  // Once the allocator exists, misuse is refused by it as before.
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  CHECK(expseg_end_graph_pool(0, 7) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(last_error().find("no capture allocates into graph pool 7") != std::string::npos);
+  CHECK(expseg_begin_pool_allocations(0, 7, nullptr) == EXPSEG_SUCCESS);
+  CHECK(expseg_end_pool_allocations(0, 7, nullptr) == EXPSEG_SUCCESS);
+  CHECK(expseg_release_graph_pool(0, 7) == EXPSEG_SUCCESS);
+  expseg_free(p, 0, 0, nullptr);
+}
+
+namespace {
+struct CallbackAllocation {
+  ssize_t size = 0;
+  void* got = nullptr;
+  int calls = 0;
+};
+void allocate_in_callback(int device, const char*, void* user_data) {
+  auto* c = static_cast<CallbackAllocation*>(user_data);
+  ++c->calls;
+  c->got = expseg_malloc(c->size, device, nullptr);  // fails too: its own OOM, not reported to us again
+}
+}  // namespace
+
+TEST_CASE_FIXTURE(CApiFixture, "capi regression: the thread's OOM report is the failed call's, not that of an allocation its OOM callback made") {
+  REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB") == EXPSEG_SUCCESS);
+  CallbackAllocation c{static_cast<ssize_t>(2 * GiB)};
+  REQUIRE(expseg_set_oom_callback(allocate_in_callback, &c) == EXPSEG_SUCCESS);
+  CHECK(expseg_malloc(static_cast<ssize_t>(GiB + GiB / 2), 0, nullptr) == nullptr);
+  CHECK(c.calls == 1);
+  CHECK(c.got == nullptr);
+  const std::string thread_report = expseg_thread_oom_report_json(0);
+  CHECK(thread_report.find("\"requested_bytes\":" + std::to_string(GiB + GiB / 2)) != std::string::npos);
+  CHECK(thread_report.find("\"requested_bytes\":" + std::to_string(2 * GiB)) == std::string::npos);
+  CHECK(last_error().find("1.50 GiB") != std::string::npos);
+  // Through expseg_torch_malloc too.
+  CHECK_THROWS(expseg_torch_malloc(static_cast<ssize_t>(GiB + GiB / 4), 0, nullptr));
+  CHECK(c.calls == 2);
+  CHECK(std::string(expseg_thread_oom_report_json(0)).find("\"requested_bytes\":" + std::to_string(GiB + GiB / 4)) != std::string::npos);
+  REQUIRE(expseg_set_oom_callback(nullptr, nullptr) == EXPSEG_SUCCESS);
+  // A failed call without a report (a negative size) leaves no earlier OOM's report behind.
+  CHECK(expseg_malloc(-1, 0, nullptr) == nullptr);
+  CHECK(std::string(expseg_thread_oom_report(0)).empty());
+  CHECK(std::string(expseg_thread_oom_report_json(0)) == "null");
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "capi regression: release_cached and set_limit during a graph capture are refused as misuse, nothing changed") {
+  for (const char* backend : {"split_merge", "expandable"}) {
+    CAPTURE(backend);
+    expseg::capi::reset_for_tests();
+    REQUIRE(expseg_configure((std::string("device:sim,sim_capacity:1GiB,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
+    void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+    REQUIRE(p != nullptr);
+    auto& sim = dynamic_cast<expseg::driver::SimDriver&>(expseg::detail::AllocatorAccess::driver(*expseg::capi::allocator_for_tests(0)));
+    void* s = sim.stream_create();
+    sim.capture_begin(s);
+    REQUIRE(expseg_begin_graph_pool(0, 5, s) == EXPSEG_SUCCESS);
+    std::size_t limit = 1;
+    REQUIRE(expseg_get_limit(0, &limit, nullptr) == EXPSEG_SUCCESS);
+    CHECK(expseg_release_cached(0) == EXPSEG_ERROR_INVALID_ARGUMENT);  // was EXPSEG_ERROR_INTERNAL
+    CHECK(last_error().find("capture") != std::string::npos);
+    CHECK(expseg_set_limit(0, 512 * MiB) == EXPSEG_ERROR_INVALID_ARGUMENT);
+    std::size_t after = 1;
+    REQUIRE(expseg_get_limit(0, &after, nullptr) == EXPSEG_SUCCESS);
+    CHECK(after == limit);
+    // Ending the pool before the capture ends is refused too: the capture's later requests would
+    // leave the pool (was: accepted, and an eager block could then get the graph's memory).
+    CHECK(expseg_end_graph_pool(0, 5) == EXPSEG_ERROR_INVALID_ARGUMENT);
+    CHECK(last_error().find("still running") != std::string::npos);
+    void* in_pool = expseg_malloc(static_cast<ssize_t>(MiB), 0, s);
+    REQUIRE(in_pool != nullptr);
+    expseg_free(in_pool, 0, 0, s);
+    const auto g = sim.capture_end(s);
+    CHECK(expseg_end_graph_pool(0, 5) == EXPSEG_SUCCESS);
+    void* eager = expseg_malloc(static_cast<ssize_t>(MiB), 0, s);
+    CHECK(eager != in_pool);  // the pool kept the captured block's memory
+    expseg_free(eager, 0, 0, s);
+    sim.graph_destroy(g);
+    CHECK(expseg_release_graph_pool(0, 5) == EXPSEG_SUCCESS);
+    CHECK(expseg_release_cached(0) == EXPSEG_SUCCESS);
+    expseg_free(p, 0, 0, nullptr);
+    sim.stream_destroy(s);
+  }
 }
 
 }  // TEST_SUITE
