@@ -119,6 +119,8 @@ void check_config(const Config& c) {
   }
 }
 
+void Config::validate() const { check_config(*this); }
+
 std::unique_ptr<driver::Driver> make_driver(const Config& config, int device) {
   if (device < 0) throw error("expseg: device " + std::to_string(device) + ": device indices start at 0");
   check_config(config);

@@ -222,11 +222,7 @@ struct Reader {
   std::string str(const JsonValue& o, const char* k) const { return typed(o, k, [](const JsonValue& v) { return v.as_string(); }); }
   bool boolean(const JsonValue& o, const char* k) const { return typed(o, k, [](const JsonValue& v) { return v.as_bool(); }); }
   std::int64_t i64(const JsonValue& o, const char* k) const { return typed(o, k, [](const JsonValue& v) { return v.as_int(); }); }
-  std::uint64_t u64(const JsonValue& o, const char* k) const {
-    const std::int64_t n = i64(o, k);
-    if (n < 0) throw std::runtime_error("member '" + name(k) + "' is negative");
-    return static_cast<std::uint64_t>(n);
-  }
+  std::uint64_t u64(const JsonValue& o, const char* k) const { return typed(o, k, [](const JsonValue& v) { return v.as_uint(); }); }
   // "0x1f" (addresses and streams are written as hex strings).
   std::uint64_t hex(const JsonValue& o, const char* k) const {
     const std::string s = str(o, k);

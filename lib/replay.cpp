@@ -51,7 +51,7 @@ std::string hex(std::uint64_t v) {
 
 // What the strict replay's refusals suggest: most such traces are partial, not corrupt.
 constexpr const char* kPartialHint =
-    "; a partial trace (a recorder ring, a late start) replays with --lenient";
+    "; a partial trace (a recorder ring, a late start) replays leniently (expseg replay --lenient, ReplayOptions::lenient)";
 
 Program compile(const Trace& trace, bool lenient) {
   Program p;
@@ -117,6 +117,13 @@ Program compile(const Trace& trace, bool lenient) {
         break;
       }
       case TraceAction::allocate: {
+        if (e.pointer == 0) {  // nonzero size (size 0 is handled above): its free(0) could never pair with it
+          if (!lenient)
+            throw trace_error(trace.name, line,
+                              "allocation of " + std::to_string(e.size) + " bytes at pointer 0x0 (only a size-0 allocation gives a null pointer)" +
+                                  kPartialHint);
+          break;  // skipped, as a free of an unknown pointer is
+        }
         const std::uint32_t stream = stream_index(e.stream);
         if (live.count(e.pointer)) {
           if (!lenient)

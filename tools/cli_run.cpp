@@ -265,8 +265,12 @@ void print_picture_hint(const std::string& path) {
 // Fails before the runs (which take a while) when the picture could not be written to `path`: the
 // same runtime failure (exit 1) write_html_report would report after them, with the system's reason.
 // Creates nothing: a file this check had to create is removed again.
-void check_picture_path(const std::string& path) {
+void check_picture_path(const std::string& path, const std::vector<std::string>& inputs = {}) {
   std::error_code ec;
+  // The picture must not replace a trace it is drawn from (--html given the trace's own name).
+  for (const std::string& in : inputs)
+    if (std::filesystem::equivalent(path, in, ec))
+      throw UsageError("--html " + path + " is the trace " + in + " itself: writing the picture would overwrite it; give --html another file");
   const bool existed = std::filesystem::exists(std::filesystem::symlink_status(path, ec));
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666);  // no O_TRUNC: a kept file stays as it is
   if (fd < 0) throw error("cannot write the report to '" + path + "': " + std::strerror(errno));
@@ -300,7 +304,7 @@ int cmd::replay(int argc, char** argv) {
     std::error_code ec;
     if (!std::filesystem::exists(p, ec)) throw InputError(p + ": no such trace file");
   }
-  if (html) check_picture_path(*html);
+  if (html) check_picture_path(*html, args.positional);
   if (!json) print_device_line(setup);
   const std::vector<ReplayGroup> groups = run_replays(args.positional, setup, html.has_value(), args.has("--lenient"), json);
   if (!json) {
@@ -431,11 +435,15 @@ int cmd::study(int argc, char** argv) {
   const Setup setup = make_setup(args);
   const bool json = args.has("--json");
   const std::string html = args.get("--html").value_or("expseg-study.html");
-  check_picture_path(html);
-  // The traces are read (and so checked: trace_error, exit 2) before the scenarios run, not after.
+  check_picture_path(html, traces);
+  // The traces are read and their allocations and frees paired (trace_error, exit 2) before the
+  // scenarios run, not after.
   std::vector<Trace> read;
   read.reserve(traces.size());
-  for (const std::string& p : traces) read.push_back(read_trace(p));
+  for (const std::string& p : traces) {
+    read.push_back(read_trace(p));
+    validate_trace(read.back());
+  }
 
   std::vector<std::string> names;
   for (const ScenarioInfo& s : list_scenarios()) names.emplace_back(s.name);

@@ -152,6 +152,11 @@ Config base_config(const Args& args) {
       throw InputError(std::string(e.what()) + "\n(in --conf " + echo(text) + ")");
     }
   }
+  try {
+    c.validate();
+  } catch (const config_error& e) {
+    throw InputError(e.what());
+  }
   return c;
 }
 
@@ -225,6 +230,17 @@ Setup make_setup(const Args& args) {
     s.device_note = "the simulated device: CUDA is not usable here ('expseg info' says why)";
   }
   s.device_label = device_label(s.config, s.device);
+  // Before any run: a configuration that one of the backends would refuse (e.g. --device sim:1024TiB,
+  // where an expandable segment would reserve 2 PiB) fails now, not after the other backend's run.
+  for (BackendKind b : s.backends) {
+    Config c = s.config;
+    c.backend = b;
+    try {
+      c.validate();
+    } catch (const config_error& e) {
+      throw InputError(std::string(e.what()) + " (backend " + to_string(b) + ")");
+    }
+  }
   return s;
 }
 

@@ -108,6 +108,10 @@ struct Config {
   void apply(std::string_view text);
   // Canonical `key:value,...` form; parse(to_string()) == *this.
   std::string to_string() const;
+  // Throws config_error (naming the key) when the values cannot work together, as creating an
+  // Allocator with this config would: device:sim settings the simulated device cannot honour (e.g.
+  // an expandable segment of 2x a sim_capacity above 512 TiB). Each key alone is checked when parsed.
+  void validate() const;
   // The VA an expandable segment reserves on a device of `device_total` bytes, before rounding to
   // pages; saturates at SIZE_MAX (callers bound it by kMaxExpandableVaSize).
   std::size_t expandable_va_bytes(std::size_t device_total) const noexcept;

@@ -1,6 +1,7 @@
 // Minimal JSON writer and parser (see json.hpp).
 #include "core/json.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <limits>
@@ -209,11 +210,23 @@ double JsonValue::as_number() const {
 }
 
 std::int64_t JsonValue::as_int() const {
+  if (is_number() && integer_kind == -1) return static_cast<std::int64_t>(integer);
+  if (is_number() && integer_kind == 1 && integer <= static_cast<std::uint64_t>(INT64_MAX)) return static_cast<std::int64_t>(integer);
   const double d = as_number();
   // -2^63 is exact as a double; 2^63 is the first value out of range.
   if (d != std::trunc(d) || d < -9223372036854775808.0 || d >= 9223372036854775808.0)
     throw std::runtime_error("JSON number is not an integer in the int64 range");
   return static_cast<std::int64_t>(d);
+}
+
+std::uint64_t JsonValue::as_uint() const {
+  if (is_number() && integer_kind == 1) return integer;
+  const double d = as_number();
+  if (d < 0.0) throw std::runtime_error("JSON number is negative");
+  // 2^64 is the first value out of range (exact as a double).
+  if (d != std::trunc(d) || d >= 18446744073709551616.0)
+    throw std::runtime_error("JSON number is not an integer in the uint64 range");
+  return static_cast<std::uint64_t>(d);
 }
 
 const std::string& JsonValue::as_string() const {
@@ -305,7 +318,7 @@ class Parser {
       case 'n': expect_literal("null"); out.v = nullptr; break;
       default:
         if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
-          out.v = number();
+          out.v = number(out);
         } else {
           fail(std::string("unexpected character '") + json_escape(std::string_view(&s_[pos_], 1)) + "'");
         }
@@ -457,7 +470,7 @@ class Parser {
     }
   }
 
-  double number() {
+  double number(JsonValue& out) {
     const std::size_t start = pos_;
     auto digit = [&] { return !at_end() && peek() >= '0' && peek() <= '9'; };
     if (peek() == '-') ++pos_;
@@ -509,6 +522,22 @@ class Parser {
       fail_at(start, "number out of the range of a double");
     }
     if (r.ec != std::errc() || r.ptr != last) fail_at(start, "invalid number");
+    // An integer literal (no fraction, no exponent): its exact value too, where it fits.
+    if (std::find_if(first, last, [](char c) { return c == '.' || c == 'e' || c == 'E'; }) == last) {
+      if (*first == '-') {
+        std::int64_t n = 0;
+        if (auto ri = std::from_chars(first, last, n); ri.ec == std::errc() && ri.ptr == last) {
+          out.integer = static_cast<std::uint64_t>(n);
+          out.integer_kind = n < 0 ? -1 : 1;  // "-0" is 0
+        }
+      } else {
+        std::uint64_t n = 0;
+        if (auto ru = std::from_chars(first, last, n); ru.ec == std::errc() && ru.ptr == last) {
+          out.integer = n;
+          out.integer_kind = 1;
+        }
+      }
+    }
     return d;
   }
 

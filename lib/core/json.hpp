@@ -59,6 +59,11 @@ struct JsonValue {
   using Object = std::map<std::string, JsonValue, std::less<>>;
   using Array = std::vector<JsonValue>;
   std::variant<std::nullptr_t, bool, double, std::string, std::shared_ptr<Array>, std::shared_ptr<Object>> v;
+  // An integer literal's exact value (a double holds integers exactly only up to 2^53, and none
+  // above 2^63, where the writer's uint64 sizes and limits go): 1 for one in [0, 2^64) (`integer`),
+  // -1 for a negative one in the int64 range (`integer` as its two's complement), 0 otherwise.
+  std::uint64_t integer = 0;
+  signed char integer_kind = 0;
 
   bool is_null() const { return v.index() == 0; }
   bool is_bool() const { return v.index() == 1; }
@@ -69,6 +74,7 @@ struct JsonValue {
   bool as_bool() const;                  // throws std::runtime_error on a type mismatch
   double as_number() const;
   std::int64_t as_int() const;           // number that must be integral
+  std::uint64_t as_uint() const;         // number that must be integral and in [0, 2^64)
   const std::string& as_string() const;
   const Array& as_array() const;
   const Object& as_object() const;

@@ -552,6 +552,8 @@ void validate_trace(const Trace& trace) {
     const auto& e = ev[i];
     // allocate(0) gives nullptr (RMM, CUDA): many may be live at once; free(nullptr) is a no-op.
     if (e.pointer == 0 && (e.action == TraceAction::free || (e.action == TraceAction::allocate && e.size == 0))) continue;
+    if (e.action == TraceAction::allocate && e.pointer == 0)
+      fail(i, "allocation of " + std::to_string(e.size) + " bytes at pointer 0x0 (only a size-0 allocation gives a null pointer)");
     if (e.action == TraceAction::allocate) {
       const auto [it, inserted] = live.try_emplace(e.pointer, i);
       if (!inserted)

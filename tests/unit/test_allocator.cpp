@@ -345,7 +345,7 @@ TEST_CASE("allocator: the ResNet-50 trace replays on split_merge within 1% of Py
 TEST_CASE("allocator: replay rejects a free of a pointer the trace never allocated, naming the line") {
   expseg::Trace t = expseg::parse_trace("Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,512,0x0\n1,1,free,0x2000,512,0x0\n", "bad.csv");
   const std::string msg = what_of([&] { expseg::replay(t, sim_config(BackendKind::split_merge)); });
-  CHECK(msg == "bad.csv:3: free of pointer 0x2000 that is not live (never allocated, or already freed); a partial trace (a recorder ring, a late start) replays with --lenient");
+  CHECK(msg == "bad.csv:3: free of pointer 0x2000 that is not live (never allocated, or already freed); a partial trace (a recorder ring, a late start) replays leniently (expseg replay --lenient, ReplayOptions::lenient)");
   expseg::ReplayOptions lenient;
   lenient.lenient = true;
   auto r = expseg::replay(t, sim_config(BackendKind::split_merge), lenient);

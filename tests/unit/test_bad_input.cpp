@@ -382,7 +382,7 @@ TEST_CASE("bad input: replay of traces that allocate a live pointer again, or as
   const std::string again = std::string(kHeader) + "1,0,allocate,0x1000,512,0x0\n1,1,allocate,0x1000,1024,0x0\n1,2,free,0x1000,1024,0x0\n";
   const expseg::Trace t = expseg::parse_trace(again, "again.csv");
   const std::string msg = error_of<expseg::trace_error>([&] { (void)expseg::replay(t, sim_config(BackendKind::expandable)); });
-  CHECK(msg == "again.csv:3: pointer 0x1000 allocated again while live (allocated at line 2); a partial trace (a recorder ring, a late start) replays with --lenient");
+  CHECK(msg == "again.csv:3: pointer 0x1000 allocated again while live (allocated at line 2); a partial trace (a recorder ring, a late start) replays leniently (expseg replay --lenient, ReplayOptions::lenient)");
   expseg::ReplayOptions lenient;
   lenient.lenient = true;
   const auto r = expseg::replay(t, sim_config(BackendKind::expandable), lenient);

@@ -446,6 +446,56 @@ TEST_CASE("cli: study --trace with a bad trace fails before running the scenario
   fs::remove(junk);
 }
 
+TEST_CASE("cli: study --trace whose frees do not pair with its allocations fails before running the scenarios") {
+  const fs::path unpaired = temp_path("unpaired.csv");
+  {
+    std::ofstream f(unpaired);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n1,1,free,0x2000,4096,0x0\n";
+  }
+  const fs::path html = temp_path("study-unpaired.html");
+  const Run r = run_cli("study --device sim --trace '" + unpaired.string() + "' --html '" + html.string() + "'");
+  INFO(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find("unpaired.csv:3: free of pointer 0x2000 that is not live") != std::string::npos);
+  CHECK(r.out.empty());  // was: every scenario's table first, then the error
+  CHECK(!fs::exists(html));
+  fs::remove(unpaired);
+}
+
+TEST_CASE("cli: --html naming an input trace is refused, and the trace is left as it was") {
+  const fs::path trace = temp_path("victim.csv");
+  const std::string text = "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n1,1,free,0x1000,4096,0x0\n";
+  {
+    std::ofstream f(trace);
+    f << text;
+  }
+  for (const std::string& cmd : {"replay --device sim '" + trace.string() + "' --html '" + trace.string() + "'",
+                                "study --device sim --trace '" + trace.string() + "' --html '" + trace.string() + "'"}) {
+    CAPTURE(cmd);
+    const Run r = run_cli(cmd);
+    CHECK(r.status == 2);
+    CHECK(r.err.find("would overwrite it") != std::string::npos);
+    CHECK(read_file(trace) == text);  // was: replaced by the HTML picture
+  }
+  fs::remove(trace);
+}
+
+TEST_CASE("cli: a configuration one backend refuses fails before the other backend runs") {
+  // sim:1024TiB: an expandable segment would reserve 2 PiB. Was: split_merge's result printed, then
+  // the error, exit 2.
+  const Run r = run_cli("replay --device sim:1024TiB --json '" + kTrace + "'");
+  CHECK(r.status == 2);
+  CHECK(r.out.empty());
+  CHECK(r.err.find("expandable_va_size") != std::string::npos);
+  CHECK(r.err.find("backend expandable") != std::string::npos);
+  // The split_merge backend alone runs there.
+  CHECK(run_cli("replay --device sim:1024TiB --backend split_merge --json '" + kTrace + "'").status == 0);
+  // And the configuration itself, when it names the backend that refuses it.
+  const Run c = run_cli("config --conf device:sim,sim_capacity:1024TiB,backend:expandable");
+  CHECK(c.status == 2);
+  CHECK(c.err.find("expandable_va_size") != std::string::npos);
+}
+
 TEST_CASE("cli: a --conf backend key with spaces around it picks the backend, as the library reads it") {
   for (const char* conf : {"' backend:expandable'", "'\tbackend :expandable'", "'limit:2GiB,  expandable_segments:True'"}) {
     const Run r = run_cli(std::string("scenario split-800-500-300 --device sim --json --conf ") + conf);

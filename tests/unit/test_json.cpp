@@ -256,4 +256,29 @@ TEST_CASE("json: accessors check types and bounds") {
   CHECK_THROWS_AS((void)parse_json("9223372036854775808").as_int(), std::runtime_error);
 }
 
+TEST_CASE("json: integers read back exactly, uint64 ones above int64 and 2^53 included") {
+  // The writer prints sizes and limits as uint64: a request of SIZE_MAX bytes, a limit of 2^64 - 1.
+  // Read as doubles they were refused above 2^63 and rounded above 2^53.
+  expseg::core::JsonWriter w;
+  w.begin_array()
+      .value(std::numeric_limits<std::uint64_t>::max())
+      .value(std::uint64_t{9007199254740993})  // 2^53 + 1: no double holds it
+      .value(std::numeric_limits<std::int64_t>::min())
+      .value(std::int64_t{-9007199254740993})
+      .end_array();
+  const JsonValue v = parse_json(w.str());
+  CHECK(v[0].as_uint() == std::numeric_limits<std::uint64_t>::max());
+  CHECK_THROWS_AS((void)v[0].as_int(), std::runtime_error);
+  CHECK(v[1].as_uint() == 9007199254740993u);
+  CHECK(v[1].as_int() == 9007199254740993);
+  CHECK(v[2].as_int() == std::numeric_limits<std::int64_t>::min());
+  CHECK(v[3].as_int() == -9007199254740993);
+  CHECK_THROWS_WITH_AS((void)v[3].as_uint(), "JSON number is negative", std::runtime_error);
+  CHECK_THROWS_AS((void)parse_json("18446744073709551616").as_uint(), std::runtime_error);  // 2^64
+  CHECK(parse_json("1e3").as_uint() == 1000);   // not a literal integer: through the double, still integral
+  CHECK_THROWS_AS((void)parse_json("1.5").as_uint(), std::runtime_error);
+  CHECK(parse_json("-0").as_int() == 0);
+  CHECK(parse_json("-0").as_uint() == 0);
+}
+
 }  // TEST_SUITE

@@ -386,6 +386,23 @@ TEST_CASE("read_oom_dump: reads back exactly what was written, on both backends"
   }
 }
 
+TEST_CASE("read_oom_dump: uint64 sizes and limits above int64 read back (a request of SIZE_MAX bytes, a limit of 2^64 - 1)") {
+  // Was: 'report.requested_bytes: JSON number is not an integer in the int64 range', so explain
+  // refused dumps expseg itself wrote for a negative size cast to size_t.
+  TempDir dir("huge");
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    const std::string path = (dir.path / (std::string(expseg::to_string(b)) + ".json")).string();
+    Allocator a(sim_config(b, 80 * GiB, "limit:18446744073709551615,oom_dump:" + path));
+    constexpr std::size_t kHuge = std::numeric_limits<std::size_t>::max();
+    CHECK_THROWS_AS((void)a.allocate(kHuge), expseg::out_of_memory);
+    const expseg::OomDump d = expseg::read_oom_dump(path);
+    CHECK(d.report.requested_bytes == kHuge);
+    CHECK(d.snapshot.limit_bytes == a.snapshot().limit_bytes);
+    CHECK(d.report.to_json() == a.last_oom()->to_json());
+  }
+}
+
 TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file and what is wrong") {
   TempDir dir("bad");
   // A real dump to corrupt.
@@ -411,7 +428,7 @@ TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file 
       {replace("expseg-oom-dump/1", "expseg-oom-dump/9"), "format 'expseg-oom-dump/9' is not one this version reads"},
       {replace("\"pid\":", "\"pid_\":"), "member 'pid' is missing"},
       {replace("\"requested_bytes\":16777216", "\"requested_bytes\":\"16\""), "member 'report.requested_bytes': "},
-      {replace("\"requested_bytes\":16777216", "\"requested_bytes\":-16"), "member 'report.requested_bytes' is negative"},
+      {replace("\"requested_bytes\":16777216", "\"requested_bytes\":-16"), "member 'report.requested_bytes': JSON number is negative"},
       {replace("\"verdict\":\"limit\"", "\"verdict\":\"bad luck\""), "member 'report.verdict' has an unknown value 'bad luck'"},
       {replace("\"stream\":\"0x0\"", "\"stream\":\"zero\""), "member 'report.stream' is not a hex number"},
       {replace("\"allocated_bytes.all.current\"", "\"allocated_bytes.all.now\""),

@@ -55,6 +55,36 @@ TEST_CASE("replay regression: several live allocate(0) at pointer 0x0 replay, as
   CHECK(expseg::replay(t, sim_config(BackendKind::split_merge), lenient).skipped_frees == 0);  // was 2
 }
 
+TEST_CASE("replay regression: an allocation of nonzero size at pointer 0x0 is refused, not kept live for ever") {
+  // Its free(0x0) is free(nullptr), a no-op: the block stayed live and the next request hit a false
+  // OOM (1 GiB at 0x0 under 1.5 GiB, then 1 GiB more).
+  const std::string csv = std::string(kHdr) +
+                          "1,0,allocate,0x0,1073741824,0x0\n1,1,free,0x0,1073741824,0x0\n"
+                          "1,2,allocate,0x1000,1073741824,0x0\n1,3,free,0x1000,1073741824,0x0\n";
+  const expseg::Trace t = expseg::parse_trace(csv, "null.csv");
+  const std::string why = "null.csv:2: allocation of 1073741824 bytes at pointer 0x0 (only a size-0 allocation gives a null pointer)";
+  try {
+    expseg::validate_trace(t);
+    FAIL("accepted");
+  } catch (const expseg::trace_error& e) {
+    CHECK(std::string(e.what()) == why);
+  }
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    try {
+      (void)expseg::replay(t, sim_config(b, 1536 * MiB));
+      FAIL("accepted");
+    } catch (const expseg::trace_error& e) {
+      CHECK(std::string(e.what()).rfind(why, 0) == 0);
+    }
+    expseg::ReplayOptions lenient;
+    lenient.lenient = true;
+    const auto r = expseg::replay(t, sim_config(b, 1536 * MiB), lenient);
+    CHECK(r.ooms == 0);  // was 1
+    CHECK(r.allocations == 1);
+    CHECK(r.peak_allocated_bytes == static_cast<std::int64_t>(GiB));
+  }
+}
+
 TEST_CASE("replay regression: a recorded allocation failure that succeeds now counts in peak_requested_bytes") {
   const std::string csv = std::string(kHdr) +
                           "1,0,allocate failure,0x0,104857600,0x0\n"
