@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "core/block.hpp"
@@ -285,18 +286,25 @@ class SizeIndex {
 };
 
 // One SizeIndex per stream, in stream order: PyTorch's (stream, size, address) pool order.
-// Streams are few (one per thread or per CUDA stream in use), so a lookup scans a short vector.
+// Streams are few in most programs (one per thread or per CUDA stream in use), so a lookup scans the
+// first kScan entries of a short vector and writes nothing. A program with many more (a stream per
+// request) finds the rest through a hash table of all entries: a cached allocation on the last of
+// 4,000 streams took 1.2 us scanning them all, 0.05 us on the first.
 class StreamIndexes {
  public:
+  static constexpr std::size_t kScan = 8;
   // The stream's index, created on first use (may throw std::bad_alloc; nothing else changes).
   SizeIndex& of(driver::stream_t stream) {
     if (SizeIndex* s = find(stream)) return *s;
     return add(stream);
   }
   SizeIndex* find(driver::stream_t stream) noexcept {
-    for (Entry& e : entries_)
-      if (e.stream == stream) return e.index.get();
-    return nullptr;
+    const std::size_t n = entries_.size();
+    for (std::size_t i = 0, scan = n < kScan ? n : kScan; i < scan; ++i)
+      if (entries_[i].stream == stream) return entries_[i].index.get();
+    if (n <= kScan) return nullptr;
+    const auto it = all_.find(stream);
+    return it == all_.end() ? nullptr : it->second;
   }
   std::size_t size() const noexcept {
     std::size_t n = 0;
@@ -328,13 +336,23 @@ class StreamIndexes {
   // Forgets the stream's index, which must be empty and named by no segment.
   void erase(driver::stream_t stream) noexcept {
     std::erase_if(entries_, [&](const Entry& e) { return e.stream == stream; });
+    all_.erase(stream);
   }
 
  private:
   [[gnu::noinline]] SizeIndex& add(driver::stream_t stream) {
     auto pos = entries_.begin();
     while (pos != entries_.end() && key(pos->stream) < key(stream)) ++pos;
-    return *entries_.insert(pos, Entry{stream, std::make_unique<SizeIndex>()})->index;
+    auto index = std::make_unique<SizeIndex>();
+    SizeIndex* raw = index.get();
+    all_.emplace(stream, raw);  // may throw: nothing changed
+    try {
+      entries_.insert(pos, Entry{stream, std::move(index)});
+    } catch (...) {
+      all_.erase(stream);
+      throw;
+    }
+    return *raw;
   }
   static std::uintptr_t key(driver::stream_t s) noexcept { return reinterpret_cast<std::uintptr_t>(s); }
   struct Entry {
@@ -342,6 +360,7 @@ class StreamIndexes {
     std::unique_ptr<SizeIndex> index;
   };
   std::vector<Entry> entries_;
+  std::unordered_map<driver::stream_t, SizeIndex*> all_;  // every entry's index, by stream (find past kScan)
 };
 
 }  // namespace expseg::core

@@ -246,6 +246,11 @@ std::size_t ExpandableBackend::round_size(std::size_t size) const noexcept {
   return round_up(size, kMinBlockSize);
 }
 
+ExpArena& ExpandableBackend::arena_past_scan(driver::stream_t stream) {
+  if (ExpArena* a = find_arena(stream)) return *a;
+  return new_arena(stream);
+}
+
 ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
   auto* a = new ExpArena;
   a->stream = stream;
@@ -270,7 +275,13 @@ ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
   try {
     arenas_.push_back(a);
     try {
-      arena_index_.push_back(ArenaEntry{stream, a});
+      arena_by_stream_.emplace(stream, a);
+      try {
+        if (arena_index_.size() < kScanArenas) arena_index_.push_back(ArenaEntry{stream, a});
+      } catch (...) {
+        arena_by_stream_.erase(stream);
+        throw;
+      }
     } catch (...) {
       arenas_.pop_back();
       throw;
@@ -378,11 +389,14 @@ inline void ExpandableBackend::add_idle_run(ExpSegment& seg, std::uint64_t lo, s
   r->lo = lo;
   r->hi = hi;
   idle_runs_.insert(after ? std::next(idle_runs_.iterator_to(*after)) : idle_runs_.end(), *r);
+  ArenaRunList& own = seg.arena->idle_runs;  // `after` lies in the same segment: the same relative order
+  own.insert(after ? std::next(own.iterator_to(*after)) : own.end(), *r);
   set_run_edges(r);
 }
 
 inline void ExpandableBackend::drop_idle_run(IdleRun* r) noexcept {
   idle_runs_.erase(idle_runs_.iterator_to(*r));
+  r->seg->arena->idle_runs.erase(r->seg->arena->idle_runs.iterator_to(*r));
   r->next_spare = spare_runs_;
   spare_runs_ = r;
 }
@@ -1053,16 +1067,15 @@ Block* ExpandableBackend::carve_at(ExpArena& arena, ExpSegment& seg, Block* b, s
 
 Block* ExpandableBackend::allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) {
   if (size == 0 || addr % kMinBlockSize != 0 || size % kMinBlockSize != 0) return nullptr;
-  for (const ArenaEntry& e : arena_index_) {
-    if (e.stream != stream) continue;
-    for (ExpSegment* seg : e.arena->segments) {
-      if (addr < seg->base || addr - seg->base >= seg->va_bytes || seg->va_bytes - (addr - seg->base) < size) continue;
-      Block* b = mapped_block_at(*seg, addr);
-      if (!b->is_free() || !b->mapped || b->end() - addr < size) return nullptr;
-      reserve_runs(1);
-      e.arena->blocks.reserve_two();  // nothing may fail once the runs change
-      return carve_at(*e.arena, *seg, b, addr, size, size);
-    }
+  ExpArena* const arena = find_arena(stream);
+  if (arena == nullptr) return nullptr;
+  for (ExpSegment* seg : arena->segments) {
+    if (addr < seg->base || addr - seg->base >= seg->va_bytes || seg->va_bytes - (addr - seg->base) < size) continue;
+    Block* b = mapped_block_at(*seg, addr);
+    if (!b->is_free() || !b->mapped || b->end() - addr < size) return nullptr;
+    reserve_runs(1);
+    arena->blocks.reserve_two();  // nothing may fail once the runs change
+    return carve_at(*arena, *seg, b, addr, size, size);
   }
   return nullptr;
 }
@@ -1347,9 +1360,19 @@ bool ExpandableBackend::make_room(std::size_t bytes, const Exclusion& ex) {
 std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only, bool largest_first) {
   std::size_t freed = 0;
   std::vector<ExpHandle*> order;
-  for_each_idle([&](ExpHandle& h) {
-    if ((only == nullptr || h.seg->arena == only) && !excluded(h, ex)) order.push_back(&h);
-  });
+  if (only != nullptr) {  // that arena's runs only, in the same order for_each_idle would give them
+    if (!may_unmap_in(*only)) return 0;
+    for (const IdleRun& r : only->idle_runs)
+      for (std::uint64_t a = r.lo; a < r.hi; ++slow_path_steps_) {
+        ExpHandle* h = handle_at(*r.seg, a);
+        a += h->bytes;
+        if (!excluded(*h, ex)) order.push_back(h);
+      }
+  } else {
+    for_each_idle([&](ExpHandle& h) {
+      if (!excluded(h, ex)) order.push_back(&h);
+    });
+  }
   if (largest_first) std::stable_sort(order.begin(), order.end(), [](const ExpHandle* a, const ExpHandle* b) { return a->bytes > b->bytes; });
   for (ExpHandle* h : order) {
     if (freed >= bytes) break;
@@ -1681,7 +1704,8 @@ bool ExpandableBackend::give_back_arena(ExpArena* a) {
 
 void ExpandableBackend::forget_arena(ExpArena* a) noexcept {
   arenas_.erase(std::find(arenas_.begin(), arenas_.end(), a));
-  arena_index_.erase(std::find_if(arena_index_.begin(), arena_index_.end(), [&](const ArenaEntry& e) { return e.arena == a; }));
+  std::erase_if(arena_index_, [&](const ArenaEntry& e) { return e.arena == a; });
+  arena_by_stream_.erase(a->stream);
   if (auto r = std::find(retired_.begin(), retired_.end(), a); r != retired_.end()) retired_.erase(r);
   delete a;
 }
@@ -1722,20 +1746,19 @@ std::size_t ExpandableBackend::drop_empty_segments(const ExpArena* keep) {
 
 std::size_t ExpandableBackend::stream_bytes_in_use(driver::stream_t stream) const {
   std::size_t in_use = 0;
-  for (const ArenaEntry& e : arena_index_)
-    if (e.stream == stream)
-      for (const ExpSegment* seg : e.arena->segments)
-        for (const Block* b = seg->first; b != nullptr; b = b->next)
-          if (!b->is_free()) in_use += b->size;
+  if (const ExpArena* arena = find_arena(stream))
+    for (const ExpSegment* seg : arena->segments)
+      for (const Block* b = seg->first; b != nullptr; b = b->next)
+        if (!b->is_free()) in_use += b->size;
   return in_use;
 }
 
 void ExpandableBackend::release_stream(driver::stream_t stream) {
-  const auto e = std::find_if(arena_index_.begin(), arena_index_.end(), [&](const ArenaEntry& x) { return x.stream == stream; });
-  if (e == arena_index_.end()) return;
+  ExpArena* const arena = find_arena(stream);
+  if (arena == nullptr) return;
   begin_operation();
   synced_.streams[synced_.count++] = stream;  // by the frontend, just now
-  if (!give_back_arena(e->arena)) broken("release_stream: an arena with no block in use kept a segment");
+  if (!give_back_arena(arena)) broken("release_stream: an arena with no block in use kept a segment");
 }
 
 void ExpandableBackend::release_cached() {
@@ -1957,6 +1980,16 @@ void ExpandableBackend::validate() const {
       broken("the end handles of the idle run at " + hex(r.lo) + " do not point to it");
   }
   if (in_runs != idle) broken("idle handles missing from the idle runs");
+  // Each arena's list holds exactly its runs, in the backend's order.
+  for (const ExpArena* arena : arenas_) {
+    auto own = arena->idle_runs.begin();
+    for (const IdleRun& r : idle_runs_) {
+      if (r.seg->arena != arena) continue;
+      if (own == arena->idle_runs.end() || &*own != &r) broken("an arena's idle runs differ from its runs in the backend's order");
+      ++own;
+    }
+    if (own != arena->idle_runs.end()) broken("an arena's idle runs hold a run of another arena, or one no more idle");
+  }
   for (const ExpHandle& h : orphans_) {
     reserved += h.bytes;
     ++handles;

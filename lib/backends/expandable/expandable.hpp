@@ -27,7 +27,8 @@
 //     inside one mapped free block (a handle maps whole; the free blocks over it are mapped and
 //     merged); not stored per handle
 //   - the idle runs partition the idle handles: each run is a range of whole handles inside one
-//     mapped free block, its first handle's run_first and its last handle's run_last point to it
+//     mapped free block, its first handle's run_first and its last handle's run_last point to it;
+//     an arena's idle_runs are the runs in its segments, in the backend's order
 //   - reserved_ = bytes of every handle held (mapped or waiting for a retried release)
 //   - a mapped orphan (its access grant and its unmap failed) lies inside a reservation still held,
 //     and no handle is mapped over its frames until its unmap succeeds
@@ -36,6 +37,7 @@
 #include <boost/intrusive/list.hpp>
 #include <boost/intrusive/set.hpp>
 #include <limits>
+#include <unordered_map>
 #include <vector>
 
 #include "backends/backend.hpp"
@@ -56,7 +58,14 @@ struct IdleRun {
   std::uint64_t hi = 0;
   IdleRun* next_spare = nullptr;  // the backend's spare runs
   core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>> hook;  // the backend's idle_runs_
+  core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>> arena_hook;  // its arena's idle_runs
 };
+// An arena's idle runs, in the backend's order (least recently idle first): a reclaim of one
+// stream's idle memory walks these, not every stream's (thousands of streams: O(that stream's runs)).
+using ArenaRunList = core::bi::list<IdleRun,
+                                    core::bi::member_hook<IdleRun, core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>>,
+                                                          &IdleRun::arena_hook>,
+                                    core::bi::constant_time_size<false>>;
 
 // One physical allocation (cuMemCreate), mapped as a whole at a run of frames of one segment.
 struct ExpHandle {
@@ -95,6 +104,7 @@ struct ExpArena {
   core::BlockPool blocks;       // this arena's Block objects (per stream: threads share no free list)
   driver::stream_t stream = nullptr;
   core::SizeIndex mapped_free;  // free blocks backed by memory: best fit by (size, address)
+  ArenaRunList idle_runs;       // the backend's idle runs that lie in this arena's segments, in its order
   UnmappedIndex unmapped;       // free address ranges without memory: first fit by address
   std::vector<ExpSegment*> segments;
   // Whether the stream captures a CUDA graph, as asked in operation `capture_seen_op` (see
@@ -142,8 +152,9 @@ class ExpandableBackend final : public Backend {
   // idle runs an unmap looks at (reclaim).
   std::uint64_t cached_path_handles() const noexcept { return cached_path_handles_; }
   // Blocks and idle handles that the slow paths' lookups have looked at: the block an unmap takes
-  // its handle from, and room_after_reclaim's idle handles (tests check they stay near the work
-  // done, not the number of blocks or idle handles).
+  // its handle from, room_after_reclaim's idle handles, and those of one stream's reclaim before
+  // memory grows past its highest mark (tests check they stay near the work done, not the number
+  // of blocks, idle handles or streams).
   std::uint64_t slow_path_steps() const noexcept { return slow_path_steps_; }
   // What the slow paths' searches have looked at: the unmapped blocks of find_placement, the mapped
   // free blocks and handles of find_mapped_place, the idle handles of move_idle_handle.
@@ -171,12 +182,20 @@ class ExpandableBackend final : public Backend {
   }
 
   ExpArena& arena_for(driver::stream_t stream) {
-    // A read-only scan (streams are few): threads on different streams then share no written line
-    // here, where a "last arena" cache would be rewritten on every switch.
+    // A read-only scan of the first kScanArenas arenas made (streams are few): threads on different
+    // streams then share no written line here, where a "last arena" cache would be rewritten on
+    // every switch. The others through a hash table (a program with thousands of streams: O(1), not
+    // a scan of them all on every cached allocation).
     for (const ArenaEntry& e : arena_index_)
       if (e.stream == stream) return *e.arena;
-    return new_arena(stream);
+    return arena_past_scan(stream);
   }
+  [[gnu::noinline]] ExpArena& arena_past_scan(driver::stream_t stream);
+  ExpArena* find_arena(driver::stream_t stream) const noexcept {
+    const auto it = arena_by_stream_.find(stream);
+    return it == arena_by_stream_.end() ? nullptr : it->second;
+  }
+  static constexpr std::size_t kScanArenas = 8;
   [[gnu::noinline]] ExpArena& new_arena(driver::stream_t stream);
   core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done = false);
   static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
@@ -288,7 +307,8 @@ class ExpandableBackend final : public Backend {
     driver::stream_t stream;
     ExpArena* arena;
   };
-  std::vector<ArenaEntry> arena_index_;  // stream -> arena, scanned by arena_for()
+  std::vector<ArenaEntry> arena_index_;  // stream -> arena for at most kScanArenas of them, scanned by arena_for()
+  std::unordered_map<driver::stream_t, ExpArena*> arena_by_stream_;  // every arena, by stream
   std::vector<ExpArena*> retired_;  // arenas of per-thread keys of exited threads (reap_retired)
   std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when retired_ was last brought up to date
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
