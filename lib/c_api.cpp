@@ -212,6 +212,24 @@ int fail_current(const char* fn) noexcept {
   }
 }
 
+// As fail_current, but an expseg::error that is the caller's misuse (a call refused now, nothing
+// changed: a pool not begun, a stream in use, a capture underway) is EXPSEG_ERROR_INVALID_ARGUMENT
+// with the reason; driver and configuration errors are reported as every other call reports them.
+int fail_as_misuse(const char* fn) noexcept {
+  try {
+    throw;
+  } catch (const driver_error&) {
+    return fail_current(fn);
+  } catch (const config_error&) {
+    return fail_current(fn);
+  } catch (const error& e) {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
 bool valid_device(int device, const char* fn) noexcept {
   if (device >= 0 && device < kMaxDevices) return true;
   try {
@@ -344,13 +362,8 @@ int with_allocator(int device, const char* fn, Creates creates, F&& call) noexce
   try {
     call(a);
     return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
   } catch (...) {
-    return fail_current(fn);
+    return fail_as_misuse(fn);
   }
 }
 
@@ -529,15 +542,8 @@ int expseg_release_cached(int device) noexcept {
   try {
     a->release_cached();
     return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const config_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // refused now (a capture allocates into a graph pool): nothing changed
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
+  } catch (...) {  // refused while a capture allocates into a graph pool
+    return fail_as_misuse(fn);
   }
 }
 
@@ -549,13 +555,8 @@ int expseg_release_stream(int device, expseg_stream_t stream) noexcept {
   try {
     a->release_stream(static_cast<expseg::stream_t>(stream));
     return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // the stream cannot be released now: blocks use it, or it is not one's own
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
+  } catch (...) {  // refused: blocks use the stream, or it is not one's own
+    return fail_as_misuse(fn);
   }
 }
 
@@ -633,15 +634,8 @@ int expseg_set_limit(int device, size_t bytes) noexcept {
   try {
     a->set_limit(bytes);
     return EXPSEG_SUCCESS;
-  } catch (const driver_error&) {
-    return fail_current(fn);
-  } catch (const config_error&) {
-    return fail_current(fn);
-  } catch (const error& e) {  // refused now (a capture allocates into a graph pool): nothing changed
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, e.what());
-    return EXPSEG_ERROR_INVALID_ARGUMENT;
-  } catch (...) {
-    return fail_current(fn);
+  } catch (...) {  // refused while a capture allocates into a graph pool
+    return fail_as_misuse(fn);
   }
 }
 

@@ -1724,24 +1724,17 @@ std::size_t ExpandableBackend::give_back_unused_arenas(const ExpArena* keep) {
   return given;
 }
 
-// Gives back the address range of every segment that holds nothing (one free unmapped block), but
-// `keep`'s, and forgets the arenas left without a segment (a later request on their stream makes a
-// new one). Each stream's segment reserves about twice the device's memory, so a process that has
-// used a few hundred streams would otherwise run out of address range for the next one (PyTorch's
-// empty_cache gives back an expandable segment's range the same way). Returns the segments dropped.
-std::size_t ExpandableBackend::drop_empty_segments(const ExpArena* keep) {
-  std::size_t dropped = 0;
+// Gives back the address range of every segment that holds nothing (one free unmapped block), and
+// forgets the arenas left without a segment (a later request on their stream makes a new one). Each
+// stream's segment reserves about twice the device's memory, so a process that has used a few
+// hundred streams would otherwise run out of address range for the next one (PyTorch's empty_cache
+// gives back an expandable segment's range the same way).
+void ExpandableBackend::drop_empty_segments() {
   for (std::size_t i = arenas_.size(); i-- > 0;) {
     ExpArena* a = arenas_[i];
-    if (a == keep) continue;
-    for (std::size_t j = a->segments.size(); j-- > 0;) {
-      const std::size_t before = a->segments.size();
-      drop_segment(*a, a->segments[j]);
-      dropped += before - a->segments.size();
-    }
+    for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);  // the empty ones
     if (a->segments.empty()) forget_arena(a);
   }
-  return dropped;
 }
 
 std::size_t ExpandableBackend::stream_bytes_in_use(driver::stream_t stream) const {
@@ -1767,7 +1760,7 @@ void ExpandableBackend::release_cached() {
   reap_retired(nullptr);
   reclaim_idle(std::numeric_limits<std::size_t>::max(), Exclusion{});
   retry_orphans();
-  drop_empty_segments(nullptr);
+  drop_empty_segments();
 }
 
 // Gives back just the idle memory above the new limit, in whole handles (core::pick_give_back:

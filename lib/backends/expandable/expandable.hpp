@@ -266,7 +266,7 @@ class ExpandableBackend final : public Backend {
   void reap_retired(const ExpArena* keep);
   bool give_back_arena(ExpArena* a);
   void forget_arena(ExpArena* a) noexcept;  // an arena without segments: deleted
-  std::size_t drop_empty_segments(const ExpArena* keep);
+  void drop_empty_segments();
   // Out of address range: the idle memory, ranges and arenas of the streams (but `keep`'s) that
   // hold no block in use, given back (give_back_arena). Walks their blocks: that rare path only.
   std::size_t give_back_unused_arenas(const ExpArena* keep);
