@@ -25,9 +25,10 @@ TEST_CASE("idle runs regression: a bad_alloc for the new Block of a cached alloc
   // unmapped tail are the arena's first two Block objects.
   void* x = a.allocate(20 * MiB);
   // The first 512 B maps a 20 MiB growth granule after x (its block, the free rest and the
-  // unmapped tail: 4 Block objects); 252 more carve the rest: 256, the pool's first chunk.
+  // unmapped tail: 4 Block objects); 244 more carve the rest: 248, the pool's first five chunks
+  // (8 + 16 + 32 + 64 + 128 Block objects).
   std::vector<void*> small;
-  for (int i = 0; i < 253; ++i) small.push_back(a.allocate(512));
+  for (int i = 0; i < 245; ++i) small.push_back(a.allocate(512));
   a.deallocate(x);  // both handles idle, one run; x's Block stays (no free neighbour)
   a.validate();
   // Only x's 20 MiB fits: carved from its front, covering the 16 MiB handle wholly, and the Block

@@ -42,8 +42,9 @@ TEST_CASE("slow path regression: reclaim under a limit does not walk every block
   for (int i = 0; i < k; ++i) big.push_back(a.allocate(4 * MiB));
   const std::uint64_t steps = be.slow_path_steps() - steps0;
   CAPTURE(steps);
-  // Was 2.5 million (~9,800 a request; now ~50): room_after_reclaim summed all 2048 idle handles,
-  // and each unmap walked the blocks from the segment's first to its handle, twice.
+  // Was 2.5 million (~9,800 a request; now ~70): room_after_reclaim summed all 2048 idle handles,
+  // and each unmap walked the blocks from the segment's first to its handle, twice. Then 472,000
+  // (~1,850 a request): reclaim's largest-first order walked every idle handle to sort them.
   CHECK(steps <= 128 * k);
   a.validate();
   // release_cached unmaps the 1536 idle handles left, at scattered addresses.

@@ -82,8 +82,9 @@ TEST_CASE("split_merge regression: a freed block waiting for a recorded stream k
 
 TEST_CASE("split_merge regression: a bad_alloc while splitting a new segment leaves nothing behind") {
   Allocator a(sim_config(BackendKind::split_merge));
-  std::vector<void*> small;  // 254 blocks and the remainder: 255 of the pool's first 256 Block objects
-  for (int i = 0; i < 254; ++i) small.push_back(a.allocate(512));
+  // 246 blocks and the remainder: 247 of the 248 Block objects of the pool's first five chunks
+  std::vector<void*> small;
+  for (int i = 0; i < 246; ++i) small.push_back(a.allocate(512));
   g_fail_next_aligned_array_new = true;  // the next Block chunk
   // Was: the segment was created, then the split's Block allocation threw: its only block was in
   // no index, validate() failed and release_cached() could never give its 20 MiB back.
