@@ -544,10 +544,10 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
   graph_pool->uses += 1;
   // prepare_capture's answer for this stream, asked before the capture began (it cannot be now).
   bool may_block = true;
-  if (auto p = std::find_if(m.prepared_captures.begin(), m.prepared_captures.end(), [&](const auto& e) { return e.first == key; });
-      p != m.prepared_captures.end()) {
+  if (auto p = std::find_if(m.ctx.prepared_captures.begin(), m.ctx.prepared_captures.end(), [&](const auto& e) { return e.first == key; });
+      p != m.ctx.prepared_captures.end()) {
     may_block = p->second;
-    m.prepared_captures.erase(p);
+    m.ctx.prepared_captures.erase(p);
   }
   m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key, may_block});
   m.update_capture_state();
@@ -659,20 +659,20 @@ void Allocator::prepare_capture(stream_t stream) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   Impl& m = *impl_;
   if (backends::is_graph_pool_key(key)) throw error("prepare_capture: not a stream");
-  m.prepared_captures.reserve(Impl::kMaxPreparedCaptures);  // nothing below allocates
+  m.ctx.prepared_captures.reserve(Impl::kMaxPreparedCaptures);  // nothing below allocates
   const driver::stream_t query = backends::capture_query_stream(key);
   // Asking a capturing stream's flags would invalidate its capture.
   if (m.driver->stream_capture_id(query) != 0)
     throw error("prepare_capture: the stream captures already; call it before cuStreamBeginCapture");
   // The default streams block: the legacy stream itself, and each thread's per-thread stream.
   const bool blocks = backends::is_legacy_stream(key) || backends::is_per_thread_key(key) || m.driver->stream_is_blocking(query);
-  auto p = std::find_if(m.prepared_captures.begin(), m.prepared_captures.end(), [&](const auto& e) { return e.first == key; });
-  if (p != m.prepared_captures.end()) {
+  auto p = std::find_if(m.ctx.prepared_captures.begin(), m.ctx.prepared_captures.end(), [&](const auto& e) { return e.first == key; });
+  if (p != m.ctx.prepared_captures.end()) {
     p->second = blocks;
     return;
   }
-  if (m.prepared_captures.size() == Impl::kMaxPreparedCaptures) m.prepared_captures.erase(m.prepared_captures.begin());
-  m.prepared_captures.emplace_back(key, blocks);
+  if (m.ctx.prepared_captures.size() == Impl::kMaxPreparedCaptures) m.ctx.prepared_captures.erase(m.ctx.prepared_captures.begin());
+  m.ctx.prepared_captures.emplace_back(key, blocks);
 }
 
 void Allocator::end_graph_pool(std::uint64_t pool) {

@@ -182,14 +182,13 @@ struct Allocator::Impl final : backends::FrontendHooks {
   std::pair<GraphPool*, driver::stream_t> pool_key_for(std::uint64_t pool, driver::stream_t stream);
   // Drops the released keys of `p` that no live block carries any more.
   void prune_released_keys(GraphPool& p) const noexcept;
-  // prepare_capture's answers (a stream's key, whether it blocks), each taken by the next
-  // begin_graph_pool of its stream; the oldest dropped past kMaxPreparedCaptures.
+  // prepare_capture's answers live in ctx.prepared_captures (the backend watches those streams).
   static constexpr std::size_t kMaxPreparedCaptures = 16;
-  std::vector<std::pair<driver::stream_t, bool>> prepared_captures;
   // ctx.capturing and ctx.capture_spares_legacy from capture_routes.
   void update_capture_state() noexcept {
     update_routing();
     ctx.capturing = !capture_routes.empty();
+    imports->set_capturing(ctx.capturing);  // imports closed during a capture wait for its end
     ctx.capture_spares_legacy =
         ctx.capturing && std::none_of(capture_routes.begin(), capture_routes.end(), [](const CaptureRoute& r) { return r.may_block; });
   }

@@ -436,19 +436,17 @@ struct ImportedMemory::State {
   std::size_t size = 0;
   std::shared_ptr<detail::ImportRegistry> registry;  // Allocator::import_ipc: where `base` is registered
 
-  // Undoes everything, in reverse order; remembers the first failure and goes on.
+  // Undoes everything, in reverse order; remembers the first failure and goes on, except that the
+  // mappings stay (and the state says so: a later release tries again) when the synchronization
+  // before the unmap fails: unmapped, memory that queued work still uses makes it fault.
   void release(std::exception_ptr& first) noexcept {
-    if (registry) {
-      // First: a peer granted from now on must not set access over a range being unmapped.
-      std::lock_guard<std::mutex> lock(registry->mu);
-      registry->ranges.erase(base);
-    }
-    registry.reset();
     auto attempt = [&](auto&& f) {
       try {
         f();
+        return true;
       } catch (...) {
         if (!first) first = std::current_exception();
+        return false;
       }
     };
     if (opened) attempt([&] { drv->ipc_close(base); });
@@ -456,7 +454,13 @@ struct ImportedMemory::State {
     // cuIpcCloseMemHandle waits for the work queued on the memory (measured on the H200); cuMemUnmap
     // does not, and that work then faults (CUDA_ERROR_ILLEGAL_ADDRESS, the context lost): wait for
     // this device's work first, as PyTorch does before unmapping an imported expandable segment.
-    if (!mapped.empty()) attempt([&] { drv->device_synchronize(); });
+    if (!mapped.empty() && !attempt([&] { drv->device_synchronize(); })) return;
+    if (registry) {
+      // Before the unmap: a peer granted from now on must not set access over a range being unmapped.
+      std::lock_guard<std::mutex> lock(registry->mu);
+      registry->ranges.erase(base);
+    }
+    registry.reset();
     std::uint64_t at = base;
     for (std::size_t bytes : mapped) {
       attempt([&] { drv->unmap(at, bytes); });
@@ -468,16 +472,49 @@ struct ImportedMemory::State {
     if (reserved != 0) attempt([&] { drv->free_reserve(base, reserved); });
     reserved = 0;
   }
+  // Hands `s` to its allocator's registry when a capture it knows of is underway (the release
+  // waits for the capture's end); true if it did.
+  static bool defer(std::unique_ptr<State>& s) noexcept {
+    if (!s || !s->registry) return false;
+    const std::shared_ptr<detail::ImportRegistry> registry = s->registry;
+    std::lock_guard<std::mutex> lock(registry->mu);
+    if (!registry->capturing) return false;
+    try {
+      registry->deferred.push_back(std::shared_ptr<void>(s.get(), [](void* p) { delete static_cast<State*>(p); }));
+    } catch (...) {
+      return false;  // no memory to keep it: released now
+    }
+    s.release();
+    return true;
+  }
   ~State() {
     std::exception_ptr ignored;
     release(ignored);
+    // A synchronization that failed leaves the mappings: kept (leaked) rather than unmapped under
+    // work that may still use them.
   }
 };
 
+void detail::ImportRegistry::set_capturing(bool now) noexcept {
+  std::vector<std::shared_ptr<void>> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    capturing = now;
+    if (!now) ready.swap(deferred);
+  }
+  ready.clear();  // each State releases (it takes mu itself)
+}
+
 ImportedMemory::ImportedMemory() noexcept = default;
-ImportedMemory::~ImportedMemory() = default;
+ImportedMemory::~ImportedMemory() { State::defer(s_); }
 ImportedMemory::ImportedMemory(ImportedMemory&&) noexcept = default;
-ImportedMemory& ImportedMemory::operator=(ImportedMemory&&) noexcept = default;
+ImportedMemory& ImportedMemory::operator=(ImportedMemory&& other) noexcept {
+  if (this != &other) {
+    State::defer(s_);
+    s_ = std::move(other.s_);
+  }
+  return *this;
+}
 
 void* ImportedMemory::get() const noexcept {
   return s_ ? reinterpret_cast<void*>(static_cast<std::uintptr_t>(s_->base + s_->offset)) : nullptr;
@@ -487,10 +524,11 @@ int ImportedMemory::device() const noexcept { return s_ ? s_->device : -1; }
 IpcKind ImportedMemory::kind() const noexcept { return s_ ? s_->kind : IpcKind::cuda_ipc; }
 
 void ImportedMemory::close() {
-  if (!s_) return;
+  if (!s_ || State::defer(s_)) return;
   std::unique_ptr<State> s = std::move(s_);
   std::exception_ptr first;
   s->release(first);
+  if (!s->mapped.empty()) s_ = std::move(s);  // the synchronization failed: still open, close() again later
   if (first) std::rethrow_exception(first);
 }
 
@@ -523,6 +561,7 @@ ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> dr
     ex.bytes = h.pieces[0].handle;
     s->base = drv->ipc_open(ex);
     s->opened = true;
+    s->registry = std::move(registry);  // for its captures only: nothing mapped here to grant peers
   } else {
     if (!h.has_fds())
       throw ipc_error("expseg: import_ipc: the posix_fd handle's file descriptors are not in this process: receive "

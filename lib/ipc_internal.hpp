@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "driver/driver.hpp"
 #include "expseg/ipc.hpp"
@@ -18,8 +19,17 @@ namespace expseg::detail {
 struct ImportRegistry {
   std::mutex mu;
   std::map<driver::dev_ptr, std::size_t> ranges;  // reservation base -> bytes
+  // A capture the allocator was told of is underway (set by the allocator, under mu): releasing an
+  // import then would take a device synchronization (or cuIpcCloseMemHandle's wait), which the
+  // capture refuses and which invalidates it. Imports closed meanwhile wait in `deferred` (their
+  // State, owned) and are released when the last capture ends (drain_deferred).
+  bool capturing = false;
+  std::vector<std::shared_ptr<void>> deferred;
   // set_access over every open range (the driver's access list has the new peer). Throws driver_error.
   void grant_all(driver::Driver& driver);
+  // Sets `capturing`; when it turns false, releases the deferred imports (errors ignored, as a
+  // destructor's). Called under the allocator's lock.
+  void set_capturing(bool now) noexcept;
 };
 
 // Whether `handle` was exported by this process (its exporter_nonce is this process's), whatever

@@ -119,8 +119,10 @@ class Allocator {
   // expandable backend may still map new memory (cuMemCreate/Map are permitted while capturing);
   // split_merge's cuMemAlloc runs in relaxed capture mode, as PyTorch's. A capture that expseg is
   // not told of is noticed on the slow path of a request on its stream, and of one on another
-  // stream when expseg has an arena for its stream (or it is the calling thread's per-thread
-  // stream); what a synchronization it refuses would take then stays cached. Its blocks are not
+  // stream when expseg has an arena for its stream, or the stream was named to prepare_capture and
+  // begin_graph_pool has not taken it yet (so the window between cuStreamBeginCapture and
+  // begin_graph_pool is safe), or it is the calling thread's per-thread stream; what a
+  // synchronization it refuses would take then stays cached. Its blocks are not
   // kept apart: use begin_graph_pool for graphs. Throws expseg::error for a
   // stream that is not capturing, a capture that already has a pool, pool 0, or an unknown pool.
   void begin_graph_pool(std::uint64_t pool, stream_t capture_stream);

@@ -163,7 +163,9 @@ struct IpcAccess;
 // Releasing waits for the work queued on this device first, as cuIpcCloseMemHandle itself does
 // (expandable imports: a device synchronization before the unmap, which alone would not wait, so
 // that work would fault). Work queued on other devices (peers reaching the memory) is not waited
-// for: finish it before releasing.
+// for: finish it before releasing. Memory imported through Allocator::import_ipc and released while
+// a CUDA graph capture that allocator was told of is underway (begin_graph_pool) is released when
+// the last such capture ends: the synchronization would invalidate the capture.
 class ImportedMemory {
  public:
   ImportedMemory() noexcept;
@@ -178,8 +180,11 @@ class ImportedMemory {
   int device() const noexcept;           // the device it is mapped for (-1 when empty)
   IpcKind kind() const noexcept;
   explicit operator bool() const noexcept { return get() != nullptr; }
-  // Releases now, once this device's queued work is done (see above); throws driver_error if the
-  // driver refuses (the destructor ignores errors; everything is released either way). Empty after.
+  // Releases now, once this device's queued work is done (see above), or at the end of a capture
+  // underway (see above); empty after. Throws driver_error if the driver refuses: when it refuses
+  // the synchronization, nothing is unmapped (work still queued would fault) and the memory stays
+  // open, to close again later; other failures are reported after the rest is released. The
+  // destructor ignores errors, and leaves the mappings in place when the synchronization fails.
   void close();
 
  private:

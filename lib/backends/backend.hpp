@@ -163,6 +163,11 @@ struct Context {
   // back idle memory it covers: the legacy stream's, other threads' per-thread streams', blocking
   // foreign streams'. A capture that forks to a blocking stream that allocates nothing is not seen.
   bool capture_spares_legacy = false;
+  // Allocator::prepare_capture's answers (a stream's key, whether it blocks), each taken by the next
+  // begin_graph_pool of its stream (the 16 latest kept). Until then the capture may have begun
+  // untold, on a stream the backend may never have seen: expandable asks these streams too before
+  // a synchronization that a capture would refuse (seen_capture).
+  std::vector<std::pair<driver::stream_t, bool>> prepared_captures = {};
   std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
 };
 

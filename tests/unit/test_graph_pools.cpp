@@ -471,6 +471,45 @@ TEST_CASE("graph capture: expandable: a released graph pool's memory waits while
   sa.sim->stream_destroy(m);
 }
 
+TEST_CASE("graph capture: between cuStreamBeginCapture and begin_graph_pool, a prepared capture is not broken by another stream's request") {
+  // The documented order: prepare_capture(s), cuStreamBeginCapture(s), begin_graph_pool(pool, s).
+  // In between, expseg is not told of the capture yet, and s (a new side stream, as
+  // torch.cuda.graph's) has no memory cached. Was: a request on another stream that missed the
+  // cache gave back a released graph pool's memory, whose synchronization is the device's: it
+  // failed, and it invalidated the capture (expandable; split_merge gives back nothing there).
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind, 2 * GiB);
+    void* cap1 = sa.sim->stream_create();
+    void* cap2 = sa.sim->stream_create();
+    void* other = sa.sim->stream_create();
+    // An earlier graph, captured and released: its pool's memory waits to be given back.
+    sa.sim->capture_begin(cap1);
+    sa->begin_graph_pool(1, cap1);
+    sa->deallocate(sa->allocate(64 * MiB, cap1));
+    (void)sa.sim->capture_end(cap1);
+    sa->end_graph_pool(1);
+    sa->release_graph_pool(1);
+
+    sa->prepare_capture(cap2);
+    sa.sim->capture_begin(cap2);
+    void* q = nullptr;
+    CHECK_NOTHROW(q = sa->allocate(8 * MiB, other));  // misses the cache
+    sa->begin_graph_pool(2, cap2);
+    void* p = sa->allocate(4 * MiB, cap2);
+    CHECK_NOTHROW((void)sa.sim->capture_end(cap2));  // was: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    sa->end_graph_pool(2);
+    sa->deallocate(p);
+    sa->release_graph_pool(2);
+    if (q != nullptr) sa->deallocate(q);
+    sa->validate();
+    sa->release_cached();  // no capture now: the released pools' memory goes back
+    CHECK(sa->stats().reserved_bytes[kAllPools].current == 0);
+    for (void* st : {cap1, cap2, other}) sa.sim->stream_destroy(st);
+  }
+}
+
 TEST_CASE("graph capture: prepare_capture asks before the capture, and refuses a stream that captures already") {
   for (BackendKind kind : kBoth) {
     const std::string backend = expseg::to_string(kind);

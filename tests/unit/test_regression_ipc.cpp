@@ -314,14 +314,71 @@ TEST_CASE("regression: releasing an expandable import waits for the work queued 
       s.sim->set_stream_busy(st, false);
       s.sim->stream_destroy(st);
     }
-    // A synchronization that fails is reported by close(), and the import is released all the same.
+    // A synchronization that fails is reported by close(), and nothing is unmapped: work still
+    // queued would fault (was: unmapped and released all the same). The import stays open and a
+    // later close() releases it.
     ImportedMemory m = s->import_ipc(s->export_ipc(p));
+    const std::size_t open_handles = s.sim->live().handles;
+    void* st = s.sim->stream_create();
+    s.sim->set_stream_busy(st, true);
+    s.sim->queue_use(st, addr(m.get()), m.size());
     s.sim->inject_fault(Op::stream_sync, 1, Fault::error);
     CHECK_THROWS_AS(m.close(), expseg::driver_error);
+    CHECK(m);
+    CHECK(s.sim->live().handles == open_handles);
+    CHECK(s.sim->hazards().empty());
+    CHECK_NOTHROW(m.close());
     CHECK_FALSE(m);
     CHECK(s.sim->live().handles == handles);
+    CHECK(s.sim->hazards().empty());
+    s.sim->set_stream_busy(st, false);
+    s.sim->stream_destroy(st);
     s->deallocate(p);
   }
+}
+
+TEST_CASE("regression: an import closed during a told graph capture is released when the capture ends, not during it") {
+  const expseg::Config c = sim_config(BackendKind::expandable, 1 * GiB, "sim_host_backed:true,ipc_handle:posix_fd");
+  SimOptions o;
+  o.shareable = expseg::driver::ShareableHandle::posix_fd;
+  SimAllocator s = make_sim_allocator(c, o);
+  void* p = s->allocate(4 * MiB);
+  for (const bool destroy : {false, true}) {
+    CAPTURE(destroy);
+    const std::size_t held = s.sim->live().handles;  // the pool of the first round stays cached
+    ImportedMemory m = s->import_ipc(s->export_ipc(p));
+    const std::size_t imported = s.sim->live().handles - held;
+    REQUIRE(imported > 0);
+    void* worker = s.sim->stream_create();
+    s.sim->set_stream_busy(worker, true);
+    s.sim->queue_use(worker, addr(m.get()), m.size());
+    void* cap = s.sim->stream_create();
+    s->prepare_capture(cap);
+    s.sim->capture_begin(cap);
+    s->begin_graph_pool(1, cap);
+    // Was: the release's device synchronization failed and invalidated the capture, then the
+    // memory was unmapped under the worker's queued work.
+    if (destroy) {
+      ImportedMemory gone = std::move(m);
+    } else {
+      CHECK_NOTHROW(m.close());
+    }
+    CHECK_FALSE(m);
+    CHECK(s.sim->live().handles == held + imported);  // still held: the release waits for the capture's end
+    void* q = s->allocate(2 * MiB, cap);
+    CHECK_NOTHROW((void)s.sim->capture_end(cap));
+    const std::size_t before_end = s.sim->live().handles;
+    s->end_graph_pool(1);  // the last capture ended: the import is released now
+    CHECK(before_end - s.sim->live().handles == imported);
+    CHECK(s.sim->hazards().empty());
+    s->deallocate(q);
+    s->release_graph_pool(1);
+    s.sim->set_stream_busy(worker, false);
+    for (void* st : {worker, cap}) s.sim->stream_destroy(st);
+  }
+  s->deallocate(p);
+  s->release_cached();
+  CHECK(s.sim->live().handles == 0);
 }
 
 }  // TEST_SUITE

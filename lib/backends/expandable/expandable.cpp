@@ -712,7 +712,9 @@ std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint6
 // (packs memory low, as PyTorch's first fit does). The block may also start where an idle handle or an unmapped stretch begins inside a
 // run: a block that lands on idle bulk handles covers them wholly there, where one placed against
 // its neighbour would cover them partly and unmap and map them again.
-bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placement& out) {
+// with_room: only places with room under the limit once idle handles elsewhere are given back
+// (room_for_placement), for when the best place has none: its own idle handles cannot make it.
+bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placement& out, bool with_room) {
   bool found = false;
   const std::size_t max_frames = max_handle_bytes(size) / frame_;  // as map_range will cut
   std::uint64_t seen_hi = 0;  // the end of the last run looked at (each run once)
@@ -735,7 +737,9 @@ bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placem
       std::size_t frames = 0;
       const std::size_t calls = placement_calls(*seg, lo, hi, start, start + size, max_frames, frames, found ? out.calls : kNoPlace);
       if (!found || calls < out.calls || (calls == out.calls && frames < out.new_frames)) {
-        out = Placement{seg, first->prev, start, frames, calls};
+        const Placement pl{seg, first->prev, start, frames, calls};
+        if (with_room && !room_for_placement(pl, size)) return;
+        out = pl;
         found = true;
       }
     };
@@ -919,9 +923,16 @@ Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::
     if (fresh == nullptr) return nullptr;
     pl = Placement{fresh, nullptr, fresh->base, frames_needed(*fresh, fresh->base, fresh->base + size)};
   }
+  // A request that cannot fit fails before anything is given back. The best place may lack room
+  // that another place has: the idle handles under a block are not given back for it, so a place
+  // over an idle frame can need a frame that a place beside a live block's partly used frame,
+  // ranked the same, does not (limit 6 MiB, 6 MiB held: a 2.5 MiB request failed though the other
+  // place touched 6 MiB in all).
+  bool room = orphans_.empty() ? room_for_placement(pl, size) : true;
+  if (!room && fresh == nullptr) room = find_placement(arena, size, pl, true);
   Block* b = nullptr;
   try {
-    b = grow_and_carve(arena, pl, size, requested);
+    if (room) b = grow_and_carve(arena, pl, size, requested);
   } catch (...) {
     if (fresh != nullptr) {
       try {
@@ -988,7 +999,6 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
       if (reserved_ + need > soft) reclaim_idle(reserved_ + need - soft, Exclusion{pl.seg, pl.start, map_hi}, &arena);
     }
   }
-  if (orphans_.empty() && !room_for_placement(pl, size)) return nullptr;
   if (may_unmap_in(arena)) unmap_bulk_handles_under(*pl.seg, pl.anchor, pl.start, pl.start + size);
   if (map_hi > pl.start + size &&
       !make_room(frames_needed(*pl.seg, pl.start, map_hi) * frame_, Exclusion{pl.seg, pl.start, map_hi}))
@@ -1159,7 +1169,19 @@ std::size_t ExpandableBackend::move_idle_handle(ExpSegment& seg, std::size_t fra
   synchronize_once(*best->seg->arena);
   const std::size_t moved = best->nframes;
   unmap_mapping(best);  // the handle stays held: neither a device free nor, mapped again, an allocation
-  if (!map_handle(seg, frame, best, anchor)) return 0;
+  // A failed mapping gives the handle back (or keeps it as an orphan, counted as given back, as
+  // unmap_handle counts it): a device free.
+  bool mapped = false;
+  try {
+    mapped = map_handle(seg, frame, best, anchor);
+  } catch (...) {
+    ctx_.stats.num_device_free += 1;
+    throw;
+  }
+  if (!mapped) {
+    ctx_.stats.num_device_free += 1;
+    return 0;
+  }
   return moved;
 }
 
@@ -1496,6 +1518,19 @@ bool ExpandableBackend::seen_capture(bool blocking_only) const noexcept {
     seen_capture_any_ = seen_capture_blocking_ = false;
     if (const driver::stream_t own = calling_thread_key(); own != nullptr && stream_captures(ctx_, own))
       seen_capture_any_ = seen_capture_blocking_ = true;
+    // Streams about to capture (prepare_capture), which may have no arena yet: between
+    // cuStreamBeginCapture and begin_graph_pool another thread's synchronization would invalidate
+    // the capture (measured on the simulated device's capture rules: a device synchronization on
+    // another thread's slow path broke torch.cuda.graph-style captures on a new side stream).
+    for (const auto& [key, blocks] : ctx_.prepared_captures) {
+      if (seen_capture_blocking_) break;
+      // Another thread's per-thread stream cannot be named here; its capture stays unseen.
+      if (is_legacy_stream(key) || (is_per_thread_key(key) && key != calling_thread_key()) || (seen_capture_any_ && !blocks)) continue;
+      if (stream_captures(ctx_, key)) {
+        seen_capture_any_ = true;
+        seen_capture_blocking_ = blocks;
+      }
+    }
     for (const ExpArena* a : arenas_) {
       if (seen_capture_blocking_) break;
       if (is_stream_key(a->stream) || is_legacy_stream(a->stream) || (seen_capture_any_ && !a->stream_blocks)) continue;

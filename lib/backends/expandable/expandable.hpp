@@ -229,7 +229,7 @@ class ExpandableBackend final : public Backend {
   // reserved one idle run and two Blocks (nothing here throws).
   core::Block* carve_at(ExpArena& arena, ExpSegment& seg, core::Block* b, std::uint64_t start, std::size_t size, std::size_t requested) noexcept;
   void drop_segment(ExpArena& arena, ExpSegment* seg);
-  bool find_placement(ExpArena& arena, std::size_t size, Placement& out);
+  bool find_placement(ExpArena& arena, std::size_t size, Placement& out, bool with_room = false);
   bool find_mapped_place(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
   std::size_t placement_calls(const ExpSegment& seg, std::uint64_t run_lo, std::uint64_t run_hi, std::uint64_t lo, std::uint64_t hi,
