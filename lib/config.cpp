@@ -255,7 +255,7 @@ std::string format_size_exact(std::size_t n) {
 // Percentages are parsed from the decimal text shifted by two places ("12.5" -> 12.5e-2), not by
 // dividing a double by 100, so that every fraction the printer writes reads back bit-exact.
 std::optional<double> parse_percent(std::string_view key, std::string_view v,
-                                   const char* expected = "a percentage in (0%, 100%], e.g. 50%", double max_fraction = 1.0) {
+                                   const char* expected = "a percentage in [0%, 100%], e.g. 50% (0% is none)", double max_fraction = 1.0) {
   if (v.empty() || v.back() != '%') return std::nullopt;
   const std::string_view num = trim(v.substr(0, v.size() - 1));
   if (!num.empty() && num.front() == '-') bad_value(key, v, std::string(expected) + " (negative percentages are not allowed)");

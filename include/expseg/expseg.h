@@ -174,13 +174,13 @@ EXPSEG_API int expseg_release_graph_pool(int device, unsigned long long pool) EX
  * nothing changed, for pool 0, a capturing stream or one that allocates into a pool already. */
 EXPSEG_API int expseg_begin_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_end_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) EXPSEG_NOEXCEPT;
-/* The allocated blocks of graph pool `pool` (see Allocator::graph_pool_blocks): the first `capacity`
- * of them, by address, into addresses[] and sizes[] (either may be NULL when capacity is 0), and
- * their number into *count (which may exceed capacity: call again with more room). */
 /* Allocates exactly [ptr, ptr + size) again in graph pool `pool` (see
  * Allocator::restore_graph_pool_block: PyTorch's setCheckpointPoolState); freed with expseg_free.
  * EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, when the range is not free memory of the pool. */
 EXPSEG_API int expseg_restore_graph_pool_block(int device, unsigned long long pool, void* ptr, size_t size) EXPSEG_NOEXCEPT;
+/* The allocated blocks of graph pool `pool` (see Allocator::graph_pool_blocks): the first `capacity`
+ * of them, by address, into addresses[] and sizes[] (either may be NULL when capacity is 0), and
+ * their number into *count (which may exceed capacity: call again with more room). */
 EXPSEG_API int expseg_graph_pool_blocks(int device, unsigned long long pool, unsigned long long* addresses, size_t* sizes,
                                         size_t capacity, size_t* count) EXPSEG_NOEXCEPT;
 /* Bytes of device memory `device`'s allocator may hold; 0 removes the limit. Creates the allocator

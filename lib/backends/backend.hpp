@@ -42,7 +42,11 @@ bool has_roundup_power2_divisions(const Config& c) noexcept;
 // legacy stream, and for anything else with a device synchronization (expandable's synchronize_once).
 //   - cudaStreamPerThread (CU_STREAM_PER_THREAD) names another stream in each host thread: the
 //     calling thread's key (kPerThreadKeyTag | a number never reused), so that each thread's
-//     per-thread stream caches its own blocks. No other thread can name that stream.
+//     per-thread stream caches its own blocks. No other thread can name that stream. A deliberate
+//     difference from PyTorch's caching allocator (policy:pytorch too), which keys blocks by the
+//     stream value, so that threads passing cudaStreamPerThread share one cache: a block freed on
+//     one thread's per-thread stream would go to another's with no synchronization between the two
+//     streams. A key's cache goes back when its thread has exited (CuPy keeps a dead thread's arena).
 //   - A stream its owner may destroy while memory stays cached for it (CuPy destroys a Stream when
 //     it is collected): kForeignStreamTag | the stream (expseg_cupy_malloc's). On CUDA 13 a
 //     cuStreamSynchronize of a destroyed stream failed once and crashed the process the next time.

@@ -328,7 +328,7 @@ TEST_CASE("bad input: config values that overflow or make no sense name the key 
       {"sim_granularity:2KiB", "sim_granularity", "multiple of 4KiB"},
       {"sim_capacity:0", "sim_capacity", "larger than 0"},
       {"expandable_max_handle:3MiB", "expandable_max_handle", "multiple of 2MiB"},
-      {"limit:100.0000000000001%", "limit", "(0%, 100%]"},
+      {"limit:100.0000000000001%", "limit", "[0%, 100%]"},
       {"device:SIM", "device", "cuda, sim"},
   };
   for (const Bad& x : bad) {

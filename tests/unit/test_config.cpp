@@ -251,7 +251,7 @@ TEST_CASE("config: limit as a percentage") {
   CHECK(Config::parse("limit:0.5%").limit.fraction == 0.005);
   CHECK(Config::parse("limit: 25 %").limit.fraction == 0.25);
   CHECK_FALSE(Config::parse("limit:0%").limit.is_set());
-  check_fails("limit:150%", "limit", {"'150%'", "(0%, 100%]"});
+  check_fails("limit:150%", "limit", {"'150%'", "[0%, 100%]"});
   check_fails("limit:-5%", "limit", {"negative"});
   check_fails("limit:abc%", "limit", {"'abc%'", "percentage"});
   check_fails("limit:%", "limit", {"percentage"});
