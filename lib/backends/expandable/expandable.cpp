@@ -93,7 +93,8 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     handles were at most 1/256 of the memory held (a request larger than all of it got its own
 //     size) and blocks shared idle bulk handles, which saved driver calls (the shipped traces,
 //     H200 latency model: GPT-2 94 ms, ResNet-50 72 ms; sharing forbidden with those sizes 197 and
-//     98 ms, with these 131 and 78 ms) but let a small block pin a large handle: a random churn to
+//     98 ms, with these sizes and single-frame handles past a block (map_range) 135 and 74 ms; a
+//     recorded GPT-2 generation 180 -> 96 ms) but let a small block pin a large handle: a random churn to
 //     the device's capacity (1 GiB and 80 GiB simulated devices, 1-4 streams) had 978 OOMs of 5,568
 //     with the pages live blocks touch plus the request within the device, now none.
 //     Random churn of 4 KiB-512 MiB blocks under 3 GiB (seeds 1-3) maps 1,071-1,298
@@ -1095,7 +1096,12 @@ bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64
     std::size_t run_end = f;
     while (run_end < limit && frame_handle(seg, run_end) == nullptr) ++run_end;
     while (f < run_end) {
-      const std::size_t n = next_handle_frames(f, run_end, max_frames, first_frame, first_partial, block_end, last_partial);
+      // Frames past the block (a growth granule's extension, for later requests of any size) get a
+      // handle each: a bulk handle there would serve one block at a time, and a later block smaller
+      // than it would go elsewhere (the shipped traces, modelled driver time: GPT-2 131 -> 135 ms,
+      // ResNet-50 78 -> 74, generation 95 -> 96).
+      const std::size_t n =
+          f < block_end ? next_handle_frames(f, run_end, max_frames, first_frame, first_partial, block_end, last_partial) : 1;
       // The handle's slot in mapped_now first (nullptr until mapped): a bad_alloc after the
       // mapping would leave a handle the caller cannot give back.
       if (mapped_now != nullptr) mapped_now->push_back(nullptr);
