@@ -166,68 +166,6 @@ TEST_CASE("expandable: other size mixes never OOM while the pages live blocks to
   }
 }
 
-TEST_CASE("expandable: without a limit a request fails only when the pages live blocks touch plus the request exceed the device") {
-  // Was: without a limit, blocks shared idle bulk handles (one handle of many pages), so a small
-  // block placed in a freed 512 MiB handle pinned all of it: the 900 MiB request below failed with
-  // verdict fragmentation though 4 MiB was live on a 1 GiB device; a random churn to the device's
-  // capacity had such OOMs at a fifth of its failures.
-  {
-    Allocator a = make("", 1 * GiB);
-    void* big = a.allocate(512 * MiB);
-    void* b = a.allocate(2 * MiB);
-    a.deallocate(big);
-    void* c = a.allocate(2 * MiB);
-    void* d = nullptr;
-    CHECK_NOTHROW(d = a.allocate(900 * MiB));
-    a.validate();
-    for (void* p : {b, c, d})
-      if (p) a.deallocate(p);
-  }
-  constexpr std::size_t kPage = 2 * MiB;
-  constexpr std::size_t kDevice = 4 * GiB;
-  std::size_t ooms = 0;
-  for (std::uint64_t seed : {1u, 2u, 3u, 4u}) {
-    CAPTURE(seed);
-    Allocator a = make("", kDevice);
-    expseg::ScenarioRng rng(seed);
-    std::vector<void*> live;
-    for (int step = 0; step < 2500; ++step) {
-      if (!live.empty() && rng.uniform() < 0.45) {
-        const std::size_t j = rng.below(live.size());
-        a.deallocate(live[j]);
-        live[j] = live.back();
-        live.pop_back();
-        continue;
-      }
-      const std::size_t size = rng.log_uniform(12, 30);  // 4 KiB - 1 GiB
-      const auto stream = reinterpret_cast<expseg::stream_t>(std::uintptr_t{0x1000} * (1 + rng.below(2)));
-      try {
-        live.push_back(a.allocate(size, stream));
-      } catch (const expseg::out_of_memory& e) {
-        ++ooms;
-        std::set<std::uint64_t> touched;
-        for (const auto& seg : a.snapshot().segments)
-          for (const auto& blk : seg.blocks)
-            if (blk.state == expseg::BlockState::allocated || blk.state == expseg::BlockState::pending_free)
-              for (std::uint64_t pg = blk.address / kPage; pg <= (blk.address + blk.size - 1) / kPage; ++pg) touched.insert(pg);
-        const std::size_t request_pages = (e.report().rounded_bytes + kPage - 1) / kPage * kPage;
-        CAPTURE(step);
-        CHECK(e.report().verdict != expseg::OomVerdict::fragmentation);
-        CHECK(touched.size() * kPage + request_pages > kDevice);
-        for (std::size_t k = live.size() / 2; k > 0; --k) {
-          const std::size_t j = rng.below(live.size());
-          a.deallocate(live[j]);
-          live[j] = live.back();
-          live.pop_back();
-        }
-      }
-    }
-    a.validate();
-    for (void* p : live) a.deallocate(p);
-  }
-  CHECK(ooms > 20);  // the churn reaches the device's capacity: the checks above ran
-}
-
 TEST_CASE("expandable: a limit OOM report counts the free gaps inside partly used pages") {
   // limit 4 MiB = 2 pages. a = [0, 1.5 MiB), b packs after it: [1.5, 3.5 MiB). Once a is freed,
   // page 0 holds 1.5 MiB free before b and page 1 0.5 MiB after it: 2 MiB of the 4 MiB the live

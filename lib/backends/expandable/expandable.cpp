@@ -80,24 +80,29 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 // H200 with CUDA 13.0 refuses cuMemMap of part of a handle, CUDA_ERROR_NOT_SUPPORTED, and cuMemUnmap
 // of part of a mapping; the driver contract test checks both): once a block smaller than the handle
 // reuses part of it, the rest can neither be given back nor moved while that block lives ("pinned"
-// free memory), and pinned memory is what keeps reserved above allocated and what turns into a
-// fragmentation OOM once the limit (or, without one, the device's memory) is reached. The policy:
-//   - a block's whole frames get handles of up to its own size (at most 1/16 of the limit, or of
-//     the device's memory without one, and 1 GiB; at least 1/1536 of it), and such a bulk handle
+// free memory), and pinned memory is what keeps reserved above allocated and, under a
+// limit, what turns into a fragmentation OOM. The policy ties the handle size to what is at stake:
+//   - without a limit, a handle is at most 1/256 of the memory already held (so what one handle can
+//     pin stays within ~0.4% of the working set; at 1/64, GPT-2 generation's growing KV caches kept
+//     6% of reserved memory pinned, at 1/256 1.7%, for twice the driver calls), except that a
+//     request larger than everything held gets handles of its own size: a fresh 1 GiB tensor maps
+//     as one 1 GiB handle;
+//     Applying the one-block rule below without a limit too was measured and left out: it kept
+//     the guarantee up to the device's capacity (a random churn to the capacity of 1 GiB and 80 GiB
+//     simulated devices, 1-4 streams: 978 of 5,568 OOMs had the pages live blocks touch plus the
+//     request within the device; none with it), but each bulk handle unmapped under a new block
+//     takes a stream synchronization, and with the reclaim before a new highest mark the shipped
+//     GPT-2 training trace replayed twice made 221 instead of 39 (H200 latency model: 165 instead
+//     of 100 ms of driver time); on the H200 its training steps took 1.57x PyTorch classic's (that
+//     host: PyTorch expandable 1.33x). limit:100% gives the guarantee against the whole device;
+//   - under a configured limit, where pinned memory turns into fragmentation OOMs, a block's whole
+//     frames get handles of up to its own size (at most 1/16 of the limit), and such a bulk handle
 //     is used by one block at a time or not at all: a block never covers an idle bulk handle only
 //     partly (the fast path skips such places; the slow path unmaps the bulk handle first and maps
 //     frames of its own), and a block's partly covered first and last frames get handles of their
 //     own. So only single-frame handles are ever shared, pinned memory stays below one frame per
 //     hole, and a request fails only when the frames live blocks touch plus the request exceed the
-//     limit or the device. Earlier versions did this under a configured limit only: without one,
-//     handles were at most 1/256 of the memory held (a request larger than all of it got its own
-//     size) and blocks shared idle bulk handles, which saved driver calls (the shipped traces,
-//     H200 latency model: GPT-2 94 ms, ResNet-50 72 ms; sharing forbidden with those sizes 197 and
-//     98 ms, with these sizes and single-frame handles past a block (map_range) 135 and 74 ms; a
-//     recorded GPT-2 generation 180 -> 96 ms) but let a small block pin a large handle: a random churn to
-//     the device's capacity (1 GiB and 80 GiB simulated devices, 1-4 streams) had 978 OOMs of 5,568
-//     with the pages live blocks touch plus the request within the device, now none.
-//     Random churn of 4 KiB-512 MiB blocks under 3 GiB (seeds 1-3) maps 1,071-1,298
+//     limit. Random churn of 4 KiB-512 MiB blocks under 3 GiB (seeds 1-3) maps 1,071-1,298
 //     handles instead of ~9,700 with 2 MiB handles (H200 latency model: 79-98 ms instead of
 //     0.7 s; with the room check before any unmap and the search of mapped free blocks below).
 //     This rule is what the guarantee costs in driver calls: letting blocks share idle bulk
@@ -106,7 +111,7 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     of its 13-20 OOMs become fragmentation OOMs (first at 91-94% of the limit). Of that churn's
 //     803-892 slow allocations (seeds 1-3), 79-83% came with a mapped free block large enough:
 //     each of the fast path's candidates would have covered an idle bulk handle partly;
-//   - the slow path places a block where it costs the fewest driver calls (idle
+//   - under a limit, the slow path places a block where it costs the fewest driver calls (idle
 //     bulk handles it would cover only partly, each unmapped first, plus the handles it maps), then
 //     where it maps the fewest frames; besides both ends of each free run it tries every place in
 //     the run where an idle handle or an unmapped stretch begins, so that a block lands on whole
@@ -115,15 +120,15 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     frames again: 2,029-2,363 handles (180-211 ms) instead of 1,244-1,425 (110-126 ms) with
 //     this placement alone. Mid-sized mixes touch a few more edge frames: 1-64 MiB blocks under
 //     the limit first fail at 96.8% of it instead of 97.3% (still for the limit, not fragments);
-//   - where the room for a new handle would come from idle memory (at the limit, or the device's
-//     memory without one), an idle handle of (nearly) the frames needed moves instead: unmapped where it lies and mapped where the block
+//   - under a limit, where the room for a new handle would come from idle memory, an idle handle of
+//     (nearly) the frames needed moves instead: unmapped where it lies and mapped where the block
 //     needs it, without the cuMemRelease and cuMemCreate of giving it back and making a new one
 //     (move_idle_handle; on the H200, 14% less driver time in that churn);
 //   - reclaim under a limit takes the largest idle handles first (of the least recently idle ones
 //     that hold 8 times the room needed; see reclaim_idle): the room costs the fewest unmap and
 //     release calls (with the placement above, 15% fewer handles in that churn than oldest first,
 //     over 16 seeds 19,455 instead of 22,848; 35,555 before both);
-//   - a request that cannot fit fails before it gives back anything
+//   - under a limit, a request that cannot fit fails before it gives back anything
 //     (room_for_placement), and the slow path first looks for a place inside a mapped free block
 //     that needs no driver call (find_mapped_place): random churn seeds 1-6 640 -> 532 ms of
 //     modelled driver time, the same OOMs (one more at 99.1% of the limit), mixes no worse;
@@ -159,9 +164,14 @@ std::size_t ExpandableBackend::growth_granule() const noexcept {
 std::size_t ExpandableBackend::max_handle_bytes(std::size_t request) const noexcept {
   std::size_t bytes = ctx_.config.max_handle_size;
   if (bytes == 0) {
-    const std::size_t limit = ctx_.effective_limit();
-    const std::size_t bulk = std::min<std::size_t>(request, limit / 16);
-    bytes = std::min<std::size_t>(std::bit_floor(std::max<std::size_t>({limit / 1536, bulk, 1})), std::size_t{1} << 30);
+    if (ctx_.limit != 0) {
+      const std::size_t bulk = std::min<std::size_t>(request, ctx_.limit / 16);
+      bytes = std::bit_floor(std::max<std::size_t>({ctx_.limit / 1536, bulk, 1}));
+    } else {
+      bytes = std::bit_floor(std::max<std::size_t>(reserved_ / 256, 1));
+      if (reserved_ < request) bytes = std::max(bytes, std::bit_floor(request));
+    }
+    bytes = std::min<std::size_t>(bytes, std::size_t{1} << 30);
   }
   bytes = bytes / frame_ * frame_;
   return std::max(bytes, frame_);
@@ -518,15 +528,15 @@ void ExpandableBackend::for_each_idle(F&& f) const {
 // Only the handles under the first and the last byte can be covered partly: every handle between
 // them lies wholly inside [lo, hi). A handle under [lo, hi) is idle iff it lies wholly inside the
 // free block `free` that holds [lo, hi).
-inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, const Block& free, std::uint64_t lo,
-                                                    std::uint64_t hi) const noexcept {
+inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, const Block& free, std::uint64_t lo, std::uint64_t hi,
+                                                    std::size_t max_shared_frames) const noexcept {
   auto pin_of = [&](const ExpHandle* h) -> std::size_t {
     ++cached_path_handles_;
     const std::uint64_t hlo = frame_addr(seg, h->first_frame);
     const std::uint64_t hhi = hlo + h->bytes;
     if (hlo < free.addr || hhi > free.end()) return 0;  // a live block uses it already
     const std::size_t pin = h->bytes - (std::min(hhi, hi) - std::max(hlo, lo));
-    return pin != 0 && h->nframes > 1 ? kNoPlace : pin;
+    return pin != 0 && h->nframes > max_shared_frames ? kNoPlace : pin;
   };
   const ExpHandle* first = seg.frames[frame_of(seg, lo)];
   const ExpHandle* last = seg.frames[frame_of(seg, hi - 1)];
@@ -536,7 +546,7 @@ inline std::size_t ExpandableBackend::new_pin_bytes(const ExpSegment& seg, const
   return b == kNoPlace ? kNoPlace : a + b;
 }
 
-// Unmaps the idle bulk (multi-frame) handles that a block at [lo, hi) would cover
+// Under a limit: unmaps the idle bulk (multi-frame) handles that a block at [lo, hi) would cover
 // only partly, so that the block maps frames of its own there instead of sharing them. [lo, hi)
 // lies in the run of free blocks after `anchor` (the first block when nullptr).
 void ExpandableBackend::unmap_bulk_handles_under(ExpSegment& seg, const Block* anchor, std::uint64_t lo, std::uint64_t hi) {
@@ -634,11 +644,12 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
   Block* best = nullptr;
   bool best_back = false;
   std::size_t best_pin = std::numeric_limits<std::size_t>::max();
+  const std::size_t max_shared_frames = ctx_.limit != 0 ? 1 : std::numeric_limits<std::size_t>::max();
   Block* b = arena.mapped_free.lower_bound(size);
   for (int k = 0; b != nullptr && k < kPlacementCandidates; b = arena.mapped_free.next(*b), ++k) {
     const auto& seg = *static_cast<const ExpSegment*>(b->segment);
-    const std::size_t front = new_pin_bytes(seg, *b, b->addr, b->addr + size);
-    const std::size_t back = b->size > size && front != 0 ? new_pin_bytes(seg, *b, b->end() - size, b->end()) : front;
+    const std::size_t front = new_pin_bytes(seg, *b, b->addr, b->addr + size, max_shared_frames);
+    const std::size_t back = b->size > size && front != 0 ? new_pin_bytes(seg, *b, b->end() - size, b->end(), max_shared_frames) : front;
     if (front < best_pin || back < best_pin) {
       best = b;
       best_back = back < front;
@@ -657,7 +668,7 @@ std::size_t ExpandableBackend::frames_needed(const ExpSegment& seg, std::uint64_
   return n;
 }
 
-// The driver calls that placing a block at [lo, hi) costs: the idle bulk handles it
+// Under a limit, the driver calls that placing a block at [lo, hi) costs: the idle bulk handles it
 // covers only partly (grow_and_carve unmaps them first) and the handles map_range then maps, at most
 // `max_frames` each (their frames, and the unmapped ones, go to `frames`). Idle handles it covers
 // wholly cost nothing. [lo, hi) lies in the run of free blocks [run_lo, run_hi): a handle is idle
@@ -708,15 +719,17 @@ std::size_t ExpandableBackend::placement_calls(const ExpSegment& seg, std::uint6
 }
 
 // A place for `size` bytes: a run of free blocks (mapped or not) of at least `size` bytes that
-// contains unmapped space; of these, the place that costs the fewest driver calls, then the one
-// that needs the fewest new frames (it reuses the most cached memory), then the lowest address
-// (packs memory low, as PyTorch's first fit does). The block may also start where an idle handle or an unmapped stretch begins inside a
+// contains unmapped space; of these, the run that needs the fewest new frames (it reuses the most
+// cached memory), the lowest address on ties (packs memory low, as PyTorch's first fit does).
+// Under a limit, the place that costs the fewest driver calls comes first (the fewest new frames on
+// ties), and the block may also start where an idle handle or an unmapped stretch begins inside a
 // run: a block that lands on idle bulk handles covers them wholly there, where one placed against
 // its neighbour would cover them partly and unmap and map them again.
 // with_room: only places with room under the limit once idle handles elsewhere are given back
 // (room_for_placement), for when the best place has none: its own idle handles cannot make it.
 bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placement& out, bool with_room) {
   bool found = false;
+  const bool limited = ctx_.limit != 0;
   const std::size_t max_frames = max_handle_bytes(size) / frame_;  // as map_range will cut
   std::uint64_t seen_hi = 0;  // the end of the last run looked at (each run once)
   for (Block& u : arena.unmapped) {
@@ -734,6 +747,18 @@ bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placem
     if (hi - lo < size) continue;
     auto* seg = static_cast<ExpSegment*>(u.segment);
     const bool tail = hi == seg->base + seg->va_bytes;  // never place at the far end of a segment's tail
+    if (!limited) {
+      for (const std::uint64_t start : {lo, hi - size}) {
+        const std::size_t need = frames_needed(*seg, start, start + size);
+        if (!found || need < out.new_frames) {
+          out = Placement{seg, first->prev, start, need};
+          found = true;
+        }
+        if (need == 0 || tail) break;
+      }
+      if (out.new_frames == 0) break;
+      continue;
+    }
     auto consider = [&](std::uint64_t start) {
       std::size_t frames = 0;
       const std::size_t calls = placement_calls(*seg, lo, hi, start, start + size, max_frames, frames, found ? out.calls : kNoPlace);
@@ -763,14 +788,14 @@ bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placem
     }
     if (out.calls == 0) break;
   }
-  // Rather than map and unmap, a place that costs nothing inside a mapped free
+  // Under a limit, rather than map and unmap, a place that costs nothing inside a mapped free
   // block (those runs hold no unmapped block, so the search above never sees them): in the slow
   // paths of random churn under 3 GiB, a third had such a place. Seeds 1-16, H200 latency model:
   // 1,523 -> 1,437 ms of driver time (-5.6%); the size mixes 12-15% less (1-64 MiB, seeds 1-3:
   // 152 -> 128 ms), kv-cache-decode 31 -> 25 ms, growing-buffer 16 -> 14 ms; the lowest fill at an
   // OOM over seeds 1-16 the same or higher in every mix (1-64 MiB 96.89 -> 96.90%, 1-32 MiB 96.57
   // -> 96.63%, 2-16 MiB 94.93 -> 95.27%, 1-4 MiB 92.96%), no fragmentation OOM.
-  if (!found || out.calls != 0) {
+  if (limited && (!found || out.calls != 0)) {
     Placement m;
     if (find_mapped_place(arena, size, m)) {
       out = m;
@@ -780,7 +805,7 @@ bool ExpandableBackend::find_placement(ExpArena& arena, std::size_t size, Placem
   return found;
 }
 
-// A place inside one mapped free block that costs no driver call: it covers idle
+// Under a limit: a place inside one mapped free block that costs no driver call: it covers idle
 // bulk handles only wholly (single-frame handles may be shared), as the fast path requires, which
 // tries only both ends of the few best-fitting blocks. Here every mapped free block that fits is
 // tried at both ends and where each of its idle handles begins or ends; the place that leaves the
@@ -803,7 +828,7 @@ bool ExpandableBackend::find_mapped_place(ExpArena& arena, std::size_t size, Pla
     const auto& seg = *static_cast<const ExpSegment*>(b->segment);
     auto consider = [&](std::uint64_t start) {
       if (start < b->addr || start + size > b->end()) return;
-      const std::size_t pin = new_pin_bytes(seg, *b, start, start + size);
+      const std::size_t pin = new_pin_bytes(seg, *b, start, start + size, 1);
       if (pin < best_pin) {
         best = b;
         best_start = start;
@@ -929,7 +954,7 @@ Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::
   // over an idle frame can need a frame that a place beside a live block's partly used frame,
   // ranked the same, does not (limit 6 MiB, 6 MiB held: a 2.5 MiB request failed though the other
   // place touched 6 MiB in all).
-  bool room = orphans_.empty() ? room_for_placement(pl, size) : true;
+  bool room = ctx_.limit == 0 || !orphans_.empty() || room_for_placement(pl, size);
   if (!room && fresh == nullptr) room = find_placement(arena, size, pl, true);
   Block* b = nullptr;
   try {
@@ -949,11 +974,11 @@ Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::
     } catch (...) {  // the segment stays, empty and consistent; the OOM is what to report
     }
   }
-  // Bulk idle handles serve one block at a time, so that they can be given back;
+  // Under a limit, bulk idle handles serve one block at a time, so that they can be given back;
   // when no room can be made (a capture forbids the synchronization unmapping takes, or there is
   // no idle memory to take), a mapped free block that fits serves the request sharing them rather
   // than an OOM. Best fit; no driver call.
-  if (b == nullptr)
+  if (b == nullptr && ctx_.limit != 0)
     if (Block* f = arena.mapped_free.lower_bound(size); f != nullptr) b = carve(arena, f, size, requested, false);
   return b;
 }
@@ -1000,15 +1025,15 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
       if (reserved_ + need > soft) reclaim_idle(reserved_ + need - soft, Exclusion{pl.seg, pl.start, map_hi}, &arena);
     }
   }
-  if (may_unmap_in(arena)) unmap_bulk_handles_under(*pl.seg, pl.anchor, pl.start, pl.start + size);
+  if (ctx_.limit != 0 && may_unmap_in(arena)) unmap_bulk_handles_under(*pl.seg, pl.anchor, pl.start, pl.start + size);
   if (map_hi > pl.start + size &&
       !make_room(frames_needed(*pl.seg, pl.start, map_hi) * frame_, Exclusion{pl.seg, pl.start, map_hi}))
     map_hi = pl.start + size;  // no room for the extra: map just what the request needs
   const std::size_t need = frames_needed(*pl.seg, pl.start, map_hi) * frame_;
   const Exclusion ex{pl.seg, pl.start, map_hi};
-  // Room that idle handles must give (at the limit, or the device's memory) is taken handle by handle while mapping
+  // Under a limit, room that idle handles must give is taken handle by handle while mapping
   // (map_range moves idle handles here, or reclaims for a new one); only check here that it exists.
-  if (!room_after_reclaim(need, ex) && !make_room(need, ex)) return nullptr;
+  if (!(ctx_.limit != 0 && room_after_reclaim(need, ex)) && !make_room(need, ex)) return nullptr;
   // A growth that fails midway (the device is short of memory: other processes, or a request the
   // device cannot hold) gives back what it mapped, as PyTorch's expandable segments do, instead of
   // keeping it as cache the failed request never used.
@@ -1096,16 +1121,11 @@ bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64
     std::size_t run_end = f;
     while (run_end < limit && frame_handle(seg, run_end) == nullptr) ++run_end;
     while (f < run_end) {
-      // Frames past the block (a growth granule's extension, for later requests of any size) get a
-      // handle each: a bulk handle there would serve one block at a time, and a later block smaller
-      // than it would go elsewhere (the shipped traces, modelled driver time: GPT-2 131 -> 135 ms,
-      // ResNet-50 78 -> 74, generation 95 -> 96).
-      const std::size_t n =
-          f < block_end ? next_handle_frames(f, run_end, max_frames, first_frame, first_partial, block_end, last_partial) : 1;
+      const std::size_t n = next_handle_frames(f, run_end, max_frames, first_frame, first_partial, block_end, last_partial);
       // The handle's slot in mapped_now first (nullptr until mapped): a bad_alloc after the
       // mapping would leave a handle the caller cannot give back.
       if (mapped_now != nullptr) mapped_now->push_back(nullptr);
-      if (reserved_ + n * frame_ > ctx_.effective_limit()) {
+      if (ctx_.limit != 0 && reserved_ + n * frame_ > ctx_.effective_limit()) {
         if (const std::size_t moved = move_idle_handle(seg, f, n, anchor, ex); moved != 0) {
           if (mapped_now != nullptr) mapped_now->back() = seg.frames[f];
           f += moved;
@@ -1151,7 +1171,7 @@ bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t 
   return true;
 }
 
-// When the frames at `frame` need memory the limit (or the device's memory) only leaves by giving back idle
+// Under a limit, when the frames at `frame` need memory the limit only leaves by giving back idle
 // memory: takes the largest idle handle of at most `nframes` frames (and at least 3/4 of them, so
 // the run does not break into many handles), unmaps it where it lies and maps it here. A move costs
 // cuMemUnmap + cuMemMap + cuMemSetAccess where giving the handle back and creating a new one costs
@@ -1298,8 +1318,8 @@ void ExpandableBackend::set_range_mapped(ExpSegment& seg, Block* from, std::uint
   insert_free(arena, merge_free(arena, mid));
 }
 
-// Whether the block at [pl.start, pl.start + size) fits under the limit (or the device's memory)
-// once every idle handle it does not use is given back (the idle bulk handles it would cover only partly included), the
+// Under a limit: whether the block at [pl.start, pl.start + size) fits once every idle handle it
+// does not use is given back (the idle bulk handles it would cover only partly included), the
 // check grow_and_carve makes after unmapping those. Checked first, a request that fails gives back
 // nothing: giving back every idle handle before failing anyway cost the random churn's 13-23 OOMs
 // 389-529 unmaps and as many releases (seeds 1-3: 13-18 ms of 90-109 ms on the H200 latency model),

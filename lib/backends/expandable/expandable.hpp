@@ -6,8 +6,8 @@
 // (2 MiB on the H200). Blocks split and merge inside the segment like in a caching pool, but a free
 // range can be unmapped and its memory mapped again anywhere, so fragmentation of free memory never
 // blocks a request: any request succeeds while the frames touched by live blocks plus the request
-// fit under the limit, or the device's memory without one (a handle of more than one frame serves
-// one block at a time, see the handle policy in expandable.cpp).
+// fit under the limit (up to handles that a live block keeps partly mapped, see the handle policy
+// in expandable.cpp).
 //
 // One arena per stream, holding all sizes: small blocks pack into the partly used frames at the
 // ends of large blocks instead of pinning frames of their own. Stats attribute allocations of
@@ -168,7 +168,7 @@ class ExpandableBackend final : public Backend {
     core::Block* anchor = nullptr;  // the block just before the run (not free), or nullptr
     std::uint64_t start = 0;
     std::size_t new_frames = 0;
-    std::size_t calls = 0;  // handles to map and idle bulk handles to unmap first
+    std::size_t calls = 0;  // under a limit: handles to map and idle bulk handles to unmap first
   };
   struct Exclusion {  // a range whose idle handles reclaim must not take (the one being allocated)
     const ExpSegment* seg = nullptr;
@@ -200,9 +200,10 @@ class ExpandableBackend final : public Backend {
   core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done = false);
   static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
   // Bytes of idle handles a block at [lo, hi), inside free block `free`, would use only partly;
-  // kNoPlace when it would use only part of an idle bulk (multi-frame) handle, so that bulk
-  // handles serve one block at a time.
-  std::size_t new_pin_bytes(const ExpSegment& seg, const core::Block& free, std::uint64_t lo, std::uint64_t hi) const noexcept;
+  // kNoPlace when it would use only part of an idle handle of more than `max_shared_frames` frames
+  // (under a limit: 1, so that bulk handles serve one block at a time).
+  std::size_t new_pin_bytes(const ExpSegment& seg, const core::Block& free, std::uint64_t lo, std::uint64_t hi,
+                            std::size_t max_shared_frames) const noexcept;
   void unmap_bulk_handles_under(ExpSegment& seg, const core::Block* anchor, std::uint64_t lo, std::uint64_t hi);
   // Whether idle memory of `arena` may be unmapped now: not from a live graph pool (its graphs'
   // replays use that memory), nor when the synchronization it takes first would break a capture
