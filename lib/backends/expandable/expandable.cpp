@@ -86,8 +86,7 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     pin stays within ~0.4% of the working set; at 1/64, GPT-2 generation's growing KV caches kept
 //     6% of reserved memory pinned, at 1/256 1.7%, for twice the driver calls), except that a
 //     request larger than everything held gets handles of its own size: a fresh 1 GiB tensor maps
-//     as one 1 GiB handle;
-//     Applying the one-block rule below without a limit too was measured and left out: it kept
+//     as one 1 GiB handle. Applying the one-block rule below without a limit too was measured and left out: it kept
 //     the guarantee up to the device's capacity (a random churn to the capacity of 1 GiB and 80 GiB
 //     simulated devices, 1-4 streams: 978 of 5,568 OOMs had the pages live blocks touch plus the
 //     request within the device; none with it), but each bulk handle unmapped under a new block
