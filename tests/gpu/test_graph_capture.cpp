@@ -557,3 +557,51 @@ TEST_CASE("gpu: expandable: a destroyed blocking CuPy stream's memory is taken b
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("gpu: between cuStreamBeginCapture and begin_graph_pool, another stream's request does not break a prepared capture") {
+  // The documented order: prepare_capture(s), cuStreamBeginCapture(s), begin_graph_pool(pool, s), on
+  // a stream new to expseg (torch.cuda.graph's side stream). A request on another stream that
+  // misses the cache meanwhile would give back a released graph pool's memory, whose
+  // synchronization is the device's: expandable now sees the prepared stream capture and leaves it.
+  for (BackendKind b : kBackends) {
+    CAPTURE(expseg::to_string(b));
+    Allocator a(cuda_config(b));
+    Driver& d = driver_of(a);
+    void* cap1 = d.stream_create();
+    void* cs = d.stream_create();
+    void* m = d.stream_create();
+    // An earlier graph's pool, released: its memory waits to be given back.
+    d.capture_begin(cap1);
+    a.begin_graph_pool(1, cap1);
+    a.deallocate(a.allocate(64 * MiB, cap1));
+    expseg::driver::graph_t g1 = nullptr;
+    CHECK_NOTHROW(g1 = d.capture_end(cap1));
+    a.end_graph_pool(1);
+    d.graph_destroy(g1);
+    a.release_graph_pool(1);
+
+    a.prepare_capture(cs);
+    d.capture_begin(cs);
+    void* q = nullptr;
+    CHECK_NOTHROW(q = a.allocate(8 * MiB, m));  // misses the cache; was: cuCtxSynchronize failed, capture invalidated
+    a.begin_graph_pool(2, cs);
+    void* out = a.allocate(2 * MiB, cs);
+    d.memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, cs);
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = d.capture_end(cs));
+    a.end_graph_pool(2);
+    if (g != nullptr) {
+      d.graph_launch(g, cs);
+      d.stream_synchronize(cs);
+      CHECK(holds(d, out, 2 * MiB, 0x5eed5eedu));
+      d.graph_destroy(g);
+    }
+    a.deallocate(out);
+    a.release_graph_pool(2);
+    write_read_free(a, d, q, 8 * MiB, m);
+    a.validate();
+    a.release_cached();
+    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+    for (void* s : {cap1, cs, m}) d.stream_destroy(s);
+  }
+}
