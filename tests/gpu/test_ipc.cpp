@@ -53,4 +53,44 @@ TEST_CASE("ipc: export errors on the real device") {
   s.deallocate(q);
 }
 
+TEST_CASE("ipc: an expandable import closed during a told graph capture is released at the capture's end") {
+  // Releasing an import takes a device synchronization, which a capture refuses (it would be
+  // invalidated). During a capture the allocator was told of, close() hands the import to the
+  // allocator, which releases it when the capture ends.
+  expseg::Allocator a(expseg::Config::parse("backend:expandable,ipc_handle:posix_fd"), 0);
+  expseg::driver::Driver& d = expseg::detail::AllocatorAccess::driver(a);
+  void* p = a.allocate(4u << 20);
+  expseg::ImportedMemory m = a.import_ipc(a.export_ipc(p));  // this process's own descriptors
+  REQUIRE(m);
+  void* cs = d.stream_create();
+  a.prepare_capture(cs);
+  d.capture_begin(cs);
+  a.begin_graph_pool(1, cs);
+  void* out = a.allocate(2u << 20, cs);
+  d.memset_d32(ipc_test::addr_of(out), 0x5eed5eedu, (2u << 20) / 4, cs);
+  CHECK_NOTHROW(m.close());  // was: cuCtxSynchronize failed and invalidated the capture
+  CHECK_FALSE(m);
+  expseg::driver::graph_t g = nullptr;
+  CHECK_NOTHROW(g = d.capture_end(cs));
+  a.end_graph_pool(1);  // the import is released here
+  if (g != nullptr) {
+    d.graph_launch(g, cs);
+    d.stream_synchronize(cs);
+    std::uint32_t word = 0;
+    d.copy_to_host(&word, ipc_test::addr_of(out), sizeof word);
+    CHECK(word == 0x5eed5eedu);
+    d.graph_destroy(g);
+  }
+  a.deallocate(out);
+  a.release_graph_pool(1);
+  d.memset_d32(ipc_test::addr_of(p), 7u, (4u << 20) / 4, nullptr);  // the exported block still works
+  d.device_synchronize();
+  std::uint32_t word = 0;
+  d.copy_to_host(&word, ipc_test::addr_of(p), sizeof word);
+  CHECK(word == 7u);
+  a.deallocate(p);
+  a.validate();
+  d.stream_destroy(cs);
+}
+
 }  // TEST_SUITE
