@@ -178,6 +178,8 @@ Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
 Allocator::Impl::~Impl() {
   // The observer first, while everything still works: what it captured may free memory here.
   oom_observer.reset();
+  // Imports closed during a capture go now (each holds the registry: left there, they would leak).
+  imports->set_capturing(false);
   // Graph pools still in use go with the allocator: their keys leave the process-wide registry.
   for (const GraphPool& p : graph_pools)
     for (const auto& [stream, key] : p.keys) backends::retire_graph_pool_key(key);

@@ -480,11 +480,11 @@ struct ImportedMemory::State {
     std::lock_guard<std::mutex> lock(registry->mu);
     if (!registry->capturing) return false;
     try {
-      registry->deferred.push_back(std::shared_ptr<void>(s.get(), [](void* p) { delete static_cast<State*>(p); }));
+      registry->deferred.reserve(registry->deferred.size() + 1);
     } catch (...) {
       return false;  // no memory to keep it: released now
     }
-    s.release();
+    registry->deferred.emplace_back(s.release(), [](void* p) { delete static_cast<State*>(p); });
     return true;
   }
   ~State() {
@@ -496,7 +496,7 @@ struct ImportedMemory::State {
 };
 
 void detail::ImportRegistry::set_capturing(bool now) noexcept {
-  std::vector<std::shared_ptr<void>> ready;
+  std::vector<std::unique_ptr<void, void (*)(void*)>> ready;
   {
     std::lock_guard<std::mutex> lock(mu);
     capturing = now;

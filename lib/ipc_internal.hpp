@@ -24,7 +24,7 @@ struct ImportRegistry {
   // capture refuses and which invalidates it. Imports closed meanwhile wait in `deferred` (their
   // State, owned) and are released when the last capture ends (drain_deferred).
   bool capturing = false;
-  std::vector<std::shared_ptr<void>> deferred;
+  std::vector<std::unique_ptr<void, void (*)(void*)>> deferred;
   // set_access over every open range (the driver's access list has the new peer). Throws driver_error.
   void grant_all(driver::Driver& driver);
   // Sets `capturing`; when it turns false, releases the deferred imports (errors ignored, as a

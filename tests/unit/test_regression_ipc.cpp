@@ -382,3 +382,26 @@ TEST_CASE("regression: an import closed during a told graph capture is released 
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("ipc") {
+
+TEST_CASE("regression: an import closed during a capture is released when its allocator goes first") {
+  const expseg::Config c = sim_config(BackendKind::expandable, 1 * GiB, "ipc_handle:posix_fd");
+  SimOptions o;
+  o.shareable = expseg::driver::ShareableHandle::posix_fd;
+  SimAllocator s = make_sim_allocator(c, o);
+  void* p = s->allocate(4 * MiB);
+  ImportedMemory m = s->import_ipc(s->export_ipc(p));
+  void* cap = s.sim->stream_create();
+  s.sim->capture_begin(cap);
+  s->begin_graph_pool(1, cap);
+  m.close();  // deferred: the capture runs
+  (void)s.sim->capture_end(cap);
+  s->deallocate(p);
+  // Was (with the deferral alone): the import held its registry and the registry the import, so
+  // the mapping outlived everything.
+  s.alloc.reset();
+  CHECK(s.sim->live().handles == 0);
+  s.sim->stream_destroy(cap);
+}
+}
