@@ -362,6 +362,36 @@ TEST_CASE("gpu: expandable blocks keep their bytes across growth, reclaim and re
   d.stream_destroy(s1);
 }
 
+TEST_CASE("gpu: expandable: over a lowered limit, a block swaps a freed bulk handle for its own pages instead of pinning it") {
+  Allocator a(cuda_config(BackendKind::expandable, "limit:258MiB"));
+  Driver& d = driver_of(a);
+  REQUIRE(d.granularity() == 2 * MiB);  // the sizes below are in H200 pages
+  void* first = a.allocate(16 * MiB);   // one 16 MiB handle
+  void* mid = a.allocate(2 * MiB);      // right after it
+  void* rest = a.allocate(240 * MiB);
+  d.memset_d32(dp(mid), 0x5eed0001u, 2 * MiB / 4, nullptr);
+  a.set_limit(200 * MiB);               // below the 258 MiB held
+  a.deallocate(first);
+  void* small = a.allocate(1 * MiB);
+  d.memset_d32(dp(small), 0x5eed0002u, 1 * MiB / 4, nullptr);
+  CHECK(a.stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(244 * MiB));  // 16 MiB unmapped, 2 mapped
+  a.deallocate(rest);
+  a.set_limit(64 * MiB);
+  void* big = nullptr;
+  CHECK_NOTHROW(big = a.allocate(60 * MiB));  // 4 MiB of live pages + 60 MiB = the limit
+  if (big != nullptr) d.memset_d32(dp(big), 0x5eed0003u, 60 * MiB / 4, nullptr);
+  d.stream_synchronize(nullptr);
+  CHECK(read_back(d, mid, 2 * MiB, 0x5eed0001u) == -1);
+  CHECK(read_back(d, small, 1 * MiB, 0x5eed0002u) == -1);
+  if (big != nullptr) CHECK(read_back(d, big, 60 * MiB, 0x5eed0003u) == -1);
+  check_stats(a);
+  if (big != nullptr) a.deallocate(big);
+  a.deallocate(small);
+  a.deallocate(mid);
+  a.release_cached();
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+}
+
 TEST_CASE("gpu: stress: host threads and streams write with cuMemsetD32Async and check by read-back") {
   for (BackendKind b : kBackends) {
     const std::string backend_name = expseg::to_string(b);

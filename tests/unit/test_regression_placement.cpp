@@ -63,4 +63,31 @@ TEST_CASE("placement regression: a handle move whose mapping fails counts the ha
     CHECK(s.sim->live().handles == 0);
   }
 }
+
+TEST_CASE("placement regression: over a lowered limit, a block does not pin a freed bulk handle") {
+  auto s = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "limit:258MiB"));
+  void* a = s->allocate(16 * MiB);   // one 16 MiB handle
+  void* d = s->allocate(2 * MiB);    // right after a: nothing placed in a's handle can grow past it
+  void* b = s->allocate(240 * MiB);
+  s->set_limit(200 * MiB);           // below the 258 MiB held, all of it live
+  s->deallocate(a);                  // a's handle idle: what is held is still above the limit
+  REQUIRE(s->stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(258 * MiB));
+  void* small = s->allocate(1 * MiB);
+  // Was: carved from a's cached handle, which it then pinned. Now the handle is swapped for the one
+  // page the block needs, and what is held falls.
+  CHECK(s->stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(244 * MiB));
+  s->validate();
+  s->deallocate(b);
+  s->set_limit(64 * MiB);
+  // 4 MiB of live pages (d, small) + 60 MiB = the limit. Was: an OOM with verdict fragmentation
+  // (a's 16 MiB still held for small).
+  void* big = nullptr;
+  CHECK_NOTHROW(big = s->allocate(60 * MiB));
+  CHECK(s->stats().reserved_bytes[kAllPools].current <= static_cast<std::int64_t>(64 * MiB));
+  s->validate();
+  if (big != nullptr) s->deallocate(big);
+  s->deallocate(small);
+  s->deallocate(d);
+  s->validate();
+}
 }

@@ -955,6 +955,21 @@ Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::
   // place touched 6 MiB in all).
   bool room = ctx_.limit == 0 || !orphans_.empty() || room_for_placement(pl, size);
   if (!room && fresh == nullptr) room = find_placement(arena, size, pl, true);
+  // Held above the limit (set_limit lowered below what is held): no place has room under it, and
+  // the cached block the fallback below carves may lie on an idle bulk handle, pinned by the new
+  // block for as long as it lives, so that a later, lower limit fails with a fragmentation OOM
+  // (limit 200 MiB, 256 held: a 1 MiB block on a freed 16 MiB handle; then limit 64 MiB and 62 MiB
+  // failed with 2 MiB of live pages). A place whose mapping, once idle handles are given back,
+  // holds no more than now is taken instead: it swaps the bulk handle for the frames the block
+  // needs.
+  struct CeilingScope {
+    std::size_t& ceiling;
+    ~CeilingScope() { ceiling = 0; }
+  } ceiling_scope{held_ceiling_};
+  if (!room && ctx_.limit != 0 && reserved_ > ctx_.limit && may_unmap_in(arena)) {
+    held_ceiling_ = reserved_;
+    room = room_for_placement(pl, size) || (fresh == nullptr && find_placement(arena, size, pl, true));
+  }
   Block* b = nullptr;
   try {
     if (room) b = grow_and_carve(arena, pl, size, requested);
@@ -980,6 +995,12 @@ Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::
   if (b == nullptr && ctx_.limit != 0)
     if (Block* f = arena.mapped_free.lower_bound(size); f != nullptr) b = carve(arena, f, size, requested, false);
   return b;
+}
+
+// What the room checks hold mapped memory to: the limit, or while place_or_grow swaps a mapping
+// over it, what is held now.
+std::size_t ExpandableBackend::room_limit() const noexcept {
+  return std::max(ctx_.effective_limit(), held_ceiling_);
 }
 
 // Gives back the address range of an empty segment (one free unmapped block) and forgets it.
@@ -1124,7 +1145,7 @@ bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64
       // The handle's slot in mapped_now first (nullptr until mapped): a bad_alloc after the
       // mapping would leave a handle the caller cannot give back.
       if (mapped_now != nullptr) mapped_now->push_back(nullptr);
-      if (ctx_.limit != 0 && reserved_ + n * frame_ > ctx_.effective_limit()) {
+      if (ctx_.limit != 0 && reserved_ + n * frame_ > room_limit()) {
         if (const std::size_t moved = move_idle_handle(seg, f, n, anchor, ex); moved != 0) {
           if (mapped_now != nullptr) mapped_now->back() = seg.frames[f];
           f += moved;
@@ -1345,7 +1366,7 @@ bool ExpandableBackend::room_for_placement(const Placement& pl, std::size_t size
     frames += frame_of(seg, std::min(hlo + h->bytes, hi) - 1) - frame_of(seg, std::max(hlo, lo)) + 1;
   }
   if (frames == 0) return true;  // mapping nothing needs no room
-  const std::size_t limit = ctx_.effective_limit();
+  const std::size_t limit = room_limit();
   const std::size_t need = frames * frame_;
   if (reserved_ - freeable + need <= limit) return true;
   for_each_idle([&](const ExpHandle& h) {
@@ -1362,7 +1383,7 @@ bool ExpandableBackend::room_for_placement(const Placement& pl, std::size_t size
 // of every idle handle, a fifth to a quarter of the CPU time of a churn at the limit with
 // 3,000-27,000 handles.
 bool ExpandableBackend::room_after_reclaim(std::size_t bytes, const Exclusion& ex) const noexcept {
-  const std::size_t limit = ctx_.effective_limit();
+  const std::size_t limit = room_limit();
   if (bytes == 0 || reserved_ + bytes <= limit) return true;
   const std::size_t lacking = reserved_ + bytes - limit;
   std::size_t idle = 0;
@@ -1375,7 +1396,7 @@ bool ExpandableBackend::room_after_reclaim(std::size_t bytes, const Exclusion& e
 }
 
 bool ExpandableBackend::make_room(std::size_t bytes, const Exclusion& ex) {
-  const std::size_t limit = ctx_.effective_limit();
+  const std::size_t limit = room_limit();
   if (bytes > limit) return false;
   if (reserved_ + bytes <= limit) return true;
   if (!orphans_.empty()) retry_orphans();

@@ -247,6 +247,7 @@ class ExpandableBackend final : public Backend {
   bool make_room(std::size_t bytes, const Exclusion& ex);
   bool room_after_reclaim(std::size_t bytes, const Exclusion& ex) const noexcept;
   bool room_for_placement(const Placement& pl, std::size_t size) const noexcept;
+  std::size_t room_limit() const noexcept;
   std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr, bool largest_first = false);
   void unmap_handle(ExpHandle* h);
   void unmap_mapping(ExpHandle* h);
@@ -318,6 +319,7 @@ class ExpandableBackend final : public Backend {
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
   std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
+  std::size_t held_ceiling_ = 0;  // nonzero while place_or_grow swaps a mapping over the limit (room_limit)
   mutable std::uint64_t cached_path_handles_ = 0;
   mutable std::uint64_t slow_path_steps_ = 0;
   std::uint64_t search_steps_ = 0;
