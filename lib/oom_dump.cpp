@@ -23,6 +23,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -67,6 +68,14 @@ std::string rename_into_place(const std::string& tmp, const std::string& path) {
   const int err = errno;
   std::remove(tmp.c_str());
   return std::string("cannot rename ") + tmp + " to " + path + ": " + std::strerror(err);
+}
+
+// Held from a dump's first rename to its last: allocators of different devices dump under their
+// own locks, and a path without %d (or %n) is shared by their OOMs; without it one OOM's JSON could
+// land beside another's trace (two allocators on one path: 19 mixed pairs of 3,000).
+std::mutex& rename_mutex() {
+  static std::mutex m;
+  return m;
 }
 
 }  // namespace
@@ -157,6 +166,7 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     const std::string json_tmp = temporary_name(path);
     std::string failure = write_temporary(json_tmp, text);
     if (!failure.empty()) throw std::runtime_error(failure);
+    const std::lock_guard<std::mutex> renaming(rename_mutex());
     if (!trace_tmp.empty()) {
       failure = rename_into_place(trace_tmp, trace_path);
       trace_tmp.clear();
@@ -167,11 +177,13 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
       trace_renamed = true;
     }
     failure = rename_into_place(json_tmp, path);
-    if (!failure.empty()) throw std::runtime_error(failure);
+    if (!failure.empty()) {
+      if (trace_renamed) std::remove(trace_path.c_str());  // rare: while no other dump can rename one there
+      throw std::runtime_error(failure);
+    }
   } catch (...) {
     // Half a dump is no dump: no trace without its JSON, and a message that says so.
     if (!trace_tmp.empty()) std::remove(trace_tmp.c_str());
-    if (trace_renamed) std::remove(trace_path.c_str());  // rare: the JSON's rename failed after the trace's
     report.dump_path.clear();
     try {
       std::string why = "unknown error";

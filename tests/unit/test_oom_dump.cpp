@@ -616,3 +616,34 @@ TEST_CASE("oom_dump: a recording started over cached memory does not claim to st
   CHECK(expseg::replay(expseg::read_trace(d.trace), sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB")).ooms == 0);
   for (void* p : live) a.deallocate(p);
 }
+
+TEST_CASE("oom_dump: two allocators dumping to one path at once leave a dump and a trace of the same OOM") {
+  // A path without %d is shared by every device's allocator of a process (and one without %n by
+  // their OOMs): each dump's JSON and trace must reach the path as a pair, never one allocator's
+  // JSON beside the other's trace. Each OOM asks a size of its own, which the dump's report and the
+  // trace's last event (the failed request) must agree on. Was: 4 pairs of 3,000 mixed.
+  TempDir dir("shared-path");
+  const std::string path = (dir.path / "oom.json").string();
+  const std::string conf = "limit:64MiB,record:true,record_ring:4,oom_dump:" + path;
+  Allocator a(sim_config(BackendKind::expandable, 1 * GiB, conf));
+  Allocator b(sim_config(BackendKind::split_merge, 1 * GiB, conf));
+  int mismatched = 0;
+  for (std::size_t round = 0; round < 3000; ++round) {
+    std::atomic<int> ready{0};
+    auto run = [&](Allocator& x, std::size_t request) {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      CHECK_THROWS_AS(x.allocate(request), expseg::out_of_memory);
+    };
+    std::thread ta(run, std::ref(a), 128 * MiB + 2 * round);
+    std::thread tb(run, std::ref(b), 128 * MiB + 2 * round + 1);
+    ta.join();
+    tb.join();
+    const expseg::OomDump dump = expseg::read_oom_dump(path);
+    const expseg::Trace trace = expseg::read_trace(expseg::oom_dump_trace_path(path));
+    REQUIRE(!trace.events.empty());
+    mismatched += dump.report.requested_bytes != trace.events.back().size;
+  }
+  CHECK(mismatched == 0);
+}
