@@ -185,7 +185,9 @@ class Allocator {
   // snapshot(), release_cached(), even allocate()). If it throws, its exception propagates from
   // allocate() instead of out_of_memory; the allocator is consistent either way. An OOM inside the
   // observer itself (on its thread) is thrown without calling it again. An empty function removes
-  // the observer; setting one replaces the previous one.
+  // the observer; setting one replaces the previous one. An OOM already being reported on another
+  // thread holds its own reference to the previous observer and may still call it after
+  // set_oom_observer returns: what an observer captures by reference must outlive such a call.
   using OomObserver = std::function<void(const OomReport&)>;
   void set_oom_observer(OomObserver observer);
 

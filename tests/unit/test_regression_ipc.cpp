@@ -31,6 +31,13 @@ SimAllocator three_device_alloc(const expseg::Config& c) {
   return make_sim_allocator(c, o);
 }
 
+// One device whose shareable handle type is the config's ipc_handle.
+SimAllocator ipc_alloc(const expseg::Config& c) {
+  SimOptions o;
+  o.shareable = static_cast<expseg::driver::ShareableHandle>(c.ipc_handle);
+  return make_sim_allocator(c, o);
+}
+
 }  // namespace
 
 TEST_SUITE("multi_device") {
@@ -293,9 +300,7 @@ TEST_CASE("regression: releasing an expandable import waits for the work queued 
   for (const char* extra : {"ipc_handle:posix_fd", "ipc_handle:fabric"}) {
     CAPTURE(extra);
     const expseg::Config c = sim_config(BackendKind::expandable, 1 * GiB, std::string("sim_host_backed:true,") + extra);
-    SimOptions o;
-    o.shareable = static_cast<expseg::driver::ShareableHandle>(c.ipc_handle);
-    SimAllocator s = make_sim_allocator(c, o);
+    SimAllocator s = ipc_alloc(c);
     void* p = s->allocate(5 * MiB);
     const std::size_t handles = s.sim->live().handles;
     for (const bool destroy : {false, true}) {
@@ -339,9 +344,7 @@ TEST_CASE("regression: releasing an expandable import waits for the work queued 
 
 TEST_CASE("regression: an import closed during a told graph capture is released when the capture ends, not during it") {
   const expseg::Config c = sim_config(BackendKind::expandable, 1 * GiB, "sim_host_backed:true,ipc_handle:posix_fd");
-  SimOptions o;
-  o.shareable = expseg::driver::ShareableHandle::posix_fd;
-  SimAllocator s = make_sim_allocator(c, o);
+  SimAllocator s = ipc_alloc(c);
   void* p = s->allocate(4 * MiB);
   for (const bool destroy : {false, true}) {
     CAPTURE(destroy);
@@ -387,9 +390,7 @@ TEST_SUITE("ipc") {
 
 TEST_CASE("regression: an import closed during a capture is released when its allocator goes first") {
   const expseg::Config c = sim_config(BackendKind::expandable, 1 * GiB, "ipc_handle:posix_fd");
-  SimOptions o;
-  o.shareable = expseg::driver::ShareableHandle::posix_fd;
-  SimAllocator s = make_sim_allocator(c, o);
+  SimAllocator s = ipc_alloc(c);
   void* p = s->allocate(4 * MiB);
   ImportedMemory m = s->import_ipc(s->export_ipc(p));
   void* cap = s.sim->stream_create();
