@@ -10,6 +10,7 @@
 
 #include "allocator_impl.hpp"
 #include "driver/sim_driver.hpp"
+#include "core/text.hpp"
 
 namespace expseg {
 
@@ -22,11 +23,7 @@ namespace {
 // this much memory.
 constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
 
-std::string hex(std::uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
+using core::hex;
 
 // Exact size text that reads back as a config value ("128TiB", "3145728").
 std::string size_value(std::size_t n) {
@@ -383,14 +380,17 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   if (stream == b->stream) return;  // the allocation stream is always waited for
   // A capture's block carries its pool's key as its stream: a stream of that capture, while it
   // captures, is its allocation stream too.
-  if (routing && backends::is_graph_pool_key(b->stream) && route_to_pool(stream) == b->stream) return;
+  if (routing && backends::is_graph_pool_key(b->stream) && route_to_pool(stream, false) == b->stream) return;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
 }
 
 // The pool key of a request on a stream of a capture that allocates into a graph pool, or on a
 // stream routed by begin_pool_allocations; `stream` otherwise. Asks the driver (~20 ns), only while
-// some capture allocates into a pool.
-driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream) {
+// some capture allocates into a pool. A stream the capture forked to gets a key of its own in the
+// pool (made at its first request; `make` false: nullptr instead), as PyTorch keys a private pool's
+// blocks by stream: a block the capture freed on one stream would otherwise serve another stream
+// of the same graph, whose replay runs the two streams' work side by side.
+driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool make) {
   if (backends::is_graph_pool_key(stream)) return stream;
   std::uint64_t id = 0;
   if (!capture_routes.empty()) {
@@ -405,11 +405,19 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream) {
   if (id != 0)
     for (CaptureRoute& r : capture_routes)
       if (r.capture_id == id) {
-        if (stream != r.stream && !r.may_block) {  // a stream the capture forked to: it may block
+        if (stream == r.stream) return r.key;
+        if (!r.may_block) {  // a stream the capture forked to: it may block
           r.may_block = true;
           update_capture_state();
         }
-        return r.key;
+        for (const auto& [s, k] : r.forks)
+          if (s == stream) return k;
+        if (!make) return nullptr;
+        r.forks.reserve(r.forks.size() + 1);
+        const driver::stream_t key = pool_key_for(r.pool, stream).second;  // its key from an earlier capture, if any
+        r.forks.emplace_back(stream, key);  // capacity reserved
+        if (recorder.enabled()) recorder.add(TraceAction::pool_begin, r.pool, 0, stream);
+        return key;
       }
   return stream;
 }
@@ -551,7 +559,7 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
     may_block = p->second;
     m.ctx.prepared_captures.erase(p);
   }
-  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key, may_block});
+  m.capture_routes.push_back(Impl::CaptureRoute{capture, pool, pool_key, key, may_block, {}});
   m.update_capture_state();
   if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_begin, pool, 0, key);
 }
@@ -703,7 +711,13 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   if (!ended)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " is still running; end the capture (cuStreamEndCapture) first");
-  if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_end, pool, 0, route->stream);
+  if (m.recorder.enabled()) {
+    for (const auto& [s, k] : route->forks) {
+      m.recorder.add(TraceAction::pool_end, pool, 0, s);
+      m.recorder.add(TraceAction::pool_release, pool, 0, nullptr);
+    }
+    m.recorder.add(TraceAction::pool_end, pool, 0, route->stream);
+  }
   m.capture_routes.erase(route);
   m.update_capture_state();
   if (!m.ctx.capturing) m.free_held_after_capture();

@@ -134,10 +134,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // stream belongs to; empty, the cached path looks at nothing else.
   struct GraphPool {
     std::uint64_t id = 0;
-    // A key (backends::new_graph_pool_key()) per stream that began a capture into the pool: as
-    // PyTorch's private pools, memory a capture on one stream freed serves that stream's captures
-    // only (eager work on the stream may still use it when another stream's graph would write it).
-    std::vector<std::pair<driver::stream_t, driver::stream_t>> keys;  // capturing stream -> key
+    // A key (backends::new_graph_pool_key()) per stream that allocated into the pool (a stream
+    // that began a capture, one a capture forked to, one routed by begin_pool_allocations): as in
+    // PyTorch's private pools, memory freed on one stream serves that stream's requests only (eager
+    // work on the stream, or the other branch of a forked graph, may still use it).
+    std::vector<std::pair<driver::stream_t, driver::stream_t>> keys;  // stream -> key
     std::uint64_t uses = 0;  // begin_graph_pool and begin_pool_allocations calls not yet released
     // Keys an earlier release retired (their memory is given back), kept while blocks allocated under
     // them may still be live: they belong to the pool (graph_pool_blocks) until freed. A pool at no
@@ -158,6 +159,10 @@ struct Allocator::Impl final : backends::FrontendHooks {
     // unless prepare_capture found its stream non-blocking, and until a request comes from another
     // stream of the capture (a fork, whose flags cannot be asked while it captures).
     bool may_block = true;
+    // The streams the capture forked to that allocated, with their keys in the pool (route_to_pool).
+    // A recording traces each as a pool begin at its first request, and a pool end and a release
+    // (the replay's begin took a use of the pool; the run's fork did not) at end_graph_pool.
+    std::vector<std::pair<driver::stream_t, driver::stream_t>> forks;
   };
   std::vector<GraphPool> graph_pools;
   std::vector<CaptureRoute> capture_routes;
@@ -199,14 +204,17 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // and no query could ever wait for it (CUDA_ERROR_CAPTURED_EVENT); held until that capture has
   // ended, looked at again before an OOM (synchronize_pending_frees) and by release_cached.
   std::vector<core::Block*> frees_after_capture;
-  driver::stream_t route_to_pool(driver::stream_t stream);
+  driver::stream_t route_to_pool(driver::stream_t stream, bool make = true);
   // The stream a trace names for an allocation on `key`: for a graph pool's key, the stream whose
   // route into the pool made it (the trace's `pool begin` names that stream), else `key`. (A block
   // restore_graph_pool_block puts back is traced on that stream too, after a `pool restore` line.)
   driver::stream_t traced_stream(driver::stream_t key) const noexcept {
     if (!backends::is_graph_pool_key(key)) return key;
-    for (const CaptureRoute& r : capture_routes)
+    for (const CaptureRoute& r : capture_routes) {
       if (r.key == key) return r.stream;
+      for (const auto& [stream, k] : r.forks)
+        if (k == key) return stream;
+    }
     for (const EagerRoute& e : eager_routes)
       if (e.key == key) return e.stream;
     return key;

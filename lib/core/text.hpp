@@ -2,10 +2,19 @@
 #pragma once
 
 #include <algorithm>
+#include <charconv>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
 namespace expseg::core {
+
+// An address or stream in messages: "0x7f12ab00".
+inline std::string hex(std::uint64_t v) {
+  char b[2 + 16] = {'0', 'x'};
+  const auto r = std::to_chars(b + 2, b + sizeof b, v, 16);
+  return std::string(b, r.ptr);
+}
 
 // Bounded, so a 1 MB hostile value gives a short message, and printable ASCII only: control and
 // non-ASCII bytes (invalid UTF-8 included) are written \xNN, as the trace parser quotes them, so a

@@ -184,6 +184,63 @@ TEST_CASE("gpu: a graph pool keeps a captured graph's memory apart: replays leav
   }
 }
 
+TEST_CASE("gpu: a capture forked to a second stream: a block freed on one branch does not go to the other") {
+  // As PyTorch's private pools (blocks keyed by stream): the graph runs the branches side by side.
+  for (BackendKind kind : kBackends) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    Allocator a(cuda_config(kind));
+    Driver& d = driver_of(a);
+    void* s = d.stream_create();
+    void* t = d.stream_create();
+    constexpr std::size_t kBytes = 32 * MiB;
+    a.start_recording();
+    d.capture_begin(s);
+    a.begin_graph_pool(1, s);
+    const auto fork = d.event_create();
+    d.event_record(fork, s);
+    d.stream_wait_event(t, fork);  // t joins the capture
+    void* on_s = a.allocate(kBytes, s);
+    d.memset_d32(dp(on_s), 0xAAAAAAAAu, kBytes / 4, s);
+    a.deallocate(on_s);
+    void* on_t = a.allocate(kBytes, t);  // the other branch
+    d.memset_d32(dp(on_t), 0xBBBBBBBBu, kBytes / 4, t);
+    CHECK_FALSE(overlap(on_s, kBytes, on_t, kBytes));
+    const auto join = d.event_create();
+    d.event_record(join, t);
+    d.stream_wait_event(s, join);
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = d.capture_end(s));
+    a.end_graph_pool(1);
+    REQUIRE(g != nullptr);
+    d.graph_launch(g, s);
+    d.stream_synchronize(s);
+    CHECK(holds(d, on_s, kBytes, 0xAAAAAAAAu));
+    CHECK(holds(d, on_t, kBytes, 0xBBBBBBBBu));
+    a.deallocate(on_t);
+    d.graph_destroy(g);
+    a.release_graph_pool(1);
+    // The recording gives the fork a pool begin and end of its own and replays to the same peak.
+    const std::vector<expseg::TraceEvent> ev = a.recorded();
+    int begins_t = 0, ends_t = 0;
+    for (const expseg::TraceEvent& e : ev) {
+      begins_t += e.action == expseg::TraceAction::pool_begin && e.stream == dp(t);
+      ends_t += e.action == expseg::TraceAction::pool_end && e.stream == dp(t);
+    }
+    CHECK(begins_t == 1);
+    CHECK(ends_t == 1);
+    const auto r = expseg::replay(expseg::Trace{"fork", ev}, sim_config(kind));
+    CHECK(r.ooms == 0);
+    CHECK(r.peak_reserved_bytes == a.stats().reserved_bytes[kAllPools].peak);
+    a.release_cached();
+    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+    d.event_destroy(fork);
+    d.event_destroy(join);
+    d.stream_destroy(t);
+    d.stream_destroy(s);
+  }
+}
+
 TEST_CASE("gpu: requests during a capture grow memory without invalidating it; under a limit they fail instead of giving memory back") {
   for (BackendKind kind : kBackends) {
     const std::string backend = expseg::to_string(kind);

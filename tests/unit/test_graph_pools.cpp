@@ -902,6 +902,103 @@ TEST_CASE("graph pool: a block freed on one capture stream goes to no capture of
   }
 }
 
+TEST_CASE("graph pool: a block freed on one stream of a capture goes to no other stream the capture forked to") {
+  // Was: a stream the capture forked to allocated under the capture's one key, so a block freed on
+  // the capturing stream went to the fork at once; replayed, the graph runs the two branches side
+  // by side, and the fork's kernels could write the block under the other branch's. PyTorch keys a
+  // private pool's blocks by stream (get_free_block), so the fork gets memory of its own.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* t = sa.sim->stream_create();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(4, s);
+    const auto fork = sa.sim->event_create();
+    sa.sim->event_record(fork, s);
+    sa.sim->stream_wait_event(t, fork);  // t joins the capture
+    for (const std::size_t size : {std::size_t{30} * MiB, std::size_t{512} * KiB}) {
+      CAPTURE(size);
+      void* a = sa->allocate(size, s);
+      sa->deallocate(a);  // freed on s during the capture
+      void* b = sa->allocate(size, t);
+      CHECK_FALSE(overlap(a, size, b, size));
+      void* again = sa->allocate(size, s);  // s still gets its own block back
+      CHECK(addr(again) == addr(a));
+      sa->deallocate(again);
+      sa->deallocate(b);
+    }
+    const auto join = sa.sim->event_create();
+    sa.sim->event_record(join, t);
+    sa.sim->stream_wait_event(s, join);
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(4);
+    // The fork's memory is the pool's: a later capture that begins on t reuses it, and an eager
+    // request on t does not get it.
+    void* eager = sa->allocate(30 * MiB, t);
+    for (const expseg::SegmentInfo& seg : sa->snapshot().segments)
+      if (seg.graph_pool == 4) CHECK_FALSE(overlap(eager, 30 * MiB, reinterpret_cast<void*>(seg.address), seg.size));
+    sa->deallocate(eager);
+    sa.sim->capture_begin(t);
+    sa->begin_graph_pool(4, t);
+    void* c = sa->allocate(30 * MiB, t);
+    bool in_pool = false;
+    for (const expseg::SegmentInfo& seg : sa->snapshot().segments)
+      in_pool = in_pool || (seg.graph_pool == 4 && addr(c) >= seg.address && addr(c) < seg.address + seg.size);
+    CHECK(in_pool);
+    sa->deallocate(c);
+    const auto g2 = sa.sim->capture_end(t);
+    sa->end_graph_pool(4);
+    sa->validate();
+    for (auto x : {g, g2}) sa.sim->graph_destroy(x);
+    sa.sim->event_destroy(fork);
+    sa.sim->event_destroy(join);
+    sa->release_graph_pool(4);
+    sa->release_graph_pool(4);
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+  }
+}
+
+TEST_CASE("graph pool: split_merge keeps a released pool's memory cached until release_cached or a request's last retry, as PyTorch") {
+  // PyTorch's releasePool only marks the private pool freeable: its blocks go back in
+  // release_cached_blocks (empty_cache, or malloc's last step before an OOM). Was: split_merge gave
+  // them back on the next request that missed the cache, on any stream (reserved 400 -> 2 MiB where
+  // PyTorch holds 402 MiB).
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB));
+  void* s = sa.sim->stream_create();
+  auto release_a_pool = [&](std::uint64_t pool) {
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(pool, s);
+    sa->deallocate(sa->allocate(400 * MiB, s));
+    const auto g = sa.sim->capture_end(s);
+    sa->end_graph_pool(pool);
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(pool);
+  };
+  release_a_pool(1);
+  REQUIRE(reserved(*sa) == static_cast<std::int64_t>(400 * MiB));
+  void* small = sa->allocate(512, nullptr);  // a new 2 MiB segment: the pool's memory stays
+  CHECK(reserved(*sa) == static_cast<std::int64_t>(402 * MiB));
+  sa->deallocate(small);
+  sa->release_cached();
+  CHECK(reserved(*sa) == 0);
+  // Under a limit the pool's memory goes back at the request's last retry, not before an OOM.
+  release_a_pool(2);
+  sa->set_limit(512 * MiB);  // nothing to give back: 400 MiB held
+  CHECK(reserved(*sa) == static_cast<std::int64_t>(400 * MiB));
+  void* big = nullptr;
+  CHECK_NOTHROW(big = sa->allocate(300 * MiB, nullptr));
+  CHECK(reserved(*sa) == static_cast<std::int64_t>(300 * MiB));
+  CHECK(sa->stats().num_alloc_retries == 1);
+  sa->validate();
+  sa->deallocate(big);
+  sa->release_cached();
+  CHECK(reserved(*sa) == 0);
+  sa.sim->stream_destroy(s);
+}
+
 TEST_CASE("graph pool: misuse gets a clear error and changes nothing") {
   for (BackendKind kind : kBoth) {
     const std::string backend = expseg::to_string(kind);

@@ -199,7 +199,11 @@ bool SplitMergeBackend::release_cached_blocks() {
 // gives back what has come free. Given back, not handed to another stream: the next thread's first
 // requests map their own, but no stream's cache fills with memory it never asked for. Runs on the
 // slow path and in release_cached/trim only; `keep`: the stream of the request at hand.
-void SplitMergeBackend::reap_retired(driver::stream_t keep) {
+// A released graph pool's memory is given back here only when `graph_pools` (release_cached, trim),
+// not on a request's slow path or at a new limit: as PyTorch's releasePool, which only marks the
+// private pool freeable for release_cached_blocks (empty_cache, or a request's last retry before an
+// OOM, where this backend's release_cached_blocks gives it back too).
+void SplitMergeBackend::reap_retired(driver::stream_t keep, bool graph_pools) {
   if (const std::uint64_t gen = retired_keys_generation(); gen != retired_seen_) {
     for (Pool* pool : {&large_, &small_})
       pool->blocks.for_each_index([&](core::SizeIndex&, driver::stream_t s) {
@@ -211,7 +215,7 @@ void SplitMergeBackend::reap_retired(driver::stream_t keep) {
   }
   for (std::size_t i = retired_.size(); i-- > 0;) {
     const driver::stream_t s = retired_[i];
-    if (s == keep) continue;
+    if (s == keep || (!graph_pools && is_graph_pool_key(s))) continue;
     if (release_unsplit_free(s) || std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == s; }))
       continue;  // live blocks hold segments of it: looked at again later
     large_.blocks.erase(s);
@@ -333,7 +337,7 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
       // given back first (its release_cached_blocks waits for no captures underway).
       found = alloc_block(p, false);
     } else {
-      reap_retired(stream);
+      reap_retired(stream, false);
       if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
       // CuPy (_try_malloc, since cupy/cupy#7679) has no oversize blocks to release first
       // (release_available_cached_blocks does nothing for it): over the limit or out of device memory,
@@ -481,7 +485,7 @@ void SplitMergeBackend::release_stream(driver::stream_t stream) {
 // CuPy's set_limit give back nothing; expseg documents the give-back. Throws with the allocator
 // consistent when a cuMemFree fails.
 void SplitMergeBackend::on_limit_changed() {
-  reap_retired(nullptr);
+  reap_retired(nullptr, false);  // a released pool's memory counts among the cached memory below
   if (ctx_.limit == 0 || total_allocated_memory_ <= ctx_.limit) return;
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   std::vector<Block*> unsplit;

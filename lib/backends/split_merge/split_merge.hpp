@@ -99,7 +99,7 @@ class SplitMergeBackend final : public Backend {
   }
   bool release_cached_blocks();
   void release_block(core::Block* block);
-  void reap_retired(driver::stream_t keep);
+  void reap_retired(driver::stream_t keep, bool graph_pools = true);
   bool release_unsplit_free(driver::stream_t stream);
   void garbage_collect_cached_blocks();
   // exact: split whenever the block is larger than p.size (allocate_at), not by should_split.
