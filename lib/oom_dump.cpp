@@ -210,6 +210,7 @@ namespace expseg {
 namespace {
 
 using core::JsonValue;
+using core::hex;
 
 // Member access that says which member of which object was missing or of the wrong type.
 struct Reader {
@@ -306,6 +307,16 @@ Snapshot read_snapshot(const Reader& r, const JsonValue& o) {
     if (so.has("graph_pool")) seg.graph_pool = rs.u64(so, "graph_pool");  // written for graph pools' segments only
     const JsonValue& blocks = rs.at(so, "blocks");
     if (!blocks.is_array()) throw std::runtime_error("member '" + rs.name("blocks") + "' is not an array");
+    // What a snapshot holds by construction (snapshot.hpp), checked so that an edited or damaged dump
+    // is refused by name rather than summed with wraparound or replayed as a 16 EiB allocation: the
+    // segments in address order, apart; each one's blocks tiling it in order; a block's requested
+    // size within its size; the mapped ranges and bytes inside the segment.
+    auto bad = [](const Reader& at, const std::string& what) { throw std::runtime_error(at.where + ": " + what); };
+    if (seg.size == 0 || seg.address > std::numeric_limits<std::uint64_t>::max() - seg.size) bad(rs, "size " + std::to_string(seg.size) + " at " + hex(seg.address) + " is no range of addresses");
+    if (!s.segments.empty() && seg.address < s.segments.back().address + s.segments.back().size)
+      bad(rs, "begins at " + hex(seg.address) + ", inside or before the segment listed before it");
+    if (seg.mapped_bytes > seg.size) bad(rs, "mapped_bytes " + std::to_string(seg.mapped_bytes) + " exceed its size " + std::to_string(seg.size));
+    std::uint64_t next = seg.address;  // where the next block must begin
     for (std::size_t j = 0; j < blocks.as_array().size(); ++j) {
       const Reader rb = rs.in("blocks[" + std::to_string(j) + "]");
       BlockInfo b;
@@ -314,13 +325,21 @@ Snapshot read_snapshot(const Reader& r, const JsonValue& o) {
       b.requested = rb.u64(blocks[j], "requested");
       b.state = enum_value(rb, blocks[j], "state", kStates, &to_string);
       b.stream = rb.hex(blocks[j], "stream");
+      if (b.address != next) bad(rb, "begins at " + hex(b.address) + " where the segment's blocks continue at " + hex(next));
+      if (b.size == 0 || b.size > seg.address + seg.size - b.address) bad(rb, "size " + std::to_string(b.size) + " does not fit in its segment");
+      if (b.requested > b.size) bad(rb, "requested " + std::to_string(b.requested) + " exceeds its size " + std::to_string(b.size));
+      next = b.address + b.size;
       seg.blocks.push_back(b);
     }
+    if (next != seg.address + seg.size) bad(rs, "its blocks end at " + hex(next) + ", not at its end " + hex(seg.address + seg.size));
     const JsonValue& ranges = rs.at(so, "mapped_ranges");
     if (!ranges.is_array()) throw std::runtime_error("member '" + rs.name("mapped_ranges") + "' is not an array");
     for (std::size_t j = 0; j < ranges.as_array().size(); ++j) {
       const Reader rm = rs.in("mapped_ranges[" + std::to_string(j) + "]");
-      seg.mapped_ranges.push_back(AddressRange{rm.hex(ranges[j], "address"), rm.u64(ranges[j], "size")});
+      const AddressRange m{rm.hex(ranges[j], "address"), rm.u64(ranges[j], "size")};
+      if (m.address < seg.address || m.size > seg.address + seg.size - std::min(m.address, seg.address + seg.size))
+        bad(rm, "[" + hex(m.address) + ", +" + std::to_string(m.size) + ") lies outside its segment");
+      seg.mapped_ranges.push_back(m);
     }
     s.segments.push_back(std::move(seg));
   }

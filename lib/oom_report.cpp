@@ -5,16 +5,13 @@
 #include <sstream>
 
 #include "allocator_impl.hpp"
+#include "core/text.hpp"
 
 namespace expseg {
 
 namespace {
 
-std::string hex(std::uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
+using core::hex;
 
 // 838860800 -> "838,860,800" (CuPy's message format).
 std::string with_commas(std::size_t v) {

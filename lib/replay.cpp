@@ -16,6 +16,7 @@
 #include "core/json.hpp"
 #include "driver/sim_driver.hpp"
 #include "expseg/trace.hpp"
+#include "core/text.hpp"
 
 namespace expseg {
 
@@ -43,11 +44,7 @@ struct Program {
   std::size_t unknown_frees = 0;
 };
 
-std::string hex(std::uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
+using core::hex;
 
 // What the strict replay's refusals suggest: most such traces are partial, not corrupt.
 constexpr const char* kPartialHint =

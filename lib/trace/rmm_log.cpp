@@ -78,11 +78,7 @@ std::string quote(std::string_view s) {
   return q + "\"";
 }
 
-std::string hex(std::uint64_t v) {
-  char b[2 + 16] = {'0', 'x'};
-  const auto r = std::to_chars(b + 2, b + sizeof b, v, 16);
-  return std::string(b, r.ptr);
-}
+using core::hex;
 
 enum class NumError { none, empty, negative, overflow, syntax };
 

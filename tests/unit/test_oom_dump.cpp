@@ -459,6 +459,52 @@ TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file 
   CHECK_THROWS_WITH_AS(expseg::read_oom_dump(dir.path.string()), doctest::Contains(dir_message.c_str()), expseg::error);
 }
 
+TEST_CASE("read_oom_dump: a snapshot whose segments and blocks contradict each other is refused, naming the member") {
+  // Was: accepted; `expseg explain` then summed the live sizes with wraparound ("1.07 GiB requested"
+  // beside a 16 EiB block) and its replay seeded a 16 EiB allocation, an OOM the run never had.
+  TempDir dir("inconsistent");
+  const std::string good_path = (dir.path / "good.json").string();
+  {
+    Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_dump:" + good_path));
+    std::vector<void*> live;
+    (void)run_800_500_300(a, live);
+    for (void* p : live) a.deallocate(p);
+  }
+  const std::string good = read_file(good_path);
+  REQUIRE_NOTHROW((void)expseg::read_oom_dump(good_path));
+  // The segment: 0x100000000000 + 2000 MiB; its blocks 800 MiB allocated, 500 free, 300 allocated, 400 free.
+  const std::string free400 = R"({"address":"0x100064000000","size":419430400,"requested":0,"state":"free_mapped")";
+  const std::string seg_size = R"("size":2097152000,"mapped_bytes":2097152000)";
+  auto replace = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    const std::size_t at = s.find(from);
+    REQUIRE(at != std::string::npos);
+    return s.replace(at, from.size(), to);
+  };
+  const struct {
+    std::string text;
+    const char* expected;
+  } cases[] = {
+      {replace(free400, R"({"address":"0x100064000000","size":419430400,"requested":18446744073709551615,"state":"allocated")"),
+       "snapshot.segments[0].blocks[3]: requested 18446744073709551615 exceeds its size 419430400"},
+      {replace(free400, R"({"address":"0x100063000000","size":419430400,"requested":0,"state":"free_mapped")"),
+       "snapshot.segments[0].blocks[3]: begins at 0x100063000000 where the segment's blocks continue at 0x100064000000"},
+      {replace(free400, R"({"address":"0x100064000000","size":419430401,"requested":0,"state":"free_mapped")"),
+       "snapshot.segments[0].blocks[3]: size 419430401 does not fit in its segment"},
+      {replace(free400, R"({"address":"0x100064000000","size":2097152,"requested":0,"state":"free_mapped")"),
+       "snapshot.segments[0]: its blocks end at 0x100064200000, not at its end 0x10007d000000"},
+      {replace(seg_size, R"("size":18446744073709551615,"mapped_bytes":2097152000)"), "snapshot.segments[0]: size 18446744073709551615"},
+      {replace(seg_size, R"("size":2097152000,"mapped_bytes":2097152001)"),
+       "snapshot.segments[0]: mapped_bytes 2097152001 exceed its size 2097152000"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.expected);
+    const fs::path p = dir.path / "bad.json";
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << c.text;
+    CHECK_THROWS_WITH_AS((void)expseg::read_oom_dump(p.string()), doctest::Contains(c.expected), expseg::error);
+  }
+}
+
 TEST_CASE("oom_dump and observer under threads: one dump and one observer call per OOM, each dump whole") {
   TempDir dir("threads");
   Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:256MiB,oom_dump:" + (dir.path / "oom-%n.json").string()));
