@@ -240,6 +240,10 @@ std::size_t parse_bytes_impl(std::string_view key, std::string_view text) {
   if (base + frac == 0 && v.find_first_of("123456789") < i)
     bad_value(key, v, std::string(kBytesExpected) + " (this is less than one byte" +
                           (key == "limit" ? "; a share of device memory is written as a percentage, e.g. 50%)" : ")"));
+  // A count of bytes has no fraction ("1.9" and "1.5B" read as 1 byte); with a larger unit the
+  // fraction below a byte is dropped ("1.3KiB" is 1331 bytes).
+  if (factor == 1 && frac_part.find_first_not_of('0') != std::string_view::npos)
+    bad_value(key, v, std::string(kBytesExpected) + " (a number of bytes is a whole number)");
   return base + frac;
 }
 

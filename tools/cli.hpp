@@ -41,7 +41,7 @@ struct Args {
   std::vector<std::string> positional;
   std::map<std::string, std::vector<std::string>> values;  // option -> every value given (flags: "")
   bool has(const std::string& name) const { return values.count(name) != 0; }
-  // The last value of an option (options may be repeated; the last wins).
+  // The last value of an option (only --conf and --trace may be given more than once).
   std::optional<std::string> get(const std::string& name) const;
   std::vector<std::string> all(const std::string& name) const;
 };

@@ -324,7 +324,9 @@ int cmd::replay(int argc, char** argv) {
 int cmd::scenario(int argc, char** argv) {
   const Args args = parse_args(argc, argv, 2, with(kRunOptions, {{"--all", false}, {"--list", false}, {"--seed", true}, {"--sizes", true}}));
   if (args.has("--list")) {
-    if (!args.positional.empty() || args.has("--all")) throw UsageError("--list takes no scenario name and no --all");
+    if (!args.positional.empty()) throw UsageError("--list takes no scenario name");
+    for (const auto& [name, values] : args.values)  // none of them changes the list: say so rather than ignore them
+      if (name != "--list") throw UsageError("--list prints the scenarios: it takes no other option (got " + name + ")");
     bool first = true;
     for (const ScenarioInfo& s : list_scenarios()) {
       if (!first) std::printf("\n");
@@ -592,14 +594,15 @@ int cmd::explain(int argc, char** argv) {
   const Args args = parse_args(argc, argv, 2, {{"--backend", true}, {"--html", true}, {"--no-replay", false}});
   if (args.positional.size() != 1) throw UsageError("give one OOM dump (the file oom_dump:PATH wrote)");
   const std::string path = args.positional.front();
+  const auto html = args.get("--html");
+  if (html && args.has("--no-replay")) throw UsageError("--html draws the replay: it cannot go with --no-replay");
+  if (args.has("--backend") && args.has("--no-replay")) throw UsageError("--backend picks the replay's backends: it cannot go with --no-replay");
   OomDump d;
   try {
     d = read_oom_dump(path);
   } catch (const expseg::error& e) {
     throw InputError(e.what());
   }
-  const auto html = args.get("--html");
-  if (html && args.has("--no-replay")) throw UsageError("--html draws the replay: it cannot go with --no-replay");
   if (html) check_picture_path(*html);
   print_dump_summary(path, d);
 

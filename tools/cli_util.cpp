@@ -63,6 +63,10 @@ Args parse_args(int argc, char** argv, int first, const std::vector<OptionSpec>&
     } else if (inline_value) {
       throw UsageError("option '" + name + "' takes no value (got '" + arg + "')");
     }
+    // --conf layers (each applies over the ones before) and --trace lists; any other value given
+    // twice would silently lose the first.
+    if (spec->takes_value && name != "--conf" && name != "--trace" && a.has(name))
+      throw UsageError("option '" + name + "' given twice ('" + a.values[name].back() + "', then '" + value + "'); give it once");
     a.values[name].push_back(value);
   }
   return a;

@@ -252,6 +252,14 @@ TEST_CASE("cli: usage errors exit 2 and name the bad argument") {
       {"scenario random-churn --sizes 4MiB", "--sizes"},
       {"scenario random-churn --sizes 4MiB-1MiB", "--sizes"},
       {"scenario split-800-500-300 --sizes 1MiB-2MiB", "random-churn"},
+      // Was: ignored (the list printed, rc 0, no picture written), or the last value silently won.
+      {"scenario --list --html l.html", "--html"},
+      {"scenario --list --backend expandable", "--backend"},
+      {"scenario --list --all", "--all"},
+      {"scenario split-800-500-300 --device sim:1GiB --device sim:2GiB", "'--device' given twice"},
+      {"scenario random-churn --seed 1 --seed 2", "'--seed' given twice"},
+      {"replay x.csv --backend expandable --backend split_merge", "'--backend' given twice"},
+      {"explain x.json --no-replay --backend expandable", "--backend"},
   };
   for (const Case& c : cases) {
     const Run r = run_cli(c.args);

@@ -212,8 +212,9 @@ TEST_CASE("config: sizes with units") {
   CHECK(parse_size("2 GiB") == 2 * GiB);
   CHECK(parse_size(" 8b ") == 8);
   CHECK(parse_size("1.0009765625KiB") == 1025);
-  CHECK(parse_size("1.9B") == 1);  // fractions of a byte round down...
-  CHECK_THROWS_AS((void)parse_size("0.1B"), config_error);  // ...but not to 0 from a nonzero size
+  CHECK_THROWS_AS((void)parse_size("1.9B"), config_error);  // a count of bytes has no fraction
+  CHECK_THROWS_AS((void)parse_size("0.1B"), config_error);
+  CHECK(parse_size("1.00B") == 1);
   CHECK(parse_size("18446744073709551615") == SIZE_MAX);
   CHECK(parse_size("16777215.99999999999999999999TiB") == 16777215 * TiB + (TiB - 1));
 }
@@ -235,7 +236,7 @@ TEST_CASE("config: bad sizes name the key, the value and the units") {
   check_fails("sim_capacity:16777216TiB", "sim_capacity", {"16777216TiB", "larger than"});
   check_fails("limit:18446744073709551615.5KiB", "limit", {"larger than"});
   check_fails("limit:16777215.99999999999999999999TiB1", "limit", {"KiB, MiB, GiB, TiB"});
-  CHECK(parse_size("18446744073709551615.5") == SIZE_MAX);
+  CHECK_THROWS_AS((void)parse_size("18446744073709551615.5"), config_error);
   check_fails("limit:99999999999999999999999999999999999999GB", "limit", {"larger than"});
   check_fails("sim_capacity:0", "sim_capacity", {"'0'", "larger than 0"});
   check_fails("sim_granularity:3000", "sim_granularity", {"'3000'", "power of two", "4KiB"});
@@ -629,8 +630,13 @@ TEST_CASE("config: a non-zero limit too small for one byte stays a limit of 1 by
   check_fails("limit:0.9B", "limit", {"less than one byte"});
   check_fails("expandable_va_size:0.5", "expandable_va_size", {"less than one byte"});
   check_fails("expandable_max_handle:0.0001KiB", "expandable_max_handle", {"less than one byte"});
-  CHECK(Config::parse("limit:1.5").limit.bytes == 1);  // at least one byte: the fraction is dropped, as before
+  // A count of bytes has no fraction (was: limit:1.5 and limit:1.9B were a 1-byte limit); below a
+  // larger unit, the fraction of a byte is dropped.
+  check_fails("limit:1.5", "limit", {"'1.5'", "a number of bytes is a whole number"});
+  check_fails("limit:1.9B", "limit", {"'1.9B'", "a number of bytes is a whole number"});
+  CHECK(Config::parse("limit:2.000").limit.bytes == 2);
   CHECK(Config::parse("limit:0.001KiB").limit.bytes == 1);
+  CHECK(Config::parse("limit:1.3KiB").limit.bytes == 1331);
 }
 
 TEST_CASE("config: simulated-device and expandable sizes are bounded so that they cannot overflow") {
