@@ -144,12 +144,15 @@ def child(backend, tmp):
     with torch.cuda.graph(graph, stream=cap):
         tmp = static_x * 2           # intermediates, freed during the capture
         tmp2 = tmp.relu() + 1
+        freed_on_cap = {tmp.data_ptr(), tmp2.data_ptr()}
         del tmp
         static_y = tmp2 * 3
         del tmp2
         fork.wait_stream(cap)        # a stream the capture forks to: its allocations belong to the graph too
         with torch.cuda.stream(fork):
             forked = static_x + 2
+            # As PyTorch's private pools (blocks keyed by stream): the fork gets none of the blocks freed on cap.
+            assert forked.data_ptr() not in freed_on_cap, "the forked stream got a block freed on the capture stream"
             static_v = forked * 5
             del forked
         cap.wait_stream(fork)
