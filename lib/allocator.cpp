@@ -25,6 +25,11 @@ constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
 
 using core::hex;
 
+// Flips a stream (or stream key) into a value no stream or key has (a CUstream is a user-space
+// address below 2^48; keys carry 0xFFFF or 0xFFFE in their top 16 bits): a fork's entry in
+// GraphPool::keys.
+constexpr std::uintptr_t kForkAliasBit = std::uintptr_t{2} << 48;
+
 // Exact size text that reads back as a config value ("128TiB", "3145728").
 std::string size_value(std::size_t n) {
   static constexpr std::pair<std::size_t, const char*> kUnits[] = {
@@ -410,13 +415,18 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool ma
           r.may_block = true;
           update_capture_state();
         }
-        for (const auto& [s, k] : r.forks)
-          if (s == stream) return k;
+        for (const CaptureRoute::Fork& f : r.forks)
+          if (f.stream == stream) return f.key;
         if (!make) return nullptr;
         r.forks.reserve(r.forks.size() + 1);
-        const driver::stream_t key = pool_key_for(r.pool, stream).second;  // its key from an earlier capture, if any
-        r.forks.emplace_back(stream, key);  // capacity reserved
-        if (recorder.enabled()) recorder.add(TraceAction::pool_begin, r.pool, 0, stream);
+        // The pool's key for the stream as a fork, kept apart from its key as a capture's own stream
+        // (or a begin_pool_allocations stream): a recording traces the fork on that key, and a
+        // replay, which sees it as a stream of its own, then reuses memory as the run did. A later
+        // fork to the stream in the pool takes the same key up again.
+        const auto alias = reinterpret_cast<driver::stream_t>(reinterpret_cast<std::uintptr_t>(stream) ^ kForkAliasBit);
+        const driver::stream_t key = pool_key_for(r.pool, alias).second;
+        r.forks.push_back(CaptureRoute::Fork{stream, key, recorder.enabled()});  // capacity reserved
+        if (recorder.enabled()) recorder.add(TraceAction::pool_begin, r.pool, 0, key);
         return key;
       }
   return stream;
@@ -712,8 +722,9 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " is still running; end the capture (cuStreamEndCapture) first");
   if (m.recorder.enabled()) {
-    for (const auto& [s, k] : route->forks) {
-      m.recorder.add(TraceAction::pool_end, pool, 0, s);
+    for (const Impl::CaptureRoute::Fork& f : route->forks) {
+      if (!f.begin_traced) continue;  // the recording began after the fork's first request
+      m.recorder.add(TraceAction::pool_end, pool, 0, f.key);
       m.recorder.add(TraceAction::pool_release, pool, 0, nullptr);
     }
     m.recorder.add(TraceAction::pool_end, pool, 0, route->stream);

@@ -135,9 +135,10 @@ struct Allocator::Impl final : backends::FrontendHooks {
   struct GraphPool {
     std::uint64_t id = 0;
     // A key (backends::new_graph_pool_key()) per stream that allocated into the pool (a stream
-    // that began a capture, one a capture forked to, one routed by begin_pool_allocations): as in
-    // PyTorch's private pools, memory freed on one stream serves that stream's requests only (eager
-    // work on the stream, or the other branch of a forked graph, may still use it).
+    // that began a capture, one routed by begin_pool_allocations, and apart from those a stream a
+    // capture forked to, listed under an alias of it: route_to_pool): as in PyTorch's private
+    // pools, memory freed on one stream serves that stream's requests only (eager work on the
+    // stream, or the other branch of a forked graph, may still use it).
     std::vector<std::pair<driver::stream_t, driver::stream_t>> keys;  // stream -> key
     std::uint64_t uses = 0;  // begin_graph_pool and begin_pool_allocations calls not yet released
     // Keys an earlier release retired (their memory is given back), kept while blocks allocated under
@@ -160,9 +161,17 @@ struct Allocator::Impl final : backends::FrontendHooks {
     // stream of the capture (a fork, whose flags cannot be asked while it captures).
     bool may_block = true;
     // The streams the capture forked to that allocated, with their keys in the pool (route_to_pool).
-    // A recording traces each as a pool begin at its first request, and a pool end and a release
-    // (the replay's begin took a use of the pool; the run's fork did not) at end_graph_pool.
-    std::vector<std::pair<driver::stream_t, driver::stream_t>> forks;
+    // A recording traces a fork's requests on its key, as a stream of their own (the fork's stream
+    // may also allocate into a pool by itself, or begin a capture later: its own pool begin and end
+    // must not pair with the fork's): a pool begin at its first request, and a pool end and a
+    // release (the replay's begin took a use of the pool; the run's fork did not) at end_graph_pool,
+    // when the begin was recorded.
+    struct Fork {
+      driver::stream_t stream = nullptr;
+      driver::stream_t key = nullptr;
+      bool begin_traced = false;
+    };
+    std::vector<Fork> forks;
   };
   std::vector<GraphPool> graph_pools;
   std::vector<CaptureRoute> capture_routes;
@@ -210,11 +219,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // restore_graph_pool_block puts back is traced on that stream too, after a `pool restore` line.)
   driver::stream_t traced_stream(driver::stream_t key) const noexcept {
     if (!backends::is_graph_pool_key(key)) return key;
-    for (const CaptureRoute& r : capture_routes) {
-      if (r.key == key) return r.stream;
-      for (const auto& [stream, k] : r.forks)
-        if (k == key) return stream;
-    }
+    for (const CaptureRoute& r : capture_routes)
+      if (r.key == key) return r.stream;  // a fork's key is traced as it is
     for (const EagerRoute& e : eager_routes)
       if (e.key == key) return e.stream;
     return key;

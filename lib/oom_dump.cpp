@@ -92,7 +92,6 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
   std::string path;
   std::string trace_path;
   std::string trace_tmp;  // the trace, written, not yet renamed to trace_path
-  bool trace_renamed = false;
   std::string message_before;
   bool saved = false;
   try {
@@ -167,6 +166,16 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     std::string failure = write_temporary(json_tmp, text);
     if (!failure.empty()) throw std::runtime_error(failure);
     const std::lock_guard<std::mutex> renaming(rename_mutex());
+    // A trace renamed into place whose JSON then fails (rare) is removed, still under the lock, so
+    // that no other dump's trace at that path can be the one removed.
+    struct RenamedTrace {
+      const std::string& path;
+      bool kept = false;
+      bool renamed = false;
+      ~RenamedTrace() {
+        if (renamed && !kept) std::remove(path.c_str());
+      }
+    } renamed_trace{trace_path};
     if (!trace_tmp.empty()) {
       failure = rename_into_place(trace_tmp, trace_path);
       trace_tmp.clear();
@@ -174,13 +183,11 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
         std::remove(json_tmp.c_str());
         throw std::runtime_error(failure);
       }
-      trace_renamed = true;
+      renamed_trace.renamed = true;
     }
     failure = rename_into_place(json_tmp, path);
-    if (!failure.empty()) {
-      if (trace_renamed) std::remove(trace_path.c_str());  // rare: while no other dump can rename one there
-      throw std::runtime_error(failure);
-    }
+    if (!failure.empty()) throw std::runtime_error(failure);
+    renamed_trace.kept = true;
   } catch (...) {
     // Half a dump is no dump: no trace without its JSON, and a message that says so.
     if (!trace_tmp.empty()) std::remove(trace_tmp.c_str());

@@ -934,8 +934,8 @@ TEST_CASE("graph pool: a block freed on one stream of a capture goes to no other
     sa.sim->stream_wait_event(s, join);
     const auto g = sa.sim->capture_end(s);
     sa->end_graph_pool(4);
-    // The fork's memory is the pool's: a later capture that begins on t reuses it, and an eager
-    // request on t does not get it.
+    // The fork's memory is the pool's: an eager request on t does not get it, and a later capture
+    // begun on t allocates in the pool (under t's own key: the fork's stays for later forks to t).
     void* eager = sa->allocate(30 * MiB, t);
     for (const expseg::SegmentInfo& seg : sa->snapshot().segments)
       if (seg.graph_pool == 4) CHECK_FALSE(overlap(eager, 30 * MiB, reinterpret_cast<void*>(seg.address), seg.size));

@@ -144,7 +144,7 @@ TEST_CASE("trace pools: the recorder writes pool lifetimes, and a pool's allocat
   }
 }
 
-TEST_CASE("trace pools: a capture's allocations are traced on their streams, a forked stream's with a pool begin and end of its own") {
+TEST_CASE("trace pools: a capture's allocations are traced on its stream, a forked stream's on an id of its own with a pool begin and end") {
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(expseg::to_string(b));
     auto sa = make_sim_allocator(sim_config(b, 1 * GiB));
@@ -172,10 +172,16 @@ TEST_CASE("trace pools: a capture's allocations are traced on their streams, a f
     std::vector<std::pair<TraceAction, std::uint64_t>> seq;  // the pool lines and allocations, in order
     for (const auto& e : ev)
       if (e.action != TraceAction::free && e.action != TraceAction::map && e.action != TraceAction::unmap) seq.emplace_back(e.action, e.stream);
+    // The fork is traced on a stream id of its own (its key in the pool), not on t: t may allocate
+    // into a pool by itself or begin a capture of its own, whose pool lines must not pair with these.
+    REQUIRE(seq.size() == 9);
+    const std::uint64_t fork_id = seq[2].second;
+    CHECK(fork_id != stream_of(s));
+    CHECK(fork_id != stream_of(t));
     const std::vector<std::pair<TraceAction, std::uint64_t>> expected{
         {TraceAction::pool_begin, stream_of(s)}, {TraceAction::allocate, stream_of(s)},
-        {TraceAction::pool_begin, stream_of(t)}, {TraceAction::allocate, stream_of(t)},
-        {TraceAction::pool_end, stream_of(t)},   {TraceAction::pool_release, 0},
+        {TraceAction::pool_begin, fork_id},      {TraceAction::allocate, fork_id},
+        {TraceAction::pool_end, fork_id},        {TraceAction::pool_release, 0},
         {TraceAction::pool_end, stream_of(s)},   {TraceAction::allocate, stream_of(s)},
         {TraceAction::pool_release, 0}};
     CHECK(seq == expected);
@@ -185,6 +191,66 @@ TEST_CASE("trace pools: a capture's allocations are traced on their streams, a f
     CHECK(r.ooms == 0);
     CHECK(r.allocations == 3);
     CHECK(r.peak_reserved_bytes == sa->stats().reserved_bytes[expseg::kAllPools].peak);
+  }
+}
+
+TEST_CASE("trace pools: a fork onto a stream with a pool route of its own, or that begins its own capture, replays strictly to the run's peak") {
+  // Was (fork lines traced on the fork's stream): a second pool begin on that stream, refused by the
+  // strict replay ("allocates into pool 0x3 already"), and a lenient replay that ended the stream's
+  // own route early.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    for (const std::uint64_t eager_pool : {std::uint64_t{3}, std::uint64_t{5}, std::uint64_t{0}}) {
+      CAPTURE(eager_pool);
+      auto sa = make_sim_allocator(sim_config(b, 1 * GiB));
+      void* s = sa.sim->stream_create();
+      void* t = sa.sim->stream_create();
+      sa->start_recording();
+      void* e1 = nullptr;
+      if (eager_pool != 0) {  // t allocates into a pool by itself
+        sa->begin_pool_allocations(eager_pool, t);
+        e1 = sa->allocate(1 * MiB, t);
+      }
+      sa.sim->capture_begin(s);
+      sa->begin_graph_pool(3, s);
+      void* c = sa->allocate(2 * MiB, s);
+      const auto fork = sa.sim->event_create();
+      sa.sim->event_record(fork, s);
+      sa.sim->stream_wait_event(t, fork);
+      void* f = sa->allocate(1 * MiB, t);
+      sa->deallocate(f);
+      sa->deallocate(c);
+      const auto join = sa.sim->event_create();
+      sa.sim->event_record(join, t);
+      sa.sim->stream_wait_event(s, join);
+      const auto g = sa.sim->capture_end(s);
+      expseg::driver::graph_t g2 = nullptr;
+      if (eager_pool == 0) {  // t begins its own capture into the pool before the first one's end
+        sa.sim->capture_begin(t);
+        sa->begin_graph_pool(3, t);
+        sa->end_graph_pool(3);  // the first capture's
+        void* x = sa->allocate(4 * MiB, t);
+        sa->deallocate(x);
+        g2 = sa.sim->capture_end(t);
+        sa->end_graph_pool(3);
+      } else {
+        sa->end_graph_pool(3);
+        void* e2 = sa->allocate(6 * MiB, t);  // t still allocates into its pool
+        sa->deallocate(e2);
+        sa->deallocate(e1);
+        sa->end_pool_allocations(eager_pool, t);
+      }
+      sa.sim->graph_destroy(g);
+      if (g2 != nullptr) sa.sim->graph_destroy(g2);
+      sa->release_graph_pool(3);
+      sa->release_graph_pool(eager_pool == 5 ? 5 : 3);
+      const auto ev = sa->recorded();
+      expseg::ReplayResult r;
+      CHECK_NOTHROW(r = expseg::replay(expseg::Trace{"fork", ev}, sim_config(b, 1 * GiB)));
+      CHECK(r.ooms == 0);
+      CHECK(r.peak_reserved_bytes == sa->stats().reserved_bytes[expseg::kAllPools].peak);
+      CHECK(r.peak_allocated_bytes == sa->stats().allocated_bytes[expseg::kAllPools].peak);
+    }
   }
 }
 
