@@ -75,6 +75,13 @@ expseg::out_of_memory run_800_500_300(Allocator& a, std::vector<void*>& live) {
   throw std::logic_error("unreachable");
 }
 
+// `text` with the first `from` replaced by `to` (`from` must be there).
+std::string replaced(std::string text, const std::string& from, const std::string& to) {
+  const std::size_t at = text.find(from);
+  REQUIRE(at != std::string::npos);
+  return text.replace(at, from.size(), to);
+}
+
 std::size_t allocated_blocks(const JsonValue& snapshot) {
   std::size_t n = 0;
   for (const JsonValue& seg : snapshot["segments"].as_array())
@@ -412,12 +419,7 @@ TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file 
     CHECK_THROWS_AS((void)a.allocate(16 * MiB), expseg::out_of_memory);
   }
   const std::string good = read_file(good_path);
-  auto replace = [&](const std::string& from, const std::string& to) {
-    std::string s = good;
-    const std::size_t at = s.find(from);
-    REQUIRE(at != std::string::npos);
-    return s.replace(at, from.size(), to);
-  };
+  auto replace = [&](const std::string& from, const std::string& to) { return replaced(good, from, to); };
   const struct {
     std::string text;
     const char* expected;
@@ -475,12 +477,7 @@ TEST_CASE("read_oom_dump: a snapshot whose segments and blocks contradict each o
   // The segment: 0x100000000000 + 2000 MiB; its blocks 800 MiB allocated, 500 free, 300 allocated, 400 free.
   const std::string free400 = R"({"address":"0x100064000000","size":419430400,"requested":0,"state":"free_mapped")";
   const std::string seg_size = R"("size":2097152000,"mapped_bytes":2097152000)";
-  auto replace = [&](const std::string& from, const std::string& to) {
-    std::string s = good;
-    const std::size_t at = s.find(from);
-    REQUIRE(at != std::string::npos);
-    return s.replace(at, from.size(), to);
-  };
+  auto replace = [&](const std::string& from, const std::string& to) { return replaced(good, from, to); };
   const struct {
     std::string text;
     const char* expected;
