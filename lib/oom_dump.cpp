@@ -319,7 +319,9 @@ Snapshot read_snapshot(const Reader& r, const JsonValue& o) {
     // segments in address order, apart; each one's blocks tiling it in order; a block's requested
     // size within its size; the mapped ranges and bytes inside the segment.
     auto bad = [](const Reader& at, const std::string& what) { throw std::runtime_error(at.where + ": " + what); };
-    if (seg.size == 0 || seg.address > std::numeric_limits<std::uint64_t>::max() - seg.size) bad(rs, "size " + std::to_string(seg.size) + " at " + hex(seg.address) + " is no range of addresses");
+    // (Size 0: an expandable segment whose growth failed and whose range could not be given back.)
+    if (seg.address > std::numeric_limits<std::uint64_t>::max() - seg.size)
+      bad(rs, "size " + std::to_string(seg.size) + " at " + hex(seg.address) + " is no range of addresses");
     if (!s.segments.empty() && seg.address < s.segments.back().address + s.segments.back().size)
       bad(rs, "begins at " + hex(seg.address) + ", inside or before the segment listed before it");
     if (seg.mapped_bytes > seg.size) bad(rs, "mapped_bytes " + std::to_string(seg.mapped_bytes) + " exceed its size " + std::to_string(seg.size));
