@@ -225,8 +225,14 @@ Allocator::Impl::~Impl() {
 }
 
 void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::size_t bytes, driver::stream_t stream) {
-  stats.num_ooms += 1;
-  ++oom_count;
+  // 1 EiB and more is refused up front, as PyTorch's allocate() refuses it before its allocator
+  // runs: the caller gets out_of_memory with a report, but the allocator had no OOM (num_ooms,
+  // the observer and oom_dump do not see it).
+  const bool refused_up_front = bytes >= kMaxRequest;
+  if (!refused_up_front) {
+    stats.num_ooms += 1;
+    ++oom_count;
+  }
   std::shared_ptr<OomReport> full;
   try {
     full = build_oom_report(bytes, stream);
@@ -237,13 +243,13 @@ void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::
   if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, traced_stream(stream));
   std::shared_ptr<const OomReport> report;
   if (full) {
-    if (!config.oom_dump.empty()) write_oom_dump(*full);  // under the lock: the dump is of this moment
+    if (!config.oom_dump.empty() && !refused_up_front) write_oom_dump(*full);  // under the lock: the dump is of this moment
     report = std::move(full);
   } else {
     report = short_oom_report(bytes, stream);
   }
   last_oom = report;
-  const std::shared_ptr<const Allocator::OomObserver> observer = oom_observer;
+  const std::shared_ptr<const Allocator::OomObserver> observer = refused_up_front ? nullptr : oom_observer;
   lock.unlock();
   // An OOM of this allocator inside its own observer (it may allocate) is not observed again: no
   // recursion. Another allocator's OOM there goes to that allocator's observer (up to a depth of 8).
@@ -383,9 +389,19 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
   Block* b = live.find(addr);
   if (b == nullptr) throw_invalid_pointer("record_stream", addr);
   if (stream == b->stream) return;  // the allocation stream is always waited for
-  // A capture's block carries its pool's key as its stream: a stream of that capture, while it
-  // captures, is its allocation stream too.
-  if (routing && backends::is_graph_pool_key(b->stream) && route_to_pool(stream, false) == b->stream) return;
+  // A capture's block carries its pool's key as its stream: the stream that allocated it, while it
+  // allocates into that pool again, is its allocation stream. That stream has two keys in the pool,
+  // one as a capture's own stream and one as a stream a capture forked to (route_to_pool); either
+  // is its own, whichever way it captures now.
+  if (routing && backends::is_graph_pool_key(b->stream)) {
+    std::uint64_t pool = 0;
+    if (route_to_pool(stream, false, &pool) == b->stream) return;
+    if (const GraphPool* p = pool != 0 ? find_graph_pool(pool) : nullptr) {
+      const auto alias = reinterpret_cast<driver::stream_t>(reinterpret_cast<std::uintptr_t>(stream) ^ kForkAliasBit);
+      for (const auto& [s, k] : p->keys)
+        if (k == b->stream && (s == stream || s == alias)) return;
+    }
+  }
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
 }
 
@@ -395,7 +411,7 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
 // pool (made at its first request; `make` false: nullptr instead), as PyTorch keys a private pool's
 // blocks by stream: a block the capture freed on one stream would otherwise serve another stream
 // of the same graph, whose replay runs the two streams' work side by side.
-driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool make) {
+driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool make, std::uint64_t* pool) {
   if (backends::is_graph_pool_key(stream)) return stream;
   std::uint64_t id = 0;
   if (!capture_routes.empty()) {
@@ -406,10 +422,14 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool ma
   }
   if (id == 0)
     for (const EagerRoute& e : eager_routes)
-      if (e.stream == stream) return e.key;
+      if (e.stream == stream) {
+        if (pool) *pool = e.pool;
+        return e.key;
+      }
   if (id != 0)
     for (CaptureRoute& r : capture_routes)
       if (r.capture_id == id) {
+        if (pool) *pool = r.pool;
         if (stream == r.stream) return r.key;
         if (!r.may_block) {  // a stream the capture forked to: it may block
           r.may_block = true;
@@ -796,12 +816,16 @@ void Allocator::release_cached() {
   impl_->backend->release_cached();
 }
 
-void Allocator::release_stream(stream_t stream) {
-  std::lock_guard<core::Mutex> lock(impl_->mu);
-  Impl& m = *impl_;
+void refuse_unreleasable_stream(driver::stream_t stream) {
   const auto v = reinterpret_cast<std::uintptr_t>(stream);
   if (stream == nullptr || v == backends::kPerThreadStream || v == backends::kLegacyStream || backends::is_stream_key(stream))
     throw error("release_stream: only a stream the program created can be released (not the default, legacy or per-thread stream)");
+}
+
+void Allocator::release_stream(stream_t stream) {
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  refuse_unreleasable_stream(stream);
   if (m.ctx.capturing)
     throw error("release_stream: a CUDA graph capture allocates into a graph pool; synchronizing would invalidate it");
   if (backends::stream_captures(m.ctx, stream)) throw error("release_stream: the stream is capturing");

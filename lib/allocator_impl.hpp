@@ -213,7 +213,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // and no query could ever wait for it (CUDA_ERROR_CAPTURED_EVENT); held until that capture has
   // ended, looked at again before an OOM (synchronize_pending_frees) and by release_cached.
   std::vector<core::Block*> frees_after_capture;
-  driver::stream_t route_to_pool(driver::stream_t stream, bool make = true);
+  // `pool`, when given, receives the id of the pool the stream allocates into now (0: none).
+  driver::stream_t route_to_pool(driver::stream_t stream, bool make = true, std::uint64_t* pool = nullptr);
   // The stream a trace names for an allocation on `key`: for a graph pool's key, the stream whose
   // route into the pool made it (the trace's `pool begin` names that stream), else `key`. (A block
   // restore_graph_pool_block puts back is traced on that stream too, after a `pool restore` line.)
@@ -271,6 +272,10 @@ void check_config(const Config& config);
 // Builds the driver a config asks for (SimDriver for device:sim, CudaDriver for device:cuda), after
 // check_config; a negative device index (or one the simulated host lacks) is an expseg::error.
 std::unique_ptr<driver::Driver> make_driver(const Config& config, int device);
+// Throws expseg::error for a stream release_stream refuses whatever the allocator holds: the
+// default, legacy and per-thread streams (the C API refuses them before a device has an allocator).
+void refuse_unreleasable_stream(driver::stream_t stream);
+
 // The devices the drivers make_driver builds for `config` see (Driver::device_count), without
 // building one: every simulated device index, or cuDeviceGetCount (0 when CUDA is not usable).
 int visible_device_count(const Config& config);

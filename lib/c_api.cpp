@@ -551,8 +551,11 @@ int expseg_release_stream(int device, expseg_stream_t stream) noexcept {
   constexpr const char* fn = "expseg_release_stream";
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   Allocator* a = existing(device);
-  if (a == nullptr) return EXPSEG_SUCCESS;  // nothing cached
   try {
+    if (a == nullptr) {  // nothing cached; a stream no program made is refused all the same
+      refuse_unreleasable_stream(static_cast<expseg::stream_t>(stream));
+      return EXPSEG_SUCCESS;
+    }
     a->release_stream(static_cast<expseg::stream_t>(stream));
     return EXPSEG_SUCCESS;
   } catch (...) {  // refused: blocks use the stream, or it is not one's own
@@ -652,36 +655,47 @@ int expseg_reset_peak_stats(int device) noexcept {
   }
 }
 
+namespace {
+
+// expseg_get_limit's answer (device valid; throws): the allocator's, or, without one, what the
+// allocator created now would answer. `want_total` false: the total is not asked of an allocator.
+std::pair<std::size_t, std::size_t> limit_and_total(int device, bool want_total) {
+  std::size_t limit = 0;
+  std::size_t total = 0;
+  Allocator* a = existing(device);
+  std::optional<Config> c;
+  if (a == nullptr) {
+    Shared& s = shared();
+    std::lock_guard<std::mutex> lock(s.mu);
+    a = existing(device);
+    if (a == nullptr) c = new_allocator_config_locked();
+  }
+  if (a != nullptr) {
+    limit = a->limit();
+    total = want_total ? a->device_info().total_bytes : 0;
+  } else {
+    // A query creates no allocator (PyTorch reads the memory fraction before the first tensor, when
+    // the configuration may still be set): what the allocator created now would answer, its limit
+    // resolved against the device's memory as it resolves it, read from a driver of its own.
+    c->ipc_handle = IpcHandle::none;  // no shareable handle type to probe for a query
+    const bool cuda = c->device == DeviceKind::cuda;
+    total = cuda ? g_cuda_total[device].load(std::memory_order_relaxed) : 0;
+    if (total == 0) {
+      total = make_driver(*c, device)->mem_info().total;
+      if (cuda) g_cuda_total[device].store(total, std::memory_order_relaxed);
+    }
+    limit = c->limit.resolve(total);
+  }
+  return {limit, total};
+}
+
+}  // namespace
+
 int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes) noexcept {
   constexpr const char* fn = "expseg_get_limit";
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   try {
-    std::size_t limit = 0;
-    std::size_t total = 0;
-    Allocator* a = existing(device);
-    std::optional<Config> c;
-    if (a == nullptr) {
-      Shared& s = shared();
-      std::lock_guard<std::mutex> lock(s.mu);
-      a = existing(device);
-      if (a == nullptr) c = new_allocator_config_locked();
-    }
-    if (a != nullptr) {
-      limit = a->limit();
-      total = device_total_bytes != nullptr ? a->device_info().total_bytes : 0;
-    } else {
-      // A query creates no allocator (PyTorch reads the memory fraction before the first tensor, when
-      // the configuration may still be set): what the allocator created now would answer, its limit
-      // resolved against the device's memory as it resolves it, read from a driver of its own.
-      c->ipc_handle = IpcHandle::none;  // no shareable handle type to probe for a query
-      const bool cuda = c->device == DeviceKind::cuda;
-      total = cuda ? g_cuda_total[device].load(std::memory_order_relaxed) : 0;
-      if (total == 0) {
-        total = make_driver(*c, device)->mem_info().total;
-        if (cuda) g_cuda_total[device].store(total, std::memory_order_relaxed);
-      }
-      limit = c->limit.resolve(total);
-    }
+    const auto [limit, total] = limit_and_total(device, device_total_bytes != nullptr);
     if (limit_bytes != nullptr) *limit_bytes = limit;
     if (device_total_bytes != nullptr) *device_total_bytes = total;
     return EXPSEG_SUCCESS;
@@ -736,6 +750,9 @@ const char* expseg_snapshot_json(int device) noexcept {
       s.stats = unused_device_stats_locked();
     }
     s.device = device;
+    // The limit and the device's memory, as expseg_get_limit answers them (a limit of 0 would read
+    // as "no limit" where one is configured).
+    std::tie(s.limit_bytes, s.device_total_bytes) = limit_and_total(device, true);
     return put(kSnapshotBuf, s.to_json());
   } catch (...) {
     fail_current(fn);

@@ -257,9 +257,16 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
          << "device (capacity) or expseg's free memory is too scattered (fragmentation) is not known.";
       break;
   }
+  // Frees waiting for another stream's work (record_stream) still hold their memory and count in
+  // the requested bytes, as in PyTorch's stats: the text says so.
+  std::vector<std::uint64_t> waiting;
+  for (const StreamEvents& se : pending) se.queue.for_each([&](const PendingFree& pf) { waiting.push_back(pf.block->addr); });
+  std::sort(waiting.begin(), waiting.end());
+  waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
   os << "\nexpseg: backend " << r->backend << ", device " << driver->kind() << ":" << r->device << ", stream " << hex(r->stream) << ", "
-     << live.size() << " live allocation" << (live.size() == 1 ? "" : "s") << " (" << format_bytes(r->live_requested_bytes)
-     << " requested).";
+     << live.size() << " live allocation" << (live.size() == 1 ? "" : "s");
+  if (!waiting.empty()) os << " and " << waiting.size() << " free" << (waiting.size() == 1 ? "" : "s") << " waiting for other streams' work";
+  os << " (" << format_bytes(r->live_requested_bytes) << " requested).";
   switch (r->counterfactual) {
     case Counterfactual::would_succeed:
       os << " The " << r->other_backend << " backend, given the same " << live_set.size() << " live allocations"

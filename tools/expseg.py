@@ -292,7 +292,8 @@ def release_stream(stream, device=0):
     handle = getattr(stream, "cuda_stream", None)
     if handle is None:
         handle = getattr(stream, "ptr", stream)
-    _check(load().expseg_release_stream(_device(device), ctypes.c_void_p(int(handle or 0))), "expseg_release_stream")
+    handle = _pointer(int(handle or 0), "stream")  # ctypes would wrap an int past 64 bits into another stream
+    _check(load().expseg_release_stream(_device(device), ctypes.c_void_p(handle)), "expseg_release_stream")
 
 
 def set_limit(nbytes, device=0):
@@ -329,7 +330,7 @@ def record_stop(device=0):
 
 def record_write(path, device=0):
     """Writes the recorded events as an RMM CSV trace (gzip when path ends in .gz)."""
-    _check(load().expseg_record_write(_device(device), os.fspath(path).encode()), "expseg_record_write")
+    _check(load().expseg_record_write(_device(device), os.fsencode(path)), "expseg_record_write")
 
 
 def enable_peer_access(peer, device=0):

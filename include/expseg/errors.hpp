@@ -117,7 +117,8 @@ struct OomReport {
   std::size_t limit_bytes = 0;       // 0: no limit configured
   std::size_t allocated_bytes = 0;   // live blocks (rounded sizes), as stats().allocated_bytes
   std::size_t reserved_bytes = 0;    // memory held from the device, as stats().reserved_bytes
-  std::size_t live_requested_bytes = 0;        // sum of the live allocations' requested sizes
+  std::size_t live_requested_bytes = 0;        // sum of the live allocations' requested sizes, frees waiting for
+                                               // another stream's work (record_stream) included: they hold their memory
   std::size_t live_footprint_bytes = 0;        // memory the live blocks occupy at the least (whole pages when expandable)
   // expandable: the free bytes inside the pages live blocks touch (live_footprint_bytes = live
   // blocks' bytes + this), in partly used pages: gaps that only a request smaller than them could use.

@@ -194,6 +194,8 @@ void Counters::add(const Counters& o) {
   unmaps += o.unmaps;
   captures += o.captures;
   capture_allocs += o.capture_allocs;
+  forks += o.forks;
+  fork_allocs += o.fork_allocs;
   warmup_allocs += o.warmup_allocs;
   restores += o.restores;
   launches += o.launches;
@@ -208,7 +210,8 @@ std::string Counters::to_string() const {
      << " fired (" << driver_errors << " reached the caller, " << faults_absorbed << " absorbed), " << invalid_pointer_checks
      << " bad pointers, " << release_cached << " release_cached, " << streams_released << " streams released ("
      << streams_refused << " refused), " << limit_changes << " limit changes, " << unmaps
-     << " unmaps/cuMemFree, " << captures << " graph captures (" << capture_allocs << " allocations, " << warmup_allocs << " warm-up allocations, " << restores
+     << " unmaps/cuMemFree, " << captures << " graph captures (" << capture_allocs << " allocations, " << forks << " forks, "
+     << fork_allocs << " allocations on forks, " << warmup_allocs << " warm-up allocations, " << restores
      << " restores, " << launches
      << " launches, " << refused_in_capture << " refused calls), " << full_checks << " full checks, " << bytes_checked << " pattern bytes checked, digest "
      << hex(digest);
@@ -797,14 +800,22 @@ void Harness::check_graph_separation() {
 
 void Harness::op_allocate(Source& src, bool on_capture) {
   const std::size_t size = pick_size(src);
-  void* stream = on_capture && !captures_.empty() ? captures_[src.below(captures_.size())].stream : pick_stream(src);
+  void* stream = nullptr;
+  if (on_capture && !captures_.empty()) {
+    const Graph& c = captures_[src.below(captures_.size())];
+    const std::size_t branch = src.below(1 + c.forks.size());  // the capturing stream or a fork
+    stream = branch == 0 ? c.stream : c.forks[branch - 1];
+  } else {
+    stream = pick_stream(src);
+  }
   note("allocate " + std::to_string(size) + " on " + stream_name(stream));
   const std::int64_t allocations_before = alloc_->stats().allocation[kAllPools].allocated;
   void* p = nullptr;
   try {
     p = alloc_->allocate(size, stream);
   } catch (const expseg::out_of_memory& e) {
-    ++ooms_seen_;
+    // 1 EiB and more is refused up front, as PyTorch's allocate() refuses it: not in num_ooms.
+    if (size < (std::size_t{1} << 60)) ++ooms_seen_;
     ++counters_.ooms;
     const expseg::OomReport& r = e.report();
     if (r.requested_bytes != size) fail("OOM report names " + std::to_string(r.requested_bytes) + " bytes requested");
@@ -852,6 +863,12 @@ void Harness::op_allocate(Source& src, bool on_capture) {
     l.pool = capture->pool;
     l.graph = capture->id;
     l.value = static_cast<std::uint32_t>(fuzz::mix(capture->id << 32 ^ l.tag));
+    for (const Graph::Freed& f : capture->freed)
+      if (f.stream != stream && f.addr < addr + size && addr < f.addr + f.size)
+        fail("capture of graph " + std::to_string(capture->id) + ": " + stream_name(stream) + " got " + hex(addr) + "+" +
+             std::to_string(size) + ", memory its branch " + stream_name(f.stream) + " freed at " + hex(f.addr) +
+             " (a replay runs the branches side by side)");
+    if (stream != capture->stream) ++counters_.fork_allocs;
     if (size >= 4) {
       sim_->memset_d32(addr, l.value, size / 4, stream);
       capture->writes.emplace_back(addr, size / 4 * 4);
@@ -895,6 +912,8 @@ bool Harness::free_live(std::map<std::uint64_t, Live>::iterator it) {
   }
   live_.erase(it);
   live_requested_ -= l.size;
+  for (Graph& c : captures_)
+    if (c.id == l.graph) c.freed.push_back({l.addr, l.size, l.stream});
   freed_.push_back(l.addr);
   if (freed_.size() > 32) freed_.pop_front();
   ++counters_.frees;
@@ -1174,10 +1193,11 @@ void Harness::op_reset_stats(Source& src) {
 void Harness::op_graph(Source& src) {
   const unsigned r = static_cast<unsigned>(src.below(100));
   if (!captures_.empty()) {
-    if (r < 60) op_allocate(src, true);
-    else if (r < 70) end_capture(src.below(captures_.size()));
-    else if (r < 74) begin_capture(src);                      // a second capture at once
-    else if (r < 82 && !graphs_.empty()) launch_graph(src);  // another graph, on another stream
+    if (r < 56) op_allocate(src, true);
+    else if (r < 66) end_capture(src.below(captures_.size()));
+    else if (r < 70) begin_capture(src);                      // a second capture at once
+    else if (r < 80) fork_capture(src);                       // another stream joins a capture
+    else if (r < 84 && !graphs_.empty()) launch_graph(src);  // another graph, on another stream
     else if (r < 92) src.chance(50) ? op_release_cached() : op_set_limit(src);
     else op_free(src);
     return;
@@ -1191,8 +1211,33 @@ void Harness::op_graph(Source& src) {
 
 Harness::Graph* Harness::capture_on(void* stream) {
   for (Graph& g : captures_)
-    if (g.stream == stream) return &g;
+    if (g.stream == stream || std::find(g.forks.begin(), g.forks.end(), stream) != g.forks.end()) return &g;
   return nullptr;
+}
+
+// A stream waits for an event recorded in a capture and so joins it, as torch.cuda.graph's
+// side streams do: its allocations go into the capture's pool, apart from the capturing stream's
+// (the branches run side by side in a replay), and its memsets into the graph, until the capture
+// ends (the simulator joins it back then).
+void Harness::fork_capture(Source& src) {
+  if (captures_.empty() || streams_.size() < 3) return;
+  Graph& c = captures_[src.below(captures_.size())];
+  void* t = streams_[1 + src.below(streams_.size() - 1)];  // the legacy default stream cannot join
+  if (capture_on(t) != nullptr) return;
+  note("fork capture of graph " + std::to_string(c.id) + " on " + stream_name(c.stream) + " to " + stream_name(t));
+  expseg::driver::event_t ev = nullptr;
+  try {
+    ev = sim_->event_create();
+    sim_->event_record(ev, c.stream);
+    sim_->stream_wait_event(t, ev);
+  } catch (const expseg::driver_error& e) {  // an injected fault hit the harness's own event call
+    if (ev != nullptr) sim_->event_destroy(ev);
+    note(std::string("  fork skipped: ") + e.what());
+    return;
+  }
+  sim_->event_destroy(ev);
+  c.forks.push_back(t);
+  ++counters_.forks;
 }
 
 void Harness::begin_capture(Source& src) {

@@ -5,7 +5,8 @@
 // of operations -- allocate of skewed sizes (mostly small, some huge, some absurd), free,
 // record_stream + free with busy streams, set_stream_busy toggles, release_cached, set_limit,
 // snapshot/stats reads, invalid pointers, and injected driver faults; with Options::graphs also CUDA
-// graph captures into graph pools (Allocator::begin_graph_pool), graph launches and destroys -- and
+// graph captures into graph pools (Allocator::begin_graph_pool), streams a capture forks to, graph
+// launches and destroys -- and
 // after every operation checks:
 //   - validate() holds;
 //   - the model agrees: the live set (allocation count, requested bytes, snapshot blocks), pending
@@ -23,7 +24,9 @@
 //   - graphs: a capture's allocations (each given a captured memset of its own value) stay apart
 //     from every block not of the graph's pool while the graph lives; a launch writes only memory
 //     of its pool (every other live block keeps its pattern, the launched graph's live blocks hold
-//     its values); capture_end never fails (expseg made no call that invalidates the capture);
+//     its values); capture_end never fails (expseg made no call that invalidates the capture); a
+//     block a capture's stream freed goes to no other stream of that capture (its forks: a replay
+//     runs the branches side by side) while the capture lasts;
 //     release_cached and set_limit during a capture throw expseg::error and change nothing;
 //   - errors are the documented ones: out_of_memory for allocate, driver_error (naming the cu* call)
 //     only when an injected fault fired during the operation, invalid_pointer for bad pointers; the
@@ -145,6 +148,8 @@ struct Counters {
   std::uint64_t unmaps = 0;          // driver unmaps / cuMemFree seen (memory really moved)
   std::uint64_t captures = 0;        // graph captures ended (kept graphs)
   std::uint64_t capture_allocs = 0;  // allocations made into a graph pool during a capture
+  std::uint64_t forks = 0;           // streams a capture forked to (joined the capture)
+  std::uint64_t fork_allocs = 0;     // allocations made on such a stream during the capture
   std::uint64_t warmup_allocs = 0;   // allocations routed into a graph pool outside a capture
   std::uint64_t restores = 0;        // blocks freed and restored where they were (restore_graph_pool_block)
   std::uint64_t launches = 0;        // graph launches
@@ -198,8 +203,17 @@ class Harness {
     std::uint64_t pool_id = 0;    // begin_graph_pool's id
     std::uint64_t pool = 0;       // the pool's instance
     void* stream = nullptr;       // the capturing stream
+    std::vector<void*> forks;     // the streams the capture forked to (until it ends)
     expseg::driver::graph_t exec = nullptr;
     std::vector<std::pair<std::uint64_t, std::size_t>> writes;  // captured memsets: address, bytes
+    // Blocks the capture allocated and freed while it lasted, with the stream (branch) that
+    // allocated them: a replay runs the branches side by side, so no other branch may get them.
+    struct Freed {
+      std::uint64_t addr = 0;
+      std::size_t size = 0;
+      void* stream = nullptr;
+    };
+    std::vector<Freed> freed;
   };
   struct Pending {
     Live block;
@@ -228,6 +242,7 @@ class Harness {
   void op_graph(Source& src);
   void begin_capture(Source& src);
   void end_capture(std::size_t index);
+  void fork_capture(Source& src);
   Graph* capture_on(void* stream);
   void launch_graph(Source& src);
   // CUDA graph trees' calls into a graph's pool outside a capture: a warm-up's allocations routed

@@ -167,6 +167,9 @@ class GlueTest(unittest.TestCase):
         self.assertEqual(expseg.stats()["reserved_bytes.all.current"], 0)
         with self.assertRaisesRegex(expseg.ExpsegError, "only a stream the program created"):
             expseg.release_stream(None)
+        # Past 64 bits: refused, not wrapped around into stream 0x7000 (was: released it).
+        with self.assertRaisesRegex(expseg.ExpsegError, "stream must be a device address"):
+            expseg.release_stream((1 << 64) + 0x7000)
 
     def test_oom_report(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:split_merge")
@@ -286,6 +289,8 @@ class GlueTest(unittest.TestCase):
         expseg.record_stop()
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "t.rmm.csv.gz")
+            expseg.record_write(os.fsencode(path))  # a bytes path as os.open takes one (was: AttributeError)
+            os.remove(path)
             expseg.record_write(path)
             with gzip.open(path, "rt") as f:
                 lines = f.read().splitlines()

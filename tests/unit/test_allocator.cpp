@@ -104,7 +104,9 @@ TEST_CASE("allocator: absurd sizes fail as a capacity OOM and leave the allocato
     const auto after = a.stats();
     CHECK(after.reserved_bytes[kAllPools].current == before.reserved_bytes[kAllPools].current);
     CHECK(after.allocated_bytes[kAllPools].current == before.allocated_bytes[kAllPools].current);
-    CHECK(after.num_ooms == 4);
+    // Of the four, only 9 GiB reached the allocator: 1 EiB and more is refused up front, as PyTorch
+    // refuses it before its allocator runs, and counts in no num_ooms.
+    CHECK(after.num_ooms == 1);
     a.validate();
     a.deallocate(keep);
   }

@@ -563,12 +563,15 @@ TEST_CASE_FIXTURE(CApiFixture, "several devices' states are kept apart") {
 }
 
 TEST_CASE_FIXTURE(CApiFixture, "stats and snapshot JSON before and after the allocator exists") {
-  REQUIRE(expseg_configure("device:sim,backend:expandable") == EXPSEG_SUCCESS);
+  REQUIRE(expseg_configure("device:sim,sim_capacity:4GiB,limit:25%,backend:expandable") == EXPSEG_SUCCESS);
   // Queries answer without creating the allocator.
   CHECK(stat(0, "reserved_bytes.all.peak") == 0);
   JsonValue snap = parse_json(expseg_snapshot_json(0));
   CHECK(snap["backend"].as_string() == "expandable");
   CHECK(snap["segments"].as_array().empty());
+  // The limit and the device as expseg_get_limit gives them (was: 0 and 0, "no limit").
+  CHECK(snap["limit_bytes"].as_int() == static_cast<std::int64_t>(1024 * MiB));
+  CHECK(snap["device_total_bytes"].as_int() == static_cast<std::int64_t>(4096 * MiB));
   CHECK(expseg_device_initialized(0) == 0);
 
   void* p = expseg_malloc(static_cast<ssize_t>(3 * MiB + 5), 0, nullptr);
@@ -584,6 +587,8 @@ TEST_CASE_FIXTURE(CApiFixture, "stats and snapshot JSON before and after the all
       }
   CHECK(found);
   CHECK(snap["stats"]["allocation.all.current"].as_int() == 1);
+  CHECK(snap["limit_bytes"].as_int() == static_cast<std::int64_t>(1024 * MiB));
+  CHECK(snap["device_total_bytes"].as_int() == static_cast<std::int64_t>(4096 * MiB));
 
   // Each string-returning function has its own buffer: one call does not overwrite another's result.
   const char* s = expseg_stats_json(0);
@@ -1126,4 +1131,23 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_set_oom_callback: called with the report 
   CHECK(calls.devices.size() == 3);
   expseg_free(keep, 0, 1, nullptr);
   CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);  // unchanged by the successful free
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "expseg_release_stream refuses the default, legacy and per-thread streams before the allocator exists too") {
+  // Was: with no allocator yet, every stream was released (SUCCESS), so the same misuse passed or
+  // failed depending on whether anything had been allocated before.
+  REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    for (std::uintptr_t v : {std::uintptr_t{0}, std::uintptr_t{1}, std::uintptr_t{2}}) {
+      CAPTURE(v);
+      CHECK(expseg_release_stream(0, reinterpret_cast<expseg_stream_t>(v)) == EXPSEG_ERROR_INVALID_ARGUMENT);
+      CHECK(last_error().find("only a stream the program created") != std::string::npos);
+    }
+    if (round == 0) {  // another stream: nothing cached for it, and a release creates no allocator
+      CHECK(expseg_release_stream(0, reinterpret_cast<expseg_stream_t>(std::uintptr_t{0x5000})) == EXPSEG_SUCCESS);
+      CHECK(expseg_device_initialized(0) == 0);
+    }
+    expseg_free(expseg_malloc(4096, 0, nullptr), 4096, 0, nullptr);  // the second round: with one
+  }
 }

@@ -65,6 +65,8 @@ TEST_CASE("fuzz: graph captures into graph pools, launches and destroys, beside 
   MESSAGE("fuzz (graphs): " << total.to_string());
   CHECK(total.captures > 20);
   CHECK(total.capture_allocs > 50);
+  CHECK(total.forks > 10);
+  CHECK(total.fork_allocs > 20);
   CHECK(total.launches > 20);
   CHECK(total.refused_in_capture > 5);
 }

@@ -961,6 +961,67 @@ TEST_CASE("graph pool: a block freed on one stream of a capture goes to no other
   }
 }
 
+TEST_CASE("graph pool: record_stream of the stream that allocated a block as a fork, capturing into the pool again, adds no use") {
+  // A stream has two keys in a pool: one as a capture's own stream, one as a stream a capture forked
+  // to. Was: record_stream compared the block's key with the stream's key of the moment only, so a
+  // block t allocated as a fork, recorded on t while t captured into the pool itself (or the other
+  // way round), took t as one more use: its free waited for an event on t, where PyTorch's
+  // record_stream of a block's own stream does nothing.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    void* s = sa.sim->stream_create();
+    void* t = sa.sim->stream_create();
+    void* u = sa.sim->stream_create();
+    std::vector<expseg::driver::graph_t> graphs;
+    std::vector<expseg::driver::event_t> events;
+    auto requested = [&] { return sa->stats().requested_bytes[kAllPools].current; };
+    auto fork_to_t = [&] {
+      events.push_back(sa.sim->event_create());
+      sa.sim->event_record(events.back(), s);
+      sa.sim->stream_wait_event(t, events.back());
+    };
+    auto begin = [&](void* stream) {
+      sa.sim->capture_begin(stream);
+      sa->begin_graph_pool(4, stream);
+    };
+    auto end = [&](void* stream) {
+      graphs.push_back(sa.sim->capture_end(stream));
+      sa->end_graph_pool(4);
+    };
+    begin(s);
+    fork_to_t();
+    void* as_fork = sa->allocate(MiB, t);  // under t's fork key
+    end(s);
+    begin(t);
+    void* as_own = sa->allocate(MiB, t);  // under t's own key
+    sa->record_stream(as_fork, t);
+    sa->deallocate(as_fork);
+    CHECK(requested() == static_cast<std::int64_t>(MiB));  // freed at once: only as_own is in use
+    end(t);
+    begin(s);
+    fork_to_t();
+    sa->record_stream(as_own, t);
+    sa->deallocate(as_own);
+    CHECK(requested() == 0);
+    // Another stream is a use: the free waits for it.
+    void* other = sa->allocate(MiB, s);
+    sa->record_stream(other, u);
+    sa->deallocate(other);
+    CHECK(requested() == static_cast<std::int64_t>(MiB));
+    end(s);
+    sa.sim->device_synchronize();
+    sa->validate();
+    for (auto g : graphs) sa.sim->graph_destroy(g);
+    for (auto e : events) sa.sim->event_destroy(e);
+    for (int i = 0; i < 3; ++i) sa->release_graph_pool(4);
+    sa->release_cached();
+    CHECK(requested() == 0);
+    CHECK(reserved(*sa) == 0);
+  }
+}
+
 TEST_CASE("graph pool: split_merge keeps a released pool's memory cached until release_cached or a request's last retry, as PyTorch") {
   // PyTorch's releasePool only marks the private pool freeable: its blocks go back in
   // release_cached_blocks (empty_cache, or malloc's last step before an OOM). Was: split_merge gave

@@ -6,7 +6,10 @@
 //   - an OOM of allocator B inside allocator A's observer was not reported to B's observer (one
 //     recursion guard for all allocators);
 //   - a huge max_non_split_rounding_mb wrapped size + rounding around and stopped every reuse of a
-//     cached oversize block.
+//     cached oversize block;
+//   - (a stats review) a request of 1 EiB or more counted in num_ooms, which PyTorch refuses before
+//     its allocator; expandable failed a request that could never fit without completing pending
+//     frees first; an OOM report counted waiting frees' bytes beside the live allocations only.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -213,4 +216,117 @@ TEST_CASE("regression: a split_merge limit OOM asks expandable before saying it 
   CHECK_NOTHROW(elive.push_back(e.allocate(2 * MiB)));
   for (void* p : elive) e.deallocate(p);
   for (void* p : live) a.deallocate(p);
+}
+
+TEST_CASE("regression: a request of 1 EiB or more is refused up front: out_of_memory, but no num_ooms, observer or dump") {
+  // PyTorch's allocate() refuses such a size before its allocator runs (its num_ooms and OOM
+  // observers never see it). Was: expseg counted it as an OOM of the allocator.
+  const auto dir = std::filesystem::temp_directory_path() / ("expseg_regression_eib_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto sa = make_sim_allocator(sim_config(b, 1 * GiB, "limit:256MiB,oom_dump:" + (dir / "oom-%n.json").string()));
+    int observed = 0;
+    sa->set_oom_observer([&](const expseg::OomReport&) { ++observed; });
+    for (const std::size_t size : {std::size_t{1} << 60, SIZE_MAX}) {
+      CAPTURE(size);
+      try {
+        (void)sa->allocate(size);
+        FAIL("allocate succeeded");
+      } catch (const expseg::out_of_memory& e) {
+        CHECK(e.report().requested_bytes == size);
+        CHECK(e.report().verdict == expseg::OomVerdict::capacity);
+      }
+      REQUIRE(sa->last_oom().has_value());  // the report is still there to read
+      CHECK(sa->last_oom()->requested_bytes == size);
+    }
+    CHECK(sa->stats().num_ooms == 0);
+    CHECK(observed == 0);
+    CHECK(std::filesystem::is_empty(dir));
+    // Just under 1 EiB is an OOM of the allocator, as any other request over the limit.
+    CHECK_THROWS_AS((void)sa->allocate((std::size_t{1} << 60) - 1), expseg::out_of_memory);
+    CHECK(sa->stats().num_ooms == 1);
+    CHECK(observed == 1);
+    CHECK_FALSE(std::filesystem::is_empty(dir));
+    sa->set_oom_observer(nullptr);
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    sa->validate();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("regression: a request that can never fit waits for pending frees first on both backends, as PyTorch") {
+  // PyTorch completes pending frees (synchronize_and_free_events) before every OOM. Was: expandable
+  // failed a request larger than the device or the limit at once, so after the same sequence its
+  // stats still counted a free waiting for another stream that split_merge had completed.
+  std::int64_t active[2] = {}, requested[2] = {}, syncs[2] = {};
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto sa = make_sim_allocator(sim_config(b, 2 * GiB));
+    void* other = sa.sim->stream_create();
+    void* keep = sa->allocate(10 * MiB);
+    void* p = sa->allocate(100 * MiB);
+    sa->record_stream(p, other);
+    sa.sim->set_stream_busy(other, true);
+    sa->deallocate(p);  // pending: `other` may still use it
+    CHECK(sa->stats().requested_bytes[kAllPools].current == static_cast<std::int64_t>(110 * MiB));
+    CHECK_THROWS_AS((void)sa->allocate(3 * GiB), expseg::out_of_memory);  // its synchronization waits for `other`
+    sa.sim->set_stream_busy(other, false);
+    const auto s = sa->stats();
+    const int i = b == BackendKind::expandable;
+    active[i] = s.active[kAllPools].current;
+    requested[i] = s.requested_bytes[kAllPools].current;
+    syncs[i] = s.num_sync_all_streams;
+    CHECK(requested[i] == static_cast<std::int64_t>(10 * MiB));
+    CHECK(active[i] == 1);
+    sa->deallocate(keep);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(other);
+  }
+  CHECK(active[0] == active[1]);
+  CHECK(requested[0] == requested[1]);
+  CHECK(syncs[0] == syncs[1]);
+}
+
+TEST_CASE("regression: an OOM report names the frees still waiting for other streams, which its requested bytes count") {
+  // Was: "1 live allocation (140.00 MiB requested)", the requested bytes of a free waiting for
+  // another stream's work counted beside one live allocation.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto sa = make_sim_allocator(sim_config(b, 1 * GiB, "limit:160MiB"));
+    void* other = sa.sim->stream_create();
+    void* c = sa.sim->stream_create();
+    void* keep = sa->allocate(40 * MiB);
+    void* p = sa->allocate(100 * MiB);
+    sa->record_stream(p, other);
+    sa.sim->set_stream_busy(other, true);
+    sa->deallocate(p);
+    // A capture underway: no synchronization may complete the free before the OOM.
+    sa.sim->capture_begin(c);
+    sa->begin_graph_pool(1, c);
+    std::string msg;
+    try {
+      (void)sa->allocate(100 * MiB, c);
+      FAIL("allocate succeeded");
+    } catch (const expseg::out_of_memory& e) {
+      msg = e.what();
+      CHECK(e.report().live_requested_bytes == 140 * MiB);
+    }
+    CAPTURE(msg);
+    CHECK(msg.find("1 live allocation and 1 free waiting for other streams' work (140.00 MiB requested)") != std::string::npos);
+    const auto g = sa.sim->capture_end(c);
+    sa->end_graph_pool(1);
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(1);
+    sa.sim->set_stream_busy(other, false);
+    sa->deallocate(keep);
+    sa->release_cached();
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(other);
+    sa.sim->stream_destroy(c);
+  }
 }

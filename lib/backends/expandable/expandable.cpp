@@ -926,11 +926,13 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
   ++slow_calls_;
   const CaptureScope capture(ctx_, arena.stream);
   ctx_.refused = Context::Refusal::none;
-  if (round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total)) return nullptr;
-  Block* b = place_or_grow(arena, size, requested);
+  const bool never_fits = round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total);
+  Block* b = never_fits ? nullptr : place_or_grow(arena, size, requested);
   if (b != nullptr || ctx_.hooks == nullptr || !ctx_.hooks->has_pending_frees() || ctx_.capturing) return b;
   // As PyTorch's retry before an OOM: wait for the streams of pending cross-stream frees
-  // (record_stream), complete them, and try once more, the cached memory included.
+  // (record_stream), complete them, and try once more, the cached memory included. Also for a
+  // request that can never fit, as PyTorch (and split_merge) do: the OOM then finds the same live
+  // set on both backends.
   ctx_.hooks->synchronize_pending_frees();
   ctx_.stats.num_alloc_retries += 1;
   return allocate(requested, arena.stream);  // at most once more: nothing is pending now
