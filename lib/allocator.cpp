@@ -22,6 +22,9 @@ namespace {
 // 1 EiB, PyTorch's bound: larger requests cannot be rounded without overflow, and no device has
 // this much memory.
 constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
+// CUDA_ERROR_CAPTURED_EVENT: an event last recorded in a capture (one begun and ended between a
+// free's record and its check) cannot be queried until it is recorded again.
+constexpr int kCapturedEventCode = 907;
 
 using core::hex;
 
@@ -366,7 +369,9 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
         drop_empty_queues();
         it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
       }
-      it->queue.push_back(PendingFree{events[i], b});
+      // A capture another thread began since the check above may hold the event now (asked after
+      // every record, so a capture begun before one of them is seen).
+      it->queue.push_back(PendingFree{events[i], b, stream_capturing(event_stream(b->stream_uses[i]))});
       ++queued;
     }
   } catch (...) {
@@ -500,11 +505,30 @@ void Allocator::Impl::finish_pending(Block* b) noexcept {
   if (--b->pending_events == 0) backend->free(b);
 }
 
+bool Allocator::Impl::front_event_usable(StreamEvents& se) {
+  PendingFree& pf = se.queue.front();
+  if (!pf.maybe_captured) return true;
+  const driver::stream_t s = event_stream(se.stream);
+  if (stream_capturing(s)) return false;
+  driver->event_record(pf.event, s);  // after the capture's work, which the graph's launches repeat
+  pf.maybe_captured = false;
+  return true;
+}
+
 void Allocator::Impl::process_events() {
   for (StreamEvents& se : pending) {
     while (!se.queue.empty()) {
+      if (!front_event_usable(se)) break;  // its stream captures: the free waits for the capture's end
       PendingFree pf = se.queue.front();
-      if (!driver->event_query(pf.event)) break;  // throws with the free still queued
+      bool done = false;
+      try {
+        done = driver->event_query(pf.event);  // throws with the free still queued
+      } catch (const driver_error& e) {
+        if (e.code() != kCapturedEventCode) throw;
+        se.queue.front().maybe_captured = true;
+        (void)front_event_usable(se);  // recorded again now if the capture has ended; asked next time
+      }
+      if (!done) break;
       se.queue.pop_front();
       --pending_count;
       spare_events.push_back(pf.event);  // within the capacity deallocate reserved: cannot throw
@@ -520,8 +544,16 @@ void Allocator::Impl::synchronize_pending_frees() {
   if (pending_count == 0) return;
   for (StreamEvents& se : pending) {
     while (!se.queue.empty()) {
-      PendingFree pf = se.queue.front();
-      driver->event_synchronize(pf.event);  // throws with the free still queued
+      if (!front_event_usable(se)) break;  // its stream captures: the free waits for the capture's end
+      try {
+        driver->event_synchronize(se.queue.front().event);  // throws with the free still queued
+      } catch (const driver_error& e) {
+        if (e.code() != kCapturedEventCode) throw;
+        se.queue.front().maybe_captured = true;
+        if (!front_event_usable(se)) break;
+        driver->event_synchronize(se.queue.front().event);  // recorded again, outside any capture
+      }
+      const PendingFree pf = se.queue.front();
       se.queue.pop_front();
       --pending_count;
       spare_events.push_back(pf.event);  // within the capacity deallocate reserved: cannot throw

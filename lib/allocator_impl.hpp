@@ -76,6 +76,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
   struct PendingFree {
     driver::event_t event;
     core::Block* block;
+    // The event may have been recorded into a capture of its stream: one that another thread began
+    // after free_after_uses found the stream not capturing. Such an event is never queried or waited
+    // for while the stream captures (CUDA refuses it, CUDA_ERROR_CAPTURED_EVENT, and that query
+    // invalidates captures), and is recorded again on the stream once the capture has ended.
+    bool maybe_captured = false;
   };
   // A stream's pending frees in record order: a ring whose buffer grows only at a new high-water
   // mark (std::deque gives a node back every 32 pops and takes one every 32 pushes: heap traffic
@@ -85,6 +90,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
     bool empty() const noexcept { return count_ == 0; }
     std::size_t size() const noexcept { return count_; }
     const PendingFree& front() const noexcept { return buf_[head_]; }
+    PendingFree& front() noexcept { return buf_[head_]; }
     void pop_front() noexcept {
       head_ = head_ + 1 == buf_.size() ? 0 : head_ + 1;
       --count_;
@@ -118,6 +124,10 @@ struct Allocator::Impl final : backends::FrontendHooks {
   };
   alignas(64) std::vector<StreamEvents> pending;  // per stream, in record order
   std::size_t pending_count = 0;
+  // Whether the event of the free at the front of `se` can be queried or waited for now: one that
+  // may have been recorded into a capture is recorded again on its stream once the capture has
+  // ended (false while it lasts). May throw (the record), with the free still queued.
+  bool front_event_usable(StreamEvents& se);
   std::uint64_t pending_retired_seen = 0;  // retired_keys_generation() at drop_retired_queues' last look
   bool retired_queue_left = false;         // that look left an exited thread's queue holding a free
   static constexpr std::size_t kQueueSweepMin = 32;

@@ -24,12 +24,19 @@ namespace {
 
 enum class OpKind : std::uint8_t { alloc, free, failed_alloc, pool_begin, pool_end, pool_release, pool_restore };
 
+constexpr std::uint32_t kNoLink = UINT32_MAX;
+
 struct Op {
   OpKind kind;
   std::uint32_t stream;  // index into the stream table
   std::uint32_t slot;
   std::uint64_t size;    // the pool id of pool_begin, pool_end and pool_release
   std::uint64_t pool = 0;  // pool_restore's pool
+  // A restore puts a block back where an earlier block at the same recorded address lay: that
+  // allocation keeps its replayed address under `remember`, the restore finds it under `source`
+  // (kNoLink: none).
+  std::uint32_t remember = kNoLink;
+  std::uint32_t source = kNoLink;
 };
 
 // The slot of size-0 allocations at pointer 0 (allocate(0) gives nullptr, in RMM and CUDA alike) and
@@ -41,6 +48,7 @@ struct Program {
   std::vector<std::uint64_t> event_of;  // ops[i] replays trace event event_of[i] (map/unmap are skipped)
   std::vector<std::uint64_t> stream_ids;  // trace stream ids, by index
   std::size_t slots = 0;
+  std::size_t remembered = 0;  // replayed addresses restores look up (Op::remember)
   std::size_t unknown_frees = 0;
 };
 
@@ -58,6 +66,7 @@ Program compile(const Trace& trace, bool lenient) {
   std::unordered_map<std::uint64_t, std::uint32_t> live;        // pointer -> slot
   std::unordered_map<std::uint64_t, std::uint64_t> live_line;   // pointer -> line of its allocation
   std::vector<std::uint32_t> free_slots;
+  std::unordered_map<std::uint64_t, std::size_t> last_alloc;  // pointer -> the op of its last allocation
   // Graph pools as the allocator will see them, so that a trace that would misuse them is refused
   // here with its line (or, lenient, the event skipped: a ring may have dropped a pool's begin).
   std::unordered_map<std::uint64_t, std::uint64_t> routed;  // stream id -> pool it allocates into
@@ -147,10 +156,19 @@ Program compile(const Trace& trace, bool lenient) {
         live[e.pointer] = slot;
         live_line[e.pointer] = line;
         // A restore on a stream routed into its pool already is an allocation like the others.
-        if (restore_pool != 0 && routed.count(e.stream) == 0)
-          p.ops.push_back(Op{OpKind::pool_restore, stream, slot, e.size, restore_pool});
-        else
+        if (restore_pool != 0 && routed.count(e.stream) == 0) {
+          Op op{OpKind::pool_restore, stream, slot, e.size, restore_pool};
+          // The block restored where it lay: the replay puts it where its earlier allocation went.
+          if (auto earlier = last_alloc.find(e.pointer); earlier != last_alloc.end()) {
+            Op& src = p.ops[earlier->second];
+            if (src.remember == kNoLink) src.remember = static_cast<std::uint32_t>(p.remembered++);
+            op.source = src.remember;
+          }
+          p.ops.push_back(op);
+        } else {
           p.ops.push_back(Op{OpKind::alloc, stream, slot, e.size});
+        }
+        last_alloc[e.pointer] = p.ops.size() - 1;
         p.event_of.push_back(i);
         break;
       }
@@ -268,6 +286,8 @@ std::vector<stream_t> sim_streams(const std::vector<std::uint64_t>& ids) {
 
 }  // namespace
 
+void validate_for_replay(const Trace& trace) { (void)compile(trace, false); }
+
 ReplayResult replay(const Trace& trace, const Config& config, const ReplayOptions& options, int device) {
   const Program prog = compile(trace, options.lenient);
   ReplayResult r;
@@ -293,6 +313,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
     std::vector<void*> ptr(prog.slots, nullptr);
     std::vector<std::uint64_t> size(prog.slots, 0);
     std::vector<bool> zero(prog.slots, false);  // slots holding a size-0 allocation
+    std::vector<void*> remembered(prog.remembered, nullptr);  // Op::remember -> replayed address
     std::int64_t live_requested = 0;
     const driver::CallStats calls_before = drv.call_stats();
     const auto t0 = std::chrono::steady_clock::now();
@@ -306,16 +327,35 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
             if (op.slot != kNullSlot) zero[op.slot] = true;
             break;
           }
-          // A restored block goes into its pool's memory for its stream, as restore_graph_pool_block
-          // put it there when recorded (not at its old address: this replay's pool is laid out by its
-          // own backend). The stream is routed into the pool for this one allocation; that begin is
-          // a use the recorded run did not have, so the release after the end takes it back (the
+          // A restored block goes back where the replay put the block it restores (the earlier
+          // allocation at its recorded address), as restore_graph_pool_block put it when recorded:
+          // the hole it fills stays filled. Where that range is not free memory of the pool in this
+          // replay (its own backend laid the pool out), it goes into the pool's memory for its
+          // stream instead: the stream is routed into the pool for this one allocation; that begin
+          // is a use the recorded run did not have, so the release after the end takes it back (the
           // pool is live, so that release only counts its uses down).
-          const bool restore = op.kind == OpKind::pool_restore;
+          bool restore = op.kind == OpKind::pool_restore;
+          if (restore && op.source != kNoLink && remembered[op.source] != nullptr) {
+            try {
+              a.restore_graph_pool_block(op.pool, remembered[op.source], op.size);
+              ptr[op.slot] = remembered[op.source];
+              size[op.slot] = op.size;
+              live_requested += static_cast<std::int64_t>(op.size);
+              if (first_pass && live_requested > r.peak_requested_bytes) r.peak_requested_bytes = live_requested;
+              if (op.remember != kNoLink) remembered[op.remember] = ptr[op.slot];
+              break;
+            } catch (const out_of_memory&) {
+              throw;
+            } catch (const driver_error&) {
+              throw;
+            } catch (const error&) {  // not free memory of the pool here: placed by the backend below
+            }
+          }
           // (Another exception ends the replay, and the allocator with it: no route is left behind.)
           if (restore) a.begin_pool_allocations(op.pool, streams[op.stream]);
           try {
             ptr[op.slot] = a.allocate(op.size, streams[op.stream]);
+            if (op.remember != kNoLink) remembered[op.remember] = ptr[op.slot];
             size[op.slot] = op.size;
             live_requested += static_cast<std::int64_t>(op.size);
             if (first_pass && live_requested > r.peak_requested_bytes) r.peak_requested_bytes = live_requested;

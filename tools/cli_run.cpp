@@ -412,7 +412,8 @@ int cmd::scenario(int argc, char** argv) {
 // --- study -----------------------------------------------------------------------------------------
 
 int cmd::study(int argc, char** argv) {
-  const Args args = parse_args(argc, argv, 2, with(kRunOptions, {{"--trace", true}, {"--seed", true}}));
+  const Args args = parse_args(argc, argv, 2, with(kRunOptions, {{"--trace", true}, {"--seed", true}, {"--lenient", false}}));
+  const bool lenient = args.has("--lenient");
   // "--trace A B C": paths after a --trace are traces too.
   std::vector<std::string> traces = args.all("--trace");
   if (!args.positional.empty()) {
@@ -438,13 +439,13 @@ int cmd::study(int argc, char** argv) {
   const bool json = args.has("--json");
   const std::string html = args.get("--html").value_or("expseg-study.html");
   check_picture_path(html, traces);
-  // The traces are read and their allocations and frees paired (trace_error, exit 2) before the
-  // scenarios run, not after.
+  // The traces are read and checked as their replays will check them (pairing, pool lines;
+  // trace_error, exit 2) before the scenarios run, not after.
   std::vector<Trace> read;
   read.reserve(traces.size());
   for (const std::string& p : traces) {
     read.push_back(read_trace(p));
-    validate_trace(read.back());
+    if (!lenient) validate_for_replay(read.back());
   }
 
   std::vector<std::string> names;
@@ -465,7 +466,7 @@ int cmd::study(int argc, char** argv) {
     print_scenario_failures(scenarios);
   }
   std::vector<ReplayGroup> replays;
-  for (const Trace& t : read) replays.push_back(replay_trace(t, setup, true, false, json));
+  for (const Trace& t : read) replays.push_back(replay_trace(t, setup, true, lenient, json));
   if (!json) {
     if (!replays.empty()) {
       std::printf("\nTraces\n\n");

@@ -83,7 +83,7 @@ const CommandHelp* find_help(std::string_view name) {
            "Examples:\n  expseg scenario split-800-500-300 --device sim\n"
            "  expseg scenario random-churn --sizes 2MiB-16MiB --seed 2\n"},
       {"study", "every scenario and the shipped traces, A/B, with an HTML picture",
-       "expseg study [--device D] [--html FILE] [--trace PATH...] [--backend B[,B]] [--conf K:V,...] [--json] [--seed N]",
+       "expseg study [--device D] [--html FILE] [--trace PATH...] [--backend B[,B]] [--conf K:V,...] [--json] [--seed N] [--lenient]",
        std::string("The main job of expseg: runs every scenario and the shipped ResNet-50 and GPT-2 traces on both\n"
                    "backends, prints the tables and the reasons of the failures, and writes one HTML page with a chart\n"
                    "of allocated and reserved memory over time per backend, OOM markers, the limit, and segment maps.\n\n"
@@ -93,7 +93,8 @@ const CommandHelp* find_help(std::string_view name) {
            "  --trace PATH...   replay these traces instead of the shipped ones; repeatable\n" +
            kBackendHelp + kConfHelp +
            "  --json            JSON lines instead of the tables (the picture is still written)\n"
-           "  --seed N          seed of the random stories, N >= 1 (default: each scenario's own)\n"},
+           "  --seed N          seed of the random stories, N >= 1 (default: each scenario's own)\n"
+           "  --lenient         replay the traces leniently, as expseg replay --lenient (partial traces)\n"},
       {"explain", "read an OOM dump (oom_dump:PATH) and replay the events that led to it on both backends",
        "expseg explain DUMP.json [--backend B[,B]] [--html FILE] [--no-replay]",
        std::string("Prints what the dump holds: the OOM report, the live allocations and free blocks at the OOM (the\n"

@@ -20,12 +20,15 @@
 // memory serves only the pool until as many `pool release` as `pool begin` (Stream 0). Replay does the
 // same through Allocator::begin_pool_allocations / end_pool_allocations / release_graph_pool, so a
 // replayed pool holds its memory as the recorded one did. The recorder writes a pool's allocations on
-// the stream that began it (a capture's forked streams included).
+// the stream that began it; a stream a capture forked to gets a stream id of its own in the trace,
+// with its own pool begin, end and release, so its memory stays apart as it did.
 // pool restore (Pointer the pool id, Size 0) is followed by an `allocate` on the same Stream: a block
 // put back into that live pool's memory for that stream (Allocator::restore_graph_pool_block, as CUDA
-// graph trees restore a checkpoint). Replay allocates it in the pool again (routing the stream into
-// the pool for that one allocation when it is not routed there already). RMM's strict format leaves
-// the pool lines out; the allocations stay.
+// graph trees restore a checkpoint). Replay puts it back where the replay placed the earlier block at
+// that recorded address (restore_graph_pool_block again); where that range is not free memory of the
+// pool in the replay, it allocates it in the pool (routing the stream into the pool for that one
+// allocation when it is not routed there already). RMM's strict format leaves the pool lines out;
+// the allocations stay.
 #pragma once
 
 #include <cstddef>
@@ -122,5 +125,9 @@ struct ReplayResult {
 // Replays `trace` on a fresh allocator built from `config` for `device` (the config's device kind
 // decides sim or cuda). Allocations that fail count as OOMs and their frees are skipped.
 ReplayResult replay(const Trace& trace, const Config& config, const ReplayOptions& options = {}, int device = 0);
+// Checks what a strict replay refuses before it runs anything: validate_trace's pairing and the pool
+// lines (a pool end without its begin, a restore into a pool not live, ...). Throws trace_error with
+// the line on the first violation. Cheap next to a replay: for a tool that replays later (study).
+void validate_for_replay(const Trace& trace);
 
 }  // namespace expseg

@@ -280,6 +280,7 @@ class LineFeeder {
           piece.remove_prefix(run);
           continue;
         }
+        if (nl > kMaxLine) too_long();  // a whole line in one piece (a .gz's pieces are larger)
         parser_.line(piece.substr(0, nl));
       } else {
         if (carry_.size() + nl > kMaxLine) too_long();

@@ -470,6 +470,30 @@ TEST_CASE("cli: study --trace whose frees do not pair with its allocations fails
   fs::remove(unpaired);
 }
 
+TEST_CASE("cli: study --trace with bad pool lines fails before running the scenarios; --lenient replays it") {
+  // Was: study paired allocations and frees up front but left the pool lines to the replay, so a
+  // pool end without its begin failed after every scenario had run, with a hint to a --lenient that
+  // study did not take.
+  const fs::path misuse = temp_path("poolmisuse.csv");
+  {
+    std::ofstream f(misuse);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n1,1,pool end,0x5,0,0x0\n1,2,free,0x1000,4096,0x0\n";
+  }
+  const fs::path html = temp_path("study-poolmisuse.html");
+  const Run r = run_cli("study --device sim --trace '" + misuse.string() + "' --html '" + html.string() + "'");
+  INFO(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find("poolmisuse.csv:3: pool end of pool 0x5") != std::string::npos);
+  CHECK(r.out.empty());
+  CHECK(!fs::exists(html));
+  const Run lenient = run_cli("study --device sim --trace '" + misuse.string() + "' --html '" + html.string() + "' --lenient");
+  INFO(lenient.err);
+  CHECK(lenient.status == 0);
+  CHECK(fs::exists(html));
+  fs::remove(misuse);
+  fs::remove(html);
+}
+
 TEST_CASE("cli: --html naming an input trace is refused, and the trace is left as it was") {
   const fs::path trace = temp_path("victim.csv");
   const std::string text = "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n1,1,free,0x1000,4096,0x0\n";

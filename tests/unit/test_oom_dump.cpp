@@ -401,12 +401,21 @@ TEST_CASE("read_oom_dump: uint64 sizes and limits above int64 read back (a reque
     CAPTURE(expseg::to_string(b));
     const std::string path = (dir.path / (std::string(expseg::to_string(b)) + ".json")).string();
     Allocator a(sim_config(b, 80 * GiB, "limit:18446744073709551615,oom_dump:" + path));
-    constexpr std::size_t kHuge = std::numeric_limits<std::size_t>::max();
-    CHECK_THROWS_AS((void)a.allocate(kHuge), expseg::out_of_memory);
+    // The largest request the allocator sees (1 EiB and more is refused up front, with no dump).
+    constexpr std::size_t kLargest = (std::size_t{1} << 60) - 1;
+    CHECK_THROWS_AS((void)a.allocate(kLargest), expseg::out_of_memory);
     const expseg::OomDump d = expseg::read_oom_dump(path);
-    CHECK(d.report.requested_bytes == kHuge);
+    CHECK(d.report.requested_bytes == kLargest);
     CHECK(d.snapshot.limit_bytes == a.snapshot().limit_bytes);
+    CHECK(d.snapshot.limit_bytes == std::numeric_limits<std::size_t>::max());
     CHECK(d.report.to_json() == a.last_oom()->to_json());
+    // A request of SIZE_MAX bytes (a negative size cast to size_t) in a dump reads back too.
+    constexpr std::size_t kHuge = std::numeric_limits<std::size_t>::max();
+    const std::string edited = (dir.path / "edited.json").string();
+    const std::string text = replaced(read_file(path), "\"requested_bytes\":" + std::to_string(kLargest),
+                                      "\"requested_bytes\":" + std::to_string(kHuge));
+    std::ofstream(edited, std::ios::binary | std::ios::trunc) << text;
+    CHECK(expseg::read_oom_dump(edited).report.requested_bytes == kHuge);
   }
 }
 

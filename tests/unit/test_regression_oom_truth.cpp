@@ -20,6 +20,7 @@
 
 #include "expseg/oom_dump.hpp"
 
+#include "forwarding_driver.hpp"
 #include "test_util.hpp"
 
 using namespace testutil;
@@ -165,60 +166,14 @@ TEST_CASE("oom truth: a report whose other-backend check did not run says so") {
 namespace {
 // A simulated device whose cuMemGetInfo fails once `fail` is set (as on a GPU whose context went bad
 // between the failed allocation and the report); every other call goes to the simulated device.
-class MemInfoFails final : public expseg::driver::Driver {
+class MemInfoFails final : public testutil::ForwardingDriver {
  public:
-  explicit MemInfoFails(std::shared_ptr<expseg::driver::SimDriver> sim) : sim_(std::move(sim)) {}
+  using ForwardingDriver::ForwardingDriver;
   bool fail = false;
-
-  using dev_ptr = expseg::driver::dev_ptr;
-  using phys_handle = expseg::driver::phys_handle;
-  using stream_t = expseg::driver::stream_t;
-  using event_t = expseg::driver::event_t;
-  const char* kind() const noexcept override { return sim_->kind(); }
-  int device() const noexcept override { return sim_->device(); }
-  std::string device_name() const override { return sim_->device_name(); }
-  std::size_t granularity() const noexcept override { return sim_->granularity(); }
   expseg::driver::MemInfo mem_info() override {
     if (fail) throw expseg::driver_error("cuMemGetInfo", 999, "CUDA_ERROR_UNKNOWN", "injected by the test");
-    return sim_->mem_info();
+    return ForwardingDriver::mem_info();
   }
-  expseg::driver::CallStats call_stats() const override { return sim_->call_stats(); }
-  dev_ptr reserve(std::size_t bytes) override { return sim_->reserve(bytes); }
-  void free_reserve(dev_ptr base, std::size_t bytes) override { sim_->free_reserve(base, bytes); }
-  phys_handle create(std::size_t bytes) override { return sim_->create(bytes); }
-  void release(phys_handle h) override { sim_->release(h); }
-  void map(dev_ptr p, std::size_t bytes, phys_handle h) override { sim_->map(p, bytes, h); }
-  void unmap(dev_ptr p, std::size_t bytes) override { sim_->unmap(p, bytes); }
-  void set_access(dev_ptr p, std::size_t bytes) override { sim_->set_access(p, bytes); }
-  dev_ptr mem_alloc(std::size_t bytes) override { return sim_->mem_alloc(bytes); }
-  void mem_free(dev_ptr p) override { sim_->mem_free(p); }
-  stream_t stream_create() override { return sim_->stream_create(); }
-  void stream_destroy(stream_t s) override { sim_->stream_destroy(s); }
-  event_t event_create() override { return sim_->event_create(); }
-  void event_destroy(event_t e) override { sim_->event_destroy(e); }
-  void event_record(event_t e, stream_t s) override { sim_->event_record(e, s); }
-  bool event_query(event_t e) override { return sim_->event_query(e); }
-  void event_synchronize(event_t e) override { sim_->event_synchronize(e); }
-  void stream_synchronize(stream_t s) override { sim_->stream_synchronize(s); }
-  void device_synchronize() override { sim_->device_synchronize(); }
-  void memset_d32(dev_ptr p, std::uint32_t v, std::size_t n, stream_t s) override { sim_->memset_d32(p, v, n, s); }
-  void copy_to_host(void* dst, dev_ptr src, std::size_t bytes) override { sim_->copy_to_host(dst, src, bytes); }
-  void copy_from_host(dev_ptr dst, const void* src, std::size_t bytes) override { sim_->copy_from_host(dst, src, bytes); }
-  int device_count() override { return sim_->device_count(); }
-  bool can_access_peer(int peer) override { return sim_->can_access_peer(peer); }
-  bool add_access_device(int peer) override { return sim_->add_access_device(peer); }
-  std::vector<int> access_devices() const override { return sim_->access_devices(); }
-  bool enable_context_peer(int peer) override { return sim_->enable_context_peer(peer); }
-  std::vector<int> context_peers() const override { return sim_->context_peers(); }
-  expseg::driver::ShareableHandle shareable_handle_type() const noexcept override { return sim_->shareable_handle_type(); }
-  expseg::driver::ExportedHandle export_handle(phys_handle h) override { return sim_->export_handle(h); }
-  phys_handle import_handle(const expseg::driver::ExportedHandle& e) override { return sim_->import_handle(e); }
-  expseg::driver::ExportedHandle ipc_export(dev_ptr p) override { return sim_->ipc_export(p); }
-  dev_ptr ipc_open(const expseg::driver::ExportedHandle& e) override { return sim_->ipc_open(e); }
-  void ipc_close(dev_ptr p) override { sim_->ipc_close(p); }
-
- private:
-  std::shared_ptr<expseg::driver::SimDriver> sim_;
 };
 }  // namespace
 

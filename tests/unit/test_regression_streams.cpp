@@ -409,7 +409,9 @@ TEST_CASE("release_stream: refused, with nothing changed, for the default stream
 TEST_CASE("C API: expseg_release_stream") {
   testutil::CApiFixture fixture;
   REQUIRE(expseg_configure("device:sim,sim_capacity:80GiB,backend:expandable") == EXPSEG_SUCCESS);
-  CHECK(expseg_release_stream(0, nullptr) == EXPSEG_SUCCESS);  // no allocator yet: nothing cached
+  // No allocator yet: nothing cached for a stream; the default stream is refused all the same.
+  CHECK(expseg_release_stream(0, reinterpret_cast<expseg_stream_t>(std::uintptr_t{0x5000})) == EXPSEG_SUCCESS);
+  CHECK(expseg_release_stream(0, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
   CHECK(expseg_release_stream(-1, nullptr) == EXPSEG_ERROR_INVALID_DEVICE);
   void* first = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
   REQUIRE(first != nullptr);

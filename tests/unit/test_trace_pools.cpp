@@ -374,3 +374,35 @@ TEST_CASE("trace pools: pool lines the allocator would refuse are refused with t
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("trace pools: a replayed restore goes back where the block it restores lay, so the hole beside it stays as recorded") {
+  // Was: the replay allocated a restored block anywhere in its pool. Blocks A..E in pool 7, B, C and
+  // D freed, D restored where it lay, then 5 MiB more into the pool. Expandable lays them out A B D C
+  // E (D packs into B's partly used page), so the recorded run has holes of 1 and 4 MiB left and maps
+  // new memory for the 5 MiB (peak reserved 20 MiB). Replayed, D landed elsewhere in the pool, the
+  // 5 MiB fit in B+D+C, and the peaks were not the run's (14 MiB).
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    const expseg::Config conf = sim_config(b, 80 * GiB, "limit:64MiB");
+    expseg::Allocator a(conf);
+    const auto s = reinterpret_cast<expseg::stream_t>(std::uintptr_t{0x5});
+    a.start_recording();
+    a.begin_pool_allocations(7, s);
+    std::vector<void*> blocks;
+    for (std::size_t mib : {4, 1, 4, 1, 4}) blocks.push_back(a.allocate(mib * MiB, s));
+    a.end_pool_allocations(7, s);
+    for (int i : {1, 2, 3}) a.deallocate(blocks[i]);
+    a.restore_graph_pool_block(7, blocks[3], MiB);
+    a.begin_pool_allocations(7, s);
+    void* f = a.allocate(5 * MiB, s);
+    a.end_pool_allocations(7, s);
+    for (void* p : {blocks[0], blocks[3], blocks[4], f}) a.deallocate(p);
+    a.release_graph_pool(7);
+    const auto st = a.stats();
+    if (b == BackendKind::expandable) CHECK(st.reserved_bytes[expseg::kAllPools].peak == static_cast<std::int64_t>(20 * MiB));
+    const auto r = expseg::replay(expseg::Trace{"restored", a.recorded()}, conf);
+    CHECK(r.ooms == 0);
+    CHECK(r.peak_reserved_bytes == st.reserved_bytes[expseg::kAllPools].peak);
+    CHECK(r.peak_allocated_bytes == st.allocated_bytes[expseg::kAllPools].peak);
+  }
+}
