@@ -306,7 +306,7 @@ const Story kStories[] = {
       "under a 3 GiB limit; after an OOM a random half of the live blocks is freed. A split pool fails while "
       "much of the limit is free but scattered; expandable segments should fail only when live bytes plus "
       "the request really approach the limit.",
-      3 * GiB},
+      3 * GiB, true},
      1, random_churn},
     {{"kv-cache-decode", "LLM decoding with growing KV caches",
       "Six sequences decode at once; each holds four KV caches (2 layers x K,V, 32 KiB per token) that grow by "
@@ -314,14 +314,14 @@ const Story kStories[] = {
       "start and finish at different times (24 in all, prompts of 16-256 tokens, 32-512 new tokens). In a "
       "split pool the many slightly different sizes fragment the cache until sequences are evicted for lack "
       "of memory at about half the 384 MiB limit; expandable segments keep serving them.",
-      384 * MiB},
+      384 * MiB, true},
      7, kv_cache_decode},
     {{"mixed-lifetimes", "Long-lived large blocks among short-lived small ones",
       "Each round allocates a large block (32-128 MiB) that lives for 40 rounds, and twenty small ones "
       "(1-8 MiB), most freed at once and one in five kept for three rounds. Small survivors land in the "
       "segments freed by large blocks and pin them, so a split pool holds far more than it uses; expandable "
       "segments give back the pages around them.",
-      4 * GiB},
+      4 * GiB, true},
      11, mixed_lifetimes},
 };
 

@@ -368,6 +368,14 @@ int cmd::scenario(int argc, char** argv) {
   }
   ScenarioOptions options;
   options.seed = args.get("--seed") ? parse_seed(*args.get("--seed")) : 0;
+  if (args.get("--seed") && !args.has("--all"))  // --all: the seed goes to the random stories among them
+    for (const std::string& n : names)
+      if (!find_scenario(n)->random) {
+        std::string random;
+        for (const ScenarioInfo& s : list_scenarios())
+          if (s.random) random += (random.empty() ? "" : ", ") + std::string(s.name);
+        throw UsageError("--seed applies to the random stories only (" + random + "); '" + n + "' is fixed");
+      }
   if (const auto sizes = args.get("--sizes")) {
     for (const std::string& n : names)
       if (n != "random-churn") throw UsageError("--sizes applies to random-churn only (got scenario '" + n + "')");

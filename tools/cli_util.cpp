@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <initializer_list>
 
 #include "cli.hpp"
 #include "expseg/allocator.hpp"
@@ -165,8 +166,9 @@ Config base_config(const Args& args) {
 }
 
 namespace {
-// Whether a --conf string sets the backend (backend:B or PyTorch's expandable_segments:B).
-bool conf_names_backend(const Args& args) {
+// Whether a --conf string sets one of `keys` (e.g. the backend: backend:B or PyTorch's
+// expandable_segments:B).
+bool conf_names(const Args& args, std::initializer_list<std::string_view> keys) {
   for (const std::string& text : args.all("--conf")) {
     std::size_t start = 0;
     while (start < text.size()) {
@@ -177,7 +179,7 @@ bool conf_names_backend(const Args& args) {
       std::string_view key = std::string_view(item).substr(0, item.find(':'));
       const std::size_t first = key.find_first_not_of(" \t\n\r\f\v");
       key = first == std::string_view::npos ? std::string_view() : key.substr(first, key.find_last_not_of(" \t\n\r\f\v") - first + 1);
-      if (key == "backend" || key == "expandable_segments") return true;
+      if (std::find(keys.begin(), keys.end(), key) != keys.end()) return true;
       start = comma + 1;
     }
   }
@@ -188,9 +190,12 @@ bool conf_names_backend(const Args& args) {
 Setup make_setup(const Args& args) {
   Setup s;
   s.config = base_config(args);
+  const bool conf_backend = conf_names(args, {"backend", "expandable_segments"});
   if (args.get("--backend")) {
+    // Both would pick the backend, one of them silently ignored: the caller must choose.
+    if (conf_backend) throw UsageError("--backend and a --conf backend (backend: or expandable_segments:) both pick the backend; give one");
     s.backends = parse_backends(*args.get("--backend"));
-  } else if (conf_names_backend(args)) {
+  } else if (conf_backend) {
     s.backends = {s.config.backend};  // --conf backend:B (or expandable_segments:True) picks one
   } else {
     s.backends = {BackendKind::split_merge, BackendKind::expandable};  // A/B
@@ -204,6 +209,8 @@ Setup make_setup(const Args& args) {
     if (d == "sim" || d.rfind("sim:", 0) == 0) {
       s.config.device = DeviceKind::sim;
       if (d.size() > 4) {
+        if (conf_names(args, {"sim_capacity"}))
+          throw UsageError("--device " + d + " and --conf sim_capacity: both give the simulated device's capacity; give one");
         try {
           s.config.sim_capacity = parse_bytes(std::string_view(d).substr(4), "--device");
         } catch (const config_error&) {

@@ -22,6 +22,7 @@ struct ScenarioInfo {
   std::string_view title;
   std::string_view description;  // one paragraph: the OOM it demonstrates
   std::size_t limit_bytes;       // the limit the story runs under (0: none)
+  bool random = false;           // drawn from a seed (ScenarioOptions::seed); the others are fixed
 };
 
 // Every scenario, in the order `expseg scenario --list` prints them.

@@ -260,6 +260,11 @@ TEST_CASE("cli: usage errors exit 2 and name the bad argument") {
       {"scenario random-churn --seed 1 --seed 2", "'--seed' given twice"},
       {"replay x.csv --backend expandable --backend split_merge", "'--backend' given twice"},
       {"explain x.json --no-replay --backend expandable", "--backend"},
+      // Was: accepted, one of the two silently ignored (a review of the CLI).
+      {"scenario split-800-500-300 --seed 5", "random stories only"},
+      {"scenario split-800-500-300 --backend expandable --conf backend:split_merge", "give one"},
+      {"replay x.csv --backend split_merge --conf expandable_segments:True", "give one"},
+      {"scenario split-800-500-300 --device sim:1GiB --conf sim_capacity:2GiB", "sim_capacity"},
   };
   for (const Case& c : cases) {
     const Run r = run_cli(c.args);
