@@ -37,6 +37,7 @@ struct Op {
   // (kNoLink: none).
   std::uint32_t remember = kNoLink;
   std::uint32_t source = kNoLink;
+  bool routed = false;  // pool_restore: its stream allocates into the pool already (a pool begin)
 };
 
 // The slot of size-0 allocations at pointer 0 (allocate(0) gives nullptr, in RMM and CUDA alike) and
@@ -155,9 +156,9 @@ Program compile(const Trace& trace, bool lenient) {
         }
         live[e.pointer] = slot;
         live_line[e.pointer] = line;
-        // A restore on a stream routed into its pool already is an allocation like the others.
-        if (restore_pool != 0 && routed.count(e.stream) == 0) {
+        if (restore_pool != 0) {
           Op op{OpKind::pool_restore, stream, slot, e.size, restore_pool};
+          op.routed = routed.count(e.stream) != 0;  // (routed into this pool: the marker's check)
           // The block restored where it lay: the replay puts it where its earlier allocation went.
           if (auto earlier = last_alloc.find(e.pointer); earlier != last_alloc.end()) {
             Op& src = p.ops[earlier->second];
@@ -352,6 +353,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
             }
           }
           // (Another exception ends the replay, and the allocator with it: no route is left behind.)
+          restore = restore && !op.routed;  // a stream routed into the pool already allocates there
           if (restore) a.begin_pool_allocations(op.pool, streams[op.stream]);
           try {
             ptr[op.slot] = a.allocate(op.size, streams[op.stream]);

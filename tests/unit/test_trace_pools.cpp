@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -404,5 +405,86 @@ TEST_CASE("trace pools: a replayed restore goes back where the block it restores
     CHECK(r.ooms == 0);
     CHECK(r.peak_reserved_bytes == st.reserved_bytes[expseg::kAllPools].peak);
     CHECK(r.peak_allocated_bytes == st.allocated_bytes[expseg::kAllPools].peak);
+  }
+}
+
+TEST_CASE("trace pools: a random run with graph pools and restores, routed and not, replays to its own OOMs at the same events") {
+  // Was (a review's round-trip probe): on expandable, 989 OOMs replayed where the run had 1,599. A
+  // restore made while its stream was routed into the pool replayed as a plain allocation, placed
+  // by the backend instead of where the block lay; the layouts then parted.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    for (std::uint64_t seed : {1u, 2u, 3u}) {
+      CAPTURE(expseg::to_string(b));
+      CAPTURE(seed);
+      const expseg::Config conf = sim_config(b, 80 * GiB, "limit:768MiB");
+      expseg::Allocator a(conf);
+      a.start_recording();
+      std::mt19937_64 rng(seed);
+      const auto s = reinterpret_cast<expseg::stream_t>(std::uintptr_t{0x1234});
+      std::vector<void*> live;
+      std::uint64_t routed = 0;         // the pool s allocates into now
+      std::vector<std::uint64_t> held;  // a use of each pool begun and not released
+      std::uint64_t next_pool = 1;
+      int restores = 0, routed_restores = 0;
+      for (int i = 0; i < 6000; ++i) {
+        const unsigned r = static_cast<unsigned>(rng() % 1000);
+        try {
+          if (r < 8 && routed == 0) {
+            routed = held.empty() || rng() % 2 ? next_pool++ : held[rng() % held.size()];
+            a.begin_pool_allocations(routed, s);
+            held.push_back(routed);
+          } else if (r < 16 && routed != 0) {
+            a.end_pool_allocations(routed, s);
+            routed = 0;
+          } else if (r < 22 && !held.empty()) {
+            const std::size_t k = rng() % held.size();
+            if (held[k] == routed && std::count(held.begin(), held.end(), routed) == 1) continue;  // its last use
+            a.release_graph_pool(held[k]);
+            held.erase(held.begin() + static_cast<std::ptrdiff_t>(k));
+          } else if (r < 30 && !held.empty()) {  // a checkpoint's block freed and put back where it was
+            const std::uint64_t pool = held[rng() % held.size()];
+            if (routed != 0 && routed != pool) continue;
+            if (routed == 0) a.begin_pool_allocations(pool, s);
+            void* p = nullptr;
+            try {
+              p = a.allocate(MiB, s);
+            } catch (const expseg::out_of_memory&) {
+            }
+            if (routed == 0) {
+              a.end_pool_allocations(pool, s);
+              a.release_graph_pool(pool);
+            }
+            if (p == nullptr) continue;
+            a.deallocate(p);
+            a.restore_graph_pool_block(pool, p, MiB);
+            live.push_back(p);
+            ++restores;
+            routed_restores += routed != 0;
+          } else if (live.empty() || r < 600) {
+            std::size_t size = std::size_t{1} << (rng() % 26);
+            size += rng() % size;
+            live.push_back(a.allocate(size, rng() % 3 == 0 ? s : nullptr));
+          } else {
+            const std::size_t k = rng() % live.size();
+            a.deallocate(live[k]);
+            live[k] = live.back();
+            live.pop_back();
+          }
+        } catch (const expseg::out_of_memory&) {
+        }
+      }
+      CHECK(routed_restores > 5);
+      CHECK(restores > routed_restores + 5);
+      const auto st = a.stats();
+      const expseg::Trace t{"random pools", a.recorded()};
+      std::vector<std::uint64_t> failed;
+      for (std::size_t i = 0; i < t.events.size(); ++i)
+        if (t.events[i].action == TraceAction::allocate_failure) failed.push_back(i);
+      REQUIRE(failed.size() > 100);
+      const auto r = expseg::replay(t, conf);
+      CHECK(r.oom_events == failed);
+      CHECK(r.peak_allocated_bytes == st.allocated_bytes[expseg::kAllPools].peak);
+      CHECK(r.peak_reserved_bytes == st.reserved_bytes[expseg::kAllPools].peak);
+    }
   }
 }
