@@ -188,6 +188,8 @@ class Allocator {
   // the observer; setting one replaces the previous one. An OOM already being reported on another
   // thread holds its own reference to the previous observer and may still call it after
   // set_oom_observer returns: what an observer captures by reference must outlive such a call.
+  // Not called for a request of 1 EiB or more: refused up front (as PyTorch's allocate() refuses
+  // it), with out_of_memory and its report, but no OOM of the allocator (nor in num_ooms, oom_dump).
   using OomObserver = std::function<void(const OomReport&)>;
   void set_oom_observer(OomObserver observer);
 

@@ -123,7 +123,9 @@ EXPSEG_API void expseg_cupy_free(void* param, void* ptr, int device_id) EXPSEG_N
  * the previous one; a call already running on another thread may still be running when
  * expseg_set_oom_callback returns, so keep the previous callback's user_data valid (e.g. for the
  * life of the process). Typical use: save a snapshot, or log the report where the job's logs go.
- * (The oom_dump:PATH config key writes report, snapshot and recorded events to a file without code.) */
+ * (The oom_dump:PATH config key writes report, snapshot and recorded events to a file without code.)
+ * A request of 1 EiB or more is refused up front, as PyTorch refuses it: NULL and the report, but
+ * no callback, no num_ooms and no dump. */
 typedef void (*expseg_oom_callback)(int device, const char* report_json, void* user_data);
 EXPSEG_API int expseg_set_oom_callback(expseg_oom_callback callback, void* user_data) EXPSEG_NOEXCEPT;
 
