@@ -233,6 +233,9 @@ Setup make_setup(const Args& args) {
     }
   } else if (s.config.device == DeviceKind::sim) {
     s.device_note = "the simulated device (device:sim in the configuration)";
+  } else if (conf_names(args, {"device"})) {  // --conf device:cuda asks for the GPU as --device cuda does
+    if (!cuda_available(&why)) throw std::runtime_error("--conf device:cuda: CUDA is not usable here: " + why);
+    s.device_note = "the GPU (device:cuda in --conf)";
   } else if (cuda_available(&why)) {
     s.config.device = DeviceKind::cuda;
     s.device_note = "the GPU (CUDA is usable; --device sim for the simulator)";

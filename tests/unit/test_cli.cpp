@@ -372,6 +372,11 @@ TEST_CASE("cli: --device cuda where CUDA is not usable is a runtime failure (exi
   const Run r = run_cli("scenario split-800-500-300 --device cuda --json", "CUDA_VISIBLE_DEVICES=");
   CHECK(r.status == 1);
   CHECK(r.err.find("CUDA is not usable") != std::string::npos);
+  // So is --conf device:cuda (was: the simulated device, with nothing said but the JSON's "sim:80GiB").
+  const Run conf = run_cli("scenario split-800-500-300 --conf device:cuda --json", "CUDA_VISIBLE_DEVICES=");
+  CHECK(conf.status == 1);
+  CHECK(conf.err.find("--conf device:cuda: CUDA is not usable") != std::string::npos);
+  CHECK(conf.out.empty());
 }
 
 TEST_CASE("cli: scenario --html writes the picture") {
