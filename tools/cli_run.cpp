@@ -190,10 +190,25 @@ ReplayGroup replay_trace(const Trace& trace, const Setup& setup, bool picture, b
   return g;
 }
 
+// Runs `f` on the trace read from `path`; a trace_error from the replay, which names the trace by
+// its file name, names the path as given instead (two run.csv in different directories).
+template <class F>
+auto with_trace_path(const std::string& path, F&& f) {
+  try {
+    return f();
+  } catch (const trace_error& e) {
+    if (e.file() == path) throw;
+    const std::string what = e.what();
+    const std::size_t prefix = e.file().size() + (e.line() != 0 ? 1 + std::to_string(e.line()).size() : 0) + 2;
+    throw trace_error(path, e.line(), what.size() >= prefix ? what.substr(prefix) : what);
+  }
+}
+
 // Reads and replays the traces one at a time (only one is in memory at once).
 std::vector<ReplayGroup> run_replays(const std::vector<std::string>& paths, const Setup& setup, bool picture, bool lenient, bool json) {
   std::vector<ReplayGroup> out;
-  for (const std::string& path : paths) out.push_back(replay_trace(read_trace(path), setup, picture, lenient, json));  // trace_error: exit 2
+  for (const std::string& path : paths)  // trace_error: exit 2
+    out.push_back(with_trace_path(path, [&] { return replay_trace(read_trace(path), setup, picture, lenient, json); }));
   return out;
 }
 
@@ -453,7 +468,7 @@ int cmd::study(int argc, char** argv) {
   read.reserve(traces.size());
   for (const std::string& p : traces) {
     read.push_back(read_trace(p));
-    if (!lenient) validate_for_replay(read.back());
+    if (!lenient) with_trace_path(p, [&] { validate_for_replay(read.back()); });
   }
 
   std::vector<std::string> names;

@@ -294,6 +294,27 @@ TEST_CASE("cli: bad configuration exits 2 naming the key") {
   CHECK(r.err.find("EXPSEG_ALLOC_CONF") != std::string::npos);
 }
 
+TEST_CASE("cli: a trace whose replay refuses it is named by the path given, not only its file name") {
+  // Was: "run.csv:3: free of pointer ..." for the second of a/run.csv and b/run.csv.
+  const fs::path dir = temp_path("twodirs");
+  fs::create_directories(dir / "a");
+  fs::create_directories(dir / "b");
+  {
+    std::ofstream(dir / "a" / "run.csv") << "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n";
+    std::ofstream(dir / "b" / "run.csv") << "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n1,1,free,0x2000,4096,0x0\n";
+  }
+  const std::string b = (dir / "b" / "run.csv").string();
+  const Run r = run_cli("replay '" + (dir / "a" / "run.csv").string() + "' '" + b + "' --device sim --json");
+  INFO(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find(b + ":3: free of pointer 0x2000 that is not live") != std::string::npos);
+  const Run study = run_cli("study --device sim --trace '" + b + "' --html '" + (dir / "s.html").string() + "'");
+  INFO(study.err);
+  CHECK(study.status == 2);
+  CHECK(study.err.find(b + ":3: free of pointer 0x2000 that is not live") != std::string::npos);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("cli: a malformed trace exits 2 with file:line") {
   const fs::path p = temp_path("bad.csv");
   {
