@@ -469,6 +469,10 @@ bool Allocator::Impl::stream_capturing(driver::stream_t stream) const noexcept {
   if (backends::is_graph_pool_key(stream)) return true;
   try {
     return driver->stream_capture_id(backends::capture_query_stream(stream)) != 0;
+  } catch (const driver_error& e) {
+    // The legacy stream while a blocking stream captures, untold ones included: work recorded on it
+    // would be refused and invalidate that capture, so it counts as capturing.
+    return e.code() == driver::Driver::kCaptureImplicitCode;
   } catch (...) {
     return false;
   }

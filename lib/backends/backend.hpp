@@ -177,11 +177,15 @@ struct Context {
 
 // Whether `key`'s stream captures a CUDA graph now: one driver query (~15-20 ns on the H200), for
 // slow paths only. A per-thread key is asked of the calling thread's per-thread stream, a graph
-// pool's key of nothing (false).
+// pool's key of nothing (false). The legacy stream counts as capturing while a blocking stream
+// captures (CUDA refuses its work then, and the question says so without harm: Driver::
+// stream_capture_id).
 inline bool stream_captures(Context& ctx, driver::stream_t key) noexcept {
   if (is_graph_pool_key(key)) return false;
   try {
     return ctx.driver.stream_capture_id(capture_query_stream(key)) != 0;
+  } catch (const driver_error& e) {
+    return e.code() == driver::Driver::kCaptureImplicitCode;
   } catch (...) {  // a stream the driver no longer knows captures nothing
     return false;
   }

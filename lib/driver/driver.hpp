@@ -162,8 +162,11 @@ class Driver {
   // synchronization of a capturing stream; a query or synchronization of an event recorded during
   // a capture (CUDA_ERROR_CAPTURED_EVENT); a synchronization of the legacy stream while a blocking
   // stream captures. Those fail and invalidate the capture in any mode. The default (drivers of
-  // tests) captures nothing.
+  // tests) captures nothing. Asked of the legacy stream while a blocking stream captures, CUDA
+  // answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT (kCaptureImplicitCode), and that capture stays valid:
+  // the one question that sees a capture on any blocking stream, untold ones on other threads' too.
   virtual std::uint64_t stream_capture_id(stream_t stream);
+  static constexpr int kCaptureImplicitCode = 906;
   // Tests and tools: capture `stream`'s work in global mode, end it into an executable graph,
   // launch that graph, destroy it. The default throws CUDA_ERROR_NOT_SUPPORTED.
   virtual void capture_begin(stream_t stream);

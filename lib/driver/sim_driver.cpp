@@ -1141,7 +1141,18 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
 
 std::uint64_t SimDriver::stream_capture_id(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
-  const Impl::Capture* c = impl_->capture_of(stream_of(stream));
+  Impl& s = *impl_;
+  const std::uintptr_t id = stream_of(stream);
+  if (id == 0) {
+    // CUDA answers the legacy stream's question with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT while a
+    // blocking stream captures; that capture stays valid (documented for cuStreamGetCaptureInfo).
+    bool blocking = std::any_of(s.forks.begin(), s.forks.end(), [&](const auto& f) { return s.is_blocking(f.first); });
+    for (const auto& [st, c] : s.captures) blocking = blocking || s.is_blocking(st);
+    if (blocking)
+      throw driver_error("cuStreamGetCaptureInfo", 906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+                         "the legacy stream while a blocking stream captures (the capture stays valid)");
+  }
+  const Impl::Capture* c = s.capture_of(id);
   return c == nullptr ? 0 : c->id;
 }
 

@@ -663,3 +663,74 @@ TEST_CASE("gpu: between cuStreamBeginCapture and begin_graph_pool, another strea
     for (void* s : {cap1, cs, m}) d.stream_destroy(s);
   }
 }
+
+TEST_CASE("gpu: the legacy stream's capture question while a blocking stream captures is refused, and the capture stays valid") {
+  // What expseg relies on to see a capture on any blocking stream, untold ones on other threads'
+  // per-thread streams included (Driver::stream_capture_id): CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+  // documented as leaving the capture valid. A non-blocking stream's capture leaves the question alone.
+  Allocator a(cuda_config(BackendKind::expandable));
+  Driver& d = driver_of(a);
+  void* out = a.allocate(2 * MiB);
+  for (const bool blocking : {false, true}) {
+    CAPTURE(blocking);
+    void* cs = blocking ? d.stream_create_blocking() : d.stream_create();
+    capture_around(d, cs, out, [&] {
+      if (!blocking) {
+        CHECK(d.stream_capture_id(nullptr) == 0);
+        return;
+      }
+      try {
+        (void)d.stream_capture_id(nullptr);
+        FAIL("answered");
+      } catch (const expseg::driver_error& e) {
+        CHECK(e.code() == Driver::kCaptureImplicitCode);
+      }
+    });
+    d.stream_destroy(cs);
+  }
+  a.deallocate(out);
+}
+
+TEST_CASE("gpu: a held free with a use on the legacy stream waits while an untold capture on a blocking stream lasts") {
+  // A block the legacy stream used, freed during a told capture, is held until that capture's
+  // end_graph_pool. With a capture expseg was not told of underway on a blocking stream, its event
+  // on the legacy stream would be refused and invalidate that capture: the free stays held instead.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    Allocator a(cuda_config(b));
+    Driver& d = driver_of(a);
+    void* s3 = d.stream_create();
+    void* s5 = d.stream_create_blocking();
+    void* s6 = d.stream_create();
+    void* blk = a.allocate(4 * MiB, s3);
+    void* out5 = a.allocate(2 * MiB, s5);
+    void* out6 = a.allocate(2 * MiB, s6);
+    a.record_stream(blk, nullptr);
+    d.capture_begin(s6);
+    a.begin_graph_pool(2, s6);
+    d.memset_d32(dp(out6), 6u, 2 * MiB / 4, s6);
+    d.capture_begin(s5);  // untold
+    d.memset_d32(dp(out5), 5u, 2 * MiB / 4, s5);
+    a.deallocate(blk);  // held until the told capture's end
+    expseg::driver::graph_t g6 = nullptr, g5 = nullptr;
+    CHECK_NOTHROW(g6 = d.capture_end(s6));
+    CHECK_NOTHROW(a.end_graph_pool(2));
+    CHECK(a.stats().requested_bytes[kAllPools].current == static_cast<std::int64_t>(8 * MiB));  // still held
+    CHECK_NOTHROW(g5 = d.capture_end(s5));  // not invalidated
+    REQUIRE(g5 != nullptr);
+    d.graph_launch(g5, s5);
+    d.stream_synchronize(s5);
+    CHECK(holds(d, out5, 2 * MiB, 5u));
+    CHECK_NOTHROW(a.release_cached());  // the free completes now
+    CHECK(a.stats().requested_bytes[kAllPools].current == static_cast<std::int64_t>(4 * MiB));
+    a.validate();
+    for (auto g : {g6, g5})
+      if (g != nullptr) d.graph_destroy(g);
+    a.deallocate(out5);
+    a.deallocate(out6);
+    a.release_graph_pool(2);
+    a.release_cached();
+    CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+    for (void* s : {s3, s5, s6}) d.stream_destroy(s);
+  }
+}

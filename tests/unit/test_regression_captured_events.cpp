@@ -111,3 +111,69 @@ TEST_CASE("regression: a free whose event landed in a capture completes at relea
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("regression-streams") {
+
+TEST_CASE("sim: the legacy stream's capture question while a blocking stream captures is refused, and the capture stays valid") {
+  // CUDA documents it for cuStreamGetCaptureInfo: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "the blocking
+  // stream capture is not invalidated". A non-blocking stream's capture leaves the question alone.
+  expseg::driver::SimDriver d;
+  void* blocking = d.stream_create_blocking();
+  void* plain = d.stream_create();
+  d.capture_begin(plain);
+  CHECK(d.stream_capture_id(nullptr) == 0);
+  d.graph_destroy(d.capture_end(plain));
+  d.capture_begin(blocking);
+  try {
+    (void)d.stream_capture_id(nullptr);
+    FAIL("answered");
+  } catch (const expseg::driver_error& e) {
+    CHECK(e.code() == expseg::driver::Driver::kCaptureImplicitCode);
+  }
+  CHECK_NOTHROW(d.graph_destroy(d.capture_end(blocking)));  // still valid
+  CHECK(d.stream_capture_id(nullptr) == 0);
+  d.stream_destroy(blocking);
+  d.stream_destroy(plain);
+}
+
+TEST_CASE("regression: a held free with a use on the legacy stream waits while an untold capture on a blocking stream lasts") {
+  // (A graph-pool review.) A block other streams used, the legacy stream among them, freed during a
+  // told capture, is held until that capture's end_graph_pool. Was: there, with a capture expseg
+  // was not told of underway on a blocking stream, its event was recorded on the legacy stream
+  // (refused: the capture invalidated), then the device synchronized (refused too), and
+  // end_graph_pool threw. The legacy stream now counts as capturing while a blocking stream
+  // captures: the free stays held until then.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto sa = make_sim_allocator(sim_config(b, 1 * GiB));
+    void* s3 = sa.sim->stream_create();
+    void* s5 = sa.sim->stream_create_blocking();
+    void* s6 = sa.sim->stream_create();
+    void* blk = sa->allocate(4 * MiB, s3);
+    sa->deallocate(sa->allocate(4 * MiB, s5));  // expseg holds memory for s5
+    sa->record_stream(blk, nullptr);
+    sa.sim->capture_begin(s6);
+    sa->begin_graph_pool(2, s6);
+    sa.sim->capture_begin(s5);  // untold
+    sa->deallocate(blk);        // held until the told capture's end
+    const auto g6 = sa.sim->capture_end(s6);
+    CHECK_NOTHROW(sa->end_graph_pool(2));
+    CHECK(sa->stats().requested_bytes[kAllPools].current == static_cast<std::int64_t>(4 * MiB));  // still held
+    CHECK_NOTHROW(sa->release_cached());  // nothing it may not do while s5 captures
+    expseg::driver::graph_t g5 = nullptr;
+    CHECK_NOTHROW(g5 = sa.sim->capture_end(s5));  // not invalidated
+    // After it, the free completes.
+    CHECK_NOTHROW(sa->release_cached());
+    CHECK(sa->stats().requested_bytes[kAllPools].current == 0);
+    sa->validate();
+    for (auto g : {g6, g5})
+      if (g != nullptr) sa.sim->graph_destroy(g);
+    sa->release_graph_pool(2);
+    sa->release_cached();
+    CHECK(sa->stats().reserved_bytes[kAllPools].current == 0);
+    sa.alloc.reset();
+    for (void* s : {s3, s5, s6}) sa.sim->stream_destroy(s);
+  }
+}
+
+}  // TEST_SUITE

@@ -1543,8 +1543,9 @@ void ExpandableBackend::keep_as_orphan(ExpHandle* h, bool still_mapped, std::uin
 // while it captures), unless every such capture's stream is known not to block
 // (ctx_.capture_spares_legacy) and the arena's synchronization is the legacy stream's. Otherwise
 // those synchronizations wait while a capture expseg can see from here is underway (seen_capture:
-// on a plain stream of an arena, or the calling thread's per-thread stream). A capture expseg is
-// not told of on another thread's per-thread stream or a foreign stream is not seen.
+// on a plain stream of an arena, the calling thread's per-thread stream, or any blocking stream,
+// which the legacy stream's question reveals). A capture expseg is not told of on another thread's
+// non-blocking foreign stream is not seen.
 bool ExpandableBackend::arena_captures(const ExpArena& arena) const noexcept {
   const bool own_per_thread = is_per_thread_key(arena.stream) && !is_graph_pool_key(arena.stream) &&
                               arena.stream == calling_thread_key();
@@ -1566,6 +1567,9 @@ bool ExpandableBackend::seen_capture(bool blocking_only) const noexcept {
     seen_capture_any_ = seen_capture_blocking_ = false;
     if (const driver::stream_t own = calling_thread_key(); own != nullptr && stream_captures(ctx_, own))
       seen_capture_any_ = seen_capture_blocking_ = true;
+    // A capture on any blocking stream, untold and on another thread's per-thread stream included:
+    // the legacy stream's question says so (Driver::stream_capture_id), one query.
+    if (!seen_capture_blocking_ && stream_captures(ctx_, nullptr)) seen_capture_any_ = seen_capture_blocking_ = true;
     // Streams about to capture (prepare_capture), which may have no arena yet: between
     // cuStreamBeginCapture and begin_graph_pool another thread's synchronization would invalidate
     // the capture (measured on the simulated device's capture rules: a device synchronization on
