@@ -154,9 +154,9 @@ TEST_CASE("regression: a held free with a use on the legacy stream waits while a
     sa->record_stream(blk, nullptr);
     sa.sim->capture_begin(s6);
     sa->begin_graph_pool(2, s6);
-    sa.sim->capture_begin(s5);  // untold
-    sa->deallocate(blk);        // held until the told capture's end
-    const auto g6 = sa.sim->capture_end(s6);
+    sa->deallocate(blk);  // held until the told capture's end
+    const auto g6 = sa.sim->capture_end(s6);  // (on a GPU, instantiated only while no capture is underway)
+    sa.sim->capture_begin(s5);                // untold
     CHECK_NOTHROW(sa->end_graph_pool(2));
     CHECK(sa->stats().requested_bytes[kAllPools].current == static_cast<std::int64_t>(4 * MiB));  // still held
     CHECK_NOTHROW(sa->release_cached());  // nothing it may not do while s5 captures
