@@ -421,9 +421,12 @@ class CudaDriver final : public Driver {
           "cuStreamGetCaptureInfo");
     return status == CU_STREAM_CAPTURE_STATUS_NONE ? 0 : id;  // an invalidated capture still has its id
   }
-  void capture_begin(stream_t stream) override {
+  void capture_begin(stream_t stream, CaptureMode mode) override {
     CtxScope scope(*this);
-    check(api_, api_.cuStreamBeginCapture(to_cu(stream), CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture");
+    const CUstreamCaptureMode cu = mode == CaptureMode::relaxed             ? CU_STREAM_CAPTURE_MODE_RELAXED
+                                   : mode == CaptureMode::thread_local_mode ? CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+                                                                            : CU_STREAM_CAPTURE_MODE_GLOBAL;
+    check(api_, api_.cuStreamBeginCapture(to_cu(stream), cu), "cuStreamBeginCapture");
   }
   graph_t capture_end(stream_t stream) override {
     CtxScope scope(*this);

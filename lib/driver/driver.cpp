@@ -51,7 +51,7 @@ namespace {
 }
 }  // namespace
 
-void Driver::capture_begin(stream_t) { no_graphs("cuStreamBeginCapture", kind()); }
+void Driver::capture_begin(stream_t, CaptureMode) { no_graphs("cuStreamBeginCapture", kind()); }
 graph_t Driver::capture_end(stream_t) { no_graphs("cuStreamEndCapture", kind()); }
 void Driver::graph_launch(graph_t, stream_t) { no_graphs("cuGraphLaunch", kind()); }
 void Driver::graph_destroy(graph_t) { no_graphs("cuGraphExecDestroy", kind()); }

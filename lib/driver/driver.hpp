@@ -167,9 +167,15 @@ class Driver {
   // the one question that sees a capture on any blocking stream, untold ones on other threads' too.
   virtual std::uint64_t stream_capture_id(stream_t stream);
   static constexpr int kCaptureImplicitCode = 906;
-  // Tests and tools: capture `stream`'s work in global mode, end it into an executable graph,
-  // launch that graph, destroy it. The default throws CUDA_ERROR_NOT_SUPPORTED.
-  virtual void capture_begin(stream_t stream);
+  // How a capture restricts "unsafe" calls (CUstreamCaptureMode). cuGraphInstantiate is one
+  // (measured on the H200: refused with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED while another capture
+  // is underway in global mode), so two captures at once end one after the other only when the
+  // one still underway is relaxed, or thread-local on another thread (PyTorch's
+  // capture_error_mode).
+  enum class CaptureMode : std::uint8_t { global, thread_local_mode, relaxed };
+  // Tests and tools: capture `stream`'s work (global mode unless told), end it into an executable
+  // graph, launch that graph, destroy it. The default throws CUDA_ERROR_NOT_SUPPORTED.
+  virtual void capture_begin(stream_t stream, CaptureMode mode = CaptureMode::global);
   virtual graph_t capture_end(stream_t stream);
   virtual void graph_launch(graph_t graph, stream_t stream);
   virtual void graph_destroy(graph_t graph);

@@ -21,6 +21,7 @@
 #include <iterator>
 #include <limits>
 #include <stdexcept>
+#include <thread>
 #include <unordered_set>
 #include <utility>
 
@@ -270,6 +271,8 @@ struct SimDriver::Impl {
     std::uint64_t id = 0;
     bool invalidated = false;
     std::vector<Memset> work;
+    Driver::CaptureMode mode = Driver::CaptureMode::global;
+    std::thread::id thread;  // the thread that began it (thread-local mode restricts only that one)
   };
   std::unordered_map<std::uintptr_t, Capture> captures;  // stream -> its capture
   // A stream that joined a capture (stream_wait_event on an event recorded inside it) -> the stream
@@ -291,6 +294,22 @@ struct SimDriver::Impl {
   }
   void invalidate_captures() noexcept {
     for (auto& [stream, c] : captures) c.invalidated = true;
+  }
+  // An "unsafe" call the capture modes restrict (cuGraphInstantiate): refused while a capture in
+  // global mode is underway, or one in thread-local mode that the calling thread began; those
+  // captures are invalidated.
+  void refuse_unsafe(const char* call) {
+    bool refused = false;
+    for (auto& [stream, c] : captures) {
+      if (c.mode == Driver::CaptureMode::global ||
+          (c.mode == Driver::CaptureMode::thread_local_mode && c.thread == std::this_thread::get_id())) {
+        c.invalidated = true;
+        refused = true;
+      }
+    }
+    if (refused)
+      throw driver_error(call, 900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                         "operation not permitted when stream is capturing (the capture is invalidated)");
   }
   // A synchronization of `stream`: refused while it captures, and for the legacy stream while a
   // blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT on the H200).
@@ -1156,13 +1175,13 @@ std::uint64_t SimDriver::stream_capture_id(stream_t stream) {
   return c == nullptr ? 0 : c->id;
 }
 
-void SimDriver::capture_begin(stream_t stream) {
+void SimDriver::capture_begin(stream_t stream, CaptureMode mode) {
   static constexpr const char* call = "cuStreamBeginCapture";
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   if (stream == nullptr) invalid(call, "the legacy default stream cannot be captured");
   if (s.capture_of(stream_of(stream)) != nullptr) invalid(call, "the stream is capturing already");
-  s.captures.emplace(stream_of(stream), Impl::Capture{s.next_capture_id++, false, {}});
+  s.captures.emplace(stream_of(stream), Impl::Capture{s.next_capture_id++, false, {}, mode, std::this_thread::get_id()});
 }
 
 graph_t SimDriver::capture_end(stream_t stream) {
@@ -1170,12 +1189,20 @@ graph_t SimDriver::capture_end(stream_t stream) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   auto it = s.captures.find(stream_of(stream));
-  if (it == s.captures.end()) throw driver_error(call, 901, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", "the stream is not capturing");
+  if (it == s.captures.end()) throw driver_error(call, 401, "CUDA_ERROR_ILLEGAL_STATE", "the stream is not capturing");
   Impl::Capture c = std::move(it->second);
   s.captures.erase(it);
   std::erase_if(s.forks, [&](const auto& f) { return f.second == stream_of(stream); });  // joined back
+  // Measured on the H200: ended on another thread, a capture not begun in relaxed mode is over
+  // all the same, its graph lost.
+  if (c.mode != CaptureMode::relaxed && c.thread != std::this_thread::get_id())
+    throw driver_error(call, 908, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+                       "a capture not begun in relaxed mode ends on the thread that began it");
   if (c.invalidated)
     throw driver_error(call, 901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "the capture was invalidated by an unsupported call");
+  // cuGraphInstantiate is an unsafe call: refused while another capture restricts this thread,
+  // which that capture does not survive; the ended capture's graph is lost.
+  s.refuse_unsafe("cuGraphInstantiateWithFlags");
   const std::uintptr_t id = s.next_id++;
   s.graphs.emplace(id, std::move(c.work));
   return as_pointer(id);

@@ -44,6 +44,10 @@
 // event recorded during a capture; and work on the legacy stream (a synchronization, an event
 // record) while a blocking stream captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT). A stream that waits
 // for an event recorded inside a capture joins it (a fork), as on a GPU, until the capture ends.
+// Capture modes as measured there: capture_end instantiates the graph, which is refused while
+// another capture is underway in global mode (that capture is invalidated) or in thread-local mode
+// begun by the calling thread; a capture not begun relaxed ended on another thread fails
+// (CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD) and is over.
 //
 // Streams as on the H200: CU_STREAM_PER_THREAD (0x2) is the calling thread's own per-thread stream,
 // another in each host thread. The legacy stream (nullptr or 0x1) and the per-thread streams
@@ -127,7 +131,7 @@ class SimDriver final : public Driver {
   void stream_synchronize(stream_t stream) override;
   void device_synchronize() override;
   std::uint64_t stream_capture_id(stream_t stream) override;
-  void capture_begin(stream_t stream) override;
+  void capture_begin(stream_t stream, CaptureMode mode = CaptureMode::global) override;
   graph_t capture_end(stream_t stream) override;
   void graph_launch(graph_t graph, stream_t stream) override;
   void graph_destroy(graph_t graph) override;

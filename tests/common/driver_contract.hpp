@@ -8,7 +8,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "driver/driver.hpp"
@@ -39,6 +41,76 @@ inline void check_words(expseg::driver::Driver& d, expseg::driver::dev_ptr ptr, 
 }
 
 }  // namespace expseg::test
+
+// Two captures at once, as the capture modes allow them (CUstreamCaptureMode): cuGraphInstantiate,
+// which ends a capture into a graph, is refused while another capture underway is global, or
+// thread-local on the calling thread; and such a capture ends only on the thread that began it.
+inline void check_capture_modes(expseg::driver::Driver& d, expseg::driver::stream_t s, expseg::driver::stream_t t) {
+  using Mode = expseg::driver::Driver::CaptureMode;
+  auto destroy = [&](expseg::driver::graph_t g) {
+    if (g != nullptr) d.graph_destroy(g);
+  };
+  // Another global capture refuses the instantiation, and is invalidated by it.
+  d.capture_begin(t);
+  d.capture_begin(s, Mode::relaxed);
+  expseg::driver::graph_t g = nullptr;
+  auto refused = expseg::test::catch_driver_error([&] { g = d.capture_end(s); });
+  destroy(g);
+  g = nullptr;
+  REQUIRE(refused.has_value());
+  CHECK(refused->code() == 900);  // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+  CHECK(d.stream_capture_id(s) == 0);  // s's capture has ended, its graph lost
+  auto invalidated = expseg::test::catch_driver_error([&] { g = d.capture_end(t); });
+  destroy(g);
+  g = nullptr;
+  REQUIRE(invalidated.has_value());
+  CHECK(invalidated->code() == 901);  // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+  CHECK(d.stream_capture_id(t) == 0);
+  // A relaxed capture underway lets another one end, in either mode, and then ends itself.
+  d.capture_begin(t, Mode::relaxed);
+  d.capture_begin(s);
+  CHECK_NOTHROW(g = d.capture_end(s));
+  destroy(g);
+  g = nullptr;
+  CHECK_NOTHROW(g = d.capture_end(t));
+  destroy(g);
+  g = nullptr;
+  // A thread-local capture restricts only its own thread: this one ends another capture meanwhile.
+  // Ended on another thread, it fails (CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD) and is over: its own
+  // thread then finds no capture to end (CUDA_ERROR_ILLEGAL_STATE, as for any stream not capturing).
+  std::promise<void> begun;
+  std::promise<void> go_on;
+  std::optional<expseg::driver_error> ended_there;
+  std::thread other([&] {
+    d.capture_begin(t, Mode::thread_local_mode);
+    begun.set_value();
+    go_on.get_future().wait();
+    expseg::driver::graph_t gt = nullptr;
+    ended_there = expseg::test::catch_driver_error([&] { gt = d.capture_end(t); });
+    if (gt != nullptr) d.graph_destroy(gt);
+  });
+  begun.get_future().wait();
+  d.capture_begin(s);
+  CHECK_NOTHROW(g = d.capture_end(s));
+  destroy(g);
+  g = nullptr;
+  auto wrong_thread = expseg::test::catch_driver_error([&] { g = d.capture_end(t); });
+  destroy(g);
+  const std::uint64_t after_wrong_thread = d.stream_capture_id(t);
+  go_on.set_value();
+  other.join();
+  REQUIRE(wrong_thread.has_value());
+  CHECK(wrong_thread->code() == 908);
+  CHECK(after_wrong_thread == 0);
+  INFO("its own thread's end: " << std::string(ended_there ? ended_there->what() : "ok"));
+  REQUIRE(ended_there.has_value());
+  CHECK(ended_there->code() == 401);
+  CHECK(d.stream_capture_id(t) == 0);
+  auto not_capturing = expseg::test::catch_driver_error([&] { g = d.capture_end(s); });
+  destroy(g);
+  REQUIRE(not_capturing.has_value());
+  CHECK(not_capturing->code() == 401);
+}
 
 // Runs the contract on `d`. data_checks: also write and read device memory (needs a real device or a
 // host-backed simulator). Leaves no driver resources behind.
@@ -256,6 +328,7 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     const expseg::driver::graph_t g = d.capture_end(s);
     CHECK(d.stream_capture_id(blocking) == 0);
     d.graph_destroy(g);
+    check_capture_modes(d, s, blocking);
     d.stream_destroy(blocking);
     d.device_synchronize();
     if (p) d.mem_free(p);

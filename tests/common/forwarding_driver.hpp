@@ -51,7 +51,7 @@ class ForwardingDriver : public expseg::driver::Driver {
   void stream_synchronize(stream_t s) override { sim_->stream_synchronize(s); }
   void device_synchronize() override { sim_->device_synchronize(); }
   std::uint64_t stream_capture_id(stream_t s) override { return sim_->stream_capture_id(s); }
-  void capture_begin(stream_t s) override { sim_->capture_begin(s); }
+  void capture_begin(stream_t s, CaptureMode mode = CaptureMode::global) override { sim_->capture_begin(s, mode); }
   graph_t capture_end(stream_t s) override { return sim_->capture_end(s); }
   void graph_launch(graph_t g, stream_t s) override { sim_->graph_launch(g, s); }
   void graph_destroy(graph_t g) override { sim_->graph_destroy(g); }

@@ -350,7 +350,8 @@ TEST_CASE("graph capture: expandable: a request on a stream that captures untold
   void* s = sa.sim->stream_create();
   void* u = sa.sim->stream_create_blocking();
   sa->prepare_capture(s);
-  sa.sim->capture_begin(s);
+  // Relaxed: u's capture ends (and its graph is instantiated) while this one is underway.
+  sa.sim->capture_begin(s, expseg::driver::Driver::CaptureMode::relaxed);
   sa->begin_graph_pool(1, s);
   void* c = sa->allocate(2 * MiB, s);
   sa.sim->capture_begin(u);
@@ -1170,9 +1171,11 @@ TEST_CASE("graph pool: two captures into one pool at once; the first one's end l
       auto sa = host_backed(kind);
       void* s1 = sa.sim->stream_create();
       void* s2 = sa.sim->stream_create();
-      sa.sim->capture_begin(s1);
+      // Relaxed (PyTorch's capture_error_mode="relaxed"): in global mode the second capture would
+      // refuse the first one's cuGraphInstantiate.
+      sa.sim->capture_begin(s1, expseg::driver::Driver::CaptureMode::relaxed);
       sa->begin_graph_pool(1, s1);
-      sa.sim->capture_begin(s2);
+      sa.sim->capture_begin(s2, expseg::driver::Driver::CaptureMode::relaxed);
       sa->begin_graph_pool(1, s2);
       void* ended = first_ends_first ? s1 : s2;
       void* going = first_ends_first ? s2 : s1;
