@@ -224,10 +224,11 @@ Allocator::Impl::~Impl() {
     if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, routing ? traced_stream(stream) : stream);
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
   }
-  fail_allocation(lock, bytes, stream);
+  fail_allocation(lock, bytes, stream, asked_on);
 }
 
-void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::size_t bytes, driver::stream_t stream) {
+void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::size_t bytes, driver::stream_t stream,
+                                      driver::stream_t asked_on) {
   // 1 EiB and more is refused up front, as PyTorch's allocate() refuses it before its allocator
   // runs: the caller gets out_of_memory with a report, but the allocator had no OOM (num_ooms,
   // the observer and oom_dump do not see it).
@@ -238,7 +239,7 @@ void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::
   }
   std::shared_ptr<OomReport> full;
   try {
-    full = build_oom_report(bytes, stream);
+    full = build_oom_report(bytes, stream, asked_on);
   } catch (const std::bad_alloc&) {
     // No host memory for the report: the caller still gets the OOM (PyTorch's OutOfMemoryError, the
     // C API's code, last_oom()), with a short report below. Building it changed nothing.
@@ -249,7 +250,7 @@ void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::
     if (!config.oom_dump.empty() && !refused_up_front) write_oom_dump(*full);  // under the lock: the dump is of this moment
     report = std::move(full);
   } else {
-    report = short_oom_report(bytes, stream);
+    report = short_oom_report(bytes, asked_on);
   }
   last_oom = report;
   const std::shared_ptr<const Allocator::OomObserver> observer = refused_up_front ? nullptr : oom_observer;
@@ -311,6 +312,30 @@ void Allocator::Impl::deallocate(void* ptr) {
     backend->begin_pending_free(b);
   }
   recent_frees[recent_next++ % recent_frees.size()] = addr;
+}
+
+void Allocator::Impl::deallocate_for_good(void* ptr) {
+  try {
+    deallocate(ptr);
+    return;
+  } catch (const invalid_pointer&) {
+    throw;
+  } catch (...) {
+    const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
+    const core::LockGuard lock(mu);
+    Block* b = live.erase(addr);  // back in the live map, unchanged, after the failure
+    if (b == nullptr) throw;
+    try {
+      driver->device_synchronize();
+    } catch (...) {
+      live.insert_reserved(b);  // right after its erase: room for it
+      throw;
+    }
+    b->stream_uses.clear();
+    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    backend->free(b);
+    recent_frees[recent_next++ % recent_frees.size()] = addr;
+  }
 }
 
 // A block out of the live map that other streams used (record_stream) goes back to the backend once

@@ -24,6 +24,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
 
   void* allocate(std::size_t bytes, driver::stream_t stream);  // `stream`: a key (see stream_key)
   void deallocate(void* ptr);
+  // The C API's free, which no caller retries (PyTorch's and CuPy's free return nothing): where
+  // deallocate fails after the pointer was found (an event for another stream's use could not be
+  // made or recorded), the block stays live no more: the device is synchronized, so no stream's
+  // work uses it, and it is freed. Throws what deallocate throws only when that fails too.
+  void deallocate_for_good(void* ptr);
   void record_stream(void* ptr, driver::stream_t stream);
 
   // FrontendHooks
@@ -48,15 +53,17 @@ struct Allocator::Impl final : backends::FrontendHooks {
   void enable_context_peer_for_imports(int peer);
   // The OOM of allocate(): counts it, builds and records its report, calls the observer (without
   // `lock`) and throws out_of_memory. Out of line, so that allocate's fast path stays as it was.
+  // `stream`: the key the backend was asked with (a graph pool's while routed); `asked_on`: the
+  // stream the caller named, which the report shows.
   [[noreturn, gnu::noinline, gnu::cold]] void fail_allocation(std::unique_lock<core::Mutex>& lock, std::size_t bytes,
-                                                              driver::stream_t stream);
+                                                              driver::stream_t stream, driver::stream_t asked_on);
   // The figures of a report that need no driver call and no walk (oom_report.cpp).
-  void fill_report_figures(OomReport& r, std::size_t requested, driver::stream_t stream) const;
+  void fill_report_figures(OomReport& r, std::size_t requested, driver::stream_t asked_on) const;
   // Builds the report of a failed allocation (oom_report.cpp).
-  std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream);
+  std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream, driver::stream_t asked_on);
   // The report of an OOM whose full report found no host memory: the figures at hand and a short
   // message, or (no memory for that either) no_memory_report. Never throws.
-  std::shared_ptr<const OomReport> short_oom_report(std::size_t requested, driver::stream_t stream) const noexcept;
+  std::shared_ptr<const OomReport> short_oom_report(std::size_t requested, driver::stream_t asked_on) const noexcept;
   Snapshot snapshot_locked() const;
   // With oom_dump: writes the report, a snapshot, the config and the recorded events of this OOM
   // (oom_dump.cpp) and says where (or why not) in the report's message and dump_path. Never throws:
@@ -264,6 +271,7 @@ struct AllocatorAccess {
   // An allocator over a driver the caller built (tests: a SimDriver with faults armed).
   static std::unique_ptr<Allocator> make(const Config& config, std::shared_ptr<driver::Driver> driver);
   static driver::Driver& driver(Allocator& a) { return *a.impl_->driver; }
+  static void deallocate_for_good(Allocator& a, void* ptr) { a.impl_->deallocate_for_good(ptr); }
   static backends::Backend& backend(Allocator& a) { return *a.impl_->backend; }
   // The streams the cross-stream frees keep a queue for (tests).
   static std::size_t pending_streams(Allocator& a) {

@@ -338,7 +338,7 @@ void deallocate(void* ptr, int device, const char* fn) noexcept {
     return;
   }
   try {
-    a->deallocate(ptr);
+    detail::AllocatorAccess::deallocate_for_good(*a, ptr);
   } catch (...) {
     fail_current(fn);
   }

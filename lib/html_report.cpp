@@ -184,7 +184,7 @@ std::string oom_tooltip(const ReportRun& r, std::size_t k, const std::string& x_
   } else if (r.fragmentation_known && r.fragmentation_ooms == r.ooms) {
     t += " \xE2\x80\x94 verdict: fragmentation";
   } else if (r.fragmentation_known && r.fragmentation_ooms == 0) {
-    t += " \xE2\x80\x94 verdict: not fragmentation (" + (r.first_oom ? std::string(to_string(r.first_oom->verdict)) : std::string("limit or capacity")) + " like the first)";
+    t += " \xE2\x80\x94 verdict: not fragmentation (limit or capacity)";  // which one, only the first OOM's report says
   } else if (r.fragmentation_known) {
     t += " \xE2\x80\x94 " + std::to_string(r.fragmentation_ooms) + " of this run's " + std::to_string(r.ooms) + " OOMs were fragmentation";
   } else if (r.first_oom) {

@@ -64,10 +64,10 @@ Counterfactual run_counterfactual(const Config& base, BackendKind other, std::si
 }  // namespace
 
 // The figures every report gives, from the allocator's own counts (no driver call).
-void Allocator::Impl::fill_report_figures(OomReport& r, std::size_t requested, driver::stream_t stream) const {
+void Allocator::Impl::fill_report_figures(OomReport& r, std::size_t requested, driver::stream_t asked_on) const {
   r.backend = to_string(config.backend);
   r.device = driver->device();
-  r.stream = backends::shown_stream(stream);
+  r.stream = backends::shown_stream(asked_on);
   r.requested_bytes = requested;
   r.rounded_bytes = backend->round_size(requested);
   r.device_total_bytes = ctx.device_total;
@@ -77,9 +77,9 @@ void Allocator::Impl::fill_report_figures(OomReport& r, std::size_t requested, d
   r.live_requested_bytes = static_cast<std::size_t>(stats.requested_bytes[kAllPools].current);
 }
 
-std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t requested, driver::stream_t stream) {
+std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t requested, driver::stream_t stream, driver::stream_t asked_on) {
   auto r = std::make_shared<OomReport>();
-  fill_report_figures(*r, requested, stream);
+  fill_report_figures(*r, requested, asked_on);
   driver::MemInfo mi;
   // cuMemGetInfo can fail here (a context gone bad): the free memory is then unknown, and what
   // depends on it says so. (`mi` is set afresh in the handler; an optimised build was seen to
@@ -140,6 +140,17 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
 
   const BackendKind other = config.backend == BackendKind::expandable ? BackendKind::split_merge : BackendKind::expandable;
   r->other_backend = to_string(other);
+  // Freed blocks that still hold their memory: frees waiting for other streams' work (record_stream),
+  // and frees held until a capture ends (frees_after_capture). A block freed twice over streams is
+  // counted once.
+  std::vector<const core::Block*> waiting;
+  for (const StreamEvents& se : pending) se.queue.for_each([&](const PendingFree& pf) { waiting.push_back(pf.block); });
+  std::sort(waiting.begin(), waiting.end());
+  waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
+  const std::size_t held = frees_after_capture.size();
+  // The other backend cannot be asked about a CUDA graph capture underway: its check replays the
+  // live set into an allocator with no capture, which gives back memory a capture keeps.
+  const bool capture_underway = ctx.capturing || stream_capturing(asked_on);
   std::vector<LiveAllocation> live_set;
   // The other backend is asked only when it might succeed. What this backend needs (`need`) counts
   // its own overheads (expandable: whole pages), which the other may not have: a live set scattered
@@ -153,11 +164,11 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   const std::size_t at_least = overflow ? SIZE_MAX : r->live_requested_bytes + requested;
   if (overflow || at_least > capacity || (ctx.limit != 0 && at_least > ctx.limit)) {
     r->counterfactual = Counterfactual::would_fail;
-  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable && pools == 0) {
+  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable && pools == 0 && !capture_underway) {
     // (A device that refused what its figures leave room for is no device the figures can simulate.)
     live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
-    for (const StreamEvents& se : pending)
-      se.queue.for_each([&](const PendingFree& pf) { live_set.push_back({pf.block->addr, pf.block->requested, pf.block->stream}); });
+    for (const core::Block* b : waiting) live_set.push_back({b->addr, b->requested, b->stream});
+    for (const core::Block* b : frees_after_capture) live_set.push_back({b->addr, b->requested, b->stream});
     std::sort(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr < b.addr; });
     live_set.erase(std::unique(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr == b.addr; }),
                    live_set.end());
@@ -232,9 +243,14 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
            << " can use it; allocation sizes in multiples of " << format_bytes(driver->granularity()) << " leave no such gaps.";
       break;
     }
-    case OomVerdict::fragmentation:
+    case OomVerdict::fragmentation: {
+      // Reserved but unallocated also counts frees that still hold their memory (waiting for other
+      // streams' work or a capture's end): PyTorch's allocated bytes leave a block at its free.
+      const std::size_t still_held = active > r->allocated_bytes ? active - r->allocated_bytes : 0;
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
-         << " is reserved but unallocated in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
+         << " is reserved but unallocated";
+      if (still_held != 0) os << " (" << format_bytes(still_held) << " of it in frees that still wait for other streams' work or a capture's end)";
+      os << " in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
          << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
          << (ctx.limit != 0 && ctx.limit <= std::min(mi.total, obtainable) ? "limit"  // whichever bound is the lower
              : ctx.limit != 0 && !free_known                                 ? "limit or the device"  // which one is not known
@@ -242,14 +258,27 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
          << " leaves no room for more.";
       // Free blocks the request cannot be served from (another stream's, split_merge's other pool)
       // would read as a place for it when large enough: say what it could use.
-      if (r->largest_free_block_bytes >= r->rounded_bytes && fs.largest_usable_block < r->largest_free_block_bytes) {
+      // Expandable takes other streams' idle memory back, except where a capture underway forbids
+      // the synchronization that comes first: that, not the stream rule, is then the reason.
+      if (capture_underway && config.backend == BackendKind::expandable) {
+        os << " A CUDA graph capture is underway: idle memory of other streams goes back only where the synchronization that must "
+           << "come first leaves the capture valid (README: \"CUDA graphs\").";
+      } else if (r->largest_free_block_bytes >= r->rounded_bytes && fs.largest_usable_block < r->largest_free_block_bytes) {
         os << " The largest free block this request could use is " << format_bytes(fs.largest_usable_block)
            << ": free blocks serve only requests on their own stream";
         if (config.backend == BackendKind::split_merge && config.policy != PoolPolicy::cupy)
           os << " (and small-pool blocks, from 2 MiB segments, only requests of at most 1 MiB; large-pool blocks only larger ones)";
         os << ".";
+      } else if (fs.cache_serves) {
+        // The last retry completed frees that waited for other streams' work; merged with free
+        // neighbours they made a place, which that retry (a new segment, as PyTorch's) did not use.
+        os << " A free block this request could use (" << format_bytes(fs.largest_usable_block)
+           << ") came free during its own last retry, when frees waiting for other streams' work completed; as in PyTorch, that "
+           << "retry asks the device for a new segment and does not look in the cache again, so the same request made again is "
+           << "served from it.";
       }
       break;
+    }
     case OomVerdict::unknown:  // a full report's only when the free memory is unknown
       os << "The live allocations (" << format_bytes(footprint) << ") plus the request (" << format_bytes(growth)
          << ") fit the device and the limit but are more than the " << format_bytes(r->reserved_bytes)
@@ -257,20 +286,19 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
          << "device (capacity) or expseg's free memory is too scattered (fragmentation) is not known.";
       break;
   }
-  // Frees waiting for another stream's work (record_stream) still hold their memory and count in
-  // the requested bytes, as in PyTorch's stats: the text says so.
-  std::vector<std::uint64_t> waiting;
-  for (const StreamEvents& se : pending) se.queue.for_each([&](const PendingFree& pf) { waiting.push_back(pf.block->addr); });
-  std::sort(waiting.begin(), waiting.end());
-  waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
+  // Frees that still hold their memory count in the requested bytes, as in PyTorch's stats: the
+  // text says so.
   os << "\nexpseg: backend " << r->backend << ", device " << driver->kind() << ":" << r->device << ", stream " << hex(r->stream) << ", "
      << live.size() << " live allocation" << (live.size() == 1 ? "" : "s");
-  if (!waiting.empty()) os << " and " << waiting.size() << " free" << (waiting.size() == 1 ? "" : "s") << " waiting for other streams' work";
+  if (!waiting.empty())
+    os << (held != 0 ? ", " : " and ") << waiting.size() << " free" << (waiting.size() == 1 ? "" : "s") << " waiting for other streams' work";
+  if (held != 0)
+    os << (waiting.empty() ? " and " : ", and ") << held << " free" << (held == 1 ? "" : "s") << " held until a CUDA graph capture ends";
   os << " (" << format_bytes(r->live_requested_bytes) << " requested).";
   switch (r->counterfactual) {
     case Counterfactual::would_succeed:
-      os << " The " << r->other_backend << " backend, given the same " << live_set.size() << " live allocations"
-         << (ctx.limit ? " and limit" : "") << ", would have served this request.";
+      os << " The " << r->other_backend << " backend, given the same " << live_set.size() << " live allocation"
+         << (live_set.size() == 1 ? "" : "s") << (ctx.limit ? " and limit" : "") << ", would have served this request.";
       break;
     case Counterfactual::would_fail:
       os << " The " << r->other_backend << " backend would have failed too.";
@@ -283,6 +311,10 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
         os << ": a simulation of the figures above cannot tell what a device that refused them would have done.";
       else if (!simulable)
         os << ": its check needs the device's free memory, which could not be read.";
+      else if (pools != 0)
+        os << ": its check does not model memory kept for CUDA graph pools.";
+      else if (capture_underway)
+        os << ": its check does not model a CUDA graph capture underway (which keeps memory a request could otherwise get back).";
       else
         os << ": its check could not run (host memory ran out, or its simulated device could not be built).";
       break;
@@ -292,10 +324,10 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   return r;
 }
 
-std::shared_ptr<const OomReport> Allocator::Impl::short_oom_report(std::size_t requested, driver::stream_t stream) const noexcept {
+std::shared_ptr<const OomReport> Allocator::Impl::short_oom_report(std::size_t requested, driver::stream_t asked_on) const noexcept {
   try {
     auto r = std::make_shared<OomReport>();
-    fill_report_figures(*r, requested, stream);
+    fill_report_figures(*r, requested, asked_on);
     r->live_footprint_bytes = static_cast<std::size_t>(stats.active_bytes[kAllPools].current);
     r->device_free_known = false;  // not read: no figure
     // The verdict is not evaluated: the message and the verdict say so rather than give a guess.

@@ -172,7 +172,11 @@ class Allocator {
   // cannot go (memory live blocks use, split_merge's segments they split) stays held, so reserved
   // may stay above the new limit; then split_merge, as PyTorch's caching allocator, still serves
   // requests from the free blocks it holds (only new device memory must fit under the limit), while
-  // expandable maps nothing new until reserved is back under the limit.
+  // expandable maps nothing new until reserved is back under the limit. Expandable's guarantee
+  // under a limit (a request fails only when the pages live blocks touch, plus the request, exceed
+  // it) covers memory mapped while a limit is set: a block placed without one in part of a larger
+  // handle keeps that handle mapped whole until the block is freed (README: "How the expandable
+  // backend decides"); `limit:` in the configuration gives the guarantee from the start.
   void set_limit(std::size_t bytes);
   std::size_t limit() const;
 

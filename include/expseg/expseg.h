@@ -86,7 +86,11 @@ enum expseg_status {
  * pluggable allocator does not check for NULL (the next kernel then fails with an illegal address).
  * expseg_free: `size` and `stream` are ignored (expseg keeps its own record); free(NULL) does
  * nothing; freeing a pointer that is not a live allocation of `device` records
- * EXPSEG_ERROR_INVALID_POINTER and changes nothing. */
+ * EXPSEG_ERROR_INVALID_POINTER and changes nothing. Where the events that make a block used on
+ * other streams (expseg_record_stream) wait for their work cannot be made or recorded, the device
+ * is synchronized and the block freed at once (no caller retries a free; C++'s deallocate throws
+ * and leaves the block live instead); only if that synchronization fails too is the error recorded
+ * and the block left live. */
 EXPSEG_API void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 EXPSEG_API void expseg_free(void* ptr, ssize_t size, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 

@@ -223,9 +223,13 @@ struct FreeSummary {
   // Of those, the largest the request could be served from: a free block serves only its own
   // stream (split_merge: and only requests of its pool, small or large). 0 without a request.
   std::size_t largest_usable_block = 0;
+  // split_merge: a cached block would serve the request now, by the cached path's rules (stream,
+  // pool, oversize blocks). The OOM path's last retry can make one (see the OOM report).
+  bool cache_serves = false;
   std::size_t free_blocks = 0;         // free blocks backed by memory
   std::size_t releasable_bytes = 0;    // cached bytes that release_cached() would give back
-  // Free bytes cached for live graph pools: no request but their captures' can use them.
+  // Free bytes cached for live graph pools: no request but their captures' can use them (those of
+  // the request's own key, a pool's while the request is routed there, are left out).
   std::size_t graph_pool_bytes = 0;
   // Device memory the live (allocated and pending) blocks occupy at the least: their bytes in a
   // split pool; the frames they touch in expandable segments.

@@ -337,3 +337,35 @@ TEST_CASE_FIXTURE(CApiFixture, "capi regression: release_cached and set_limit du
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("c api: a free whose event for another stream's use cannot be recorded synchronizes and frees, for a caller that cannot retry") {
+  // PyTorch's and CuPy's frees return nothing and are never retried: the block stayed allocated for
+  // good (C++'s deallocate keeps it live so that its caller may retry).
+  for (const char* backend : {"expandable", "split_merge"}) {
+    CAPTURE(backend);
+    expseg_reset_for_tests();
+    REQUIRE(expseg_configure((std::string("device:sim,sim_capacity:8GiB,backend:") + backend).c_str()) == EXPSEG_SUCCESS);
+    void* p = expseg_malloc(64 * MiB, 0, nullptr);
+    REQUIRE(p != nullptr);
+    expseg::Allocator* a = expseg::capi::allocator_for_tests(0);
+    auto& sim = dynamic_cast<expseg::driver::SimDriver&>(expseg::detail::AllocatorAccess::driver(*a));
+    void* s = sim.stream_create();
+    REQUIRE(expseg_record_stream(p, 0, s) == EXPSEG_SUCCESS);
+    sim.inject_fault(expseg::driver::Op::event_record, 1, expseg::driver::Fault::error);
+    const auto sync_op = static_cast<std::size_t>(expseg::driver::Op::stream_sync);
+    const auto syncs = sim.call_stats().calls[sync_op];
+    expseg_free(p, 64 * MiB, 0, nullptr);
+    CHECK(a->stats().allocation[expseg::kAllPools].current == 0);
+    CHECK(a->stats().allocated_bytes[expseg::kAllPools].current == 0);
+    CHECK(sim.call_stats().calls[sync_op] > syncs);  // the device synchronization stands for the event
+    a->validate();
+    // The memory is reused, and freeing it again is a double free.
+    void* q = expseg_malloc(64 * MiB, 0, nullptr);
+    CHECK(q == p);
+    expseg_free(q, 64 * MiB, 0, nullptr);
+    expseg_free(p, 64 * MiB, 0, nullptr);
+    CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_POINTER);
+    sim.stream_destroy(s);
+    expseg_reset_for_tests();
+  }
+}

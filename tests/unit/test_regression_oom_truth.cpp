@@ -230,3 +230,163 @@ TEST_CASE("oom truth: when cuMemGetInfo fails while the report is built, the dev
     a->deallocate(p300);
   }
 }
+
+// Regressions from a second review of the report's truth: a split_merge retry that made a place
+// it did not use, frees held until a capture ends, captures and graph pools the other-backend check
+// does not model, a request's own pool, the stream the caller named, and frees still holding memory.
+
+TEST_CASE("oom truth: split_merge: a free that completes during the request's last retry and makes a place is named, and the request made again is served") {
+  // b's free waits for s2's work; the OOM path's release_cached_blocks completes it, b merges with
+  // its free neighbour into 120 MiB, and the retry (a new segment, as PyTorch's) does not use it.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB"));
+  void* s1 = stream_id(0x100);
+  void* s2 = stream_id(0x200);
+  sa->deallocate(sa->allocate(180 * MiB, s1));
+  void* b = sa->allocate(60 * MiB, s1);
+  void* g = sa->allocate(60 * MiB, s1);
+  void* a = sa->allocate(60 * MiB, s1);
+  sa->deallocate(g);
+  sa->record_stream(b, s2);
+  sa.sim->set_stream_busy(s2, true);
+  sa->deallocate(b);
+  const auto r = oom_of([&] { (void)sa->allocate(70 * MiB, s1); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+  CHECK(r->largest_free_block_bytes == 120 * MiB);
+  CHECK(r->message.find("A free block this request could use (120.00 MiB) came free during its own last retry") != std::string::npos);
+  void* again = sa->allocate(70 * MiB, s1);
+  CHECK(addr(again) == addr(b));
+  sa->deallocate(again);
+  sa->deallocate(a);
+  sa->validate();
+}
+
+TEST_CASE("oom truth: a free held until a capture ends is named and is live for the other-backend check") {
+  // The held free was left out of the other backend's live set and out of the message: "the
+  // expandable backend, given the same 1 live allocations and limit, would have served" a request
+  // that it fails with the held block live.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB"));
+  void* s1 = stream_id(0x100);
+  void* s2 = stream_id(0x200);
+  void* s3 = stream_id(0x300);
+  void* a = sa->allocate(60 * MiB + 512, s1);
+  void* b = sa->allocate(60 * MiB + 512, s3);
+  sa->record_stream(b, s2);
+  sa.sim->capture_begin(s2);
+  sa->deallocate(b);  // held: its use on s2 is inside a capture
+  const auto r = oom_of([&] { (void)sa->allocate(79 * MiB - 2048, s1); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->message.find("1 live allocation and 1 free held until a CUDA graph capture ends") != std::string::npos);
+  // The capture is on another stream, which the request's does not see: the check runs, with the
+  // held block live, and expandable fails that request too.
+  CHECK(r->counterfactual == expseg::Counterfactual::would_fail);
+  CHECK(r->message.find("would have served") == std::string::npos);
+  sa.sim->graph_destroy(sa.sim->capture_end(s2));
+  sa->deallocate(a);
+}
+
+TEST_CASE("oom truth: during a capture, the other-backend check is not run and expandable's fragmentation names the capture") {
+  // 150 MiB cached on the legacy stream, which a capture on a blocking stream keeps: both backends failed
+  // the request, and each report said the other backend would have served it; expandable's said
+  // free blocks serve only their own stream, which is not its rule.
+  for (const BackendKind kind : {BackendKind::expandable, BackendKind::split_merge}) {
+    CAPTURE(expseg::to_string(kind));
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, "limit:200MiB"));
+    void* s2 = stream_id(0x200);
+    void* s7 = stream_id(0x700);
+    sa->deallocate(sa->allocate(150 * MiB, nullptr));
+    sa.sim->capture_begin(s7);
+    sa->begin_graph_pool(1, s7);
+    void* in = sa->allocate(20 * MiB, s7);
+    const auto r = oom_of([&] { (void)sa->allocate(100 * MiB, s2); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->counterfactual == expseg::Counterfactual::not_evaluated);
+    CHECK(r->message.find("its check does not model a CUDA graph capture underway") != std::string::npos);
+    if (kind == BackendKind::expandable) {
+      CHECK(r->message.find("A CUDA graph capture is underway: idle memory of other streams goes back only where") != std::string::npos);
+      CHECK(r->message.find("free blocks serve only requests on their own stream") == std::string::npos);
+    }
+    sa->deallocate(in);
+    sa.sim->graph_destroy(sa.sim->capture_end(s7));
+    sa->end_graph_pool(1);
+    sa->validate();
+  }
+}
+
+TEST_CASE("oom truth: memory kept for a graph pool: the other-backend check says it does not model it; a request into the pool may use the pool's own") {
+  for (const BackendKind kind : {BackendKind::expandable, BackendKind::split_merge}) {
+    CAPTURE(expseg::to_string(kind));
+    {
+      // Eager request beside a live pool's 60 MiB: not asked, and the reason was "host memory ran
+      // out, or its simulated device could not be built".
+      auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, "limit:200MiB"));
+      void* s = stream_id(0x700);
+      sa.sim->capture_begin(s);
+      sa->begin_graph_pool(1, s);
+      sa->deallocate(sa->allocate(60 * MiB, s));
+      void* keep = sa->allocate(4 * MiB, s);
+      sa.sim->graph_destroy(sa.sim->capture_end(s));
+      sa->end_graph_pool(1);
+      void* x = sa->allocate(50 * MiB);
+      const auto r = oom_of([&] { (void)sa->allocate(100 * MiB); });
+      REQUIRE(r.has_value());
+      CAPTURE(r->message);
+      CHECK(r->verdict == expseg::OomVerdict::limit);
+      CHECK(r->message.find("its check does not model memory kept for CUDA graph pools") != std::string::npos);
+      CHECK(r->message.find("host memory ran out") == std::string::npos);
+      sa->deallocate(x);
+      sa->deallocate(keep);
+      sa->release_graph_pool(1);
+    }
+    {
+      // A capture's request into its own pool: the pool's 100 MiB free may serve it, not "kept for
+      // their graphs" (verdict limit); and the stream shown is the one named, not the pool's key.
+      auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, "limit:200MiB"));
+      void* s = stream_id(0x700);
+      sa.sim->capture_begin(s);
+      sa->begin_graph_pool(1, s);
+      void* big = sa->allocate(100 * MiB, s);
+      void* small = sa->allocate(50 * MiB, s);
+      sa->deallocate(big);
+      const auto r = oom_of([&] { (void)sa->allocate(120 * MiB, s); });
+      REQUIRE(r.has_value());
+      CAPTURE(r->message);
+      CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+      CHECK(r->message.find("cached for CUDA graph pools") == std::string::npos);
+      CHECK(r->stream == 0x700);
+      CHECK(r->message.find("stream 0x700,") != std::string::npos);
+      sa->deallocate(small);
+      sa.sim->graph_destroy(sa.sim->capture_end(s));
+      sa->end_graph_pool(1);
+      sa->release_graph_pool(1);
+      sa->validate();
+    }
+  }
+}
+
+TEST_CASE("oom truth: split_merge fragmentation: the reserved-but-unallocated bytes still held by frees are told apart from free blocks") {
+  // "120.00 MiB is reserved but unallocated in 1 free block, the largest 60.00 MiB": 60 MiB of it
+  // was a free waiting for another stream's work, no free block.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB"));
+  void* s1 = stream_id(0x100);
+  void* s2 = stream_id(0x200);
+  sa->deallocate(sa->allocate(180 * MiB, s1));
+  void* b = sa->allocate(60 * MiB, s1);
+  void* g = sa->allocate(60 * MiB, s1);
+  void* a = sa->allocate(60 * MiB, s1);
+  sa->deallocate(g);
+  sa->record_stream(b, s2);
+  sa.sim->capture_begin(s2);
+  sa->deallocate(b);  // held for the capture's end: still holds its 60 MiB
+  const auto r = oom_of([&] { (void)sa->allocate(70 * MiB, s1); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+  CHECK(r->message.find("120.00 MiB is reserved but unallocated (60.00 MiB of it in frees that still wait") != std::string::npos);
+  CHECK(r->message.find("in 1 free block, the largest 60.00 MiB") != std::string::npos);
+  sa.sim->graph_destroy(sa.sim->capture_end(s2));
+  sa->deallocate(a);
+}

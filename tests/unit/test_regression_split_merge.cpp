@@ -178,3 +178,93 @@ TEST_CASE("split_merge regression: policy:cupy over the limit frees its unsplit 
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("split_merge") {
+
+TEST_CASE("split_merge fidelity: an oversize free block split by a restore is not given back with its live neighbour") {
+  // restore_graph_pool_block splits an oversize segment exactly; the free remainder is oversize but
+  // shares its segment with the restored live block. Releasing it freed the whole segment, and the
+  // next request got the live block's address.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "max_split_size_mb:64,limit:400MiB"));
+  void* s = stream_id(0x5000);
+  sa->begin_pool_allocations(7, s);
+  void* x = sa->allocate(200 * MiB, s);
+  sa->deallocate(x);
+  sa->restore_graph_pool_block(7, x, 10 * MiB);  // live again, a 190 MiB free remainder in its segment
+  const auto frees = sa->stats().num_device_free;
+  void* y = nullptr;
+  CHECK_THROWS_AS(y = sa->allocate(300 * MiB, s), expseg::out_of_memory);  // 200 + 300 > 400: nothing to give back
+  CHECK(y == nullptr);
+  CHECK(sa->stats().num_device_free == frees);
+  CHECK(sa->stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(200 * MiB));
+  sa->validate();
+  // The remainder serves an oversize request within max_non_split_rounding (20 MiB) of it.
+  void* z = sa->allocate(180 * MiB, s);
+  CHECK(addr(z) == addr(x) + 10 * MiB);
+  sa->deallocate(z);
+  sa->deallocate(x);
+  sa->end_pool_allocations(7, s);
+  sa->validate();
+}
+
+TEST_CASE("split_merge fidelity: a private pool's requests do not age the default pool's blocks for garbage collection") {
+  // PyTorch counts get_free_block calls per BlockPool; collection reads the default pool's clock.
+  // Ages A=3, B=2, C=1 (mean 2): A and B go. With the pool's 10 hits on the same clock, only A did.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "limit:1GiB,garbage_collection_threshold:0.5"));
+  void* s = stream_id(0x5000);
+  sa->begin_pool_allocations(7, s);
+  sa->deallocate(sa->allocate(10 * MiB, s));
+  sa->deallocate(sa->allocate(150 * MiB));  // A
+  for (int i = 0; i < 10; ++i) sa->deallocate(sa->allocate(10 * MiB, s));
+  sa->deallocate(sa->allocate(170 * MiB));  // B
+  sa->deallocate(sa->allocate(190 * MiB));  // C; reserved 520 MiB over the 512 MiB threshold
+  const auto frees = sa->stats().num_device_free;
+  void* z = sa->allocate(300 * MiB);
+  CHECK(sa->stats().num_device_free - frees == 2);
+  CHECK(sa->stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(500 * MiB));
+  sa->deallocate(z);
+  sa->end_pool_allocations(7, s);
+  sa->validate();
+}
+
+TEST_CASE("split_merge fidelity: garbage collection leaves a released private pool's blocks to release_cached") {
+  // PyTorch's collection walks the default pool only; a released pool's memory goes back at
+  // release_cached_blocks. Here collection took the released pool's 100 MiB and kept A.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "limit:1GiB,garbage_collection_threshold:0.5"));
+  void* s = stream_id(0x5000);
+  sa->begin_pool_allocations(7, s);
+  sa->deallocate(sa->allocate(100 * MiB, s));
+  sa->end_pool_allocations(7, s);
+  sa->release_graph_pool(7);
+  void* a = sa->allocate(200 * MiB);
+  sa->deallocate(a);
+  void* b = sa->allocate(250 * MiB);  // reserved 550 MiB over the 512 MiB threshold
+  const auto frees = sa->stats().num_device_free;
+  void* z = sa->allocate(300 * MiB);  // a miss: A is collected
+  CHECK(sa->stats().num_device_free - frees == 1);
+  CHECK(sa->stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(650 * MiB));
+  sa->deallocate(z);
+  sa->deallocate(b);
+  sa->release_cached();  // the released pool's memory too
+  CHECK(sa->stats().reserved_bytes[kAllPools].current == 0);
+  sa->validate();
+}
+
+TEST_CASE("split_merge fidelity: policy:cupy refuses a request over the limit before it frees the cache") {
+  // CuPy's _try_block_total_bytes raises for size > limit before free_all_blocks.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "policy:cupy,limit:100MiB"));
+  sa->deallocate(sa->allocate(60 * MiB));
+  CHECK_THROWS_AS(sa->allocate(200 * MiB), expseg::out_of_memory);
+  const auto st = sa->stats();
+  CHECK(st.reserved_bytes[kAllPools].current == static_cast<std::int64_t>(60 * MiB));
+  CHECK(st.num_device_free == 0);
+  CHECK(st.num_alloc_retries == 0);
+  CHECK(st.num_ooms == 1);
+  // Within the limit, a miss still frees the cache and retries, as CuPy does.
+  void* p = sa->allocate(80 * MiB);
+  CHECK(sa->stats().num_device_free == 1);
+  sa->deallocate(p);
+  sa->validate();
+}
+
+}

@@ -9,6 +9,7 @@
 #include "c_api_internal.hpp"
 #include "capi_fixture.hpp"
 #include "driver/sim_driver.hpp"
+#include "forwarding_driver.hpp"
 #include "expseg/expseg.h"
 #include "test_util.hpp"
 
@@ -485,3 +486,44 @@ TEST_CASE("expandable: streams used once do not use up the address range; releas
 }
 
 }  // TEST_SUITE
+
+namespace {
+// Models a CUstream handle value that CUDA gives to a new stream of other flags once the old one is
+// destroyed: stream_is_blocking answers as the test sets it.
+class ReusedHandleDriver : public ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  bool blocking = true;
+  bool stream_is_blocking(stream_t) override { return blocking; }
+};
+}  // namespace
+
+TEST_CASE("streams: expandable: a CuPy stream's handle reused by a non-blocking stream: its idle memory waits for that stream's work") {
+  // The arena of a foreign key remembered that its stream blocked when it was made; a non-blocking
+  // stream given the same handle value got its cached memory, and another stream's request then
+  // unmapped that memory after only the legacy stream's synchronization, under the new stream's
+  // running work.
+  auto cfg = sim_config(BackendKind::expandable, 80 * GiB, "limit:100MiB");
+  expseg::driver::SimOptions o;
+  o.capacity = cfg.sim_capacity;
+  o.granularity = cfg.sim_granularity;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto drv = std::make_shared<ReusedHandleDriver>(sim);
+  auto a = expseg::detail::AllocatorAccess::make(cfg, drv);
+  void* s = sim->stream_create();
+  void* key = expseg::backends::foreign_stream_key(s);  // what expseg_cupy_malloc passes for s
+  a->deallocate(a->allocate(60 * MiB, key));  // a blocking CuPy stream's cache
+  drv->blocking = false;                       // destroyed; the handle now names a non-blocking stream
+  void* p = a->allocate(60 * MiB, key);        // served from that cache
+  sim->set_stream_busy(s, true);
+  sim->queue_use(s, addr(p), 60 * MiB);
+  a->deallocate(p);
+  void* q = a->allocate(60 * MiB, nullptr);    // needs that idle memory under the limit
+  CHECK(sim->hazards().empty());
+  for (const std::string& h : sim->hazards()) MESSAGE(h);
+  sim->set_stream_busy(s, false);
+  a->deallocate(q);
+  a->validate();
+  a.reset();
+  sim->stream_destroy(s);
+}

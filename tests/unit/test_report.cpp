@@ -445,3 +445,30 @@ TEST_CASE("report regression: with only first-OOM snapshots there is no empty 'p
   CHECK(page.find("at the moment of peak reserved") == std::string::npos);
   CHECK(page.find("Segment maps at the first OOM") != std::string::npos);
 }
+
+TEST_CASE("report: a later OOM's tooltip does not claim the first OOM's verdict") {
+  // Every later OOM of a run with no fragmentation OOM read "not fragmentation (capacity like the
+  // first)", also where it was a limit OOM: only the first OOM's report is kept.
+  expseg::ReportGroup g;
+  g.name = "later-ooms";
+  g.limit_bytes = std::size_t{1} << 30;
+  expseg::ReportRun r;
+  r.backend = "expandable";
+  r.device = "sim:1GiB";
+  r.ooms = 3;
+  r.fragmentation_known = true;
+  r.fragmentation_ooms = 0;
+  r.length = 10;
+  r.series = {expseg::SeriesPoint{0, 0, 0}, expseg::SeriesPoint{10, 1, 1}};
+  r.oom_at = {2, 5, 8};
+  expseg::OomReport first;
+  first.verdict = expseg::OomVerdict::capacity;
+  first.backend = "expandable";
+  r.first_oom = first;
+  g.runs.push_back(r);
+  const std::string page = expseg::render_html_report(std::span<const expseg::ReportGroup>(&g, 1));
+  CHECK(count(page, "class=\"oom\"") == 3);
+  CHECK(page.find("verdict: capacity") != std::string::npos);  // the first one's, from its report
+  CHECK(page.find("like the first") == std::string::npos);
+  CHECK(count(page, "verdict: not fragmentation (limit or capacity)") == 2);
+}

@@ -259,6 +259,20 @@ ExpArena& ExpandableBackend::arena_past_scan(driver::stream_t stream) {
   return new_arena(stream);
 }
 
+// A foreign key's stream may be destroyed and its handle value given by CUDA to a new stream of
+// other flags, which then gets the old stream's cached memory: while a request names the key, its
+// stream is alive, so it is asked again (~24 ns, CuPy's requests only, until it says non-blocking
+// once). A stream that does not block makes the legacy stream's synchronization no wait for the
+// arena's memory: the device synchronization then (as for a non-blocking stream from the start).
+void ExpandableBackend::recheck_legacy_waits(ExpArena& a) noexcept {
+  if (stream_captures(ctx_, a.stream)) return;  // the question would invalidate the capture
+  try {
+    if (!ctx_.driver.stream_is_blocking(capture_query_stream(a.stream))) a.legacy_waits = false;
+  } catch (const driver_error&) {
+    a.legacy_waits = false;
+  }
+}
+
 ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
   auto* a = new ExpArena;
   a->stream = stream;
@@ -638,6 +652,7 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
   const std::size_t size = round_size(requested);
   if (size > std::numeric_limits<std::size_t>::max() / 2) return nullptr;
   ExpArena& arena = arena_for(stream);
+  if (arena.legacy_waits) [[unlikely]] recheck_legacy_waits(arena);
   // Best fit among mapped free blocks; among the few smallest that fit, prefer a place that does
   // not leave an idle handle partly used (it could not be given back while the block lives).
   Block* best = nullptr;
@@ -2186,7 +2201,7 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
       if (request != 0 && arena->stream == stream) s.largest_usable_block = std::max(s.largest_usable_block, b.size);
-      if (pool) s.graph_pool_bytes += b.size;
+      if (pool && arena->stream != stream) s.graph_pool_bytes += b.size;  // the request's own pool may serve it
     });
   }
   for_each_idle([&](const ExpHandle& h) { s.releasable_bytes += h.bytes; });

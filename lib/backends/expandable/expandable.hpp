@@ -111,8 +111,9 @@ struct ExpArena {
   // ExpandableBackend::arena_captures): asked once per arena per operation, on slow paths only.
   mutable std::uint64_t capture_seen_op = 0;
   mutable bool captures = false;
-  // A foreign key's arena (a CuPy stream) whose stream was blocking when the arena was made: a
-  // synchronization of the legacy stream waits for its work, destroyed or not (synchronize_once).
+  // A foreign key's arena (a CuPy stream) whose stream was blocking when the arena was made, and
+  // at each request since (recheck_legacy_waits): a synchronization of the legacy stream waits for
+  // its work, destroyed or not (synchronize_once). Once false, false for good.
   bool legacy_waits = false;
   // A plain stream's arena whose stream blocks (asked when the arena was made; true when it could
   // not be asked): while it captures, the legacy stream's synchronization would invalidate the
@@ -265,6 +266,7 @@ class ExpandableBackend final : public Backend {
     ++operation_;
   }
   void reap_retired(const ExpArena* keep);
+  void recheck_legacy_waits(ExpArena& a) noexcept;
   bool give_back_arena(ExpArena* a);
   void forget_arena(ExpArena* a) noexcept;  // an arena without segments: deleted
   void drop_empty_segments();

@@ -87,7 +87,9 @@ bool SplitMergeBackend::gc_enabled() const noexcept {
 
 bool SplitMergeBackend::get_free_block(Params& p) {
   Pool& pool = *p.pool;
-  if (gc_enabled()) ++pool.get_free_blocks_calls;
+  // The age clock of the blocks garbage collection looks at: PyTorch counts each private pool's
+  // requests on that pool's own clock, which no collection reads.
+  if (gc_enabled() && !is_graph_pool_key(p.stream)) ++pool.get_free_blocks_calls;
   Block* b = p.index->lower_bound(p.size);
   if (b == nullptr) return false;
   if (!cupy()) {
@@ -164,15 +166,21 @@ bool SplitMergeBackend::release_available_cached_blocks(const Params& p) {
   if (cupy() || max_split == SIZE_MAX) return false;
   core::SizeIndex& index = *p.index;
   const std::size_t key_size = p.size < max_split ? max_split : p.size;
+  // Oversize blocks are whole segments, except where restore_graph_pool_block split one
+  // (allocate_at): those, as any split or otherwise unreleasable block, are passed over (PyTorch
+  // frees such a block's whole segment, live neighbours included).
   Block* b = index.lower_bound(key_size);
+  while (b != nullptr && !releasable(*b)) b = index.next(*b);
   if (b == nullptr) {
     // No single block is large enough: free oversize blocks of this stream, largest first.
     std::size_t released = 0;
     for (Block* cur = index.last(); cur != nullptr && released < key_size && cur->size >= max_split;) {
       Block* below = index.prev(*cur);
-      const std::size_t size = cur->size;
-      release_block(cur);
-      released += size;
+      if (releasable(*cur)) {
+        const std::size_t size = cur->size;
+        release_block(cur);
+        released += size;
+      }
       cur = below;
     }
     if (released < key_size) return false;
@@ -245,10 +253,13 @@ void SplitMergeBackend::garbage_collect_cached_blocks() {
   const std::size_t target_size = total_allocated_memory_ - gc_threshold;
   std::size_t gc_reclaimed = 0;
   auto age = [&](const Block& b) { return large_.get_free_blocks_calls - b.gc_base; };
+  // As PyTorch, the default pool's large blocks only: a private pool's memory, released or not,
+  // goes back at release_cached_blocks.
+  auto collectable = [&](const Block& b) { return !is_graph_pool_key(b.stream) && releasable(b); };
   std::uint64_t total_age = 0;
   std::int64_t freeable = 0;
   std::as_const(large_.blocks).for_each_block([&](const Block& b) {
-    if (releasable(b)) {
+    if (collectable(b)) {
       total_age += age(b);
       ++freeable;
     }
@@ -259,7 +270,7 @@ void SplitMergeBackend::garbage_collect_cached_blocks() {
     const double age_threshold = static_cast<double>(total_age) / static_cast<double>(freeable);
     block_freed = false;
     large_.blocks.for_each_block([&](Block& b) {
-      if (releasable(b) && static_cast<double>(age(b)) >= age_threshold) {
+      if (collectable(b) && static_cast<double>(age(b)) >= age_threshold) {
         block_freed = true;
         gc_reclaimed += b.size;
         total_age -= age(b);
@@ -328,13 +339,17 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
 
   bool found = get_free_block(p);
   const bool cached = found;
+  // CuPy refuses a request larger than its limit before it frees anything (_try_block_total_bytes).
+  if (!found && cupy() && ctx_.limit != 0 && p.size > ctx_.limit) return nullptr;
   if (!found) {
     ctx_.refused = Context::Refusal::none;
     blocks_.reserve_two();  // the new segment's block and its split: nothing below may throw bad_alloc midway
     const CaptureScope capture(ctx_, stream);
     if (ctx_.capturing) {
-      // As PyTorch during a capture: a new segment (cuMemAlloc, relaxed capture mode), but nothing
-      // given back first (its release_cached_blocks waits for no captures underway).
+      // During a capture: a new segment (cuMemAlloc, relaxed capture mode), but nothing given back
+      // first. PyTorch skips only release_cached_blocks (it waits for no captures underway) and
+      // still runs garbage collection and the oversize release; expseg skips those too (a
+      // deliberate difference): each cuMemFree is one more call that a capture may refuse.
       found = alloc_block(p, false);
     } else {
       reap_retired(stream, false);
@@ -606,8 +621,19 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
       if (b.size > s.largest_free_block) s.largest_free_block = b.size;
       if (request != 0 && pool == request_pool && b.stream == stream && b.size > s.largest_usable_block) s.largest_usable_block = b.size;
       if (!b.is_split()) s.releasable_bytes += b.size;
-      if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream)) s.graph_pool_bytes += b.size;
+      // (The request's own pool key's blocks may serve it: not kept from it.)
+      if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream) && b.stream != stream) s.graph_pool_bytes += b.size;
     });
+  }
+  // get_free_block's choice for the request, without its clock.
+  if (request != 0 && request <= std::numeric_limits<std::size_t>::max() / 2) {
+    if (core::SizeIndex* index = const_cast<Pool*>(request_pool)->blocks.find(stream)) {
+      if (const Block* b = index->lower_bound(request)) {
+        const std::size_t max_split = ctx_.config.max_split_size;
+        s.cache_serves = cupy() || ((request >= max_split || b->size < max_split) &&
+                                    (request < max_split || b->size - request < ctx_.config.max_non_split_rounding));
+      }
+    }
   }
   return s;
 }
