@@ -235,18 +235,33 @@ TEST_CASE("oom truth: when cuMemGetInfo fails while the report is built, the dev
 // it did not use, frees held until a capture ends, captures and graph pools the other-backend check
 // does not model, a request's own pool, the stream the caller named, and frees still holding memory.
 
+// A split_merge segment of 180 MiB under a 200 MiB limit on stream 0x100: [b 60 MiB][free 60 MiB]
+// [a 60 MiB], b used on stream 0x200 too (record_stream), not yet freed.
+struct SegmentOfThree {
+  SimAllocator sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB"));
+  void* s1 = stream_id(0x100);
+  void* s2 = stream_id(0x200);
+  void* a = nullptr;
+  void* b = nullptr;
+  SegmentOfThree() {
+    sa->deallocate(sa->allocate(180 * MiB, s1));
+    b = sa->allocate(60 * MiB, s1);
+    void* g = sa->allocate(60 * MiB, s1);
+    a = sa->allocate(60 * MiB, s1);
+    sa->deallocate(g);
+    sa->record_stream(b, s2);
+  }
+};
+
 TEST_CASE("oom truth: split_merge: a free that completes during the request's last retry and makes a place is named, and the request made again is served") {
   // b's free waits for s2's work; the OOM path's release_cached_blocks completes it, b merges with
   // its free neighbour into 120 MiB, and the retry (a new segment, as PyTorch's) does not use it.
-  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB"));
-  void* s1 = stream_id(0x100);
-  void* s2 = stream_id(0x200);
-  sa->deallocate(sa->allocate(180 * MiB, s1));
-  void* b = sa->allocate(60 * MiB, s1);
-  void* g = sa->allocate(60 * MiB, s1);
-  void* a = sa->allocate(60 * MiB, s1);
-  sa->deallocate(g);
-  sa->record_stream(b, s2);
+  SegmentOfThree t;
+  auto& sa = t.sa;
+  void* s1 = t.s1;
+  void* s2 = t.s2;
+  void* a = t.a;
+  void* b = t.b;
   sa.sim->set_stream_busy(s2, true);
   sa->deallocate(b);
   const auto r = oom_of([&] { (void)sa->allocate(70 * MiB, s1); });
@@ -370,15 +385,12 @@ TEST_CASE("oom truth: memory kept for a graph pool: the other-backend check says
 TEST_CASE("oom truth: split_merge fragmentation: the reserved-but-unallocated bytes still held by frees are told apart from free blocks") {
   // "120.00 MiB is reserved but unallocated in 1 free block, the largest 60.00 MiB": 60 MiB of it
   // was a free waiting for another stream's work, no free block.
-  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB"));
-  void* s1 = stream_id(0x100);
-  void* s2 = stream_id(0x200);
-  sa->deallocate(sa->allocate(180 * MiB, s1));
-  void* b = sa->allocate(60 * MiB, s1);
-  void* g = sa->allocate(60 * MiB, s1);
-  void* a = sa->allocate(60 * MiB, s1);
-  sa->deallocate(g);
-  sa->record_stream(b, s2);
+  SegmentOfThree t;
+  auto& sa = t.sa;
+  void* s1 = t.s1;
+  void* s2 = t.s2;
+  void* a = t.a;
+  void* b = t.b;
   sa.sim->capture_begin(s2);
   sa->deallocate(b);  // held for the capture's end: still holds its 60 MiB
   const auto r = oom_of([&] { (void)sa->allocate(70 * MiB, s1); });
