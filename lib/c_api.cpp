@@ -1078,7 +1078,18 @@ int expseg_ipc_close(void* ptr, int device) noexcept {
       m = std::move(it->second);
       im.open.erase(it);
     }
-    m.close();  // outside the lock: driver calls
+    try {
+      m.close();  // outside the lock: driver calls
+    } catch (...) {
+      // The synchronization before the unmap failed: the memory stays open (ImportedMemory::close)
+      // and goes back to the table, for a later expseg_ipc_close.
+      if (m.get() != nullptr) {
+        Imports& im = imports();
+        std::lock_guard<std::mutex> lock(im.mu);
+        im.open.emplace(std::make_pair(device, reinterpret_cast<std::uintptr_t>(ptr)), std::move(m));
+      }
+      throw;
+    }
     return EXPSEG_SUCCESS;
   } catch (...) {
     return fail_current(fn);

@@ -130,11 +130,14 @@ std::uint64_t parse_uint(std::string_view key, std::string_view v, const std::st
   return n;
 }
 
-// Finite decimal number (exponent allowed, as the shortest-form printer may produce one).
+// Finite decimal number (exponent allowed, as the shortest-form printer may produce one; a leading
+// '+', as PyTorch's std::stod takes, but not "+-").
 double parse_double(std::string_view key, std::string_view v, const std::string& what) {
   double d = 0;
-  auto r = std::from_chars(v.data(), v.data() + v.size(), d, std::chars_format::general);
-  if (r.ec != std::errc() || r.ptr != v.data() + v.size() || !std::isfinite(d)) bad_value(key, v, what);
+  std::string_view num = v;
+  if (num.size() > 1 && num.front() == '+' && num[1] != '-' && num[1] != '+') num.remove_prefix(1);
+  auto r = std::from_chars(num.data(), num.data() + num.size(), d, std::chars_format::general);
+  if (r.ec != std::errc() || r.ptr != num.data() + num.size() || !std::isfinite(d)) bad_value(key, v, what);
   return d;
 }
 
@@ -343,6 +346,8 @@ constexpr const char* kVaExpected = "0 (2x device memory), a size of at most 102
                                     "device memory, e.g. 112.5%";
 // Far beyond any device, yet small enough that the product with a device's size stays finite.
 constexpr double kMaxVaFraction = 1.0e6;
+// The reserve a segment takes by default, 2x device memory: expandable_segments_reserve's cap.
+constexpr double kFullReserveFraction = 2.0;
 
 void parse_va_size(Config& c, Key key, std::string_view v) {
   if (auto f = parse_percent(key, v, kVaExpected, kMaxVaFraction)) {
@@ -384,7 +389,8 @@ ReserveSpec parse_reserve_spec(Key key, std::string_view v) {
   return {gib, d};
 }
 
-// = expandable_va_size: 0.5 is 50%, 40G is 40GiB.
+// = expandable_va_size: 0.5 is 50%, 40G is 40GiB. A fraction is capped at the full reserve, as
+// PyTorch caps it at its own (9/8 of device memory): expseg's is 2x device memory, its default.
 void parse_segments_reserve(Config& c, Key key, std::string_view v) {
   const ReserveSpec r = parse_reserve_spec(key, v);
   if (r.gib) {
@@ -392,7 +398,7 @@ void parse_segments_reserve(Config& c, Key key, std::string_view v) {
     c.va_fraction = 0.0;
   } else {
     c.va_size = 0;
-    c.va_fraction = r.value;
+    c.va_fraction = std::min(r.value, kFullReserveFraction);
   }
 }
 
@@ -620,9 +626,13 @@ void parse_oom_dump(Config& c, Key key, std::string_view v) {
   c.oom_dump.assign(v);
 }
 
-// Host-side PyTorch options: the value is checked (to catch typos) and dropped.
+// Host-side PyTorch options: the value is checked as PyTorch checks it (to catch typos) and dropped.
 void ignore_bool(Config&, Key key, std::string_view v) { (void)parse_bool(key, v); }
 void ignore_count(Config&, Key key, std::string_view v) { (void)parse_uint(key, v, "a non-negative integer"); }
+void ignore_register_threads(Config&, Key key, std::string_view v) {
+  const std::uint64_t n = parse_uint(key, v, "an integer, a power of two from 1 to 128");
+  if (!std::has_single_bit(n) || n > 128) bad_value(key, v, "an integer, a power of two from 1 to 128");
+}
 
 struct Entry {
   Config::Option opt;
@@ -693,7 +703,7 @@ const Entry kEntries[] = {
    parse_expandable_segments, nullptr},
   {{"per_process_memory_fraction", "float", "1", "PyTorch: limit to this fraction of device memory, in [0, 1] (= limit:N%; 1 = none, 0 = nothing may be allocated)"},
    parse_memory_fraction, nullptr},
-  {{"expandable_segments_reserve", "float|NG", "2", "PyTorch: = expandable_va_size, as a fraction of device memory (0.5) or GiB (40G)"},
+  {{"expandable_segments_reserve", "float|NG", "2", "PyTorch: = expandable_va_size, as a fraction of device memory (0.5; at most the full reserve, 2) or GiB (40G)"},
    parse_segments_reserve, nullptr},
   {{"expandable_segments_reserve_by_class", "[name:float|NG,...]", "[]", "PyTorch: VA reserve per stream class; expseg has no stream classes: checked, then ignored"},
    ignore_reserve_by_class, nullptr},
@@ -702,9 +712,11 @@ const Entry kEntries[] = {
   // --- PyTorch's host-side keys: accepted and ignored ---
   {{"release_lock_on_cudamalloc", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   {{"pinned_use_cuda_host_register", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
-  {{"pinned_num_register_threads", "count", "1", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
+  {{"pinned_num_register_threads", "count", "1", "PyTorch host-side option (a power of two, at most 128); ignored"}, ignore_register_threads, nullptr},
   {{"pinned_use_background_threads", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   {{"pinned_reserve_segment_size_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
+  {{"pinned_max_round_threshold_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
+  {{"pinned_max_cached_size_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
   {{"graph_capture_record_stream_reuse", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   {{"pinned_free_catch_all", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   // PyTorch accepts its ROCm spellings in CUDA builds too.

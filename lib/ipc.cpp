@@ -435,6 +435,7 @@ struct ImportedMemory::State {
   std::uint64_t offset = 0;
   std::size_t size = 0;
   std::shared_ptr<detail::ImportRegistry> registry;  // Allocator::import_ipc: where `base` is registered
+  bool handed_out = false;  // the caller got it: work it queued may use the mappings
 
   // Undoes everything, in reverse order; remembers the first failure and goes on, except that the
   // mappings stay (and the state says so: a later release tries again) when the synchronization
@@ -454,7 +455,9 @@ struct ImportedMemory::State {
     // cuIpcCloseMemHandle waits for the work queued on the memory (measured on the H200); cuMemUnmap
     // does not, and that work then faults (CUDA_ERROR_ILLEGAL_ADDRESS, the context lost): wait for
     // this device's work first, as PyTorch does before unmapping an imported expandable segment.
-    if (!mapped.empty() && !attempt([&] { drv->device_synchronize(); })) return;
+    // An import that failed midway was never handed out: no work can use it, and no synchronization
+    // (which a capture underway would refuse, invalidating it) comes first.
+    if (!mapped.empty() && handed_out && !attempt([&] { drv->device_synchronize(); })) return;
     if (registry) {
       // Before the unmap: a peer granted from now on must not set access over a range being unmapped.
       std::lock_guard<std::mutex> lock(registry->mu);
@@ -600,6 +603,7 @@ ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> dr
     }
   }
   ImportedMemory m;
+  s->handed_out = true;
   m.s_ = std::move(s);
   return m;
 }

@@ -121,7 +121,7 @@ TEST_CASE("config: the options table lists every key once with its type, default
     CAPTURE(key);
     CHECK(seen.count(key) == 1);
   }
-  CHECK(seen.size() == 35);
+  CHECK(seen.size() == 37);
 }
 
 TEST_CASE("config: documented defaults are the defaults of Config and of to_string") {
@@ -394,6 +394,25 @@ TEST_CASE("config: PyTorch's host-side keys are accepted and ignored, but their 
   CHECK(c == Config{});
   check_fails("release_lock_on_cudamalloc:sure", "release_lock_on_cudamalloc", {"'sure'", "True"});
   check_fails("pinned_num_register_threads:many", "pinned_num_register_threads", {"'many'", "integer"});
+}
+
+TEST_CASE("config: PyTorch parity: the newer pinned keys, register threads, a leading '+', the reserve's cap") {
+  // PyTorch accepts the pinned_max_* keys (host-side: checked, ignored here), refuses register
+  // thread counts that are no power of two or above 128, reads doubles with std::stod (a leading
+  // '+'), and caps expandable_segments_reserve's fraction at the full reserve. Each was an
+  // "unknown option", an accepted bad value, a refused good one, or a reserve of 100000x the device.
+  CHECK(Config::parse("expandable_segments:True,pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1") ==
+        Config::parse("expandable_segments:True"));
+  CHECK(Config::parse("pinned_num_register_threads:128") == Config{});
+  for (const char* bad : {"0", "3", "256"})
+    check_fails(std::string("pinned_num_register_threads:") + bad, "pinned_num_register_threads", {bad, "power of two"});
+  CHECK(Config::parse("garbage_collection_threshold:+0.5").garbage_collection_threshold == 0.5);
+  CHECK(Config::parse("per_process_memory_fraction:+0.5").limit == Config::parse("limit:50%").limit);
+  for (const char* bad : {"+-0.5", "++0.5", "+"})
+    check_fails(std::string("garbage_collection_threshold:") + bad, "garbage_collection_threshold", {bad});
+  CHECK(Config::parse("expandable_segments_reserve:4").to_string() == Config::parse("expandable_va_size:200%").to_string());
+  CHECK(Config::parse("expandable_segments_reserve:100000").to_string() == Config::parse("expandable_va_size:200%").to_string());
+  CHECK(Config::parse("expandable_segments_reserve:0.5").to_string() == Config::parse("expandable_va_size:50%").to_string());
 }
 
 TEST_CASE("config: a pasted PYTORCH_CUDA_ALLOC_CONF works") {

@@ -231,8 +231,11 @@ TEST_CASE("fidelity regression: expandable_segments_reserve sets the virtual ran
     sa->deallocate(q);
     sa->validate();
   }
-  // A share larger than one segment may reserve is refused when the allocator is made.
-  Config huge = sim_config(BackendKind::expandable, 8 * GiB, "expandable_segments_reserve:1000000");
+  // A share is capped at the full reserve, 2x device memory, as PyTorch caps it at its own (9/8):
+  // 1000000 reserved 8 PiB on an 8 GiB device.
+  CHECK(Config::parse("expandable_segments_reserve:1000000").expandable_va_bytes(8 * GiB) == 16 * GiB);
+  // A reservation larger than one segment may take is refused when the allocator is made.
+  Config huge = sim_config(BackendKind::expandable, 8 * GiB, "expandable_va_size:100000000%");
   try {
     Allocator a(huge);
     (void)a.allocate(1);

@@ -128,7 +128,7 @@ TEST_CASE_FIXTURE(CApiFixture, "review regression: an expandable reservation ove
   // exists"), then refused by the first malloc, after which the configuration could not be fixed.
   for (const char* conf : {"device:sim,backend:expandable,sim_capacity:600TiB",
                            "device:sim,backend:expandable,sim_capacity:8GiB,expandable_va_size:20000000%",
-                           "device:sim,backend:expandable,sim_capacity:8GiB,expandable_segments_reserve:200000"}) {
+                           "device:sim,backend:expandable,sim_capacity:600TiB,expandable_segments_reserve:1.9"}) {
     const std::string text = conf;
     CAPTURE(text);
     expseg::capi::reset_for_tests();
