@@ -445,11 +445,12 @@ void parse_expandable_segments(Config& c, Key key, std::string_view v) {
   c.backend = parse_bool(key, v) ? BackendKind::expandable : BackendKind::split_merge;
 }
 
-// PyTorch's MiB options; the product must fit a size_t.
+// PyTorch's MiB options. As PyTorch (std::min(val, SIZE_MAX / kMB)), a count of MiB whose bytes would
+// not fit a size_t is clamped to the largest that does; a number past 2^64 - 1 is an error.
 std::size_t parse_mib(Key key, std::string_view v, const std::string& what) {
   const std::uint64_t n = parse_uint(key, v, what);
-  if (n > std::numeric_limits<std::size_t>::max() / kMiB) bad_value(key, v, what + " (the size overflows)");
-  return static_cast<std::size_t>(n) * kMiB;
+  const std::uint64_t most = std::numeric_limits<std::size_t>::max() / kMiB;
+  return static_cast<std::size_t>(std::min(n, most)) * kMiB;
 }
 
 // The MiB value of large_segment_size, the least max_split_size_mb and max_non_split_rounding_mb

@@ -313,8 +313,15 @@ TEST_CASE("config: PyTorch's expandable_segments, max_split_size_mb, max_non_spl
   check_fails("max_split_size_mb:-1", "max_split_size_mb", {"negative"});
   check_fails("max_split_size_mb:1.5", "max_split_size_mb", {"'1.5'", "integer number of MiB"});
   check_fails("max_split_size_mb:64MiB", "max_split_size_mb", {"'64MiB'", "integer number of MiB"});
-  check_fails("max_split_size_mb:17592186044416", "max_split_size_mb", {"overflows"});
-  CHECK(Config::parse("max_split_size_mb:17592186044415").max_split_size == (SIZE_MAX >> 20) << 20);
+  // As PyTorch: a count of MiB past what a size_t holds in bytes is clamped to the largest that fits
+  // (std::min(val, SIZE_MAX / kMB)); a number past 2^64 - 1 is an error.
+  constexpr std::size_t kMostMiB = (SIZE_MAX >> 20) << 20;
+  CHECK(Config::parse("max_split_size_mb:17592186044415").max_split_size == kMostMiB);
+  CHECK(Config::parse("max_split_size_mb:17592186044416").max_split_size == kMostMiB);
+  CHECK(Config::parse("max_split_size_mb:18446744073709551615").max_split_size == kMostMiB);
+  CHECK(Config::parse("max_non_split_rounding_mb:99999999999999999").max_non_split_rounding == kMostMiB);
+  CHECK(Config::parse("large_segment_size_mb:18446744073709551615").large_segment_size == kMostMiB);
+  check_fails("max_split_size_mb:18446744073709551616", "max_split_size_mb", {"too large"});
 
   CHECK(Config::parse("max_non_split_rounding_mb:20").max_non_split_rounding == 20 * MiB);
   CHECK(Config::parse("max_non_split_rounding_mb:1024").max_non_split_rounding == GiB);
