@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "backends/expandable/expandable.hpp"
 #include "driver/sim_driver.hpp"
 #include "test_util.hpp"
 
@@ -139,3 +140,71 @@ TEST_CASE("placement regression: random requests, frees and limit changes never 
   CHECK(limit_changes > 1000);
 }
 }
+
+TEST_SUITE("expandable") {
+
+TEST_CASE("placement regression: a cached pair that lands inside a long free run does not search the run each time") {
+  // n freed 32 MiB blocks, each on a handle of its own, merged into one mapped free block, with an
+  // idle 16 MiB handle near its far end. Under a limit a 16 MiB block may cover idle bulk handles
+  // only wholly, so neither end of the free block serves it, only that handle. Was: every pair
+  // took the slow path, whose search walked all n handles (1.9 M instructions per pair at n =
+  // 10,000); the place it found is now remembered for the next request of that size.
+  for (const int n : {10, 200}) {
+    CAPTURE(n);
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:64GiB"));
+    std::vector<void*> held;
+    for (int i = 0; i < n; ++i) held.push_back(sa->allocate(32 * MiB));
+    held.push_back(sa->allocate(16 * MiB));
+    held.push_back(sa->allocate(32 * MiB));
+    for (void* p : held) sa->deallocate(p);
+    REQUIRE(sa->stats().physical_handles.current == n + 2);
+    const auto& be = dynamic_cast<const expseg::backends::ExpandableBackend&>(expseg::detail::AllocatorAccess::backend(*sa.alloc));
+    void* first = sa->allocate(16 * MiB);  // the slow path finds the idle 16 MiB handle
+    const auto pinned = sa->stats().physical_handles.current;
+    sa->deallocate(first);
+    const std::uint64_t slow0 = be.slow_calls();
+    const std::uint64_t steps0 = be.search_steps();
+    const auto calls0 = sa.sim->call_stats().calls;
+    for (int i = 0; i < 100; ++i) {
+      void* p = sa->allocate(16 * MiB);
+      CHECK(p == first);  // the same place: on the idle 16 MiB handle, pinning no bulk handle
+      sa->deallocate(p);
+    }
+    CHECK(be.slow_calls() == slow0);
+    CHECK(be.search_steps() == steps0);
+    CHECK(sa.sim->call_stats().calls == calls0);  // no driver call: cached memory
+    CHECK(sa->stats().physical_handles.current == pinned);
+    sa->validate();
+  }
+}
+
+TEST_CASE("placement regression: a remembered place that is no longer free or mapped is not used") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "limit:4GiB"));
+  std::vector<void*> held;
+  for (int i = 0; i < 8; ++i) held.push_back(sa->allocate(32 * MiB));
+  held.push_back(sa->allocate(16 * MiB));
+  held.push_back(sa->allocate(32 * MiB));
+  for (void* p : held) sa->deallocate(p);
+  void* first = sa->allocate(16 * MiB);  // remembered: inside the free run, on the 16 MiB handle
+  sa->deallocate(first);
+  // Taken by another block: the next 16 MiB request must go elsewhere.
+  auto* big = static_cast<char*>(sa->allocate(8 * 32 * MiB + 16 * MiB));
+  REQUIRE(big != nullptr);
+  CHECK(static_cast<char*>(first) >= big);
+  CHECK(static_cast<char*>(first) < big + 8 * 32 * MiB + 16 * MiB);
+  void* p = sa->allocate(16 * MiB);
+  CHECK(p != first);
+  sa->validate();
+  sa->deallocate(p);
+  sa->deallocate(big);
+  // Unmapped by release_cached: the remembered place holds no memory; a request maps anew.
+  sa->release_cached();
+  REQUIRE(sa->stats().reserved_bytes[kAllPools].current == 0);
+  void* q = sa->allocate(16 * MiB);
+  CHECK(q != nullptr);
+  CHECK(sa->stats().reserved_bytes[kAllPools].current == static_cast<std::int64_t>(16 * MiB));
+  sa->validate();
+  sa->deallocate(q);
+}
+
+}  // TEST_SUITE

@@ -51,3 +51,28 @@ TEST_CASE("stats regression: both backends report the max_split_size their overs
 }
 
 }  // TEST_SUITE
+
+TEST_SUITE("stats") {
+
+TEST_CASE("stats regression: a device free that fails is counted when a retry succeeds, not before") {
+  // num_device_free counts memory given back to the device (PyTorch counts a cudaFree that
+  // succeeded). Was: expandable counted a cuMemRelease that failed, and again nothing when the
+  // handle, kept as an orphan, was released later; split_merge counts only a cuMemFree that worked.
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(kind));
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB));
+    sa->deallocate(sa->allocate(64 * MiB));
+    REQUIRE(sa->stats().num_device_alloc == 1);
+    const auto op = kind == BackendKind::expandable ? expseg::driver::Op::release : expseg::driver::Op::mem_free;
+    sa.sim->inject_fault(op, 1, expseg::driver::Fault::error);
+    CHECK_THROWS_AS(sa->release_cached(), expseg::driver_error);
+    CHECK(sa.sim->live().physical_bytes == 64 * MiB);  // still held
+    CHECK(sa->stats().num_device_free == 0);
+    sa->release_cached();  // the retry succeeds
+    CHECK(sa.sim->live().physical_bytes == 0);
+    CHECK(sa->stats().num_device_free == 1);
+    sa->validate();
+  }
+}
+
+}  // TEST_SUITE

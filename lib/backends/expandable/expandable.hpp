@@ -75,6 +75,7 @@ struct ExpHandle {
   std::size_t first_frame = 0;
   std::size_t nframes = 0;
   bool mapped = false;         // orphans: whether the mapping still exists
+  bool counted = false;        // counted in num_device_alloc: its release counts in num_device_free
   std::uint64_t orphan_addr = 0;  // orphans that are still mapped: where
   IdleRun* run_first = nullptr;  // the idle run this handle begins (meaningful only there)
   IdleRun* run_last = nullptr;   // the idle run this handle ends (meaningful only there)
@@ -112,9 +113,28 @@ struct ExpArena {
   mutable std::uint64_t capture_seen_op = 0;
   mutable bool captures = false;
   // A foreign key's arena (a CuPy stream) whose stream was blocking when the arena was made, and
-  // at each request since (recheck_legacy_waits): a synchronization of the legacy stream waits for
-  // its work, destroyed or not (synchronize_once). Once false, false for good.
+  // when asked again since (recheck_legacy_waits, in the arena's slow paths): a synchronization of
+  // the legacy stream waits for its work, destroyed or not (synchronize_once). Once false, false
+  // for good.
   bool legacy_waits = false;
+  // A request named the key since its stream was last asked (the cached path asks nothing): the
+  // stream may have been destroyed and its handle value given to one that does not block, so
+  // legacy_waits is not trusted until the arena's next slow path asks again.
+  bool legacy_unasked = false;
+  // Places the slow path found for a request under a limit away from both ends of the free block
+  // that held them (a block there covers idle bulk handles only wholly, where the fast path tries
+  // only both ends of a few blocks): the fast path tries them for a request of the same size before
+  // the slow path, which otherwise searched the whole run again at each pair that landed mid-run.
+  // `host` is a Block of this arena's pool (its memory lives as long as the arena) that held the
+  // place, or holds it again once the block there is freed and merged; it is checked to hold it
+  // still, free and mapped, before use, so a memo goes stale harmlessly.
+  struct PlaceMemo {
+    core::Block* host = nullptr;
+    std::uint64_t addr = 0;
+    std::size_t size = 0;
+  };
+  std::array<PlaceMemo, 4> place_memos{};
+  std::uint8_t next_place_memo = 0;
   // A plain stream's arena whose stream blocks (asked when the arena was made; true when it could
   // not be asked): while it captures, the legacy stream's synchronization would invalidate the
   // capture (ExpandableBackend::seen_capture).
@@ -224,6 +244,8 @@ class ExpandableBackend final : public Backend {
   mutable bool seen_capture_any_ = false;
   mutable bool seen_capture_blocking_ = false;
   static constexpr int kPlacementCandidates = 4;
+  core::Block* allocate_at_memo(ExpArena& arena, std::size_t size, std::size_t requested);
+  void remember_place(ExpArena& arena, core::Block* host, std::uint64_t addr, std::size_t size) noexcept;
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested);
