@@ -192,6 +192,7 @@ void Counters::add(const Counters& o) {
   full_checks += o.full_checks;
   bytes_checked += o.bytes_checked;
   unmaps += o.unmaps;
+  busy_uses += o.busy_uses;
   captures += o.captures;
   capture_allocs += o.capture_allocs;
   forks += o.forks;
@@ -210,7 +211,8 @@ std::string Counters::to_string() const {
      << " fired (" << driver_errors << " reached the caller, " << faults_absorbed << " absorbed), " << invalid_pointer_checks
      << " bad pointers, " << release_cached << " release_cached, " << streams_released << " streams released ("
      << streams_refused << " refused), " << limit_changes << " limit changes, " << unmaps
-     << " unmaps/cuMemFree, " << captures << " graph captures (" << capture_allocs << " allocations, " << forks << " forks, "
+     << " unmaps/cuMemFree, " << busy_uses << " uses by busy streams, " << captures << " graph captures (" << capture_allocs
+     << " allocations, " << forks << " forks, "
      << fork_allocs << " allocations on forks, " << warmup_allocs << " warm-up allocations, " << restores
      << " restores, " << launches
      << " launches, " << refused_in_capture << " refused calls), " << full_checks << " full checks, " << bytes_checked << " pattern bytes checked, digest "
@@ -877,6 +879,7 @@ void Harness::op_allocate(Source& src, bool on_capture) {
   } else {
     write_pattern(l);
   }
+  queue_use(stream, l);
   live_[addr] = l;
   live_requested_ += size;
   ++counters_.allocs;
@@ -949,6 +952,7 @@ void Harness::op_record_stream(Source& src) {
   const Graph* c = capture_on(s);
   const bool own = l.pool != 0 ? c != nullptr && c->pool == l.pool && s == l.stream : s == l.stream;
   if (!own && std::find(l.uses.begin(), l.uses.end(), s) == l.uses.end()) l.uses.push_back(s);
+  queue_use(s, l);
 }
 
 void Harness::op_toggle_busy(Source& src) {
@@ -958,6 +962,19 @@ void Harness::op_toggle_busy(Source& src) {
   sim_->set_stream_busy(s, busy);
   busy_[s] = busy;
   if (!busy) complete_upto_[s] = std::max(complete_upto_[s], tick_);
+  // The stream's new work uses every live block allocated on it or recorded on it.
+  if (busy)
+    for (const auto& [a, l] : live_)
+      if (l.stream == s || std::find(l.uses.begin(), l.uses.end(), s) != l.uses.end()) queue_use(s, l);
+}
+
+// Work queued on a busy stream that uses the block, told to the simulated device: it then reports an
+// unmap of the block's memory before that work completes (sim_->hazards(), checked in after_op),
+// apart from the model's own bookkeeping of busy streams.
+void Harness::queue_use(void* stream, const Live& l) {
+  if (!busy_[stream]) return;  // an idle stream's work is done at once
+  sim_->queue_use(stream, l.addr, l.size);
+  ++counters_.busy_uses;
 }
 
 // release_stream of a stream the harness made. Refused (expseg::error) while a block allocated on
@@ -1383,6 +1400,7 @@ void Harness::warm_up(Source& src) {
     // dead), so no pattern is kept; the separation check covers everyone else.
     Live l{addr, size, s, next_tag_++, {}};
     l.pool = instance;
+    queue_use(s, l);
     live_[addr] = l;
     live_requested_ += size;
     ++counters_.allocs;

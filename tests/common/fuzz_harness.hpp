@@ -19,6 +19,8 @@
 //   - the stream contract: a block freed while a stream may still use it (record_stream, or a busy
 //     allocation stream) is handed to another stream, completed as a pending free, or unmapped only
 //     after that stream's work is known complete (the spy driver sees every event query and sync);
+//     independently, the simulated device is told of the work busy streams queue on live blocks
+//     (SimDriver::queue_use) and reports an unmap under work not yet complete (SimDriver::hazards);
 //   - no driver call breaks a CUDA rule (the simulated device reports those as errors), and unmap /
 //     cuMemFree never take memory a live or pending block lies in;
 //   - graphs: a capture's allocations (each given a captured memset of its own value) stay apart
@@ -146,6 +148,7 @@ struct Counters {
   std::uint64_t full_checks = 0;
   std::uint64_t bytes_checked = 0;
   std::uint64_t unmaps = 0;          // driver unmaps / cuMemFree seen (memory really moved)
+  std::uint64_t busy_uses = 0;       // uses of live blocks by busy streams told to the simulated device
   std::uint64_t captures = 0;        // graph captures ended (kept graphs)
   std::uint64_t capture_allocs = 0;  // allocations made into a graph pool during a capture
   std::uint64_t forks = 0;           // streams a capture forked to (joined the capture)
@@ -266,6 +269,7 @@ class Harness {
   void on_driver_exception(const char* op, const std::exception& e);
   void expect_unchanged_live(const char* op);
   bool known_complete(void* stream, std::uint64_t tick) const;
+  void queue_use(void* stream, const Live& l);
   void prune_hazards();
   std::size_t pick_size(Source& src);
   void* pick_stream(Source& src);

@@ -250,6 +250,8 @@ namespace {
 // back its own error and its own stats string.
 std::atomic<int> g_late_ready{0};
 std::atomic<int> g_late_wrong{0};
+constexpr int kLateIterations = 2000;
+std::atomic<int> g_late_iterations{0};  // iterations finished: no wrong answer only counts if they ran
 struct LateRacer {
   std::uintptr_t id = 0;
   ~LateRacer() {
@@ -257,7 +259,7 @@ struct LateRacer {
     g_late_ready.fetch_add(1);
     while (g_late_ready.load() < 2) {
     }
-    for (int i = 0; i < 2000; ++i) {
+    for (int i = 0; i < kLateIterations; ++i) {
       void* bogus = reinterpret_cast<void*>(id + 16 * static_cast<std::uintptr_t>(i));
       expseg_free(bogus, 0, 0, nullptr);
       char want[32];
@@ -265,6 +267,7 @@ struct LateRacer {
       if (std::strstr(expseg_last_error(), want) == nullptr) g_late_wrong.fetch_add(1);
       const char* js = expseg_stats_json(0);
       if (js == nullptr || std::strstr(js, "allocated_bytes.all.current") == nullptr) g_late_wrong.fetch_add(1);
+      g_late_iterations.fetch_add(1);
     }
   }
 };
@@ -276,6 +279,7 @@ TEST_CASE_FIXTURE(CApiFixture, "C API calls from two exiting threads at once do 
   REQUIRE(expseg_configure("device:sim") == EXPSEG_SUCCESS);
   g_late_ready = 0;
   g_late_wrong = 0;
+  g_late_iterations = 0;
   std::vector<std::thread> threads;
   for (std::uintptr_t t = 1; t <= 2; ++t)
     threads.emplace_back([t] {
@@ -284,6 +288,9 @@ TEST_CASE_FIXTURE(CApiFixture, "C API calls from two exiting threads at once do 
       (void)expseg_last_error_code();  // the thread's expseg state, made after `racer`
     });
   for (auto& t : threads) t.join();
+  // Both destructors ran, side by side, through every iteration.
+  CHECK(g_late_ready.load() == 2);
+  CHECK(g_late_iterations.load() == 2 * kLateIterations);
   CHECK(g_late_wrong.load() == 0);
 }
 

@@ -39,6 +39,7 @@ TEST_CASE("fuzz: fixed seeds on every preset of both backends") {
   CHECK(total.faults_fired > 20);
   CHECK(total.driver_errors > 5);
   CHECK(total.unmaps > 100);
+  CHECK(total.busy_uses > 100);  // the simulated device's own stream-safety check has work to watch
   CHECK(total.invalid_pointer_checks > 100);
 }
 
@@ -147,6 +148,8 @@ TEST_CASE("fuzz: destroying the allocator with live allocations after a run leak
 TEST_CASE("fuzz: the libFuzzer byte decoding drives the same harness") {
   // A few fixed inputs through options_from/ByteSource, as tests/fuzz/fuzz_allocator.cpp reads them.
   fuzz::Counters total;
+  int finished_by_freeing = 0;
+  int finished_by_destroying = 0;
   for (std::uint64_t seed : {7u, 8u, 9u, 10u, 11u, 12u}) {
     std::string bytes(1500, '\0');
     fuzz::RngSource rng(seed);
@@ -155,12 +158,15 @@ TEST_CASE("fuzz: the libFuzzer byte decoding drives the same harness") {
     try {
       fuzz::ByteSource src(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
       fuzz::Harness h(fuzz::options_from(src));
+      // Read before the operations: past the end every byte reads 0, which would always pick destroy.
+      const bool free_all = src.byte() % 4 != 0;
       h.run(src, 2000);
       // The input drives operations until its bytes run out (each takes a few): not none, not all 2000.
       CHECK(h.counters().ops > 100);
       CHECK(h.counters().ops < 2000);
       CHECK(src.exhausted());
-      h.finish(src.byte() % 4 != 0);
+      h.finish(free_all);
+      ++(free_all ? finished_by_freeing : finished_by_destroying);
       total.add(h.counters());
     } catch (const fuzz::Failure& f) {
       FAIL(std::string(f.what()));
@@ -169,6 +175,9 @@ TEST_CASE("fuzz: the libFuzzer byte decoding drives the same harness") {
   MESSAGE("fuzz (byte inputs): " << total.to_string());
   CHECK(total.allocs > 100);
   CHECK(total.frees > 20);
+  // Both endings ran: free everything + release_cached + leak check, and destroy with blocks live.
+  CHECK(finished_by_freeing > 0);
+  CHECK(finished_by_destroying > 0);
   // Empty and one-byte inputs are valid too.
   for (std::size_t n : {0u, 1u, 2u}) {
     const std::uint8_t data[2] = {0xff, 0x01};
