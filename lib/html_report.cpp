@@ -174,23 +174,60 @@ std::string verdict_sentence(const OomReport& rep) {
   return s;
 }
 
+// "420.00 MiB (requested 419.34 MiB)": the size the OOM report's first sentence says it tried to
+// allocate (split_merge names the new segment's size, as PyTorch does), so that the page and the
+// report the user saw name one figure, then the caller's request where it differs. The report's
+// figure is read from its message; where the message has none (CuPy's wording names the rounded
+// size), the rounded size.
+std::string tried_text(const OomReport& rep) {
+  constexpr std::string_view kTried = "Tried to allocate ";
+  std::string tried = format_bytes(rep.rounded_bytes);
+  if (const std::size_t at = rep.message.find(kTried); at != std::string::npos) {
+    const std::size_t from = at + kTried.size();
+    // "... 420.00 MiB. GPU 0 ..." (or the short report's "... 440401920 bytes on GPU 0 ...")
+    const std::size_t end = std::min(rep.message.find(". ", from), rep.message.find(" on GPU", from));
+    if (end != std::string::npos && end - from <= 32) tried = rep.message.substr(from, end - from);
+  }
+  const std::string requested = format_bytes(rep.requested_bytes);
+  return tried == requested ? tried : tried + " (requested " + requested + ")";
+}
+
+// What the run's counts say of the verdict of an OOM other than the first (only the first one's
+// report is kept).
+std::string later_oom_verdict(const ReportRun& r) {
+  if (r.fragmentation_known && r.fragmentation_ooms == r.ooms) return " \xE2\x80\x94 verdict: fragmentation";
+  if (r.fragmentation_known && r.fragmentation_ooms == 0)
+    return " \xE2\x80\x94 verdict: not fragmentation (limit or capacity)";  // which one, only the first OOM's report says
+  if (r.fragmentation_known)
+    return " \xE2\x80\x94 " + std::to_string(r.fragmentation_ooms) + " of this run's " + std::to_string(r.ooms) + " OOMs were fragmentation";
+  if (r.first_oom) return " \xE2\x80\x94 the first OOM's verdict was " + std::string(to_string(r.first_oom->verdict));
+  return "";
+}
+
+// The first OOM's verdict and figures, from its report.
+std::string first_oom_verdict(const OomReport& rep) {
+  return " \xE2\x80\x94 verdict: " + std::string(to_string(rep.verdict)) + ". Tried to allocate " + tried_text(rep) + "; allocated " +
+         format_bytes(rep.allocated_bytes) + ", reserved " + format_bytes(rep.reserved_bytes) + ", largest free block " +
+         format_bytes(rep.largest_free_block_bytes) + ".";
+}
+
 // The tooltip of the k-th OOM marker of a run.
 std::string oom_tooltip(const ReportRun& r, std::size_t k, const std::string& x_label, std::uint64_t x) {
   std::string t = r.backend + ": out of memory at " + x_label + " " + std::to_string(x) + " (" + std::to_string(k + 1) + " of " + std::to_string(r.ooms) + ")";
-  if (k == 0 && r.first_oom) {
-    t += " \xE2\x80\x94 verdict: " + std::string(to_string(r.first_oom->verdict)) + ". Tried to allocate " + format_bytes(r.first_oom->requested_bytes) +
-         "; allocated " + format_bytes(r.first_oom->allocated_bytes) + ", reserved " + format_bytes(r.first_oom->reserved_bytes) +
-         ", largest free block " + format_bytes(r.first_oom->largest_free_block_bytes) + ".";
-  } else if (r.fragmentation_known && r.fragmentation_ooms == r.ooms) {
-    t += " \xE2\x80\x94 verdict: fragmentation";
-  } else if (r.fragmentation_known && r.fragmentation_ooms == 0) {
-    t += " \xE2\x80\x94 verdict: not fragmentation (limit or capacity)";  // which one, only the first OOM's report says
-  } else if (r.fragmentation_known) {
-    t += " \xE2\x80\x94 " + std::to_string(r.fragmentation_ooms) + " of this run's " + std::to_string(r.ooms) + " OOMs were fragmentation";
-  } else if (r.first_oom) {
-    t += " \xE2\x80\x94 the first OOM's verdict was " + std::string(to_string(r.first_oom->verdict));
-  }
-  return t;
+  return t + (k == 0 && r.first_oom ? first_oom_verdict(*r.first_oom) : later_oom_verdict(r));
+}
+
+// The tooltip of a marker that stands for the OOMs first..last (indexes into oom_at) of a run.
+std::string merged_oom_tooltip(const ReportRun& r, std::size_t first, std::size_t last, const std::string& x_label) {
+  std::string t = r.backend + ": " + std::to_string(last - first + 1) + " OOMs between " + x_label + " " + std::to_string(r.oom_at[first]) + " and " +
+                  std::to_string(r.oom_at[last]) + " (" + std::to_string(first + 1) + "\xE2\x80\x93" + std::to_string(last + 1) + " of " +
+                  std::to_string(r.ooms) + ")";
+  return t + (first == 0 && r.first_oom ? "; the first" + first_oom_verdict(*r.first_oom) : later_oom_verdict(r));
+}
+
+// Peak reserved over peak allocated, "1.37×"; "—" when nothing was allocated (no ratio).
+std::string ratio_text(const ReportRun& r) {
+  return r.peak_allocated_bytes > 0 ? fixed(ratio(r), 2) + "\xC3\x97" : std::string("\xE2\x80\x94");
 }
 
 // One-sentence takeaway of a group.
@@ -223,7 +260,7 @@ std::string takeaway(const ReportGroup& g) {
     s += " Peak reserved / peak allocated: ";
     for (std::size_t i = 0; i < g.runs.size(); ++i) {
       if (i) s += ", ";
-      s += g.runs[i].backend + " " + fixed(ratio(g.runs[i]), 2) + "\xC3\x97";
+      s += g.runs[i].backend + " " + ratio_text(g.runs[i]);
     }
     s += ".";
   }
@@ -279,6 +316,7 @@ double line_width(bool reserved, std::size_t run, std::size_t runs) {
 
 constexpr double kW = 1000, kH = 340;
 constexpr double kL = 76, kR = 18, kT = 16, kB = 44;
+constexpr std::size_t kMaxOomMarkers = 200;  // per run; more are merged by pixel column
 
 void chart(std::string& o, const ReportGroup& g) {
   std::uint64_t xmax = 1;
@@ -388,22 +426,22 @@ void chart(std::string& o, const ReportGroup& g) {
     }
   }
 
-  // OOM markers, on the backend's reserved series.
+  // OOM markers, on the backend's reserved series: one per OOM up to kMaxOomMarkers; past that,
+  // one per pixel column holding OOMs (a run of 200,000 OOMs made a 52 MB page of markers drawn
+  // on top of each other).
   for (std::size_t i = 0; i < g.runs.size(); ++i) {
     const ReportRun& r = g.runs[i];
     const BackendStyle st = backend_style(r.backend, i);
-    for (std::size_t k = 0; k < r.oom_at.size(); ++k) {
-      const std::uint64_t x = r.oom_at[k];
-      double yv = 0;
-      if (!r.series.empty()) {
-        // The last sample at or before x (samples are in x order).
-        auto it = std::upper_bound(r.series.begin(), r.series.end(), x, [](std::uint64_t v, const SeriesPoint& p) { return v < p.event; });
-        yv = static_cast<double>((it == r.series.begin() ? *it : *(it - 1)).reserved);
-      } else {
-        yv = static_cast<double>(r.peak_reserved_bytes);
-      }
-      const double cx = X(static_cast<double>(x)), cy = Y(yv);
-      o += "<g class=\"oom\" data-backend=\"" + esc(r.backend) + "\"><title>" + esc(oom_tooltip(r, k, g.x_label, x)) + "</title>";
+    auto reserved_at = [&](std::uint64_t x) {
+      if (r.series.empty()) return static_cast<double>(r.peak_reserved_bytes);
+      // The last sample at or before x (samples are in x order).
+      auto it = std::upper_bound(r.series.begin(), r.series.end(), x, [](std::uint64_t v, const SeriesPoint& p) { return v < p.event; });
+      return static_cast<double>((it == r.series.begin() ? *it : *(it - 1)).reserved);
+    };
+    auto marker = [&](std::uint64_t x, const std::string& title, std::size_t ooms) {
+      const double cx = X(static_cast<double>(x)), cy = Y(reserved_at(x));
+      o += "<g class=\"oom\" data-backend=\"" + esc(r.backend) + "\"" + (ooms > 1 ? " data-ooms=\"" + std::to_string(ooms) + "\"" : std::string()) +
+           "><title>" + esc(title) + "</title>";
       if (i % 2 == 0) {
         o += "<circle cx=\"" + co(cx) + "\" cy=\"" + co(cy) + "\" r=\"5.5\" fill=\"" + kOomRed + "\" stroke=\"" + st.line + "\" stroke-width=\"2\"/>";
       } else {
@@ -411,6 +449,19 @@ void chart(std::string& o, const ReportGroup& g) {
              "Z\" fill=\"" + kOomRed + "\" stroke=\"" + st.line + "\" stroke-width=\"2\"/>";
       }
       o += "</g>\n";
+    };
+    if (r.oom_at.size() <= kMaxOomMarkers) {
+      for (std::size_t k = 0; k < r.oom_at.size(); ++k) marker(r.oom_at[k], oom_tooltip(r, k, g.x_label, r.oom_at[k]), 1);
+      continue;
+    }
+    // oom_at is in x order: each column's OOMs are consecutive.
+    for (std::size_t first = 0; first < r.oom_at.size();) {
+      const auto column = static_cast<std::int64_t>(std::floor(X(static_cast<double>(r.oom_at[first]))));
+      std::size_t last = first;
+      while (last + 1 < r.oom_at.size() && static_cast<std::int64_t>(std::floor(X(static_cast<double>(r.oom_at[last + 1])))) == column) ++last;
+      marker(r.oom_at[first], first == last ? oom_tooltip(r, first, g.x_label, r.oom_at[first]) : merged_oom_tooltip(r, first, last, g.x_label),
+             last - first + 1);
+      first = last + 1;
     }
   }
   // Hover crosshair (the script moves it; hidden without the script).
@@ -729,7 +780,7 @@ void summary_table(std::string& o, const ReportGroup& g) {
     o += "<tr data-backend=\"" + esc(r.backend) + "\"><td><span class=\"dot\" style=\"background:" + std::string(st.line) + "\"></span>" + esc(r.backend) +
          "</td><td class=\"l\"><span class=\"badge " + (r.ooms ? "bad" : "ok") + "\">" + esc(outcome_of(r)) + "</span></td><td class=\"l\">" +
          esc(r.first_oom ? verdict_of(r) : std::string("\xE2\x80\x94")) + "</td><td>" + esc(bytes_text(r.peak_allocated_bytes)) + "</td><td>" +
-         esc(bytes_text(r.peak_reserved_bytes)) + "</td><td>" + (r.peak_allocated_bytes ? fixed(ratio(r), 2) + "\xC3\x97" : std::string("\xE2\x80\x94")) +
+         esc(bytes_text(r.peak_reserved_bytes)) + "</td><td>" + ratio_text(r) +
          "</td><td>" + std::to_string(r.ooms) + "</td><td>" + esc(seconds_text(r.seconds)) + "</td></tr>\n";
   }
   o += "</tbody>\n</table>\n";
@@ -773,7 +824,8 @@ void glance(std::string& o, std::span<const ReportGroup> groups) {
       o += "<td class=\"l bars\"><div class=\"bar\"><span style=\"width:" + fixed(100.0 * static_cast<double>(r->peak_reserved_bytes) / scale, 1) +
            "%;background:" + st.light + "\"></span><span style=\"width:" + fixed(100.0 * static_cast<double>(r->peak_allocated_bytes) / scale, 1) +
            "%;background:" + st.line + ";top:2px;bottom:2px\"></span></div><span class=\"small\">" +
-           esc(short_bytes(static_cast<double>(r->peak_reserved_bytes)) + " reserved, " + fixed(ratio(*r), 2) + "\xC3\x97 allocated") + "</span></td>";
+           esc(short_bytes(static_cast<double>(r->peak_reserved_bytes)) + " reserved, " +
+               (r->peak_allocated_bytes > 0 ? ratio_text(*r) + " allocated" : std::string("nothing allocated"))) + "</span></td>";
     }
     o += "</tr>\n";
   }
@@ -835,7 +887,7 @@ void group_section(std::string& o, const ReportGroup& g, std::size_t index) {
         if (!(r.first_oom && r.first_oom->snapshot)) continue;
         std::string when = "at the first OOM";
         if (!r.oom_at.empty()) when += " (" + g.x_label + " " + std::to_string(r.oom_at.front()) + ")";
-        when += ", asking for " + format_bytes(r.first_oom->requested_bytes);
+        when += ", trying to allocate " + tried_text(*r.first_oom);
         segment_map(o, *r.first_oom->snapshot, r, i, "first-oom", when, row_bytes);
       }
     }
@@ -863,6 +915,15 @@ ReportGroup report_group(std::span<const ScenarioResult> runs) {
   if (const ScenarioInfo* info = find_scenario(g.name)) {
     g.title = std::string(info->title);
     g.description = std::string(info->description);
+    // The description tells the story with its own limit and sizes: a run under others says so, or
+    // the card names a limit the run did not have.
+    const ScenarioResult& s = runs.front();
+    const bool other_sizes = s.max_size != 0 && (s.min_size != info->min_size || s.max_size != info->max_size);
+    if (other_sizes || s.limit_bytes != info->limit_bytes) {
+      g.description += " This run: ";
+      if (s.max_size != 0) g.description += "sizes " + format_bytes(s.min_size) + "\xE2\x80\x93" + format_bytes(s.max_size) + ", ";
+      g.description += (s.limit_bytes ? "limit " + format_bytes(s.limit_bytes) : std::string("no limit")) + " (the story's defaults overridden).";
+    }
   }
   for (const ScenarioResult& s : runs) {
     ReportRun r;
@@ -941,11 +1002,11 @@ void write_html_report(const std::string& path, std::span<const ReportGroup> gro
   const std::string page = render_html_report(groups, options);
   // stdio rather than an ofstream: errno names the reason (no such directory, permission, disk full).
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "wb"), &std::fclose);
-  if (!f) throw error("expseg: cannot write the report to '" + path + "': " + std::strerror(errno));
+  if (!f) throw error("cannot write the report to '" + path + "': " + std::strerror(errno));
   const bool ok = std::fwrite(page.data(), 1, page.size(), f.get()) == page.size();
   const int err = ok ? 0 : errno;
   if (std::fclose(f.release()) != 0 || !ok)
-    throw error("expseg: cannot write the report to '" + path + "': " + std::strerror(err ? err : errno));
+    throw error("cannot write the report to '" + path + "': " + std::strerror(err ? err : errno));
 }
 
 }  // namespace expseg

@@ -17,6 +17,7 @@
 #include "driver/sim_driver.hpp"
 #include "expseg/trace.hpp"
 #include "core/text.hpp"
+#include "series_sampler.hpp"
 
 namespace expseg {
 
@@ -300,11 +301,11 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
 
   const bool progress = options.progress && ::isatty(2);
   const std::size_t nops = prog.ops.size();
-  const std::size_t stride = options.series_points ? std::max<std::size_t>(1, nops / options.series_points) : 0;
 
-  // Runs the program up to `stop` ops (all when stop == nops); fills the result on the first run.
-  auto run = [&](std::size_t stop, bool first_pass, std::vector<std::int64_t>* reserved_after) -> std::optional<Snapshot> {
-    Allocator a(config, device);
+  // Runs the program up to `stop` ops (all when stop == nops) with `cfg`; fills the result on the
+  // first run.
+  auto run = [&](const Config& cfg, std::size_t stop, bool first_pass, std::vector<std::int64_t>* reserved_after) -> std::optional<Snapshot> {
+    Allocator a(cfg, device);
     driver::Driver& drv = detail::AllocatorAccess::driver(a);
     std::vector<stream_t> streams = config.device == DeviceKind::cuda ? std::vector<stream_t>(prog.stream_ids.size(), nullptr)
                                                                       : sim_streams(prog.stream_ids);
@@ -316,6 +317,10 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
     std::vector<bool> zero(prog.slots, false);  // slots holding a size-0 allocation
     std::vector<void*> remembered(prog.remembered, nullptr);  // Op::remember -> replayed address
     std::int64_t live_requested = 0;
+    // The chart's series: the state after every op, sampled down (series_sampler.hpp).
+    const bool sampled = first_pass && options.series_points != 0;
+    detail::SeriesSampler sampler(detail::SeriesSampler::bucket_for(stop, options.series_points));
+    detail::InsidePeaks inside_peaks;
     const driver::CallStats calls_before = drv.call_stats();
     const auto t0 = std::chrono::steady_clock::now();
     for (std::size_t i = 0; i < stop; ++i) {
@@ -418,17 +423,21 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
           break;
       }
       if (first_pass) {
-        if (stride && (i % stride == 0 || i + 1 == stop)) {
+        if (sampled || reserved_after) {
           const Stats s = a.stats();
-          r.series.push_back({prog.event_of[i], s.allocated_bytes[kAllPools].current, s.reserved_bytes[kAllPools].current});
+          if (sampled) {
+            if (const auto inside = inside_peaks.check(prog.event_of[i], s)) sampler.push(*inside);
+            sampler.push({prog.event_of[i], s.allocated_bytes[kAllPools].current, s.reserved_bytes[kAllPools].current});
+          }
+          if (reserved_after) reserved_after->push_back(s.reserved_bytes[kAllPools].current);
         }
-        if (reserved_after) reserved_after->push_back(a.stats().reserved_bytes[kAllPools].current);
         if (progress && (i & 0xFFFF) == 0) std::fprintf(stderr, "\r  replay %s on %s: %3zu%%", trace.name.c_str(), r.backend.c_str(), i * 100 / std::max<std::size_t>(nops, 1));
       }
     }
     std::optional<Snapshot> snap;
     if (first_pass) {
       r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (sampled) r.series = sampler.finish();
       r.stats = a.stats();
       r.peak_allocated_bytes = r.stats.allocated_bytes[kAllPools].peak;
       r.peak_reserved_bytes = r.stats.reserved_bytes[kAllPools].peak;
@@ -450,12 +459,20 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
   };
 
   std::vector<std::int64_t> reserved_after;
-  run(nops, true, options.snapshot_at_peak ? &reserved_after : nullptr);
+  run(config, nops, true, options.snapshot_at_peak ? &reserved_after : nullptr);
   if (options.snapshot_at_peak && !reserved_after.empty()) {
     std::size_t peak = 0;
     for (std::size_t i = 0; i < reserved_after.size(); ++i)
       if (reserved_after[i] > reserved_after[peak]) peak = i;
-    r.peak_snapshot = run(peak + 1, false, nullptr);
+    // The same ops up to the peak, quieter: the OOMs before it happened already, in the replay the
+    // user asked for; written again, a dump would replace the one of the last OOM with an earlier
+    // one (and a recording, the counterfactual and OOM snapshots are work no one reads).
+    Config quiet = config;
+    quiet.oom_dump.clear();
+    quiet.record = false;
+    quiet.oom_snapshot = false;
+    quiet.oom_counterfactual = false;
+    r.peak_snapshot = run(quiet, peak + 1, false, nullptr);
   }
   return r;
 }

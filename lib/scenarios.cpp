@@ -7,11 +7,13 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <optional>
 
 #include "allocator_impl.hpp"
 #include "core/json.hpp"
 #include "driver/sim_driver.hpp"
 #include "expseg/allocator.hpp"
+#include "series_sampler.hpp"
 
 namespace expseg {
 
@@ -21,6 +23,7 @@ constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t GiB = std::size_t{1} << 30;
 constexpr std::size_t kMaxChurnSize = std::size_t{1} << 40;  // 1 TiB: a range past any device is a typo
+constexpr int kChurnMinLog2 = 12, kChurnMaxLog2 = 29;  // random-churn's own sizes: 4 KiB-512 MiB
 
 struct StopRun {};  // unwinds a story once the snapshot step is reached
 
@@ -95,6 +98,7 @@ class Runner {
     if (o_.validate_each_step) a_.validate();
     if (o_.series_points != 0 || o_.snapshot_at_peak) {
       const Stats s = a_.stats();
+      if (const auto inside = inside_peaks_.check(r_.steps, s)) samples_.push_back(*inside);
       samples_.push_back({r_.steps, s.allocated_bytes[kAllPools].current, s.reserved_bytes[kAllPools].current});
     }
     if (stop_at_ >= 0 && static_cast<std::int64_t>(r_.steps) == stop_at_) {
@@ -104,6 +108,7 @@ class Runner {
   }
 
  public:
+  // One sample after each step, and a peak reached inside a step just before it (at the same step).
   std::vector<SeriesPoint> samples_;
 
  private:
@@ -111,6 +116,7 @@ class Runner {
   ScenarioResult& r_;
   const ScenarioOptions& o_;
   std::int64_t stop_at_;
+  detail::InsidePeaks inside_peaks_;
   std::vector<void*> ptrs_;
   std::vector<std::size_t> sizes_;
   std::vector<int> free_slots_;
@@ -161,10 +167,10 @@ void growing_buffer(Runner& r) {
 void random_churn(Runner& r) {
   // Sizes 2^uniform(lo, hi): 4 KiB-512 MiB, or the caller's range (clamped: exp2 of log2 may round).
   const ScenarioOptions& o = r.options();
-  const std::size_t min_size = o.min_size ? o.min_size : std::size_t{1} << 12;
-  const std::size_t max_size = o.max_size ? o.max_size : std::size_t{1} << 29;
-  const double lo = o.min_size ? std::log2(static_cast<double>(min_size)) : 12;
-  const double hi = o.max_size ? std::log2(static_cast<double>(max_size)) : 29;
+  const std::size_t min_size = o.min_size ? o.min_size : std::size_t{1} << kChurnMinLog2;
+  const std::size_t max_size = o.max_size ? o.max_size : std::size_t{1} << kChurnMaxLog2;
+  const double lo = o.min_size ? std::log2(static_cast<double>(min_size)) : kChurnMinLog2;
+  const double hi = o.max_size ? std::log2(static_cast<double>(max_size)) : kChurnMaxLog2;
   std::vector<int> live;
   for (int step = 0; step < 6000; ++step) {
     if (!live.empty() && r.rng.uniform() < 0.45) {
@@ -306,7 +312,7 @@ const Story kStories[] = {
       "under a 3 GiB limit; after an OOM a random half of the live blocks is freed. A split pool fails while "
       "much of the limit is free but scattered; expandable segments should fail only when live bytes plus "
       "the request really approach the limit.",
-      3 * GiB, true},
+      3 * GiB, true, std::size_t{1} << kChurnMinLog2, std::size_t{1} << kChurnMaxLog2},
      1, random_churn},
     {{"kv-cache-decode", "LLM decoding with growing KV caches",
       "Six sequences decode at once; each holds four KV caches (2 layers x K,V, 32 KiB per token) that grow by "
@@ -337,23 +343,14 @@ std::vector<ScenarioInfo> infos() {
   return v;
 }
 
-// Resamples per-step samples to about `points` points (at most one more), keeping every local max of
-// reserved and the last sample.
+// Resamples per-step samples to about `points` points (at most one more), keeping each bucket's
+// highest allocated and highest reserved sample, and the last sample: the run's end state (stories
+// free everything), held to the end of the chart.
 std::vector<SeriesPoint> downsample(const std::vector<SeriesPoint>& in, std::size_t points) {
   if (points == 0 || in.size() <= points) return in;
-  std::vector<SeriesPoint> out;
-  const std::size_t bucket = (in.size() + points - 1) / points;
-  for (std::size_t i = 0; i < in.size(); i += bucket) {
-    const std::size_t end = std::min(in.size(), i + bucket);
-    // Keep the bucket's sample with the highest reserved so peaks survive.
-    std::size_t best = i;
-    for (std::size_t j = i; j < end; ++j)
-      if (in[j].reserved > in[best].reserved || (in[j].reserved == in[best].reserved && in[j].allocated > in[best].allocated)) best = j;
-    out.push_back(in[best]);
-  }
-  // And the last sample: the run's end state (stories free everything), held to the end of the chart.
-  if (out.back().event != in.back().event) out.push_back(in.back());
-  return out;
+  detail::SeriesSampler sampler(detail::SeriesSampler::bucket_for(in.size(), points));
+  for (const SeriesPoint& p : in) sampler.push(p);
+  return sampler.finish();
 }
 
 }  // namespace
@@ -397,9 +394,9 @@ ScenarioResult run_scenario(std::string_view name, const Config& config, const S
     r.backend = to_string(c.backend);
     r.device = std::string(to_string(c.device)) + ":" + std::to_string(device);
     r.limit_bytes = a.limit();
-    if (name == "random-churn") {
-      r.min_size = options.min_size ? options.min_size : std::size_t{1} << 12;
-      r.max_size = options.max_size ? options.max_size : std::size_t{1} << 29;
+    if (story->info.max_size != 0) {
+      r.min_size = options.min_size ? options.min_size : story->info.min_size;
+      r.max_size = options.max_size ? options.max_size : story->info.max_size;
     }
     Runner runner(a, r, options, seed, stop_at);
     const driver::Driver& drv = detail::AllocatorAccess::driver(a);
@@ -426,19 +423,30 @@ ScenarioResult run_scenario(std::string_view name, const Config& config, const S
   run_once(-1, result, &samples);
   if (options.series_points) result.series = downsample(samples, options.series_points);
   if (options.snapshot_at_peak && !samples.empty()) {
-    std::size_t peak = 0;
-    for (std::size_t i = 0; i < samples.size(); ++i)
-      if (samples[i].reserved > samples[peak].reserved) peak = i;
+    // A state after a step, not a peak inside one (the sample before its step's own): the
+    // snapshot is taken after a step.
+    std::optional<std::size_t> peak;  // (the last sample is a step's own)
+    for (std::size_t i = 0; i < samples.size(); ++i) {
+      const bool inside = i + 1 < samples.size() && samples[i + 1].event == samples[i].event;
+      if (!inside && (!peak || samples[i].reserved > samples[*peak].reserved)) peak = i;
+    }
     ScenarioOptions quiet = options;
     quiet.series_points = 0;
     quiet.snapshot_at_peak = false;
-    // Same config and seed: the story replays identically up to the peak step.
+    // Same config and seed: the story replays identically up to the peak step. Only quieter: the
+    // OOMs before the peak happened already, in the run the user asked for; written again, a dump
+    // would replace the one of the run's last OOM with an earlier one (and a recording, the
+    // counterfactual and OOM snapshots are work no one reads).
     Config cc = c;
+    cc.oom_dump.clear();
+    cc.record = false;
+    cc.oom_snapshot = false;
+    cc.oom_counterfactual = false;
     {
       Allocator a(cc, device);
       ScenarioResult r2;
       r2.limit_bytes = a.limit();
-      Runner runner(a, r2, quiet, seed, static_cast<std::int64_t>(samples[peak].event));
+      Runner runner(a, r2, quiet, seed, static_cast<std::int64_t>(samples[*peak].event));
       try {
         story->run(runner);
       } catch (const StopRun&) {

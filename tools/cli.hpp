@@ -30,6 +30,12 @@ struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Standard output could not be written (a full disk, a closed pipe): main() prints "expseg COMMAND:
+// error writing standard output: REASON" and exits 1. Thrown by flush_stdout().
+struct OutputError : std::runtime_error {
+  using std::runtime_error::runtime_error;  // the reason, strerror's words
+};
+
 // --- argument parsing --------------------------------------------------------------------------
 
 struct OptionSpec {
@@ -96,6 +102,9 @@ std::string ratio_text(std::int64_t num, std::int64_t den);  // "1.43x" or "-"
 std::string size_text(std::int64_t bytes);         // format_bytes of a signed count
 // Prints `text` line by line, indented; words wrap at `wrap` columns (0: no wrapping).
 void print_indented(std::FILE* out, const std::string& text, int indent, std::size_t wrap = 0);
+// Flushes stdout (JSON lines go out as each run ends); throws OutputError when that fails, so that a
+// run whose results cannot be written stops there.
+void flush_stdout();
 // Text read from a file (an OOM dump), made safe to print: control bytes other than newline and
 // tab (escape sequences, NUL) are written \xNN, so the file cannot drive the terminal.
 std::string terminal_text(std::string_view text);

@@ -109,7 +109,7 @@ std::vector<ScenarioGroup> run_scenarios(const std::vector<std::string>& names, 
       if (json) {
         progress.clear();
         std::printf("%s\n", r.to_json().c_str());
-        std::fflush(stdout);
+        flush_stdout();
       }
       g.push_back(std::move(r));
     }
@@ -183,7 +183,7 @@ ReplayGroup replay_trace(const Trace& trace, const Setup& setup, bool picture, b
     ReplayResult r = replay(trace, c, o, setup.device);
     if (json) {
       std::printf("%s\n", r.to_json().c_str());
-      std::fflush(stdout);
+      flush_stdout();
     }
     g.push_back(std::move(r));
   }
@@ -509,7 +509,8 @@ int cmd::study(int argc, char** argv) {
     auto cell = [](const std::string& backend, std::size_t ooms, const std::optional<OomReport>& first, std::int64_t res, std::int64_t alloc) {
       std::string s = backend + ": " + (ooms ? std::to_string(ooms) + (ooms == 1 ? " OOM" : " OOMs") : std::string("ok"));
       if (first) s += " (" + std::string(to_string(first->verdict)) + ")";
-      return std::make_pair(s, "reserved " + ratio_text(res, alloc) + " allocated");
+      // Nothing allocated: no ratio (the tables' "-"), said in words here.
+      return std::make_pair(s, alloc > 0 ? "reserved " + ratio_text(res, alloc) + " allocated" : std::string("reserved/allocated n/a"));
     };
     for (const ScenarioGroup& g : scenarios) {
       std::vector<std::string> row{g.empty() ? "" : g.front().scenario};
@@ -531,7 +532,9 @@ int cmd::study(int argc, char** argv) {
     }
     t.print(stdout, 2, false);
   }
-  write_picture(html, scenarios, replays, descriptions, setup, "expseg study: split_merge vs expandable", command_line(argc, argv));
+  std::string title = "expseg study: ";  // the backends that ran: "split_merge vs expandable", "expandable"
+  for (std::size_t i = 0; i < setup.backends.size(); ++i) title += (i ? " vs " : "") + std::string(to_string(setup.backends[i]));
+  write_picture(html, scenarios, replays, descriptions, setup, title, command_line(argc, argv));
   if (!json) print_picture_hint(html);
   else std::fprintf(stderr, "expseg study: the picture is in %s (open it with: %s %s)\n", absolute_path(html).c_str(), open_command().c_str(), absolute_path(html).c_str());
   return kExitOk;

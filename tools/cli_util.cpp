@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <initializer_list>
 
@@ -385,6 +387,10 @@ std::size_t terminal_width(int fd) {
   return 100;
 }
 
+void flush_stdout() {
+  if (std::fflush(stdout) != 0) throw OutputError(std::strerror(errno));
+}
+
 bool stderr_is_tty() { return ::isatty(2) == 1; }
 bool stdout_is_tty() { return ::isatty(1) == 1; }
 
@@ -414,8 +420,8 @@ std::vector<ShippedTrace> shipped_traces() {
        "set: the question is how much more than the live bytes each backend holds, and how fast it serves the requests."},
       {"gpt2-train-varlen.rmm.csv.gz",
        "GPT-2 small training with random batch sizes and sequence lengths, recorded by expseg's own event recorder "
-       "under PyTorch on an H200 (benchmarks/workloads.py --record): 14 GB of activations whose sizes change with every "
-       "batch. No limit is set: PyTorch's classic allocator held 19.3 GB for it, its expandable segments 15.1 GB."},
+       "under PyTorch on an H200 (benchmarks/workloads.py --record): 13.1 GiB of activations at the peak, whose sizes change "
+       "with every batch. No limit is set: PyTorch's classic allocator held 17.96 GiB for it, its expandable segments 14.10 GiB."},
   };
   for (const ShippedTrace& t : kTraces) {
     const std::string path = std::string(EXPSEG_SHIPPED_TRACES_DIR) + "/" + t.path;

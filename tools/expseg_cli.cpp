@@ -7,6 +7,7 @@
 //   expseg study                        every scenario and the shipped traces, with an HTML picture
 //
 // Exit codes: 0 ok, 1 runtime failure, 2 usage error or bad input. Uses the public API only.
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -259,7 +260,9 @@ int cmd::config(int argc, char** argv) {
 
 }  // namespace expseg::cli
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_command(int argc, char** argv) {
   using namespace expseg::cli;
   if (argc < 2) {
     print_global_help(stderr);
@@ -304,6 +307,9 @@ int main(int argc, char** argv) {
     if (command == "scenario") return cmd::scenario(argc, argv);
     if (command == "explain") return cmd::explain(argc, argv);
     return cmd::study(argc, argv);
+  } catch (const OutputError& e) {
+    std::fprintf(stderr, "expseg %s: error writing standard output: %s\n", command.c_str(), e.what());
+    return kExitFailure;
   } catch (const UsageError& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "expseg %s: %s\nUsage: %s\nRun 'expseg %s --help' for details.\n", command.c_str(), e.what(), help->usage, command.c_str());
@@ -329,4 +335,24 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "expseg %s: error: %s\n", command.c_str(), e.what());
     return kExitFailure;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace expseg::cli;
+  const int rc = run_command(argc, argv);
+  // Output that did not reach its file (a full disk, a closed pipe) is a failure the exit status
+  // must tell: a script reading `expseg ... --json > out` would take a cut file for a run's result.
+  // The last lines may still sit in stdio's buffer, so flush before asking.
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  if (flushed && !std::ferror(stdout)) return rc;
+  // (A command that failed has said why, a failed flush included; its exit status stands.)
+  if (rc != kExitOk) return rc;
+  const std::string who = argc >= 2 && find_help(argv[1]) != nullptr ? std::string("expseg ") + argv[1] : std::string("expseg");
+  // (The reason is lost when the failed write was an earlier one, stdio's buffer filling up.)
+  std::fprintf(stderr, "%s: error writing standard output%s%s\n", who.c_str(), err ? ": " : "", err ? std::strerror(err) : "");
+  return kExitFailure;
 }

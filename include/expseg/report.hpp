@@ -5,7 +5,8 @@
 //   - the title and one-paragraph description;
 //   - one chart of allocated and reserved bytes over time, every backend on the same axes (one
 //     colour per backend, reserved solid, allocated dashed), the limit as a horizontal line, and a
-//     red marker on the backend's series wherever an allocation failed (its <title> says the verdict);
+//     red marker on the backend's series wherever an allocation failed (its <title> says the verdict;
+//     a run of many OOMs gets one marker per pixel column, whose <title> says how many);
 //   - a segment map per backend at the moment of peak reserved (and at the first OOM when the run
 //     kept that snapshot): every segment a bar scaled to its size, its blocks coloured by state;
 //   - a summary table: outcome, verdict, peak allocated, peak reserved, reserved/allocated, OOMs, time.
@@ -15,7 +16,8 @@
 //   <section class="group" data-name=...>   one per group
 //   <svg class="chart">                     one per group
 //   <polyline class="series" data-backend=B data-kind="reserved|allocated">
-//   <g class="oom" data-backend=B>          one per failed allocation
+//   <g class="oom" data-backend=B>          one per failed allocation, up to 200 per run; past that one
+//                                           per pixel column with OOMs, data-ooms=K when it stands for K
 //   <svg class="segmap" data-backend=B data-moment="peak|first-oom">
 #pragma once
 

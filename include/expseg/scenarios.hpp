@@ -23,6 +23,9 @@ struct ScenarioInfo {
   std::string_view description;  // one paragraph: the OOM it demonstrates
   std::size_t limit_bytes;       // the limit the story runs under (0: none)
   bool random = false;           // drawn from a seed (ScenarioOptions::seed); the others are fixed
+  // The size range the story draws from when ScenarioOptions gives none (random-churn; 0: fixed sizes).
+  std::size_t min_size = 0;
+  std::size_t max_size = 0;
 };
 
 // Every scenario, in the order `expseg scenario --list` prints them.

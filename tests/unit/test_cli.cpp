@@ -424,6 +424,9 @@ TEST_CASE("cli: study --device sim --html FILE writes the picture and says where
   CHECK(page.find("resnet50-train-varsize.rmm.csv.gz") != std::string::npos);
   CHECK(page.find("gpt2-train-varlen.rmm.csv.gz") != std::string::npos);
   CHECK(page.find("own event recorder under PyTorch") != std::string::npos);
+  // The GPT-2 card's figures in GiB, as the table beside it (it said "19.3 GB" next to "17.97 GiB").
+  CHECK(page.find("classic allocator held 17.96 GiB for it, its expandable segments 14.10 GiB") != std::string::npos);
+  CHECK(page.find(" GB") == std::string::npos);
   CHECK(r.out.find(html.string()) != std::string::npos);
   CHECK(r.out.find("xdg-open") != std::string::npos);
   CHECK(r.out.find("Verdict") != std::string::npos);
@@ -848,5 +851,88 @@ TEST_CASE("cli: explain finds the trace of a dump whose path is not UTF-8") {
   CHECK(e.status == 0);
   CHECK(e.out.find("is not there any more") == std::string::npos);
   CHECK(e.out.find("on split_merge: 1 OOM, first verdict: fragmentation") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("cli: output that cannot be written is a failure, exit 1, with the system's reason") {
+  // `expseg ... --json > /dev/full` exited 0: a script took the empty file for the run's result.
+  if (!fs::exists("/dev/full")) return;
+  for (const char* args : {"scenario split-800-500-300 --device sim --json", "scenario split-800-500-300 --device sim",
+                           "replay --device sim --json '" EXPSEG_SOURCE_DIR "/benchmarks/traces/resnet50-train-varsize.rmm.csv.gz'"}) {
+    const Run r = run_cli(std::string(args) + " >/dev/full");
+    INFO(args, " -> ", r.err);
+    CHECK(r.status == 1);
+    const std::string command = std::string(args).substr(0, std::string(args).find(' '));
+    CHECK(r.err == "expseg " + command + ": error writing standard output: No space left on device\n");
+  }
+  const Run help = run_cli("--help >/dev/full");
+  CHECK(help.status == 1);
+  CHECK(help.err == "expseg: error writing standard output: No space left on device\n");
+  // A picture that cannot be written says so once: "expseg scenario: error: expseg: cannot ..." was doubled.
+  const Run html = run_cli("scenario split-800-500-300 --device sim --json --html /dev/full");
+  CHECK(html.status == 1);
+  CHECK(html.err == "expseg scenario: error: cannot write the report to '/dev/full': No space left on device\n");
+}
+
+TEST_CASE("cli: with --html, the OOM dump holds the run's last OOM, not one the snapshot's re-run wrote again") {
+  // The segment map at peak reserved runs the story (or trace) again up to that moment, with the same
+  // configuration: its OOMs before the peak wrote oom_dump again, over the last OOM's dump.
+  const fs::path dir = temp_path("dump-html");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string dump = (dir / "d.json").string();
+  auto dumped = [&] { return expseg::core::parse_json(read_file(dump)); };
+
+  Run r = run_cli("scenario random-churn --device sim --backend split_merge --json --conf oom_dump:" + dump + " --html '" + (dir / "s.html").string() + "'");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  const auto ooms = expseg::core::parse_json(lines(r.out).at(0))["ooms"].as_uint();
+  REQUIRE(ooms > 2);
+  CHECK(dumped()["oom_number"].as_uint() == ooms);
+
+  // A replay under a 3 GiB limit: OOM 1 (2 GiB more), the peak reserved (3 GiB), OOM 2 (4 GiB).
+  const fs::path trace = dir / "t.csv";
+  {
+    std::ofstream f(trace);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n"
+         "1,0,allocate,0x1000,2147483648,0x0\n1,1,allocate,0x2000,2147483648,0x0\n1,2,free,0x1000,2147483648,0x0\n"
+         "1,3,allocate,0x3000,3221225472,0x0\n1,4,free,0x3000,3221225472,0x0\n1,5,allocate,0x4000,4294967296,0x0\n";
+  }
+  r = run_cli("replay '" + trace.string() + "' --device sim --backend split_merge --json --conf limit:3GiB,oom_dump:" + dump + " --html '" +
+              (dir / "r.html").string() + "'");
+  REQUIRE(r.status == 0);
+  REQUIRE(expseg::core::parse_json(lines(r.out).at(0))["ooms"].as_uint() == 2);
+  CHECK(dumped()["oom_number"].as_uint() == 2);
+  CHECK(dumped()["report"]["requested_bytes"].as_uint() == 4294967296);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("cli: study titles the page with the backends that ran, and says n/a for a run that allocated nothing") {
+  // `study --backend expandable` was titled "split_merge vs expandable"; a trace of size-0
+  // allocations only read "reserved - allocated" (and 0.00x on the page).
+  const fs::path dir = temp_path("study-one");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path trace = dir / "zero.csv";
+  {
+    std::ofstream f(trace);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x0,0,0x0\n1,1,free,0x0,0,0x0\n";
+  }
+  const fs::path html = dir / "study.html";
+  const Run r = run_cli("study --device sim --backend expandable --trace '" + trace.string() + "' --html '" + html.string() + "'");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  const std::string page = read_file(html);
+  CHECK(page.find("<title>expseg study: expandable</title>") != std::string::npos);
+  CHECK(page.find("<h1>expseg study: expandable</h1>") != std::string::npos);
+  CHECK(page.find("0.00\xC3\x97") == std::string::npos);
+  bool zero_row = false;
+  for (const std::string& l : lines(r.out))
+    if (l.find("zero.csv") != std::string::npos && l.find("expandable: ok") != std::string::npos) {
+      zero_row = true;
+      CHECK(l.find("reserved/allocated n/a") != std::string::npos);
+    }
+  CHECK(zero_row);
+  CHECK(r.out.find("reserved - allocated") == std::string::npos);
   fs::remove_all(dir);
 }

@@ -372,11 +372,12 @@ TEST_CASE("report: write_html_report says why it cannot write (the system's reas
     }
     return std::string("<no exception>");
   };
+  // No "expseg: " of its own: the command line puts "expseg COMMAND: error: " before it.
   CHECK(what("/nonexistent-dir-expseg/report.html") ==
-        "expseg: cannot write the report to '/nonexistent-dir-expseg/report.html': No such file or directory");
+        "cannot write the report to '/nonexistent-dir-expseg/report.html': No such file or directory");
   const std::string dir = std::filesystem::temp_directory_path().string();
-  CHECK(what(dir) == "expseg: cannot write the report to '" + dir + "': Is a directory");
-  if (std::filesystem::exists("/dev/full")) CHECK(what("/dev/full") == "expseg: cannot write the report to '/dev/full': No space left on device");
+  CHECK(what(dir) == "cannot write the report to '" + dir + "': Is a directory");
+  if (std::filesystem::exists("/dev/full")) CHECK(what("/dev/full") == "cannot write the report to '/dev/full': No space left on device");
 }
 
 
@@ -471,4 +472,132 @@ TEST_CASE("report: a later OOM's tooltip does not claim the first OOM's verdict"
   CHECK(page.find("verdict: capacity") != std::string::npos);  // the first one's, from its report
   CHECK(page.find("like the first") == std::string::npos);
   CHECK(count(page, "verdict: not fragmentation (limit or capacity)") == 2);
+}
+
+TEST_CASE("report: past 200 OOMs a run's markers merge by pixel column, each saying how many it stands for") {
+  // One marker per OOM made the page grow without limit: 200,000 OOMs, 52 MB of markers drawn on
+  // top of each other.
+  constexpr std::size_t kOoms = 200000;
+  expseg::ReportGroup g;
+  g.name = "many-ooms";
+  g.limit_bytes = std::size_t{1} << 30;
+  expseg::ReportRun r;
+  r.backend = "split_merge";
+  r.ooms = kOoms;
+  r.fragmentation_known = true;
+  r.fragmentation_ooms = kOoms;
+  r.length = 3 * kOoms;
+  r.series = {expseg::SeriesPoint{0, 0, 0}, expseg::SeriesPoint{3 * kOoms, 1 << 20, 1 << 29}};
+  for (std::size_t k = 0; k < kOoms; ++k) r.oom_at.push_back(3 * k + 1);
+  expseg::OomReport first;
+  first.verdict = expseg::OomVerdict::fragmentation;
+  r.first_oom = first;
+  g.runs.push_back(r);
+  expseg::ReportRun few = r;  // 150 OOMs: one marker each, as before
+  few.backend = "expandable";
+  few.ooms = 150;
+  few.fragmentation_ooms = 150;
+  few.oom_at.resize(150);
+  g.runs.push_back(few);
+  const std::string page = expseg::render_html_report(std::span<const expseg::ReportGroup>(&g, 1));
+  const XmlCheck x = check_xml(page);
+  INFO(x.error);
+  REQUIRE(x.ok);
+  CHECK(page.size() < 1000000);
+
+  CHECK(count(page, "<g class=\"oom\" data-backend=\"expandable\"><title>") == 150);
+  // Every merged marker: "split_merge: K OOMs between step A and B (I–J of 200000)", K the OOMs in
+  // [A, B]; together they count every OOM once.
+  const std::string open = "<g class=\"oom\" data-backend=\"split_merge\"";
+  const std::size_t markers = count(page, open);
+  CHECK(markers > 200);
+  CHECK(markers < 1000);  // at most one per pixel column of the plot
+  std::size_t total = 0, next = 1;
+  for (std::size_t at = page.find(open); at != std::string::npos; at = page.find(open, at + 1)) {
+    const std::size_t t = page.find("<title>", at) + 7;
+    const std::string title = page.substr(t, page.find("</title>", t) - t);
+    INFO(title);
+    std::size_t k = 0, a = 0, b = 0, i = 0, j = 0, n = 0;
+    REQUIRE(std::sscanf(title.c_str(), "split_merge: %zu OOMs between step %zu and %zu (%zu\xE2\x80\x93%zu of %zu)", &k, &a, &b, &i, &j, &n) == 6);
+    CHECK(k == (b - 1) / 3 - (a - 1) / 3 + 1);  // the OOMs at 1, 4, 7, ... in [a, b]
+    CHECK(i == next);
+    CHECK(j == i + k - 1);
+    CHECK(n == kOoms);
+    CHECK(page.compare(at + open.size(), 13 + std::to_string(k).size(), " data-ooms=\"" + std::to_string(k) + "\"") == 0);
+    CHECK(title.find("verdict: fragmentation") != std::string::npos);
+    total += k;
+    next = j + 1;
+  }
+  CHECK(total == kOoms);
+}
+
+TEST_CASE("report: a scenario card says when the run's limit or sizes are not the story's") {
+  // The card told the story's 2064 MiB limit for a run under --conf limit:1GiB.
+  auto description = [](const char* name, const char* extra, std::size_t min_size = 0, std::size_t max_size = 0) {
+    expseg::ScenarioOptions o;
+    o.min_size = min_size;
+    o.max_size = max_size;
+    const std::vector<expseg::ScenarioResult> runs{expseg::run_scenario(name, sim_config(expseg::BackendKind::split_merge, extra), o),
+                                                   expseg::run_scenario(name, sim_config(expseg::BackendKind::expandable, extra), o)};
+    return expseg::report_group(std::span<const expseg::ScenarioResult>(runs)).description;
+  };
+  const std::string story(expseg::find_scenario("split-800-500-300")->description);
+  CHECK(description("split-800-500-300", "") == story);
+  CHECK(description("split-800-500-300", "limit:2064MiB") == story);  // the story's own, given
+  CHECK(description("split-800-500-300", "limit:1GiB") == story + " This run: limit 1024.00 MiB (the story's defaults overridden).");
+  const std::string churn(expseg::find_scenario("random-churn")->description);
+  CHECK(description("random-churn", "") == churn);
+  CHECK(description("random-churn", "", 4096, std::size_t{512} << 20) == churn);
+  CHECK(description("random-churn", "", std::size_t{1} << 20, std::size_t{64} << 20) ==
+        churn + " This run: sizes 1024.00 KiB\xE2\x80\x93" "64.00 MiB, limit 3.00 GiB (the story's defaults overridden).");
+  CHECK(description("random-churn", "limit:2GiB") ==
+        churn + " This run: sizes 4.00 KiB\xE2\x80\x93" "512.00 MiB, limit 2.00 GiB (the story's defaults overridden).");
+}
+
+TEST_CASE("report: the page names the size an OOM tried to allocate as its report does, and the request beside it") {
+  // The tooltip and the segment map's heading said "Tried to allocate 419.34 MiB" (the request)
+  // where the report said 420.00 MiB (the new segment split_merge asked the device for).
+  std::string csv = "Thread,Time,Action,Pointer,Size,Stream\n";
+  csv += "1,0,allocate,0x1000,104857600,0x0\n";
+  csv += "1,1,allocate,0x2000,439713546,0x0\n";  // 419.34 MiB: a 420 MiB segment, past the limit
+  csv += "1,2,free,0x1000,104857600,0x0\n";
+  const expseg::Trace t = expseg::parse_trace(csv, "tried.csv");
+  expseg::ReplayOptions o;
+  o.series_points = 100;
+  std::vector<expseg::ReplayResult> runs{expseg::replay(t, sim_config(expseg::BackendKind::split_merge, "limit:500MiB,oom_snapshot:true"), o)};
+  REQUIRE(runs[0].first_oom);
+  const std::string& message = runs[0].first_oom->message;
+  REQUIRE(message.find("Tried to allocate 420.00 MiB.") != std::string::npos);
+  REQUIRE(expseg::format_bytes(runs[0].first_oom->requested_bytes) == "419.34 MiB");
+  const expseg::ReportGroup groups[] = {expseg::report_group(std::span<const expseg::ReplayResult>(runs))};
+  const std::string page = expseg::render_html_report(groups);
+  REQUIRE(check_xml(page).ok);
+  CHECK(page.find("Tried to allocate 420.00 MiB (requested 419.34 MiB); allocated") != std::string::npos);  // the marker's tooltip
+  CHECK(page.find("trying to allocate 420.00 MiB (requested 419.34 MiB)") != std::string::npos);          // the map's heading
+  CHECK(page.find("allocate 419.34 MiB") == std::string::npos);
+
+  // A request the report names as it is: no "requested" beside it.
+  std::vector<expseg::ReplayResult> exact{expseg::replay(odd_trace(), sim_config(expseg::BackendKind::split_merge, "limit:3GiB"), o)};
+  REQUIRE(exact[0].first_oom);
+  const expseg::ReportGroup exact_groups[] = {expseg::report_group(std::span<const expseg::ReplayResult>(exact))};
+  const std::string exact_page = expseg::render_html_report(exact_groups);
+  CHECK(exact_page.find("Tried to allocate 2.00 GiB; allocated") != std::string::npos);
+}
+
+TEST_CASE("report: runs that allocated nothing show no reserved/allocated ratio, not 0.00x") {
+  expseg::ReportGroup g;
+  g.name = "nothing";
+  for (const char* b : {"split_merge", "expandable"}) {
+    expseg::ReportRun r;
+    r.backend = b;
+    r.length = 2;
+    r.series = {expseg::SeriesPoint{0, 0, 0}, expseg::SeriesPoint{1, 0, 0}};
+    g.runs.push_back(r);
+  }
+  const expseg::ReportGroup groups[] = {g, g};  // two groups: the "at a glance" table too
+  const std::string page = expseg::render_html_report(groups);
+  REQUIRE(check_xml(page).ok);
+  CHECK(page.find("0.00\xC3\x97") == std::string::npos);
+  CHECK(page.find("Peak reserved / peak allocated: split_merge \xE2\x80\x94, expandable \xE2\x80\x94.") != std::string::npos);
+  CHECK(page.find("0\xC2\xA0" "B reserved, nothing allocated") != std::string::npos);
 }
