@@ -3,8 +3,9 @@
 // numbers.
 //
 // Each Stat is {current, peak, allocated, freed}: `allocated`/`freed` are running totals of
-// increases/decreases; current = allocated - freed; peak = max current since the last
-// reset_peak_stats(). Arrays are indexed by StatPool: all, small_pool, large_pool. Blocks of <= 1 MiB
+// increases/decreases since the last reset_accumulated_stats() (which sets both to 0, as PyTorch's
+// does: allocated then counts what a region of a program allocated), so current = allocated - freed
+// + current at that reset; peak = max current since the last reset_peak_stats(). Arrays are indexed by StatPool: all, small_pool, large_pool. Blocks of <= 1 MiB
 // count in small_pool on both backends; split_merge's small segments (2 MiB) do too, but expandable's
 // arenas hold all sizes in one segment per stream, so it counts all reserved memory and segments in
 // large_pool (its small_pool reserved is 0 while small blocks are allocated). One exception:
@@ -44,9 +45,11 @@ struct Stat {
     freed += amount;
   }
   void reset_peak() noexcept { peak = current; }
-  // PyTorch sets allocated and freed to 0 here (so its current = allocated - freed stops holding);
-  // expseg keeps the identity: allocated restarts at current.
-  void reset_accumulated() noexcept { allocated = current; freed = 0; }
+  // As PyTorch's reset_accumulated_stat: the totals restart at 0, the gauges (current, peak) stay.
+  void reset_accumulated() noexcept {
+    allocated = 0;
+    freed = 0;
+  }
   bool operator==(const Stat&) const = default;
 };
 

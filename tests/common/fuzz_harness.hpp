@@ -300,6 +300,9 @@ class Harness {
   std::int64_t ooms_seen_ = 0;
   std::int64_t reserved_before_ = 0;
   std::size_t limit_ = 0;
+  // The stats at the last reset_accumulated_stats (zeros before any): a Stat's allocated - freed is
+  // its current value less the current value then, its totals having restarted at 0 (as PyTorch's).
+  expseg::Stats accumulated_base_{};
 
   // Graphs: the captures underway (up to two at once, on different streams into different pools;
   // exec null), the graphs kept after theirs.

@@ -57,7 +57,11 @@ def child(backend, tmp):
     assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
     torch.cuda.reset_accumulated_memory_stats()
     st = torch.cuda.memory_stats()
-    assert st["allocation.all.freed"] == 0 and st["allocation.all.allocated"] == st["allocation.all.current"], st
+    assert st["allocation.all.freed"] == 0 and st["allocation.all.allocated"] == 0 and st["allocation.all.current"] >= 1, st
+    c = torch.empty(1 * MiB, dtype=torch.uint8, device="cuda")  # the region's one allocation, as PyTorch counts it
+    st = torch.cuda.memory_stats()
+    assert st["allocation.all.allocated"] == 1 and st["allocated_bytes.all.allocated"] == 1 * MiB, st
+    del c
 
     # empty_cache gives the cached 64 MiB back.
     reserved = torch.cuda.memory_reserved()

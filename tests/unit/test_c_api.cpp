@@ -140,10 +140,10 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_get_limit and expseg_reset_accumulated_st
   CHECK(stat(0, "allocation.all.allocated") == 2);
   CHECK(stat(0, "allocation.all.freed") == 1);
   CHECK(expseg_reset_accumulated_stats(0) == EXPSEG_SUCCESS);
-  // Counters restart; a stat's allocated restarts at its current value (allocated - freed = current);
-  // gauges and peaks are untouched.
+  // Counters and a stat's allocated and freed restart at 0, as PyTorch's; gauges and peaks are
+  // untouched.
   CHECK(stat(0, "num_ooms") == 0);
-  CHECK(stat(0, "allocation.all.allocated") == 1);
+  CHECK(stat(0, "allocation.all.allocated") == 0);
   CHECK(stat(0, "allocation.all.freed") == 0);
   CHECK(stat(0, "allocation.all.current") == 1);
   CHECK(stat(0, "allocation.all.peak") == 2);
