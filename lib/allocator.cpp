@@ -22,9 +22,16 @@ namespace {
 // 1 EiB, PyTorch's bound: larger requests cannot be rounded without overflow, and no device has
 // this much memory.
 constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
-// CUDA_ERROR_CAPTURED_EVENT: an event last recorded in a capture (one begun and ended between a
-// free's record and its check) cannot be queried until it is recorded again.
+// An event last recorded in a capture (one expseg was not told of, underway at a free's record)
+// cannot be queried until it is recorded again: CUDA_ERROR_CAPTURED_EVENT (907) while the capture
+// is underway, and once it has ended CUDA_ERROR_INVALID_VALUE (1), measured on the H200 (driver
+// 580), in every capture mode, whether the capture ended into a graph or was invalidated. The
+// allocator's events are its own, so either code means that.
 constexpr int kCapturedEventCode = 907;
+constexpr int kEndedCaptureEventCode = 1;
+bool recorded_in_capture(const driver_error& e) noexcept {
+  return e.code() == kCapturedEventCode || e.code() == kEndedCaptureEventCode;
+}
 
 using core::hex;
 
@@ -553,7 +560,7 @@ void Allocator::Impl::process_events() {
       try {
         done = driver->event_query(pf.event);  // throws with the free still queued
       } catch (const driver_error& e) {
-        if (e.code() != kCapturedEventCode) throw;
+        if (!recorded_in_capture(e)) throw;
         se.queue.front().maybe_captured = true;
         (void)front_event_usable(se);  // recorded again now if the capture has ended; asked next time
       }
@@ -577,7 +584,7 @@ void Allocator::Impl::synchronize_pending_frees() {
       try {
         driver->event_synchronize(se.queue.front().event);  // throws with the free still queued
       } catch (const driver_error& e) {
-        if (e.code() != kCapturedEventCode) throw;
+        if (!recorded_in_capture(e)) throw;
         se.queue.front().maybe_captured = true;
         if (!front_event_usable(se)) break;
         driver->event_synchronize(se.queue.front().event);  // recorded again, outside any capture

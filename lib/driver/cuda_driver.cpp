@@ -341,6 +341,7 @@ class CudaDriver final : public Driver {
     return s;
   }
   bool stream_is_blocking(stream_t stream) override {
+    const Timed timed(*this, Op::stream_query);
     CtxScope scope(*this);
     unsigned int flags = 0;
     CUresult r = CUDA_SUCCESS;
@@ -414,6 +415,7 @@ class CudaDriver final : public Driver {
   }
 
   std::uint64_t stream_capture_id(stream_t stream) override {
+    const Timed timed(*this, Op::stream_query);
     CtxScope scope(*this);
     CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
     cuuint64_t id = 0;

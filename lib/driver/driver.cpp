@@ -19,6 +19,7 @@ const char* op_name(Op op) noexcept {
     case Op::stream_sync: return "cuStreamSynchronize";
     case Op::export_handle: return "cuMemExportToShareableHandle";
     case Op::import_handle: return "cuMemImportFromShareableHandle";
+    case Op::stream_query: return "cuStreamGetCaptureInfo";
     case Op::count_: break;
   }
   return "unknown";

@@ -49,6 +49,7 @@ enum class Op : std::uint8_t {
   stream_sync,    // cuStreamSynchronize / cuEventSynchronize / cuCtxSynchronize
   export_handle,  // cuMemExportToShareableHandle / cuIpcGetMemHandle
   import_handle,  // cuMemImportFromShareableHandle / cuIpcOpenMemHandle
+  stream_query,   // cuStreamGetCaptureInfo / cuStreamGetFlags (stream_capture_id, stream_is_blocking)
   count_
 };
 inline constexpr std::size_t kOpCount = static_cast<std::size_t>(Op::count_);

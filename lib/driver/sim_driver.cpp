@@ -62,6 +62,10 @@ constexpr std::uint32_t kHandleMagic = 0x45534831;  // "ESH1": an exported physi
 constexpr std::uint32_t kIpcMagic = 0x45534931;     // "ESI1": an exported cuMemAlloc pointer
 
 std::atomic<std::uint64_t> g_next_instance{1};  // tells exported handles of two SimDrivers apart
+// Bookkeeping mode: address space the SimDrivers of this process hold together (their ranges,
+// rounded up to the granularity, guard granules not counted), as CUDA's devices share one address
+// space. Invariant: the sum of every live Impl's address_space_held.
+std::atomic<std::size_t> g_address_space_in_use{0};
 
 std::string hex(std::uint64_t v) {
   char buf[24];
@@ -123,6 +127,9 @@ constexpr std::array<double, 2> kMemFreeUs = {29.0, 336.0};
 constexpr double kReserveUs = 24.0;
 constexpr double kEventUs = 0.5;
 constexpr double kSyncUs = 5.0;
+// cuStreamGetCaptureInfo / cuStreamGetFlags: 15-24 ns measured (the figures in backend.hpp and
+// expandable.cpp), against µs for the calls above.
+constexpr double kStreamQueryUs = 0.02;
 
 template <std::size_t N>
 double interpolate_us(const std::array<double, N>& sizes, const std::array<double, N>& us, std::size_t bytes) {
@@ -167,6 +174,9 @@ struct SimDriver::Impl {
     std::size_t size = 0;       // as requested (counted in `physical`)
     std::size_t host_size = 0;  // host-backed: the mmap'ed length
     std::size_t ipc_opens = 0;
+    // Unique per cuMemAlloc (from next_id), in its IPC export: a new allocation at a freed one's
+    // address exports other bytes and the old export opens nothing, as cuIpcGetMemHandle promises.
+    std::uint64_t id = 0;
   };
   struct Event {
     bool pending = false;  // !waits_for.empty()
@@ -176,6 +186,7 @@ struct SimDriver::Impl {
     std::vector<std::uintptr_t> waits_for;
     std::uint64_t seq = 0;  // order of recording, across streams
     bool captured = false;  // last recorded on a capturing stream: no query or sync may wait for it
+    std::uint64_t capture_id = 0;  // that capture's id (captured)
   };
 
   // The host arena's size: room for the expandable backend's default reservations (2x the device
@@ -191,6 +202,7 @@ struct SimDriver::Impl {
       : opt(o), instance(g_next_instance.fetch_add(1)),
         next_address(kFirstFakeAddress + static_cast<dev_ptr>(o.device) * kDeviceSpan),
         address_end(next_address + kDeviceSpan) {}
+  ~Impl() { g_address_space_in_use.fetch_sub(address_space_held, std::memory_order_relaxed); }  // leaked ranges too
 
   const SimOptions opt;
   const std::uint64_t instance;
@@ -202,7 +214,7 @@ struct SimDriver::Impl {
   std::array<double, kOpCount> op_seconds{};  // the latency model's time, per operation
   std::size_t last_op = 0;                     // the call being charged (set by enter)
 
-  std::uint64_t next_id = 1;  // handles, physical allocations, events and streams: never reused
+  std::uint64_t next_id = 1;  // handles, physical allocations, cuMemAllocs, events and streams: never reused
   dev_ptr next_address;  // bookkeeping mode: the next free address of this device's span
   const dev_ptr address_end;
   // Bookkeeping mode: ranges given back below next_address (cuMemAddressFree, cuMemFree), start ->
@@ -338,8 +350,14 @@ struct SimDriver::Impl {
     for (std::uintptr_t b : busy_streams)
       if (is_blocking(b)) out.push_back(b);
   }
+  // An event last recorded in a capture: while that capture is underway, 907 (and every capture is
+  // invalidated); once it has ended (into a graph or invalidated), CUDA_ERROR_INVALID_VALUE, until
+  // the event is recorded again outside a capture. Measured on the H200 (driver 580), every mode.
   void refuse_captured_event(const char* call, const Event& ev) {
     if (!ev.captured) return;
+    const bool underway = std::any_of(captures.begin(), captures.end(), [&](const auto& c) { return c.second.id == ev.capture_id; });
+    if (!underway)
+      throw driver_error(call, 1, "CUDA_ERROR_INVALID_VALUE", "the event was last recorded in a capture that has ended");
     invalidate_captures();
     throw driver_error(call, 907, "CUDA_ERROR_CAPTURED_EVENT",
                        "operation not permitted on an event last recorded in a capturing stream");
@@ -349,11 +367,41 @@ struct SimDriver::Impl {
 
   std::size_t gran() const noexcept { return opt.granularity; }
 
+  // Bookkeeping mode: this driver's share of the process's address space (g_address_space_in_use).
+  std::size_t address_space_held = 0;
+  // Takes `bytes` of the process's address space, or throws CUDA_ERROR_OUT_OF_MEMORY (nothing taken)
+  // when the simulated devices of the process would then hold more than opt.address_space.
+  void take_address_space(const char* call, std::size_t bytes) {
+    std::size_t used = g_address_space_in_use.load(std::memory_order_relaxed);
+    do {
+      if (bytes > opt.address_space || used > opt.address_space - bytes)
+        out_of_memory(call, "out of address space: " + std::to_string(bytes) + " bytes requested while the simulated devices "
+                                "of this process hold " + std::to_string(used) + " of the " + std::to_string(opt.address_space) +
+                                " bytes a process may reserve (SimOptions::address_space; a CUDA process has about 2^47)");
+    } while (!g_address_space_in_use.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+    address_space_held += bytes;
+  }
+  void give_address_space(std::size_t bytes) noexcept {
+    g_address_space_in_use.fetch_sub(bytes, std::memory_order_relaxed);
+    address_space_held -= bytes;
+  }
+
   // Bookkeeping mode: the next `bytes` of this device's address span, granularity-aligned and
-  // followed by a one-granule guard gap (no two ranges touch; addresses are never reused).
+  // followed by a one-granule guard gap (no two ranges touch), taken from the process's address
+  // space. Freed ranges are taken again, first fit.
   dev_ptr take_addresses(const char* call, std::size_t bytes) {
     const std::size_t g = gran();
     const std::size_t span = bytes / g * g + (bytes % g ? g : 0);
+    take_address_space(call, span);
+    try {
+      return take_span(call, span);
+    } catch (...) {
+      give_address_space(span);
+      throw;
+    }
+  }
+  dev_ptr take_span(const char* call, std::size_t span) {
+    const std::size_t g = gran();
     for (auto it = freed_addresses.begin(); it != freed_addresses.end(); ++it) {
       if (it->second < span + g) continue;
       const dev_ptr base = it->first;
@@ -373,6 +421,7 @@ struct SimDriver::Impl {
   // recorded (no memory for the map node) is simply not reused.
   void give_addresses(dev_ptr base, std::size_t bytes) noexcept {
     const std::size_t g = gran();
+    give_address_space(bytes / g * g + (bytes % g ? g : 0));
     std::size_t len = (bytes / g * g + (bytes % g ? g : 0)) + g;
     auto next = freed_addresses.lower_bound(base);
     if (next != freed_addresses.end() && next->first == base + len) {  // merge with the range above
@@ -698,10 +747,18 @@ struct SimDriver::Impl {
                           " still uses " + range(u.lo, u.hi - u.lo));
   }
 
-  void encode(ExportedHandle& out, std::uint32_t magic, std::uint64_t value) const noexcept {
+  // Exported bytes: the magic at 0, the exporting driver's instance at 8, `value` (a physical
+  // allocation's id, or a cuMemAlloc pointer) at 16, `alloc_id` (IPC: the allocation's Alloc::id) at 24.
+  void encode(ExportedHandle& out, std::uint32_t magic, std::uint64_t value, std::uint64_t alloc_id = 0) const noexcept {
     std::memcpy(out.bytes.data(), &magic, sizeof magic);
     std::memcpy(out.bytes.data() + 8, &instance, sizeof instance);
     std::memcpy(out.bytes.data() + 16, &value, sizeof value);
+    std::memcpy(out.bytes.data() + 24, &alloc_id, sizeof alloc_id);
+  }
+  static std::uint64_t encoded_alloc_id(const ExportedHandle& in) noexcept {
+    std::uint64_t id = 0;
+    std::memcpy(&id, in.bytes.data() + 24, sizeof id);
+    return id;
   }
   std::uint64_t decode(const char* call, const ExportedHandle& in, std::uint32_t magic) const {
     std::uint32_t m = 0;
@@ -955,7 +1012,7 @@ dev_ptr SimDriver::mem_alloc(std::size_t bytes) {
   if (bytes == 0) invalid(call, "size is 0");
   s.drop_closed_exports();  // memory freed by a close since the last call is free again
   s.check_capacity(call, bytes);
-  Impl::Alloc a{bytes, 0, 0};
+  Impl::Alloc a{bytes, 0, 0, s.next_id++};
   dev_ptr p = 0;
   if (options_.host_backed) {
     const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
@@ -1023,10 +1080,12 @@ bool SimDriver::stream_is_blocking(stream_t stream) {
   static constexpr const char* call = "cuStreamGetFlags";
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
+  s.enter(Op::stream_query, call);
   const std::uintptr_t id = stream_of(stream);
   if (s.capture_of(id) != nullptr) s.refuse_while_capturing(call);  // refused in every mode (measured)
   if (s.destroyed_streams.contains(id))
     throw driver_error(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(id) + " was destroyed");
+  s.charge(kStreamQueryUs);
   return s.is_blocking(id);
 }
 
@@ -1068,7 +1127,9 @@ void SimDriver::event_record(event_t event, stream_t stream) {
   s.busy_dependencies(ev.stream, ev.waits_for);
   ev.pending = !ev.waits_for.empty();
   ev.seq = ++s.record_seq;
-  ev.captured = s.capture_of(ev.stream) != nullptr;
+  const Impl::Capture* c = s.capture_of(ev.stream);
+  ev.captured = c != nullptr;
+  ev.capture_id = c != nullptr ? c->id : 0;
   s.charge(kEventUs);
 }
 
@@ -1159,8 +1220,10 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
 // --- graph capture ----------------------------------------------------------------------------------
 
 std::uint64_t SimDriver::stream_capture_id(stream_t stream) {
+  static constexpr const char* call = "cuStreamGetCaptureInfo";
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
+  s.enter(Op::stream_query, call);
   const std::uintptr_t id = stream_of(stream);
   if (id == 0) {
     // CUDA answers the legacy stream's question with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT while a
@@ -1168,10 +1231,11 @@ std::uint64_t SimDriver::stream_capture_id(stream_t stream) {
     bool blocking = std::any_of(s.forks.begin(), s.forks.end(), [&](const auto& f) { return s.is_blocking(f.first); });
     for (const auto& [st, c] : s.captures) blocking = blocking || s.is_blocking(st);
     if (blocking)
-      throw driver_error("cuStreamGetCaptureInfo", 906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+      throw driver_error(call, 906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
                          "the legacy stream while a blocking stream captures (the capture stays valid)");
   }
   const Impl::Capture* c = s.capture_of(id);
+  s.charge(kStreamQueryUs);
   return c == nullptr ? 0 : c->id;
 }
 
@@ -1364,9 +1428,10 @@ ExportedHandle SimDriver::ipc_export(dev_ptr mem_alloc_ptr) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   s.enter(Op::export_handle, call);
-  if (!s.allocs.contains(mem_alloc_ptr)) invalid(call, hex(mem_alloc_ptr) + " is not a live cuMemAlloc pointer");
+  auto it = s.allocs.find(mem_alloc_ptr);
+  if (it == s.allocs.end()) invalid(call, hex(mem_alloc_ptr) + " is not a live cuMemAlloc pointer");
   ExportedHandle out;
-  s.encode(out, kIpcMagic, mem_alloc_ptr);
+  s.encode(out, kIpcMagic, mem_alloc_ptr, it->second.id);
   return out;
 }
 
@@ -1377,7 +1442,9 @@ dev_ptr SimDriver::ipc_open(const ExportedHandle& exported) {
   s.enter(Op::import_handle, call);
   const dev_ptr p = s.decode(call, exported, kIpcMagic);
   auto it = s.allocs.find(p);
-  if (it == s.allocs.end()) invalid(call, "the exported allocation " + hex(p) + " no longer exists");
+  // Freed, or freed and its address given to a new allocation, which the export does not name.
+  if (it == s.allocs.end() || it->second.id != Impl::encoded_alloc_id(exported))
+    invalid(call, "the exported allocation " + hex(p) + " no longer exists");
   ++it->second.ipc_opens;  // in-process: the same memory at the same address
   return p;
 }
@@ -1426,6 +1493,8 @@ SimDriver::Live SimDriver::live() const {
   l.physical_bytes = s.physical;
   return l;
 }
+
+std::size_t SimDriver::address_space_in_use() noexcept { return g_address_space_in_use.load(std::memory_order_relaxed); }
 
 void SimDriver::set_foreign_usage(std::size_t bytes) {
   std::lock_guard lock(impl_->mutex);

@@ -19,6 +19,9 @@
 // under an address space limit such as ulimit -v), lowest free range first, reusing freed ranges.
 // Both leave a one-granule gap after every range. A reservation larger than the arena's free room
 // (terabytes) is still made, mapped on its own where mmap puts it: that address is not reproducible.
+// As on CUDA, where a process's devices share one address space of about 128 TiB, bookkeeping
+// mode's reservations and cuMemAllocs, of all SimDrivers of the process together, run out at
+// SimOptions::address_space (CUDA_ERROR_OUT_OF_MEMORY); host-backed mode's at the host's limit.
 //
 // It enforces the CUDA rules the allocator must respect (map only inside a reservation, on
 // granularity boundaries, never over a mapping; unmap whole mappings; free a reservation only when
@@ -75,8 +78,13 @@ namespace expseg::driver {
 
 // Bookkeeping mode: each simulated device hands out addresses from a span of its own of this many
 // bytes (64 PiB), never reusing them, with a one-granule guard gap after every range; so one
-// reservation or cuMemAlloc takes at most kSimAddressSpan - granularity bytes.
+// reservation or cuMemAlloc takes at most kSimAddressSpan - granularity bytes. What all devices
+// of the process hold at once is bounded lower, by SimOptions::address_space.
 inline constexpr std::size_t kSimAddressSpan = std::size_t{1} << 56;
+// A CUDA process has one unified virtual address space for all its devices, of about 2^47 bytes
+// (128 TiB): cuMemAddressReserve past it fails with CUDA_ERROR_OUT_OF_MEMORY. The default of
+// SimOptions::address_space.
+inline constexpr std::size_t kSimDefaultAddressSpace = std::size_t{1} << 47;
 // Largest granularity (1 TiB): every device's span starts on a multiple of it.
 inline constexpr std::size_t kSimMaxGranularity = std::size_t{1} << 40;
 // Devices 0 .. kSimMaxDevices-1 (each has its own span).
@@ -92,6 +100,12 @@ struct SimOptions {
   int device = 0;
   int device_count = 1;        // simulated devices visible (for peer bookkeeping)
   ShareableHandle shareable = ShareableHandle::none;
+  // Bookkeeping mode: bytes of address space (reservations and cuMemAllocs, rounded up to the
+  // granularity) that the bookkeeping SimDrivers of this process may hold together, as CUDA's
+  // devices share one address space. A call that would take the process's total past this
+  // driver's figure fails with CUDA_ERROR_OUT_OF_MEMORY. Tests lower it to reach that path.
+  // (Host-backed mode takes host address space, which the host's own limit bounds.)
+  std::size_t address_space = kSimDefaultAddressSpace;
 };
 
 enum class Fault : std::uint8_t { out_of_memory, error };
@@ -172,6 +186,9 @@ class SimDriver final : public Driver {
     std::size_t physical_bytes = 0; // device memory in use (handles + mem_allocs)
   };
   Live live() const;
+  // Bookkeeping mode: bytes of address space the SimDrivers of this process hold together (what
+  // SimOptions::address_space bounds). Thread-safe.
+  static std::size_t address_space_in_use() noexcept;
   // Simulated device memory used by someone else (another process): reduces what create() and
   // mem_alloc() can get and what mem_info() reports as free.
   void set_foreign_usage(std::size_t bytes);

@@ -11,6 +11,7 @@
 #include <future>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "driver/driver.hpp"
@@ -40,7 +41,277 @@ inline void check_words(expseg::driver::Driver& d, expseg::driver::dev_ptr ptr, 
   CHECK(bad == count);
 }
 
+// Runs `undo` once: at run(), or at scope exit when a REQUIRE failed or a call threw first. A check
+// frees what it creates on every path, so one that fails on a real GPU leaves the process as it
+// found it (a leaked reservation of terabytes would starve every later test of address space).
+template <class F>
+class Undo {
+ public:
+  explicit Undo(F undo) : undo_(std::move(undo)) {}
+  Undo(const Undo&) = delete;
+  Undo& operator=(const Undo&) = delete;
+  ~Undo() {
+    if (done_) return;
+    try {
+      undo_();
+    } catch (...) {  // unwinding already: the failure that got here is the one to report
+    }
+  }
+  // A throw leaves it armed: the destructor tries again (what is left of it) during the unwinding.
+  void run() {
+    undo_();
+    done_ = true;
+  }
+
+ private:
+  F undo_;
+  bool done_ = false;
+};
+
 }  // namespace expseg::test
+
+// The address space is finite: what the allocator may ask for (expandable_va_size up to 1 PiB,
+// 2x device memory per stream by default) runs out with CUDA_ERROR_OUT_OF_MEMORY from
+// cuMemAddressReserve, which new_segment() takes as an address-range refusal. Reservations only
+// (no memory behind them); every one is freed again, on every path.
+inline void check_address_space_limit(expseg::driver::Driver& d) {
+  using namespace expseg::driver;
+  using expseg::test::catch_driver_error;
+  constexpr std::size_t TiB = std::size_t{1} << 40;
+  {
+    const std::size_t pib = 1024 * TiB;  // kMaxExpandableVaSize
+    dev_ptr far = 0;
+    auto err = catch_driver_error([&] { far = d.reserve(pib); });
+    if (!err.has_value()) d.free_reserve(far, pib);
+    MESSAGE("a 1 PiB cuMemAddressReserve: " << std::string(err ? err->what() : "succeeded"));
+    CHECK_MESSAGE(err.has_value(), "a 1 PiB cuMemAddressReserve must fail: no process addresses that much");
+    if (err) {
+      CHECK(err->call() == "cuMemAddressReserve");
+      CHECK(err->is_out_of_memory());
+    }
+  }
+  {
+    // Exhaustion by many reservations, as many streams' segments do: 16 TiB at a time, at most 1 PiB.
+    const std::size_t chunk = 16 * TiB;
+    constexpr std::size_t kMaxChunks = 64;
+    std::vector<dev_ptr> taken;
+    taken.reserve(kMaxChunks);
+    expseg::test::Undo free_taken([&] {
+      while (!taken.empty()) {
+        const dev_ptr p = taken.back();
+        taken.pop_back();
+        d.free_reserve(p, chunk);
+      }
+    });
+    std::optional<expseg::driver_error> err;
+    while (!err.has_value() && taken.size() < kMaxChunks) {
+      dev_ptr p = 0;
+      err = catch_driver_error([&] { p = d.reserve(chunk); });
+      if (!err.has_value()) taken.push_back(p);
+    }
+    const std::size_t got_tib = taken.size() * (chunk / TiB);
+    free_taken.run();
+    MESSAGE("the device gave " << got_tib << " TiB of address space in 16 TiB reservations; then: "
+                               << std::string(err ? err->what() : "never refused"));
+    REQUIRE_MESSAGE(err.has_value(), "1 PiB of reservations must not fit");
+    CHECK(err->call() == "cuMemAddressReserve");
+    CHECK(err->is_out_of_memory());
+    CHECK(got_tib > 0);  // else the refusal was of the size alone, not the address space running out
+    // It all came back: the expandable backend's default reservation (2x device memory) fits again.
+    const std::size_t g = d.granularity();
+    const std::size_t usual = (2 * d.mem_info().total + g - 1) / g * g;
+    dev_ptr again = 0;
+    CHECK_NOTHROW(again = d.reserve(usual));
+    if (again != 0) d.free_reserve(again, usual);
+  }
+}
+
+// cuIpcGetMemHandle: "If a region of memory is freed with cuMemFree and a subsequent call to
+// cuMemAlloc returns memory with the same device address, cuIpcGetMemHandle will return a unique
+// handle for the new memory." A stale export must never name the new allocation.
+inline void check_ipc_handle_unique_per_allocation(expseg::driver::Driver& d) {
+  using namespace expseg::driver;
+  const std::size_t g = d.granularity();
+  const dev_ptr p = d.mem_alloc(g);
+  expseg::test::Undo free_p([&] { d.mem_free(p); });
+  const ExportedHandle before = d.ipc_export(p);
+  free_p.run();
+  const dev_ptr q = d.mem_alloc(g);
+  expseg::test::Undo free_q([&] { d.mem_free(q); });
+  const ExportedHandle after = d.ipc_export(q);
+  free_q.run();
+  if (q == p) {
+    CHECK_MESSAGE(after.bytes != before.bytes, "a cuMemAlloc at a freed allocation's address must export a new handle");
+  } else {
+    MESSAGE("cuMemAlloc did not reuse the freed address: uniqueness not exercised");
+  }
+}
+
+// cuMemCreate of more than is free (but no more than the device holds: what the allocator can ask
+// for past its never_fits check) is CUDA_ERROR_OUT_OF_MEMORY, which map_one() needs to tell a
+// memory refusal from a hard error.
+inline void check_create_beyond_free_is_oom(expseg::driver::Driver& d) {
+  using namespace expseg::driver;
+  using expseg::test::catch_driver_error;
+  const std::size_t g = d.granularity();
+  const phys_handle held = d.create(g);  // so that free < total on the simulator too
+  expseg::test::Undo release_held([&] { d.release(held); });
+  const MemInfo now = d.mem_info();
+  const std::size_t over = (now.free / g + 1) * g;
+  REQUIRE(over <= now.total);
+  phys_handle h = 0;
+  auto err = catch_driver_error([&] { h = d.create(over); });
+  if (!err.has_value()) d.release(h);  // another process freed memory meanwhile
+  release_held.run();
+  INFO("cuMemCreate of " << over << " bytes with " << now.free << " of " << now.total << " free");
+  REQUIRE_MESSAGE(err.has_value(), "cuMemCreate of more than the free memory must fail");
+  CHECK(err->call() == "cuMemCreate");
+  CHECK(err->is_out_of_memory());
+}
+
+// An event recorded inside a capture: cuEventQuery refuses it (CUDA_ERROR_CAPTURED_EVENT) and the
+// capture is invalidated; once the capture has ended, into a graph or invalidated, it answers
+// CUDA_ERROR_INVALID_VALUE (both are what Allocator::Impl::process_events takes for "recorded in a
+// capture"); recorded again outside the capture, it queries normally.
+inline void check_captured_event_query(expseg::driver::Driver& d) {
+  using namespace expseg::driver;
+  using expseg::test::catch_driver_error;
+  const stream_t s = d.stream_create();
+  expseg::test::Undo destroy_stream([&] { d.stream_destroy(s); });
+  const event_t e = d.event_create();
+  expseg::test::Undo destroy_event([&] { d.event_destroy(e); });
+  d.capture_begin(s);  // global, as torch.cuda.graph
+  // Ends the capture if a call below threw while it was underway (run first: declared last).
+  expseg::test::Undo end_capture([&] {
+    if (d.stream_capture_id(s) == 0) return;
+    graph_t gr = nullptr;
+    (void)catch_driver_error([&] { gr = d.capture_end(s); });
+    if (gr != nullptr) d.graph_destroy(gr);
+  });
+  d.event_record(e, s);
+  auto during = catch_driver_error([&] { (void)d.event_query(e); });
+  graph_t gr = nullptr;
+  auto ended = catch_driver_error([&] { gr = d.capture_end(s); });
+  if (gr != nullptr) d.graph_destroy(gr);
+  const std::uint64_t capture_after_end = d.stream_capture_id(s);
+  end_capture.run();
+  // After the capture, before any other record.
+  bool done_after = false;
+  auto after = catch_driver_error([&] { done_after = d.event_query(e); });
+  // Recorded outside a capture, it is an ordinary event again.
+  d.event_record(e, s);
+  d.stream_synchronize(s);
+  bool done_again = false;
+  auto again = catch_driver_error([&] { done_again = d.event_query(e); });
+  destroy_event.run();
+  destroy_stream.run();
+
+  INFO("query during the capture: " << std::string(during ? during->what() : "no error"));
+  INFO("capture end: " << std::string(ended ? ended->what() : "no error"));
+  REQUIRE(during.has_value());
+  CHECK(during->call() == "cuEventQuery");
+  CHECK(during->code() == 907);  // CUDA_ERROR_CAPTURED_EVENT
+  REQUIRE(ended.has_value());
+  CHECK(ended->call() == "cuStreamEndCapture");
+  CHECK(ended->code() == 901);  // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+  CHECK(capture_after_end == 0);
+  // After the capture ended, until recorded again: CUDA_ERROR_INVALID_VALUE (measured on the H200,
+  // driver 580.159.04).
+  const std::string answered = after ? after->what() : (done_after ? "complete" : "not ready");
+  CHECK_MESSAGE((after.has_value() && after->code() == 1),
+                "a query after the capture ended, before the event is recorded again: expected CUDA_ERROR_INVALID_VALUE, "
+                "the driver answered: "
+                    << answered);
+  INFO("query after recording outside the capture: " << std::string(again ? again->what() : "no error"));
+  CHECK_FALSE(again.has_value());
+  CHECK(done_again);
+}
+
+// The same after a capture that ended into a graph (nothing queried during it), before and after
+// the graph's launch; cuEventSynchronize answers as cuEventQuery.
+inline void check_event_of_ended_capture(expseg::driver::Driver& d) {
+  using namespace expseg::driver;
+  using expseg::test::catch_driver_error;
+  const stream_t s = d.stream_create();
+  expseg::test::Undo destroy_stream([&] { d.stream_destroy(s); });
+  const event_t e = d.event_create();
+  expseg::test::Undo destroy_event([&] { d.event_destroy(e); });
+  d.capture_begin(s, Driver::CaptureMode::relaxed);
+  graph_t gr = nullptr;
+  expseg::test::Undo end_capture([&] {
+    if (d.stream_capture_id(s) != 0) (void)catch_driver_error([&] { gr = d.capture_end(s); });
+    if (gr != nullptr) d.graph_destroy(gr);
+  });
+  d.event_record(e, s);
+  gr = d.capture_end(s);
+  REQUIRE(gr != nullptr);
+  auto query = catch_driver_error([&] { (void)d.event_query(e); });
+  auto sync = catch_driver_error([&] { d.event_synchronize(e); });
+  d.graph_launch(gr, s);
+  d.stream_synchronize(s);
+  auto launched = catch_driver_error([&] { (void)d.event_query(e); });
+  d.event_record(e, s);
+  d.stream_synchronize(s);
+  bool done = false;
+  auto again = catch_driver_error([&] { done = d.event_query(e); });
+  REQUIRE(query.has_value());
+  CHECK(query->code() == 1);  // CUDA_ERROR_INVALID_VALUE
+  REQUIRE(sync.has_value());
+  CHECK(sync->code() == 1);
+  REQUIRE(launched.has_value());
+  CHECK(launched->code() == 1);
+  CHECK_FALSE(again.has_value());
+  CHECK(done);
+}
+
+// "cuMemMap can only create mappings on VA range reservations that are not currently mapped."
+// Both a full and a partial overlap are refused, and the existing mapping is untouched.
+inline void check_map_over_mapping_refused(expseg::driver::Driver& d, bool data_checks) {
+  using namespace expseg::driver;
+  using expseg::test::catch_driver_error;
+  using expseg::test::Undo;
+  const std::size_t g = d.granularity();
+  // Undone in reverse: the mappings, then the handles, then the reservation.
+  const dev_ptr base = d.reserve(4 * g);
+  Undo free_base([&] { d.free_reserve(base, 4 * g); });
+  const phys_handle a = d.create(2 * g);
+  Undo release_a([&] { d.release(a); });
+  const phys_handle b = d.create(g);
+  Undo release_b([&] { d.release(b); });
+  const phys_handle c = d.create(2 * g);
+  Undo release_c([&] { d.release(c); });
+  d.map(base, 2 * g, a);
+  Undo unmap_a([&] { d.unmap(base, 2 * g); });
+  d.set_access(base, 2 * g);
+  if (data_checks) {
+    d.memset_d32(base, 0x0A0A0A0Au, 2 * g / 4, nullptr);
+    d.stream_synchronize(nullptr);
+  }
+  auto exact = catch_driver_error([&] { d.map(base + g, g, b); });        // inside a's mapping
+  if (!exact) (void)catch_driver_error([&] { d.unmap(base + g, g); });    // a driver that took it: undone
+  auto partial = catch_driver_error([&] { d.map(base + g, 2 * g, c); });  // a's second granule + a free one
+  if (!partial) (void)catch_driver_error([&] { d.unmap(base + g, 2 * g); });
+  CHECK_MESSAGE(exact.has_value(), "mapping over a mapped granule must throw");
+  CHECK_MESSAGE(partial.has_value(), "a mapping overlapping a mapped granule must throw");
+  if (exact) {
+    CHECK(exact->call() == "cuMemMap");
+    CHECK_FALSE(exact->is_out_of_memory());
+  }
+  if (partial) {
+    CHECK(partial->call() == "cuMemMap");
+    CHECK_FALSE(partial->is_out_of_memory());
+  }
+  if (data_checks) expseg::test::check_words(d, base, 2 * g / 4, 0x0A0A0A0Au);
+  // Nothing of the refused calls remains: the free granules still take a mapping.
+  d.map(base + 2 * g, 2 * g, c);
+  Undo unmap_c([&] { d.unmap(base + 2 * g, 2 * g); });
+  unmap_c.run();
+  unmap_a.run();
+  release_c.run();
+  release_b.run();
+  release_a.run();
+  free_base.run();
+}
 
 // Two captures at once, as the capture modes allow them (CUstreamCaptureMode): cuGraphInstantiate,
 // which ends a capture into a graph, is refused while another capture underway is global, or
@@ -113,7 +384,8 @@ inline void check_capture_modes(expseg::driver::Driver& d, expseg::driver::strea
 }
 
 // Runs the contract on `d`. data_checks: also write and read device memory (needs a real device or a
-// host-backed simulator). Leaves no driver resources behind.
+// host-backed simulator). Leaves no driver resources behind. check_address_space_limit runs apart
+// (it takes all of the process's address space for a moment).
 inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
   using namespace expseg::driver;
   using expseg::test::catch_driver_error;
@@ -310,8 +582,16 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     d.stream_synchronize(s);
     CHECK(d.event_query(e));
     // Which streams the legacy stream waits for: not a created (non-blocking) one; a blocking one,
-    // the legacy and the per-thread default streams.
+    // the legacy and the per-thread default streams. Each question is one counted stream query.
+    const CallStats queries_before = d.call_stats();
     CHECK_FALSE(d.stream_is_blocking(s));
+    CHECK(d.stream_capture_id(s) == 0);
+    {
+      const CallStats c = d.call_stats().since(queries_before);
+      CHECK(c.calls[static_cast<std::size_t>(Op::stream_query)] == 2);
+      const auto named = c.by_call();
+      CHECK(std::any_of(named.begin(), named.end(), [](const expseg::DriverCallTime& t) { return t.call == "cuStreamGetCaptureInfo" && t.calls == 2; }));
+    }
     CHECK(d.stream_is_blocking(nullptr));
     CHECK(d.stream_is_blocking(reinterpret_cast<stream_t>(std::uintptr_t{2})));
     const stream_t blocking = d.stream_create_blocking();
@@ -336,4 +616,11 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     d.event_destroy(e);
     d.stream_destroy(s);
   }
+
+  // --- the codes the allocator depends on ---
+  check_create_beyond_free_is_oom(d);
+  check_captured_event_query(d);
+  check_event_of_ended_capture(d);
+  check_map_over_mapping_refused(d, data_checks);
+  check_ipc_handle_unique_per_allocation(d);
 }

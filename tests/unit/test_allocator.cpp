@@ -607,7 +607,7 @@ TEST_CASE("allocator: simulated-device settings that cannot work together are co
     CHECK(key == "sim_capacity");
     CHECK(contains(msg, "at most 65535TiB"));
     c = sim_config(b);
-    c.va_size = std::size_t{1} << 50;  // the most a config may say: fits the simulated device
+    c.va_size = std::size_t{1} << 50;  // the most a config may say (no allocation here: reserving it would fail)
     CHECK(failure(c).first == "<none>");
     c.va_size = SIZE_MAX;  // wrapped to 2 MiB in the expandable backend's rounding
     CHECK(failure(c).first == "expandable_va_size");
@@ -620,7 +620,7 @@ TEST_CASE("allocator: simulated-device settings that cannot work together are co
   CAPTURE(msg);
   CHECK(key == "expandable_va_size");
   CHECK(contains(msg, "the default, 2x sim_capacity = 80000TiB,"));
-  for (const char* conf : {"", "expandable_va_size:1024TiB"}) {
+  for (const char* conf : {"", "expandable_va_size:64TiB"}) {
     CAPTURE(conf);
     const BackendKind b = *conf ? BackendKind::expandable : BackendKind::split_merge;
     Allocator a(sim_config(b, 40000 * (std::size_t{1} << 40), conf));
@@ -628,6 +628,18 @@ TEST_CASE("allocator: simulated-device settings that cannot work together are co
     a.deallocate(p);
     a.validate();
   }
+  // The most expandable_va_size may say (1 PiB) is past a process's address space (about 128 TiB,
+  // on CUDA and the simulated device): the allocation is an OOM for the address range, as on a GPU.
+  Allocator a(sim_config(BackendKind::expandable, 40000 * (std::size_t{1} << 40), "expandable_va_size:1024TiB"));
+  std::string oom = "<no out_of_memory>";
+  try {
+    (void)a.allocate(512);
+  } catch (const expseg::out_of_memory& e) {
+    oom = e.what();
+  }
+  CAPTURE(oom);
+  CHECK(contains(oom, "No address range could be reserved"));
+  a.validate();
 }
 
 TEST_CASE("allocator: record_stream of a freed pointer names the operation; bad device indices are expseg errors") {

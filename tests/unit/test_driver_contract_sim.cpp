@@ -49,4 +49,22 @@ TEST_SUITE("driver") {
     check_driver_contract(d, false);
     check_nothing_left(d);
   }
+
+  TEST_CASE("driver: the address space runs out on a bookkeeping SimDriver") {
+    const std::size_t others = SimDriver::address_space_in_use();
+    SimDriver d;
+    check_address_space_limit(d);
+    check_nothing_left(d);
+    CHECK(SimDriver::address_space_in_use() == others);
+  }
+
+  TEST_CASE("driver: the address space runs out on a host-backed SimDriver") {
+    // The host's own address space (mmap says ENOMEM), as large as a CUDA process's.
+    SimOptions o;
+    o.host_backed = true;
+    o.capacity = std::size_t{256} << 20;
+    SimDriver d(o);
+    check_address_space_limit(d);
+    check_nothing_left(d);
+  }
 }

@@ -106,7 +106,9 @@ TEST_CASE("slow path regression: thousands of streams: a cached allocation does 
   // past its highest mark, which gives back only the growing stream's idle memory, walked every
   // stream's idle handles to find it (625 us a growth at 8000 streams).
   constexpr int n = 3000;
-  Allocator a(sim_config(BackendKind::expandable, 1024 * GiB));
+  // 16 GiB of address range a stream: 3000 streams' segments fit the process's 128 TiB (the default,
+  // 2x the device, would not: streams would then give each other's idle memory back).
+  Allocator a(sim_config(BackendKind::expandable, 1024 * GiB, "expandable_va_size:16GiB"));
   auto stream = [](int i) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(0x10000 + 16 * i)); };
   for (int i = 0; i < n; ++i) a.deallocate(a.allocate(512, stream(i)));
   const auto& be = dynamic_cast<const expseg::backends::ExpandableBackend&>(expseg::detail::AllocatorAccess::backend(a));

@@ -445,9 +445,9 @@ TEST_SUITE("regression-streams") {
 TEST_CASE("expandable: streams used once do not use up the address range; release_cached gives their ranges back") {
   // Each stream's segment reserves about twice the device's memory of address range. A program that
   // uses many streams over its life (a stream per request, never released) ran out of range: every
-  // later new stream failed, even after release_cached, with nothing allocated. Here the simulated
-  // span holds 63 segments of 1024 TiB.
-  const auto conf = sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:1024TiB");
+  // later new stream failed, even after release_cached, with nothing allocated. Here the process's
+  // address space (128 TiB, as a CUDA process's) holds 64 segments of 2 TiB.
+  const auto conf = sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:2TiB");
   auto stream = [](int i) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(0x10000 + 16 * i)); };
   {
     expseg::Allocator a(conf);

@@ -263,6 +263,17 @@ TEST_SUITE("sim") {
     check_nothing_left(s);
     CHECK(s.calls(Op::export_handle) == 2);
     CHECK(s.calls(Op::import_handle) == 2);
+
+    // Stream queries: either one counts as Op::stream_query, and fails with the call's own name.
+    const stream_t st = d.stream_create();
+    d.inject_fault(Op::stream_query, 2, Fault::error);
+    CHECK(d.stream_capture_id(st) == 0);
+    CHECK(catch_driver_error([&] { (void)d.stream_is_blocking(st); }).value().call() == "cuStreamGetFlags");
+    d.inject_fault(Op::stream_query, 1, Fault::error);
+    CHECK(catch_driver_error([&] { (void)d.stream_capture_id(st); }).value().call() == "cuStreamGetCaptureInfo");
+    CHECK_FALSE(d.stream_is_blocking(st));
+    CHECK(d.calls(Op::stream_query) == 4);
+    d.stream_destroy(st);
   }
 
   TEST_CASE("sim: leak counters") {
@@ -752,6 +763,9 @@ TEST_SUITE("sim") {
     d.event_synchronize(e);
     d.device_synchronize();
     CHECK(added_us() == doctest::Approx(10.0));
+    CHECK(d.stream_capture_id(nullptr) == 0);
+    CHECK(d.stream_is_blocking(nullptr));
+    CHECK(added_us() == doctest::Approx(2 * 0.02));  // stream queries: ~20 ns each
     d.event_destroy(e);
     d.free_reserve(base, 16 * GiB);
     check_nothing_left(d);
@@ -764,6 +778,8 @@ TEST_SUITE("sim") {
     CHECK(c.calls[static_cast<std::size_t>(Op::stream_sync)] == 3);
     CHECK(c.seconds[static_cast<std::size_t>(Op::stream_sync)] * 1e6 == doctest::Approx(15.0));
     CHECK(c.calls[static_cast<std::size_t>(Op::create)] == 7);
+    CHECK(c.calls[static_cast<std::size_t>(Op::stream_query)] == 2);
+    CHECK(c.seconds[static_cast<std::size_t>(Op::stream_query)] * 1e6 == doctest::Approx(0.04));
     CHECK(c.total_seconds() == doctest::Approx(d.simulated_seconds()));
 
     // Smaller than the table: clamped at 2 MiB.
@@ -1044,6 +1060,85 @@ TEST_SUITE("sim") {
       check_invalid(d, "cuIpcOpenMemHandle", [&] { (void)d.ipc_open(ex); });
       check_nothing_left(d);
     }
+    SUBCASE("ipc: a new allocation at a freed one's address exports a new handle; the stale one opens nothing") {
+      for (bool host : {false, true}) {
+        CAPTURE(host);
+        SimDriver d(host ? host_backed() : SimOptions{});
+        const dev_ptr p = d.mem_alloc(4096);
+        const ExportedHandle stale = d.ipc_export(p);
+        CHECK(d.ipc_export(p).bytes == stale.bytes);  // the same allocation: the same handle
+        d.mem_free(p);
+        const dev_ptr q = d.mem_alloc(4096);
+        REQUIRE(q == p);  // the freed range is taken again first
+        const ExportedHandle fresh = d.ipc_export(q);
+        CHECK(fresh.bytes != stale.bytes);
+        // Was: the stale handle opened the new allocation, which its exporter never shared.
+        check_invalid(d, "cuIpcOpenMemHandle", [&] { (void)d.ipc_open(stale); });
+        const dev_ptr opened = d.ipc_open(fresh);
+        CHECK(opened == q);
+        d.ipc_close(opened);
+        d.mem_free(q);
+        check_nothing_left(d);
+      }
+    }
+  }
+
+  TEST_CASE("sim: bookkeeping drivers share one process address space, bounded by SimOptions::address_space") {
+    constexpr std::size_t TiB = std::size_t{1} << 40;
+    CHECK(SimOptions{}.address_space == std::size_t{1} << 47);  // 128 TiB, as a CUDA process has
+    const std::size_t others = SimDriver::address_space_in_use();  // drivers other tests keep alive
+    {
+      // The default: a 1 PiB reservation (the most an expandable segment may ask) is refused.
+      SimDriver d;
+      auto err = catch_driver_error([&] { (void)d.reserve(1024 * TiB); });
+      REQUIRE(err.has_value());
+      CHECK(err->call() == "cuMemAddressReserve");
+      CHECK(err->code() == 2);
+      CHECK(err->is_out_of_memory());
+      CHECK(d.live().reservations == 0);
+      CHECK(SimDriver::address_space_in_use() == others);
+    }
+    // Lowered to 8 GiB past what others hold: two devices' drivers draw on it together.
+    SimOptions o;
+    o.device_count = 2;
+    o.address_space = others + 8 * GiB;
+    SimOptions o1 = o;
+    o1.device = 1;
+    SimDriver d0(o), d1(o1);
+    const dev_ptr a = d0.reserve(4 * GiB);
+    const dev_ptr b = d1.reserve(3 * GiB);
+    const dev_ptr m = d1.mem_alloc(GiB - 100);  // a cuMemAlloc takes address space too, rounded to granules
+    CHECK(SimDriver::address_space_in_use() == others + 8 * GiB);
+    for (SimDriver* d : {&d0, &d1}) {
+      const SimDriver::Live before = d->live();
+      auto err = catch_driver_error([&] { (void)d->reserve(d->granularity()); });
+      REQUIRE(err.has_value());
+      CHECK(err->call() == "cuMemAddressReserve");
+      CHECK(err->is_out_of_memory());
+      CHECK(std::string(err->what()).find("address space") != std::string::npos);
+      check_same(d->live(), before);
+      err = catch_driver_error([&] { (void)d->mem_alloc(100); });
+      REQUIRE(err.has_value());
+      CHECK(err->call() == "cuMemAlloc");
+      CHECK(err->is_out_of_memory());
+      check_same(d->live(), before);
+    }
+    CHECK(SimDriver::address_space_in_use() == others + 8 * GiB);
+    d1.mem_free(m);
+    const dev_ptr c = d0.reserve(GiB);  // what the free gave back
+    d0.free_reserve(a, 4 * GiB);
+    d0.free_reserve(c, GiB);
+    {
+      // A driver destroyed with its reservations still made (a leak) gives their address space back.
+      SimDriver leaky(o);
+      (void)leaky.reserve(5 * GiB);
+      CHECK(SimDriver::address_space_in_use() == others + 8 * GiB);
+    }
+    CHECK(SimDriver::address_space_in_use() == others + 3 * GiB);
+    d1.free_reserve(b, 3 * GiB);
+    CHECK(SimDriver::address_space_in_use() == others);
+    check_nothing_left(d0);
+    check_nothing_left(d1);
   }
 
   TEST_CASE("sim: many threads at once") {
