@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -63,6 +64,29 @@ std::size_t open_fds() {
   std::size_t n = 0;
   for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
   return n;
+}
+
+// The process's memory mappings (/proc/self/maps): how many, and their bytes in all.
+struct Mappings {
+  std::size_t count = 0;
+  std::uint64_t bytes = 0;
+};
+Mappings process_mappings() {
+  Mappings m;
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    std::uint64_t lo = 0;
+    std::uint64_t hi = 0;
+    const auto dash = line.find('-');
+    const auto space = line.find(' ');
+    if (dash == std::string::npos || space == std::string::npos) continue;
+    lo = std::stoull(line.substr(0, dash), nullptr, 16);
+    hi = std::stoull(line.substr(dash + 1, space - dash - 1), nullptr, 16);
+    ++m.count;
+    m.bytes += hi - lo;
+  }
+  return m;
 }
 
 std::vector<std::uint32_t> read_words(SimDriver& d, dev_ptr p, std::size_t bytes) {
@@ -466,6 +490,8 @@ TEST_SUITE("sim") {
 
   TEST_CASE("sim: host-backed resources go back to the OS, also when leaked") {
     const std::size_t fds = open_fds();
+    const Mappings before = process_mappings();
+    std::uint64_t arena_bytes = 0;
     {
       SimOptions o = host_backed();
       o.shareable = ShareableHandle::posix_fd;
@@ -488,8 +514,14 @@ TEST_SUITE("sim") {
       (void)d.mem_alloc(100);
       d.map(base, g, d.create(g));
       CHECK(open_fds() == fds + 2);
+      arena_bytes = process_mappings().bytes - before.bytes;
     }
     CHECK(open_fds() == fds);
+    // The host memory too: the arena (reservations, mappings) and cuMemAlloc's ranges are unmapped.
+    // (The heap, or a sanitizer's allocator, may have mapped more meanwhile; the arena is far larger.)
+    const Mappings after = process_mappings();
+    CHECK(arena_bytes > 1 * GiB);
+    CHECK(after.bytes < before.bytes + arena_bytes / 2);
   }
 
   TEST_CASE("sim: bookkeeping mode refuses data access") {
