@@ -1123,6 +1123,9 @@ void Harness::op_fault(Source& src) {
   if (r < 3) op = kCommon[src.below(std::size(kCommon))];
   else if (r < 9) op = options_.backend == BackendKind::expandable ? kVmm[src.below(std::size(kVmm))] : kPlain[src.below(std::size(kPlain))];
   else op = static_cast<Op>(src.below(expseg::driver::kOpCount));
+  // Not a stream query: cuStreamGetCaptureInfo fails only for a stream that does not exist, and
+  // what expseg assumes then (no capture) is not what this model expects of a capture it began.
+  if (op == Op::stream_query) op = Op::event_query;
   const std::uint64_t nth = 1 + src.below(4);
   const Fault fault = src.chance(50) ? Fault::out_of_memory : Fault::error;
   std::erase_if(armed_, [&](const auto& a) { return sim_->calls(a.first) >= a.second; });
