@@ -9,6 +9,9 @@
 //                                                                        2 MiB handles
 //   expseg_hotpath replay <split_merge|expandable> [iterations] [trace]  replay() of a trace (default:
 //                                                                        the shipped ResNet-50 trace)
+//   expseg_hotpath capi  <split_merge|expandable> [iterations] [bytes]   cached expseg_malloc+expseg_free
+//                                                                        (what PyTorch's pluggable allocator calls)
+//   expseg_hotpath cupy  <split_merge|expandable> [iterations] [bytes]   cached expseg_cupy_malloc+free
 //
 // The cache is warmed first (one pair; 20000 churn steps); only hot_loop() runs the measured part:
 //   valgrind --tool=callgrind --toggle-collect='*hot_loop*' build/benchmarks/expseg_hotpath churn expandable 200000
@@ -28,6 +31,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "expseg/expseg.h"
 #include "expseg/trace.hpp"
 
 #if defined(__linux__)
@@ -51,6 +55,23 @@ using expseg::bench::ExpsegSubject;
     void* p = s.alloc(bytes, nullptr);
     asm volatile("" : : "r"(p) : "memory");
     s.free(p, nullptr);
+  }
+}
+
+// The C API pairs: what PyTorch's CUDAPluggableAllocator and CuPy's CFunctionAllocator call.
+[[gnu::noinline]] void hot_loop_capi(std::size_t bytes, long iterations) {
+  for (long i = 0; i < iterations; ++i) {
+    void* p = expseg_malloc(static_cast<ssize_t>(bytes), 0, nullptr);
+    asm volatile("" : : "r"(p) : "memory");
+    expseg_free(p, static_cast<ssize_t>(bytes), 0, nullptr);
+  }
+}
+
+[[gnu::noinline]] void hot_loop_cupy(std::size_t bytes, long iterations) {
+  for (long i = 0; i < iterations; ++i) {
+    void* p = expseg_cupy_malloc(nullptr, bytes, 0);
+    asm volatile("" : : "r"(p) : "memory");
+    expseg_cupy_free(nullptr, p, 0);
   }
 }
 
@@ -136,7 +157,7 @@ class Counters {
 };
 
 int usage() {
-  std::fprintf(stderr, "usage: expseg_hotpath pair|churn|wide|replay split_merge|expandable [iterations] [bytes|trace]\n");
+  std::fprintf(stderr, "usage: expseg_hotpath pair|churn|wide|replay|capi|cupy split_merge|expandable [iterations] [bytes|trace]\n");
   return 2;
 }
 
@@ -155,6 +176,28 @@ int main(int argc, char** argv) {
   else if (backend == "expandable") cfg.backend = expseg::BackendKind::expandable;
   else return usage();
 
+  if (workload == "capi" || workload == "cupy") {
+    // The C API's allocators take their configuration from EXPSEG_ALLOC_CONF and expseg_configure.
+    const std::string conf = std::string("backend:") + backend + (cfg.device == expseg::DeviceKind::sim ? ",device:sim" : "");
+    if (expseg_configure(conf.c_str()) != EXPSEG_SUCCESS) {
+      std::fprintf(stderr, "expseg_configure(%s): %s\n", conf.c_str(), expseg_last_error());
+      return 1;
+    }
+    const bool cupy = workload == "cupy";
+    if (cupy) expseg_cupy_free(nullptr, expseg_cupy_malloc(nullptr, bytes, 0), 0);
+    else expseg_free(expseg_malloc(static_cast<ssize_t>(bytes), 0, nullptr), 0, 0, nullptr);
+    Counters counters;
+    const auto w = std::chrono::steady_clock::now();
+    counters.start();
+    if (cupy) hot_loop_cupy(bytes, iterations);
+    else hot_loop_capi(bytes, iterations);
+    counters.stop();
+    const auto t1 = std::chrono::steady_clock::now();
+    counters.print(iterations);
+    std::printf("%s %s %zu B: %.1f ns/pair over %ld\n", workload.c_str(), backend.c_str(), bytes,
+                std::chrono::duration<double, std::nano>(t1 - w).count() / static_cast<double>(iterations ? iterations : 1), iterations);
+    return 0;
+  }
   if (workload == "wide") cfg.max_handle_size = std::size_t{2} << 20;  // memory that grew in small handles
   ExpsegSubject s(cfg);
   if (workload == "wide") {

@@ -321,10 +321,10 @@ void Allocator::Impl::deallocate(void* ptr) {
   recent_frees[recent_next++ % recent_frees.size()] = addr;
 }
 
-void Allocator::Impl::deallocate_for_good(void* ptr) {
+// Called inside the handler of deallocate's exception, which `throw;` rethrows.
+void Allocator::Impl::recover_failed_deallocate(void* ptr) {
   try {
-    deallocate(ptr);
-    return;
+    throw;
   } catch (const invalid_pointer&) {
     throw;
   } catch (...) {

@@ -28,7 +28,16 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // deallocate fails after the pointer was found (an event for another stream's use could not be
   // made or recorded), the block stays live no more: the device is synchronized, so no stream's
   // work uses it, and it is freed. Throws what deallocate throws only when that fails too.
-  void deallocate_for_good(void* ptr);
+  // Inline, so the C API's free makes one call into the allocator, not two.
+  void deallocate_for_good(void* ptr) {
+    try {
+      deallocate(ptr);
+    } catch (...) {
+      recover_failed_deallocate(ptr);
+    }
+  }
+  // deallocate_for_good's recovery; called only inside the handler of deallocate's exception.
+  void recover_failed_deallocate(void* ptr);
   void record_stream(void* ptr, driver::stream_t stream);
 
   // FrontendHooks

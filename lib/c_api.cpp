@@ -230,14 +230,19 @@ int fail_as_misuse(const char* fn) noexcept {
   }
 }
 
-bool valid_device(int device, const char* fn) noexcept {
-  if (device >= 0 && device < kMaxDevices) return true;
+[[gnu::cold, gnu::noinline]] void report_invalid_device(int device, const char* fn) noexcept {
   try {
     set_error(EXPSEG_ERROR_INVALID_DEVICE, fn,
               "device " + std::to_string(device) + " is out of range (0 .. " + std::to_string(kMaxDevices - 1) + ")");
   } catch (...) {
     set_error(EXPSEG_ERROR_INVALID_DEVICE, fn, "device index out of range");
   }
+}
+
+// Inline, with its error out of line: every malloc and free asks.
+inline bool valid_device(int device, const char* fn) noexcept {
+  if (device >= 0 && device < kMaxDevices) [[likely]] return true;
+  report_invalid_device(device, fn);
   return false;
 }
 
@@ -268,10 +273,8 @@ Config new_allocator_config_locked() {
   return c;
 }
 
-// The device's allocator, created on first use. nullptr (with the error set) on failure.
-Allocator* get_or_create(int device, const char* fn) noexcept {
-  if (!valid_device(device, fn)) return nullptr;
-  if (Allocator* a = existing(device)) return a;
+// Creates the device's allocator unless another thread did first. nullptr (with the error set) on failure.
+[[gnu::cold, gnu::noinline]] Allocator* create_allocator(int device, const char* fn) noexcept {
   try {
     Shared& s = shared();
     std::lock_guard<std::mutex> lock(s.mu);
@@ -285,6 +288,14 @@ Allocator* get_or_create(int device, const char* fn) noexcept {
     fail_current(fn);
     return nullptr;
   }
+}
+
+// The device's allocator, created on first use. nullptr (with the error set) on failure. Inline,
+// with the creation out of line: every malloc asks.
+inline Allocator* get_or_create(int device, const char* fn) noexcept {
+  if (!valid_device(device, fn)) return nullptr;
+  if (Allocator* a = existing(device)) [[likely]] return a;
+  return create_allocator(device, fn);
 }
 
 // Remembers the report of the calling thread's failed allocation on `device`; nullptr: it failed
