@@ -10,6 +10,8 @@
 //
 // Workloads (benchmark name -> what the counters mean; times are wall-clock: UseRealTime or manual):
 //   pair/<target>/<size>                 cached allocate+free of one size; ns_per_pair
+//   pair/capi_<backend>:<device>/<size>  the same through expseg_malloc/expseg_free (the C API
+//                                        PyTorch's CUDAPluggableAllocator and CuPy call)
 //   churn64/<target>                     torch_anchor.py's 64-slot random churn; ns_per_step
 //   churn_mt/<target>/<streams>/t<N>     N threads, each with its own 64 slots, on its own stream
 //                                        (own_streams) or all on the default stream
@@ -512,6 +514,21 @@ void register_all() {
             ->UseRealTime();
       }
     });
+  }
+
+  // Cached pairs through the C API.
+  for (const Target& t : targets) {
+    if (t.kind != Kind::expseg) continue;
+    const std::string label = "capi_" + t.label;
+    const std::string conf = std::string("backend:") + (t.config.backend == BackendKind::expandable ? "expandable" : "split_merge") +
+                             (t.cuda ? ",device:cuda" : ",device:sim");
+    const Make<CapiSubject> make([conf] { return std::make_unique<CapiSubject>(conf); });
+    for (std::size_t bytes : pair_sizes) {
+      const std::string name = "pair/" + label + "/" + size_label(bytes);
+      benchmark::RegisterBenchmark(name.c_str(), [name, make, bytes](benchmark::State& st) { bm_pair<CapiSubject>(st, name, make, bytes); })
+          ->MinTime(t_short)
+          ->UseRealTime();
+    }
   }
 
   // 64-slot churn.

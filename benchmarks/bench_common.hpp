@@ -6,6 +6,7 @@
 //   ExpsegSubject          expseg::Allocator (split_merge or expandable, device:sim or device:cuda)
 //   CuMemAllocSubject      cuMemAlloc / cuMemFree through the driver layer (GPU only)
 //   CuMemAllocAsyncSubject cuMemAllocAsync / cuMemFreeAsync on the driver's default pool (GPU only)
+//   CapiSubject            expseg_malloc / expseg_free: what PyTorch's CUDAPluggableAllocator calls
 // All three are safe to call from several threads at once (expseg takes its lock; the CUDA driver
 // is thread-safe and CudaDriver keeps no mutable state on these calls).
 #pragma once
@@ -16,14 +17,17 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "c_api_internal.hpp"
 #include "allocator_impl.hpp"
 #include "driver/driver.hpp"
 #include "expseg/allocator.hpp"
 #include "expseg/config.hpp"
+#include "expseg/expseg.h"
 
 namespace expseg::bench {
 
@@ -119,6 +123,25 @@ class CuMemAllocAsyncSubject final : public Subject {
  private:
   driver::Driver& drv_;
   StreamSet streams_;
+};
+
+// The C API's allocator of device 0, made from `conf` (plus EXPSEG_ALLOC_CONF, as for every C API
+// user). The C API has one allocator per device, so one CapiSubject lives at a time (the holder's rule).
+class CapiSubject final : public Subject {
+ public:
+  explicit CapiSubject(const std::string& conf) {
+    capi::reset_for_tests();
+    if (expseg_configure(conf.c_str()) != EXPSEG_SUCCESS) throw std::runtime_error(expseg_last_error());
+  }
+  ~CapiSubject() override { capi::reset_for_tests(); }
+  CapiSubject(const CapiSubject&) = delete;
+  CapiSubject& operator=(const CapiSubject&) = delete;
+  void* alloc(std::size_t bytes, stream_t stream) {
+    void* p = expseg_malloc(static_cast<ssize_t>(bytes), 0, stream);
+    if (p == nullptr) [[unlikely]] throw std::runtime_error(expseg_last_error());
+    return p;
+  }
+  void free(void* p, stream_t stream) { expseg_free(p, 0, 0, stream); }
 };
 
 // ---------------------------------------------------------------------------------------------
