@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Summarizes `expseg scenario random-churn --sizes ... --json` lines (gpu_session.sh's mixes phase):
-per size mix and backend, the OOMs over all seeds, the fragmentation OOMs, the OOMs while live bytes
-plus the request were <= 98% of the limit, the lowest fill at an OOM with the page slack of that OOM
+per size mix and backend, the OOMs over all seeds, the OOMs with verdict fragmentation (`frag`), the
+OOMs while live bytes plus the request were <= 98% of the limit (`<=98%`: what the acceptance
+criterion calls a fragmentation OOM; expandable's there have verdict limit, the pages that live
+blocks touch being full), the lowest fill at an OOM with the page slack of that OOM
 (expandable: free bytes inside pages live blocks use partly, as a share of the limit), and the wall
 time."""
 import json
@@ -29,8 +31,15 @@ def main(path):
         ms = "/".join(f"{1e3 * r['seconds']:.0f}" for r in rs)
         print(f"{mib(lo) + '-' + mib(hi):<14} {mib(limit):>8} {backend:<12} {len(rs):>5} {sum(r['ooms'] for r in rs):>5} "
               f"{sum(r['fragmentation_ooms'] for r in rs):>5} {sum(r['ooms_below_98pct'] for r in rs):>6} {lowest:>11} {slack:>11} {ms:>20}")
+    # Exit status: 1 when expandable has an OOM with verdict fragmentation (a regression: its OOMs
+    # under a limit are where the pages run out). The <=98% count is printed, not judged: for
+    # mid-sized and small blocks it is page slack (benchmarks/PERFORMANCE.md), and the last line says so.
     bad = [k for k, rs in rows.items() if k[3] == "expandable" and any(r["fragmentation_ooms"] for r in rs)]
-    print("expandable fragmentation OOMs: " + ("none" if not bad else ", ".join(f"{mib(k[0])}-{mib(k[1])}" for k in bad)))
+    print("expandable OOMs with verdict fragmentation: " + ("none" if not bad else ", ".join(f"{mib(k[0])}-{mib(k[1])}" for k in bad)))
+    below = [(k, sum(r["ooms_below_98pct"] for r in rs)) for k, rs in rows.items() if k[3] == "expandable"]
+    below = [(k, n) for k, n in below if n]
+    print("expandable OOMs at <= 98% of the limit (the criterion's fragmentation OOMs): " +
+          ("none" if not below else ", ".join(f"{mib(k[0])}-{mib(k[1])} {n}" for k, n in below)))
     return 1 if bad else 0
 
 
