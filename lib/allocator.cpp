@@ -19,9 +19,6 @@ using core::BlockStatus;
 
 namespace {
 
-// 1 EiB, PyTorch's bound: larger requests cannot be rounded without overflow, and no device has
-// this much memory.
-constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
 // An event last recorded in a capture (one expseg was not told of, underway at a free's record)
 // cannot be queried until it is recorded again: CUDA_ERROR_CAPTURED_EVENT (907) while the capture
 // is underway, and once it has ended CUDA_ERROR_INVALID_VALUE (1), measured on the H200 (driver

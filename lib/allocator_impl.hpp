@@ -18,6 +18,11 @@
 
 namespace expseg {
 
+// 1 EiB, PyTorch's bound: larger requests cannot be rounded without overflow, and no device has
+// this much memory. They are refused up front: out_of_memory with a report, but no OOM of the
+// allocator (num_ooms, the observer, oom_dump and the C API's callback do not see them).
+inline constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
+
 struct Allocator::Impl final : backends::FrontendHooks {
   Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv);
   ~Impl() override;

@@ -327,8 +327,10 @@ void* allocate(std::size_t size, int device, expseg_stream_t stream, const char*
     return a->allocate(size, stream);
   } catch (const out_of_memory& e) {
     set_thread_oom(device, &e.report());
-    notify_oom(device, e.report());
-    set_thread_oom(device, &e.report());  // again: an allocation the callback made may have failed too
+    if (size < kMaxRequest) {  // a request refused up front is no OOM of the allocator: no callback
+      notify_oom(device, e.report());
+      set_thread_oom(device, &e.report());  // again: an allocation the callback made may have failed too
+    }
     set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
     if (print_oom && g_oom_stderr.load(std::memory_order_relaxed))
       std::fprintf(stderr, "expseg: %s returns NULL (out of memory):\n%s\n", fn, e.what());
@@ -445,8 +447,10 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
     return a->allocate(static_cast<std::size_t>(size), stream);
   } catch (const out_of_memory& e) {
     set_thread_oom(device, &e.report());
-    notify_oom(device, e.report());
-    set_thread_oom(device, &e.report());  // again: an allocation the callback made may have failed too
+    if (static_cast<std::size_t>(size) < kMaxRequest) {  // a request refused up front is no OOM of the allocator: no callback
+      notify_oom(device, e.report());
+      set_thread_oom(device, &e.report());  // again: an allocation the callback made may have failed too
+    }
     set_error(EXPSEG_ERROR_OUT_OF_MEMORY, fn, e.what());
     throw;
   } catch (...) {

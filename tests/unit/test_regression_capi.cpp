@@ -15,6 +15,7 @@
 
 #include "allocator_impl.hpp"
 #include "c_api_internal.hpp"
+#include "core/json.hpp"
 #include "driver/sim_driver.hpp"
 #include "capi_fixture.hpp"
 #include "expseg/allocator.hpp"
@@ -403,4 +404,29 @@ TEST_CASE("c api: an expseg_ipc_close whose synchronization fails leaves the imp
   for (int fd : own) ::close(fd);
   expseg_free(p, 4 * MiB, 0, nullptr);
   expseg_reset_for_tests();
+}
+
+TEST_CASE_FIXTURE(CApiFixture, "capi regression: a request of 1 EiB or more is refused up front on every entry point, without the OOM callback") {
+  // As the C++ observer (and PyTorch's OOM observers) the callback sees only OOMs of the allocator.
+  // Was: expseg_malloc, expseg_cupy_malloc and expseg_torch_malloc called it for these requests,
+  // with num_ooms still 0.
+  std::vector<std::int64_t> requested;
+  const auto record = [](int, const char* json, void* user) {
+    const auto j = expseg::core::parse_json(json);
+    static_cast<std::vector<std::int64_t>*>(user)->push_back(j["requested_bytes"].as_int());
+  };
+  REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB,limit:256MiB") == EXPSEG_SUCCESS);
+  REQUIRE(expseg_set_oom_callback(record, &requested) == EXPSEG_SUCCESS);
+  const std::size_t huge = std::size_t{1} << 60;
+  CHECK(expseg_malloc(static_cast<ssize_t>(huge), 0, nullptr) == nullptr);
+  CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
+  CHECK(expseg_cupy_malloc(nullptr, SIZE_MAX, 0) == nullptr);
+  CHECK_THROWS_AS(expseg_torch_malloc(static_cast<ssize_t>(huge), 0, nullptr), expseg::out_of_memory);
+  CHECK(requested.empty());
+  // The report is still there to read.
+  CHECK(std::string(expseg_last_oom_report(0)).find("out of memory") != std::string::npos);
+  // Just under 1 EiB is an OOM of the allocator: the callback hears of it.
+  CHECK(expseg_malloc(static_cast<ssize_t>(huge - 1), 0, nullptr) == nullptr);
+  CHECK(requested == std::vector<std::int64_t>{static_cast<std::int64_t>(huge - 1)});
+  REQUIRE(expseg_set_oom_callback(nullptr, nullptr) == EXPSEG_SUCCESS);
 }
