@@ -1502,6 +1502,17 @@ TEST_CASE("graph pool: restore_graph_pool_block puts freed blocks back exactly w
     void* elsewhere = sa->allocate(1 * MiB, s);
     sa->deallocate(elsewhere);
     CHECK_THROWS_WITH_AS(sa->restore_graph_pool_block(3, elsewhere, 1 * MiB), doctest::Contains("not free memory"), expseg::error);
+    // Past the pool's memory: at the end of its segment and deep in its range. On expandable both lie
+    // in the reserved range, never mapped. Was: a crash (the walk for the block there ran off the list).
+    std::uint64_t seg_end = 0;
+    for (const auto& seg : sa->snapshot().segments)
+      if (seg.address <= addr(ptrs[0]) && addr(ptrs[0]) < seg.address + seg.size) seg_end = seg.address + seg.size;
+    REQUIRE(seg_end != 0);
+    for (const std::uint64_t at : {seg_end, seg_end + 64 * MiB}) {
+      CAPTURE(at);
+      CHECK_THROWS_WITH_AS(sa->restore_graph_pool_block(3, reinterpret_cast<void*>(at), 512), doctest::Contains("not free memory"),
+                           expseg::error);
+    }
     CHECK(sa->graph_pool_blocks(3).size() == checkpoint.size() - 1);
     sa->validate();
     for (std::size_t i = 0; i < ptrs.size(); ++i)

@@ -1165,6 +1165,8 @@ Block* ExpandableBackend::allocate_at(driver::stream_t stream, std::uint64_t add
   if (arena == nullptr) return nullptr;
   for (ExpSegment* seg : arena->segments) {
     if (addr < seg->base || addr - seg->base >= seg->va_bytes || seg->va_bytes - (addr - seg->base) < size) continue;
+    // Reserved but never mapped (or unmapped since): no free memory of the pool there.
+    if (frame_handle(*seg, frame_of(*seg, addr)) == nullptr) return nullptr;
     Block* b = mapped_block_at(*seg, addr);
     if (!b->is_free() || !b->mapped || b->end() - addr < size) return nullptr;
     reserve_runs(1);

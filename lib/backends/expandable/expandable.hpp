@@ -274,6 +274,8 @@ class ExpandableBackend final : public Backend {
   std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr, bool largest_first = false);
   void unmap_handle(ExpHandle* h);
   void unmap_mapping(ExpHandle* h);
+  // The block holding addr, which must lie in a mapped frame of seg (found by walking from the
+  // nearest unmapped blocks: nothing else bounds the walk).
   core::Block* mapped_block_at(const ExpSegment& seg, std::uint64_t addr) const noexcept;
   void keep_as_orphan(ExpHandle* h, bool still_mapped, std::uint64_t addr);
   void retry_orphans();
