@@ -124,7 +124,7 @@ class Allocator {
   // begin_graph_pool is safe), or it is the calling thread's per-thread stream; what a
   // synchronization it refuses would take then stays cached. Its blocks are not
   // kept apart: use begin_graph_pool for graphs. Throws expseg::error for a
-  // stream that is not capturing, a capture that already has a pool, pool 0, or an unknown pool.
+  // stream that is not capturing, a capture that already has a pool, or pool 0.
   void begin_graph_pool(std::uint64_t pool, stream_t capture_stream);
   // Optional, just before cuStreamBeginCapture(s) and begin_graph_pool(pool, s): asks now whether
   // `s` blocks (cuStreamGetFlags; it cannot be asked once s captures). When every told capture

@@ -17,7 +17,9 @@
  * the process exits (they are never destroyed, so frees that arrive during interpreter or library
  * teardown stay valid); the operating system reclaims device memory at exit. Queries (stats,
  * snapshot, OOM report, limit) never create an allocator: for a device without one they answer
- * "nothing yet" (zero stats, an empty snapshot, no report) or what it will be created with (limit).
+ * "nothing yet" (zero stats, a snapshot without segments, no report) or what it will be created
+ * with (limit). The snapshot and the limit read the device's memory from the driver (see
+ * expseg_get_limit): where the driver cannot be used, they fail with EXPSEG_ERROR_DRIVER.
  *
  * Errors. No C++ exception ever crosses this boundary. Calls that return int return EXPSEG_SUCCESS
  * (0) or one of the expseg_status codes; calls that return a pointer return NULL on error. Every
@@ -204,8 +206,9 @@ EXPSEG_API int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_
 /* Peaks down to the current values (PyTorch's reset_peak_memory_stats()). */
 EXPSEG_API int expseg_reset_peak_stats(int device) EXPSEG_NOEXCEPT;
 /* The accumulated counters (each stat's allocated/freed, num_alloc_retries, num_ooms, ...) start
- * afresh (PyTorch's reset_accumulated_memory_stats()); a stat's allocated restarts at its current
- * value, so that allocated - freed = current still holds. */
+ * afresh (PyTorch's reset_accumulated_memory_stats()): a stat's allocated and freed restart at 0, as
+ * PyTorch's do, so allocated - freed is what was allocated and not freed since (current minus its
+ * value at the reset). */
 EXPSEG_API int expseg_reset_accumulated_stats(int device) EXPSEG_NOEXCEPT;
 
 /* ---------------------------------------------------------------------------------------------
