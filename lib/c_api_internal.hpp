@@ -24,5 +24,6 @@ void set_oom_stderr(bool on) noexcept;
 
 extern "C" {
 // The same as expseg::capi::reset_for_tests(), reachable through dlsym/ctypes (tests/python).
-void expseg_reset_for_tests(void) noexcept;
+// Exported although the library is built hidden: the Python glue's tests load it from libexpseg.so.
+__attribute__((visibility("default"))) void expseg_reset_for_tests(void) noexcept;
 }

@@ -46,6 +46,9 @@
 #include "expseg/stats.hpp"
 #include "expseg/trace.hpp"
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 using stream_t = void*;  // a cudaStream_t / CUstream; nullptr is the default stream
@@ -241,3 +244,5 @@ class Allocator {
 };
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

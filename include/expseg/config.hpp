@@ -24,6 +24,9 @@
 #include <string>
 #include <string_view>
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 enum class BackendKind : std::uint8_t { split_merge, expandable };
@@ -139,3 +142,5 @@ std::size_t parse_bytes(std::string_view text, std::string_view key = "size");
 std::string format_bytes(std::size_t bytes);
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

@@ -16,6 +16,9 @@
 #include <stdexcept>
 #include <string>
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 struct Snapshot;
@@ -153,3 +156,5 @@ class out_of_memory : public std::bad_alloc {
 };
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

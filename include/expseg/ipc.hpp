@@ -49,6 +49,9 @@
 #include "expseg/config.hpp"
 #include "expseg/errors.hpp"
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 // An IPC operation failed for a reason of the platform or of the handle: a system call refused
@@ -222,3 +225,5 @@ std::vector<OwnedFd> pidfd_get_fds(std::int64_t pid, std::span<const int> remote
 void allow_fd_fetch_by(std::int64_t pid);
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

@@ -15,6 +15,9 @@
 #include "expseg/snapshot.hpp"
 #include "expseg/trace.hpp"
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 struct OomDump {
@@ -54,3 +57,5 @@ struct SeededBlocks {
 SeededBlocks seed_live_before_trace(Trace& trace, const Snapshot& at_oom);
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

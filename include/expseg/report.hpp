@@ -34,6 +34,9 @@
 #include "expseg/snapshot.hpp"
 #include "expseg/trace.hpp"
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 // One backend's run, in the form the report draws. x is a step (scenarios) or an event index
@@ -80,3 +83,5 @@ std::string render_html_report(std::span<const ReportGroup> groups, const Report
 void write_html_report(const std::string& path, std::span<const ReportGroup> groups, const ReportOptions& options = {});
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

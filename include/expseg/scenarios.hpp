@@ -15,6 +15,9 @@
 #include "expseg/snapshot.hpp"
 #include "expseg/trace.hpp"
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 struct ScenarioInfo {
@@ -103,3 +106,5 @@ class ScenarioRng {
 };
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

@@ -8,6 +8,9 @@
 
 #include "expseg/stats.hpp"
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 enum class BlockState : std::uint8_t {
@@ -59,3 +62,5 @@ struct Snapshot {
 };
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

@@ -27,6 +27,9 @@
 #include <string>
 #include <vector>
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 struct Stat {
@@ -121,3 +124,5 @@ struct DriverCallTime {
 std::string driver_calls_json(const std::vector<DriverCallTime>& calls);
 
 }  // namespace expseg
+
+#pragma GCC visibility pop

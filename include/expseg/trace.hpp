@@ -44,6 +44,9 @@
 #include "expseg/snapshot.hpp"
 #include "expseg/stats.hpp"
 
+// The public API keeps default visibility; the rest of libexpseg.so is built hidden.
+#pragma GCC visibility push(default)
+
 namespace expseg {
 
 enum class TraceAction : std::uint8_t { allocate, free, allocate_failure, map, unmap, pool_begin, pool_end, pool_release, pool_restore };
@@ -131,3 +134,5 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
 void validate_for_replay(const Trace& trace);
 
 }  // namespace expseg
+
+#pragma GCC visibility pop
