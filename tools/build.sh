@@ -6,6 +6,11 @@ cd "$(dirname "$0")/.."
 dir="${1:-build}"
 shift || true
 if [ ! -f "$dir/build.ninja" ]; then
-  meson setup "$dir" "$@" >/dev/null
+  # meson prints its ERROR lines on stdout: keep them where a failed setup can show them.
+  if ! log="$(meson setup "$dir" "$@" 2>&1)"; then
+    printf '%s\n' "$log" >&2
+    echo "tools/build.sh: meson setup $dir failed (details: $dir/meson-logs/meson-log.txt)" >&2
+    exit 1
+  fi
 fi
 ninja -C "$dir"

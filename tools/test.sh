@@ -9,6 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
 tools/build.sh build
+# A build/ configured earlier without tests (-Dtests=false) would "pass" with none run.
+if [ "$(meson configure build 2>/dev/null | awk '$1 == "tests" {print $2}')" != "true" ]; then
+  meson configure build -Dtests=true >/dev/null
+fi
 meson test -C build --suite unit --suite gpu --print-errorlogs
 if [ "${1:-}" = "--quick" ]; then exit 0; fi
 tools/build.sh build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized -Dbenchmarks=false
