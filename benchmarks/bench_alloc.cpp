@@ -32,6 +32,14 @@
 //   slow_path/expandable:sim/frames:<N>/sizes:<range>/phase:<p>
 //                                        one allocation that takes expandable's slow path under
 //                                        a limit of N 2 MiB frames, CPU time (bench_slow_path.cpp)
+//
+// Repetitions: growth (20 on the simulator; 10 on the GPU, 5 at 16 GiB), scenario (5; 3 on the
+// GPU) and driver_batching (3) set their own (2 each with EXPSEG_BENCH_QUICK=1), which
+// --benchmark_repetitions does not change; the others run once unless --benchmark_repetitions=N.
+// Every repetition is reported, then Google Benchmark's _mean/_median/_stddev/_cv of the
+// successful ones; a failed repetition shows as an error (compare.py takes the median of the
+// successful repetitions itself and lists the failed ones under errors), and once a benchmark
+// failed its later repetitions fail too (fail_run says why).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -40,6 +48,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -140,15 +149,48 @@ stream_t single_stream(S& s) {
   else return nullptr;
 }
 
-// Runs `body`, turning an exception into SkipWithError (the suite goes on with the next benchmark).
+// Benchmarks that failed in this process: name -> the first error.
+std::map<std::string, std::string>& failures() {
+  static std::map<std::string, std::string> f;
+  return f;
+}
+
+// Fails this run of the benchmark (SkipWithError) so that Google Benchmark 1.7.1 can still report
+// the benchmark's repetitions: every repetition, failed or not, is reported (no
+// ReportAggregatesOnly: it drops a failed repetition silently and aggregates the others), and
+//  - its ComputeStats aborts the process unless every repetition, failed ones included, reports
+//    the first one's iteration count; a run failed before its loop started reports 0, so the
+//    loop (already failed: it runs no iteration) is started and ended here;
+//  - it dereferences the first repetition's statistics, which a failed repetition has none of
+//    (google/benchmark#1406, fixed after 1.7.1): guarded() fails every later run of a benchmark
+//    that failed once, so a failed first repetition leaves no successful ones to aggregate.
+void fail_run(benchmark::State& st, const std::string& why) {
+  st.SkipWithError(why.c_str());
+  if (st.iterations() == 0)  // 0 only while the loop has not started
+    for (auto _ : st) {
+    }
+}
+
+// Runs `body`, turning an exception into a failed run (the suite goes on with the next benchmark).
+// Once `name` failed, its later runs (repetitions) fail at once with "an earlier repetition failed".
 template <class F>
-void guarded(benchmark::State& st, F&& body) {
+void guarded(benchmark::State& st, const std::string& name, F&& body) {
+  if (auto it = failures().find(name); it != failures().end()) {
+    fail_run(st, "an earlier repetition failed: " + it->second);
+    return;
+  }
+  std::string why;
   try {
     body();
+    return;
   } catch (const std::exception& e) {
-    Holder::instance().reset();  // a subject in an unknown state is not reused
-    st.SkipWithError(e.what());
+    why = e.what();
+  } catch (...) {
+    why = "unknown exception";
   }
+  Holder::instance().reset();  // a subject in an unknown state is not reused
+  failures().emplace(name, why);
+  fail_run(st, why);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -158,7 +200,7 @@ void guarded(benchmark::State& st, F&& body) {
 // iteration is one pair.
 template <class S>
 void bm_pair(benchmark::State& st, const std::string& key, const Make<S>& make, std::size_t bytes) {
-  guarded(st, [&] {
+  guarded(st, key, [&] {
     S& s = Holder::instance().subject<S>(key, make);
     const stream_t stream = single_stream(s);
     void* w = s.alloc(bytes, stream);
@@ -178,7 +220,7 @@ void bm_pair(benchmark::State& st, const std::string& key, const Make<S>& make, 
 // cache with 20000 untimed steps (the anchor warms with a whole untimed pass).
 template <class S>
 void bm_churn(benchmark::State& st, const std::string& key, const Make<S>& make, std::size_t warm) {
-  guarded(st, [&] {
+  guarded(st, key, [&] {
     bool fresh = false;
     S& s = Holder::instance().subject<S>(key, make, &fresh);
     // Lvalue arguments only: g++ 13's -Wdangling-reference flags a reference returned by a call
@@ -243,7 +285,7 @@ double run_mt(S& s, const std::vector<stream_t>& streams, std::size_t steps, std
 template <class S>
 void bm_churn_mt(benchmark::State& st, const std::string& key, const Make<S>& make, std::size_t nthreads, bool own_streams,
                  std::size_t steps, std::size_t warm) {
-  guarded(st, [&] {
+  guarded(st, key, [&] {
     S& s = Holder::instance().subject<S>(key, make);
     std::vector<stream_t> streams(nthreads, nullptr);
     if (own_streams)
@@ -259,8 +301,8 @@ void bm_churn_mt(benchmark::State& st, const std::string& key, const Make<S>& ma
 // First allocation of `bytes` on a fresh expseg allocator: construction and destruction are not
 // timed, only allocate(). On the simulator the H200 latency model also says how much driver time
 // the allocation would have cost (modelled_driver_us).
-void bm_growth_expseg(benchmark::State& st, const Config& base, std::size_t bytes) {
-  guarded(st, [&] {
+void bm_growth_expseg(benchmark::State& st, const std::string& name, const Config& base, std::size_t bytes) {
+  guarded(st, name, [&] {
     Config cfg = base;
     if (cfg.device == DeviceKind::sim) cfg.sim_latency = true;
     double modelled = 0.0;
@@ -285,8 +327,8 @@ void bm_growth_expseg(benchmark::State& st, const Config& base, std::size_t byte
 }
 
 // Baseline: cuMemAlloc of the same size (cuMemFree untimed).
-void bm_growth_cu_mem_alloc(benchmark::State& st, std::size_t bytes) {
-  guarded(st, [&] {
+void bm_growth_cu_mem_alloc(benchmark::State& st, const std::string& name, std::size_t bytes) {
+  guarded(st, name, [&] {
     driver::Driver& d = cuda_driver();
     for (auto _ : st) {
       const Clock::time_point t0 = Clock::now();
@@ -300,8 +342,8 @@ void bm_growth_cu_mem_alloc(benchmark::State& st, std::size_t bytes) {
 
 // Baseline: the physical limit of growth, one cuMemCreate + cuMemMap + cuMemSetAccess of the whole
 // size into a reservation made beforehand (cuMemUnmap + cuMemRelease untimed).
-void bm_growth_vmm(benchmark::State& st, std::size_t bytes) {
-  guarded(st, [&] {
+void bm_growth_vmm(benchmark::State& st, const std::string& name, std::size_t bytes) {
+  guarded(st, name, [&] {
     driver::Driver& d = cuda_driver();
     const std::size_t g = d.granularity();
     const std::size_t sz = (bytes + g - 1) / g * g;
@@ -333,8 +375,8 @@ void bm_growth_vmm(benchmark::State& st, std::size_t bytes) {
 // over the whole range ("range"), and cuMemRelease per handle; each phase timed alone, in us per
 // iteration (counters). If one call over the range cost less than a call per handle, reclaiming
 // neighbouring idle handles together would pay; on the H200 it does not (benchmarks/PERFORMANCE.md).
-void bm_driver_batching(benchmark::State& st, std::size_t bytes, int n, bool range) {
-  guarded(st, [&] {
+void bm_driver_batching(benchmark::State& st, const std::string& name, std::size_t bytes, int n, bool range) {
+  guarded(st, name, [&] {
     driver::Driver& d = cuda_driver();
     const std::size_t g = d.granularity();
     const std::size_t hb = (bytes + g - 1) / g * g;
@@ -391,8 +433,8 @@ void bm_driver_batching(benchmark::State& st, std::size_t bytes, int n, bool ran
 // simulator the H200 latency model adds what the driver calls would have cost: the wall time on
 // the simulator is the allocator's CPU time alone, which hides the expandable backend's map/unmap
 // traffic (modelled_driver_ms; estimated_h200_ms = both).
-void bm_scenario(benchmark::State& st, const std::string& name, const Config& base) {
-  guarded(st, [&] {
+void bm_scenario(benchmark::State& st, const std::string& key, const std::string& name, const Config& base) {
+  guarded(st, key, [&] {
     Config cfg = base;
     if (cfg.device == DeviceKind::sim) cfg.sim_latency = true;
     // The allocator, not its diagnostics: the other-backend check replays the live set on a
@@ -442,14 +484,14 @@ const Trace* shared_trace(std::string* why) {
 
 // Replay of the trace on a fresh allocator per iteration; only replay()'s own loop is timed (its
 // `seconds`: trace compilation, allocator construction and destruction are outside).
-void bm_replay(benchmark::State& st, const Config& cfg) {
+void bm_replay(benchmark::State& st, const std::string& name, const Config& cfg) {
   std::string why;
   const Trace* trace = shared_trace(&why);
   if (trace == nullptr) {
-    st.SkipWithError(("cannot read the trace " + trace_path() + ": " + why).c_str());
+    fail_run(st, "cannot read the trace " + trace_path() + ": " + why);
     return;
   }
-  guarded(st, [&] {
+  guarded(st, name, [&] {
     double ooms = 0.0, peak_reserved = 0.0, peak_allocated = 0.0;
     for (auto _ : st) {
       const ReplayResult r = replay(*trace, cfg);
@@ -570,28 +612,25 @@ void register_all() {
       if (t.kind != Kind::expseg) continue;
       const std::string name = "growth/" + t.label + "/" + size_label(bytes);
       const Config cfg = t.config;
-      benchmark::RegisterBenchmark(name.c_str(), [cfg, bytes](benchmark::State& st) { bm_growth_expseg(st, cfg, bytes); })
+      benchmark::RegisterBenchmark(name.c_str(), [name, cfg, bytes](benchmark::State& st) { bm_growth_expseg(st, name, cfg, bytes); })
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond)
           ->Iterations(1)
-          ->Repetitions(reps(t.cuda ? reps_cuda : 20))
-          ->ReportAggregatesOnly(true);
+          ->Repetitions(reps(t.cuda ? reps_cuda : 20));
     }
     if (cuda) {
-      benchmark::RegisterBenchmark(("growth/cuMemAlloc:cuda/" + size_label(bytes)).c_str(),
-                                   [bytes](benchmark::State& st) { bm_growth_cu_mem_alloc(st, bytes); })
+      const std::string cu_name = "growth/cuMemAlloc:cuda/" + size_label(bytes);
+      benchmark::RegisterBenchmark(cu_name.c_str(), [cu_name, bytes](benchmark::State& st) { bm_growth_cu_mem_alloc(st, cu_name, bytes); })
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond)
           ->Iterations(1)
-          ->Repetitions(reps(reps_cuda))
-          ->ReportAggregatesOnly(true);
-      benchmark::RegisterBenchmark(("growth/vmm_1handle:cuda/" + size_label(bytes)).c_str(),
-                                   [bytes](benchmark::State& st) { bm_growth_vmm(st, bytes); })
+          ->Repetitions(reps(reps_cuda));
+      const std::string vmm_name = "growth/vmm_1handle:cuda/" + size_label(bytes);
+      benchmark::RegisterBenchmark(vmm_name.c_str(), [vmm_name, bytes](benchmark::State& st) { bm_growth_vmm(st, vmm_name, bytes); })
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond)
           ->Iterations(1)
-          ->Repetitions(reps(reps_cuda))
-          ->ReportAggregatesOnly(true);
+          ->Repetitions(reps(reps_cuda));
     }
   }
 
@@ -603,12 +642,11 @@ void register_all() {
           if (n == 1 && range) continue;
           const std::string name = "driver_batching/vmm:cuda/" + size_label(bytes) + "/handles:" + std::to_string(n) + "/" +
                                    (range ? "range" : "each");
-          benchmark::RegisterBenchmark(name.c_str(), [bytes, n, range](benchmark::State& st) { bm_driver_batching(st, bytes, n, range); })
+          benchmark::RegisterBenchmark(name.c_str(), [name, bytes, n, range](benchmark::State& st) { bm_driver_batching(st, name, bytes, n, range); })
               ->UseManualTime()
               ->Unit(benchmark::kMicrosecond)
               ->Iterations(20)
-              ->Repetitions(reps(3))
-              ->ReportAggregatesOnly(true);
+              ->Repetitions(reps(3));
         }
       }
     }
@@ -621,12 +659,11 @@ void register_all() {
       const std::string name = std::string("scenario/") + scenario + "/" + t.label;
       const Config cfg = t.config;
       const std::string sc = scenario;
-      benchmark::RegisterBenchmark(name.c_str(), [sc, cfg](benchmark::State& st) { bm_scenario(st, sc, cfg); })
+      benchmark::RegisterBenchmark(name.c_str(), [name, sc, cfg](benchmark::State& st) { bm_scenario(st, name, sc, cfg); })
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond)
           ->Iterations(1)
-          ->Repetitions(reps(t.cuda ? 3 : 5))
-          ->ReportAggregatesOnly(true);
+          ->Repetitions(reps(t.cuda ? 3 : 5));
     }
   }
 
@@ -635,7 +672,7 @@ void register_all() {
     if (t.kind != Kind::expseg || t.cuda) continue;
     const std::string name = "replay/" + t.label + "/resnet50-train-varsize";
     const Config cfg = t.config;
-    benchmark::RegisterBenchmark(name.c_str(), [cfg](benchmark::State& st) { bm_replay(st, cfg); })
+    benchmark::RegisterBenchmark(name.c_str(), [name, cfg](benchmark::State& st) { bm_replay(st, name, cfg); })
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond)
         ->MinTime(quick ? 0.02 : 0.5);

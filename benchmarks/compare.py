@@ -2,27 +2,39 @@
 """expseg against the allocators users would pick instead, measured on one GPU machine in one run.
 
 What it runs, in this order (each stage is optional and a failing stage never stops the others):
-  1. expseg_bench (Google Benchmark, path in --bench): expseg split_merge / expandable on the
-     simulator and on the GPU, cuMemAlloc and cuMemAllocAsync baselines, a single-handle
-     cuMemCreate+cuMemMap+cuMemSetAccess for growth. JSON to <out>/expseg_bench.json.
+  1. expseg_bench (Google Benchmark, path in --bench, or its JSON from --bench-json): expseg
+     split_merge / expandable on the simulator and on the GPU through the C++ API (Allocator) and
+     the C API (expseg_malloc/expseg_free: pair/capi_*), cuMemAlloc and cuMemAllocAsync baselines, a
+     single-handle cuMemCreate+cuMemMap+cuMemSetAccess for growth. JSON to <out>/expseg_bench.json.
+     Every figure is the median of the benchmark's successful repetitions, computed here from the
+     individual runs; a failed run is listed under errors.
   2. PyTorch's caching allocator, classic and expandable_segments:True, one subprocess each, on the
      same workloads through a small C++ extension (torch.utils.cpp_extension.load_inline, built once
-     into --ext-dir and reused by both modes): raw_alloc/raw_delete for the cached pairs and the
+     into --ext-dir and reused by every mode): raw_alloc/raw_delete for the cached pairs and the
      64-slot churn (the code of the PyTorch anchor measurement the issue figures come from), std::threads with
      raw_alloc_with_stream for the multi-threaded churn, and the growing-buffer and random-churn
      scenarios ported step for step from lib/scenarios.cpp under the same 3 GiB limit.
+     Then the same extension's cached pairs and 64-slot churn (only those) in a process where
+     tools/expseg.py install_torch() made expseg PyTorch's allocator first
+     (torch.cuda.memory.CUDAPluggableAllocator over libexpseg.so's expseg_torch_malloc/expseg_free,
+     backend from EXPSEG_ALLOC_CONF): raw_alloc/raw_delete then go through PyTorch's pluggable
+     wrapper into expseg, the path a PyTorch user of expseg takes. One mode per backend (--lib,
+     --skip-pluggable).
   3. PyTorch's first allocation of 64 MiB / 1 GiB / 16 GiB, one fresh process per measurement
-     (as the PyTorch anchor measurement did), median of --growth-reps.
+     (as the PyTorch anchor measurement did), median of --growth-reps (the mean of two when 2).
   4. `expseg scenario growing-buffer random-churn --json` if the CLI exists (--cli).
 Then prints one table: every workload, every allocator's figure, and ratios expseg / other
 (< 1 means expseg is faster; for events/s it is the other way round and marked so), and writes
-everything to JSON (--out: a directory, or a file name ending in .json).
+everything to JSON (--out: a directory, or a file name ending in .json). The last line is the
+number of errors; the exit status is 1 when there was any.
 
 Usage on the GPU machine (after `meson setup build-bench && ninja -C build-bench`):
   python3 benchmarks/compare.py --bench build-bench/benchmarks/expseg_bench \
-      --cli build-bench/tools/expseg --out bench-results
+      --cli build-bench/tools/expseg --lib build-bench/lib/libexpseg.so --out bench-results
 Quick check that everything works (about a minute after the extension is built):
   python3 benchmarks/compare.py --quick ...
+Check an expseg_bench JSON for failed runs (exit status 1 if any, or if it is unreadable):
+  python3 benchmarks/compare.py --check-bench expseg_bench.json
 Needs: python3 with torch (CUDA build) for stages 2-3; nothing else beyond the standard library.
 """
 import argparse
@@ -37,6 +49,7 @@ import subprocess
 import sys
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 GiB = 1 << 30
 PAIR_SIZES = [512, 1 * MiB, 16 * MiB, 256 * MiB]
@@ -256,6 +269,17 @@ def median(v):
 # Child processes (run by the parent with PYTORCH_CUDA_ALLOC_CONF set for the mode).
 
 def torch_child(args):
+    expseg = None
+    if args.pluggable:
+        # PyTorch's pluggable allocator over libexpseg.so, installed the way users do it
+        # (tools/expseg.py install_torch: CUDAPluggableAllocator + change_current_allocator), before
+        # anything touches CUDA; the library from $EXPSEG_LIBRARY and the backend from
+        # $EXPSEG_ALLOC_CONF, both set by the parent. Every raw_alloc/raw_delete of the extension
+        # then goes through PyTorch's wrapper (current device and stream, its mutex and pointer map)
+        # into expseg_torch_malloc/expseg_free.
+        sys.path.insert(0, os.path.join(REPO, "tools"))
+        import expseg
+        expseg.install_torch()
     import torch
     torch.cuda.init()
     torch.empty(1, device="cuda")
@@ -263,17 +287,38 @@ def torch_child(args):
     m = load_extension(args.ext_dir, verbose=args.verbose)
     res = {"torch": torch.__version__, "ext_load_s": round(time.perf_counter() - t0, 1),
            "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "errors": {}}
+    tag = res["conf"] or "classic"
+    if expseg is not None:
+        res["pluggable"] = {"library": expseg.library_path(), "malloc": "expseg_torch_malloc", "free": "expseg_free",
+                            "EXPSEG_ALLOC_CONF": os.environ.get("EXPSEG_ALLOC_CONF", ""), "expseg_config": expseg.config()}
+        tag = "pluggable " + res["pluggable"]["EXPSEG_ALLOC_CONF"]
+        want = "backend:" + args.pluggable
+        if want not in res["pluggable"]["expseg_config"].split(","):
+            res["errors"]["config"] = f"expseg's configuration is {res['pluggable']['expseg_config']!r}, not {want}"
     q = args.quick
 
+    def allocations():  # expseg's count of allocations: the loops must have gone through it
+        return expseg.stats().get("allocation.all.allocated", 0) if expseg is not None else 0
+
     def stage(name, fn):
+        before = allocations()
         try:
             res[name] = fn()
+            if expseg is not None and allocations() - before < (20000 if q else 200000):
+                raise RuntimeError(f"expseg counted {allocations() - before} allocations in {name}: raw_alloc did "
+                                   "not go through the pluggable allocator")
         except Exception as e:  # keep going: one failing workload must not hide the others
+            res.pop(name, None)
             res["errors"][name] = repr(e)[:800]
-        print(f"  [{res['conf'] or 'classic'}] {name}: {json.dumps(res.get(name))[:200]}", file=sys.stderr, flush=True)
+        print(f"  [{tag}] {name}: {json.dumps(res.get(name))[:200]}", file=sys.stderr, flush=True)
 
     stage("pair_ns", lambda: {str(sz): median(m.pair_ns(sz, 20000 if q else 200000, 3)) for sz in PAIR_SIZES})
     stage("churn64_ns", lambda: median([m.churn_ns(20000 if q else 200000, 1) for _ in range(3)]))
+    if expseg is not None:
+        res["not_measured"] = ("churn_mt and the scenarios: only the cached pairs and the 64-slot churn run "
+                               "through the pluggable allocator")
+        print("RESULT " + json.dumps(res), flush=True)
+        return
 
     def mt():
         out = {}
@@ -329,6 +374,9 @@ def growth_child(nbytes):
 # Parent: stages.
 
 TORCH_MODES = [("torch classic", ""), ("torch expandable", "expandable_segments:True")]
+# PyTorch with expseg as its allocator through CUDAPluggableAllocator: (label, expseg backend).
+PLUGGABLE_MODES = [("PyTorch pluggable + expseg split_merge", "split_merge"),
+                   ("PyTorch pluggable + expseg expandable", "expandable")]
 
 
 def run(cmd, env=None, timeout=None, capture=True):
@@ -344,48 +392,122 @@ def result_line(stdout):
     return None
 
 
+def load_bench_json(path):
+    """(document, problem): Google Benchmark's JSON from `path`. A file cut short (the benchmark
+    killed while writing it) keeps the benchmarks written completely, and `problem` says so; an
+    unreadable file gives (None, problem)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        return None, f"cannot read {path}: {e}"
+    try:
+        return json.loads(text), None
+    except ValueError as e:
+        err = e
+    # The JSON reporter writes one benchmark object after the other, each closed by "\n    }".
+    cut = text.rfind("\n    }")
+    if '"benchmarks": [' in text and cut > text.find('"benchmarks": ['):
+        try:
+            doc = json.loads(text[:cut] + "\n    }\n  ]\n}\n")
+            return doc, (f"{path} is not valid JSON ({err}): cut short? kept the "
+                         f"{len(doc.get('benchmarks', []))} runs written completely")
+        except ValueError:
+            pass
+    if not text.strip():
+        return None, f"{path} is empty"
+    return None, f"{path} is not valid JSON: {err}"
+
+
 def stage_bench(args, out_dir, report):
     if args.bench_json:
-        with open(args.bench_json) as f:
-            return json.load(f)
+        doc, problem = load_bench_json(args.bench_json)
+        if problem:
+            report["errors"]["expseg_bench_json"] = problem
+        return doc
     if not args.bench or not os.path.isfile(args.bench):
         report["errors"]["expseg_bench"] = f"expseg_bench not found at {args.bench!r} (build it, or pass --bench)"
         return None
     path = os.path.join(out_dir, "expseg_bench.json")
+    try:
+        os.remove(path)  # not a previous run's figures if this one writes none
+    except OSError:
+        pass
     cmd = [args.bench, "--benchmark_format=json", f"--benchmark_out={path}", "--benchmark_out_format=json"]
     if args.bench_filter:
         cmd.append(f"--benchmark_filter={args.bench_filter}")
     env = dict(os.environ, EXPSEG_BENCH_QUICK="1") if args.quick else None
     t0 = time.time()
-    p = run(cmd, env=env, timeout=args.timeout)
+    try:
+        p = run(cmd, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        report["timings"]["expseg_bench_s"] = round(time.time() - t0, 1)
+        tail = e.stderr[-1500:] if isinstance(e.stderr, str) else (e.stderr or b"")[-1500:].decode(errors="replace")
+        doc, problem = load_bench_json(path)
+        report["errors"]["expseg_bench"] = (f"timed out after {args.timeout} s (--timeout)"
+                                            + (f"; {problem}" if doc else "") + (f"; stderr: {tail}" if tail else ""))
+        return doc
+    except OSError as e:
+        report["errors"]["expseg_bench"] = f"cannot run {args.bench}: {e}"
+        return None
     report["timings"]["expseg_bench_s"] = round(time.time() - t0, 1)
     sys.stderr.write(p.stderr[-4000:])
-    doc = None
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except Exception:
+    doc, problem = load_bench_json(path)
+    if doc is None:
         try:
             doc = json.loads(p.stdout)
-        except Exception as e:
-            report["errors"]["expseg_bench"] = f"rc={p.returncode}, no JSON ({e}); stderr: {p.stderr[-1500:]}"
+            problem = None
+        except ValueError:
+            pass
+    if problem:
+        report["errors"]["expseg_bench"] = f"rc={p.returncode}: {problem}; stderr: {p.stderr[-1500:]}"
     if p.returncode != 0:
         report["errors"]["expseg_bench_rc"] = f"expseg_bench exited with {p.returncode}: {p.stderr[-1500:]}"
     return doc
 
 
+def torch_available(args, report):
+    """Whether --python (the interpreter of the PyTorch stages) has torch; once per run."""
+    if getattr(args, "_torch_ok", None) is None:
+        check = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"
+        try:
+            p = run([args.python, "-c", check], timeout=120)
+            args._torch_ok = p.returncode == 0
+            if p.returncode == 3:
+                report["errors"]["torch"] = (f"torch is not installed for {args.python} (--python picks the interpreter; "
+                                             "--skip-torch leaves PyTorch out)")
+            elif p.returncode != 0:
+                report["errors"]["torch"] = f"{args.python} -c '{check}': rc={p.returncode}: {p.stderr[-1500:]}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            args._torch_ok = False
+            report["errors"]["torch"] = f"cannot run {args.python}: {e!r}"
+    return args._torch_ok
+
+
+def torch_modes(args, report):
+    """(label, environment, extra child arguments) of every PyTorch child process to run."""
+    modes = [(label, {"PYTORCH_CUDA_ALLOC_CONF": conf}, []) for label, conf in TORCH_MODES]
+    if args.skip_pluggable:
+        return modes
+    if not args.lib or not os.path.isfile(args.lib):
+        report["errors"]["PyTorch pluggable"] = (f"libexpseg.so not found at {args.lib!r} (build it, pass --lib or set "
+                                                 "EXPSEG_LIBRARY; --skip-pluggable leaves these modes out)")
+        return modes
+    for label, backend in PLUGGABLE_MODES:
+        # PYTORCH_CUDA_ALLOC_CONF is PyTorch's caching allocator's, which the pluggable one replaces.
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "", "EXPSEG_LIBRARY": os.path.abspath(args.lib),
+               "EXPSEG_ALLOC_CONF": f"backend:{backend}"}
+        modes.append((label, env, ["--pluggable", backend]))
+    return modes
+
+
 def stage_torch(args, report):
     out = {}
-    try:
-        import importlib.util
-        if importlib.util.find_spec("torch") is None:
-            report["errors"]["torch"] = "torch is not installed for " + args.python
-            return out
-    except Exception:
-        pass
-    for i, (label, conf) in enumerate(TORCH_MODES):
-        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
-        cmd = [args.python, os.path.abspath(__file__), "--torch-child", "--ext-dir", args.ext_dir]
+    if not torch_available(args, report):
+        return out
+    for i, (label, extra_env, extra_args) in enumerate(torch_modes(args, report)):
+        env = dict(os.environ, **extra_env)
+        cmd = [args.python, os.path.abspath(__file__), "--torch-child", "--ext-dir", args.ext_dir] + extra_args
         if args.quick:
             cmd.append("--quick")
         if args.verbose:
@@ -402,7 +524,7 @@ def stage_torch(args, report):
         if r is None:
             report["errors"][label] = f"rc={p.returncode}: {p.stderr[-3000:]}"
             if i == 0 and "Error building extension" in (p.stderr or ""):
-                report["errors"][label] += " (the extension did not build: the second mode is skipped)"
+                report["errors"][label] += " (the extension did not build: the other modes are skipped)"
                 break
             continue
         for k, v in r.get("errors", {}).items():
@@ -413,6 +535,8 @@ def stage_torch(args, report):
 
 def stage_growth(args, report):
     out = {}
+    if not torch_available(args, report):
+        return out
     for label, conf in TORCH_MODES:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
         for nbytes in GROWTH_SIZES:
@@ -495,31 +619,69 @@ def to_unit(value, unit, want):
     return value * scale[unit] / scale[want]
 
 
+# The fields of a run that say which run it is, not what it measured.
+_RUN_META = {"family_index", "per_family_instance_index", "repetitions", "repetition_index", "threads", "iterations"}
+
+
 def parse_bench(doc):
-    """{normalized name: entry}; aggregates: only the median."""
-    runs, errors = {}, {}
+    """({normalized name: entry}, {what failed: error message}).
+
+    An entry is the median of the benchmark's successful runs (repetitions), field by field
+    (real_time, cpu_time and every counter), computed here from the individual runs, with
+    "repetitions_used" and "repetitions_failed"; every failed run is an error, so a failed
+    repetition never just thins out a median. A document with Google Benchmark's aggregates only
+    (--benchmark_report_aggregates_only, ReportAggregatesOnly) gives its _median, which silently
+    leaves failed repetitions out: "note" says so."""
+    groups, aggregates, errors = {}, {}, {}
     for b in (doc or {}).get("benchmarks", []):
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
-            continue
         key = normalize(b.get("run_name") or b["name"])
-        if b.get("error_occurred"):
-            errors[key] = b.get("error_message", "error")
+        if b.get("run_type") == "aggregate":
+            if b.get("aggregate_name") == "median":
+                aggregates[key] = b
             continue
-        runs[key] = b
+        groups.setdefault(key, []).append(b)
+    runs = {}
+    for key, group in groups.items():
+        ok = [b for b in group if not b.get("error_occurred")]
+        for b in group:
+            if b.get("error_occurred"):
+                what = key if len(group) == 1 else f"{key} repetition {b.get('repetition_index', '?')}"
+                errors[what] = b.get("error_message", "error")
+        if not ok:
+            continue
+        entry = dict(ok[0])
+        for field, value in ok[0].items():
+            if field in _RUN_META or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            values = [b[field] for b in ok if isinstance(b.get(field), (int, float))]
+            entry[field] = statistics.median(values)
+        entry["repetitions_used"] = len(ok)
+        entry["repetitions_failed"] = len(group) - len(ok)
+        runs[key] = entry
+    for key, b in aggregates.items():
+        if key not in runs and key not in groups:
+            runs[key] = dict(b, note="Google Benchmark's _median only: a failed repetition would not show")
     return runs, errors
 
 
 # ------------------------------------------------------------------------------------------------
 # The table.
 
-COLS = ["expseg split_merge", "expseg expandable", "torch classic", "torch expandable", "cuMemAlloc",
+# The columns: expseg through its C++ API (Allocator::allocate/deallocate) and, for the cached pairs,
+# its C API (expseg_malloc/expseg_free, what PyTorch's and CuPy's hooks call); PyTorch with expseg
+# through CUDAPluggableAllocator (pairs and churn64); PyTorch's own allocator; the CUDA baselines.
+COLS = ["expseg split_merge", "expseg expandable", "expseg C API split_merge", "expseg C API expandable",
+        PLUGGABLE_MODES[0][0], PLUGGABLE_MODES[1][0], "torch classic", "torch expandable", "cuMemAlloc",
         "cuMemAllocAsync", "vmm 1 handle"]
-SHORT = {"expseg split_merge": "sm", "expseg expandable": "exp", "torch classic": "torch cls",
-         "torch expandable": "torch exp", "cuMemAlloc": "cuMemAlloc", "cuMemAllocAsync": "async",
-         "vmm 1 handle": "vmm1"}
+SHORT = {"expseg split_merge": "sm", "expseg expandable": "exp", "expseg C API split_merge": "capi sm",
+         "expseg C API expandable": "capi exp", PLUGGABLE_MODES[0][0]: "plug sm", PLUGGABLE_MODES[1][0]: "plug exp",
+         "torch classic": "torch cls", "torch expandable": "torch exp", "cuMemAlloc": "cuMemAlloc",
+         "cuMemAllocAsync": "async", "vmm 1 handle": "vmm1"}
 RATIOS = [("sm/torch cls", "expseg split_merge", "torch classic"),
           ("exp/torch exp", "expseg expandable", "torch expandable"),
           ("exp/torch cls", "expseg expandable", "torch classic"),
+          ("plug sm/torch cls", PLUGGABLE_MODES[0][0], "torch classic"),
+          ("plug exp/torch exp", PLUGGABLE_MODES[1][0], "torch expandable"),
           ("sm/async", "expseg split_merge", "cuMemAllocAsync"),
           ("exp/async", "expseg expandable", "cuMemAllocAsync"),
           ("exp/vmm1", "expseg expandable", "vmm 1 handle"),
@@ -557,16 +719,18 @@ def build_rows(runs, torch_res, growth_res, device):
         lab = size_label(sz)
         vals = {"expseg split_merge": bench(f"pair/split_merge:{device}/{lab}", "ns_per_pair"),
                 "expseg expandable": bench(f"pair/expandable:{device}/{lab}", "ns_per_pair"),
+                "expseg C API split_merge": bench(f"pair/capi_split_merge:{device}/{lab}", "ns_per_pair"),
+                "expseg C API expandable": bench(f"pair/capi_expandable:{device}/{lab}", "ns_per_pair"),
                 "cuMemAlloc": bench(f"pair/cuMemAlloc:cuda/{lab}", "ns_per_pair"),
                 "cuMemAllocAsync": bench(f"pair/cuMemAllocAsync:cuda/{lab}", "ns_per_pair")}
-        for label, _ in TORCH_MODES:
+        for label, _ in TORCH_MODES + PLUGGABLE_MODES:
             vals[label] = tget(label, "pair_ns", str(sz))
         rows.append((f"pair {lab}", "ns/pair", False, vals, ("lt", 100)))
     vals = {"expseg split_merge": bench(f"churn64/split_merge:{device}", "ns_per_step"),
             "expseg expandable": bench(f"churn64/expandable:{device}", "ns_per_step"),
             "cuMemAlloc": bench("churn64/cuMemAlloc:cuda", "ns_per_step"),
             "cuMemAllocAsync": bench("churn64/cuMemAllocAsync:cuda", "ns_per_step")}
-    for label, _ in TORCH_MODES:
+    for label, _ in TORCH_MODES + PLUGGABLE_MODES:
         vals[label] = tget(label, "churn64_ns")
     rows.append(("churn64", "ns/step", False, vals, ("lt", 250)))
     for streams in ("own_streams", "default_stream"):
@@ -653,11 +817,14 @@ def target_text(vals, target, higher):
 
 
 def render(rows, title):
-    head = ["workload", "unit"] + [SHORT[c] for c in COLS] + [r[0] for r in RATIOS] + ["target"]
+    # Columns and ratios without a figure in any row are left out (e.g. PyTorch's on a machine without it).
+    cols = [c for c in COLS if any(vals.get(c) is not None for _, _, _, vals, _ in rows)]
+    ratios = [r for r in RATIOS if any(vals.get(r[1]) is not None and vals.get(r[2]) for _, _, _, vals, _ in rows)]
+    head = ["workload", "unit"] + [SHORT[c] for c in cols] + [r[0] for r in ratios] + ["target"]
     table = [head]
     for workload, unit, higher, vals, target in rows:
-        line = [workload, unit] + [fmt(vals.get(c)) for c in COLS]
-        for _, a, b in RATIOS:
+        line = [workload, unit] + [fmt(vals.get(c)) for c in cols]
+        for _, a, b in ratios:
             va, vb = vals.get(a), vals.get(b)
             line.append(f"{va / vb:.2f}" if va is not None and vb else "-")
         line.append(target_text(vals, target, higher))
@@ -670,6 +837,34 @@ def render(rows, title):
         if i == 0:
             out.append("-+-".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def default_lib(bench):
+    """libexpseg.so: $EXPSEG_LIBRARY, else the one in --bench's build folder, else <repo>/build/lib."""
+    if os.environ.get("EXPSEG_LIBRARY"):
+        return os.environ["EXPSEG_LIBRARY"]
+    candidates = []
+    if bench:
+        candidates.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(bench))), "lib", "libexpseg.so"))
+    candidates.append(os.path.join(REPO, "build", "lib", "libexpseg.so"))
+    return next((c for c in candidates if os.path.isfile(c)), candidates[0])
+
+
+def check_bench(path):
+    """--check-bench: the failed runs of an expseg_bench JSON; 1 if any, or if the file is unreadable or cut short."""
+    doc, problem = load_bench_json(path)
+    runs, errors = parse_bench(doc)
+    entries = (doc or {}).get("benchmarks", [])
+    n_runs = sum(1 for b in entries if b.get("run_type") != "aggregate")
+    for k, v in errors.items():
+        print(f"failed: {k}: {v}")
+    if problem:
+        print(f"problem: {problem}")
+    if any("note" in r for r in runs.values()):
+        print("note: aggregates only (a failed repetition would not show): run without --benchmark_report_aggregates_only")
+    print(f"{os.path.basename(path)}: {len(runs)} benchmarks, {n_runs} runs, {len(errors)} failed"
+          + ("" if doc is not None and not problem else ", unreadable or cut short"))
+    return 1 if errors or problem or doc is None else 0
 
 
 def machine_info(bench_doc):
@@ -712,8 +907,15 @@ def main():
     ap.add_argument("--ext-dir", help="build directory of the PyTorch extension, reused by both modes and later runs "
                     "(default: $TMPDIR or /tmp, /expseg_torch_ext)")
     ap.add_argument("--python", default=sys.executable, help="python with torch, for the child processes")
-    ap.add_argument("--growth-reps", type=int, default=3, help="fresh processes per PyTorch growth figure (median)")
+    ap.add_argument("--lib", help="libexpseg.so for the PyTorch pluggable modes (default: $EXPSEG_LIBRARY, else "
+                    "lib/libexpseg.so in --bench's build folder, else <repo>/build/lib/libexpseg.so)")
+    ap.add_argument("--growth-reps", type=int, default=3,
+                    help="fresh processes per PyTorch growth figure (their median; of 2, the mean) (default: %(default)s)")
     ap.add_argument("--skip-torch", action="store_true", help="no PyTorch workloads")
+    ap.add_argument("--skip-pluggable", action="store_true",
+                    help="no PyTorch pluggable modes (PyTorch with expseg through CUDAPluggableAllocator)")
+    ap.add_argument("--check-bench", metavar="JSON", help="only check an expseg_bench JSON file: lists its failed runs; "
+                    "exit status 1 if there is one, or if the file is unreadable or cut short")
     ap.add_argument("--skip-growth", action="store_true", help="no PyTorch growth processes")
     ap.add_argument("--skip-cli", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short runs everywhere: checks that every stage works")
@@ -721,7 +923,13 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--growth-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--pluggable", choices=[b for _, b in PLUGGABLE_MODES], help=argparse.SUPPRESS)
     args = ap.parse_args()
+
+    if args.check_bench:
+        return check_bench(args.check_bench)
+    if not args.lib:
+        args.lib = default_lib(args.bench)
 
     if args.out.endswith(".json"):
         out_dir = os.path.dirname(os.path.abspath(args.out)) or "."
@@ -751,6 +959,10 @@ def main():
     runs, bench_errors = parse_bench(bench_doc)
     for k, v in bench_errors.items():
         report["errors"][f"expseg_bench {k}"] = v
+    if any("note" in r for r in runs.values()):
+        report["notes"].append("the expseg_bench JSON has Google Benchmark's aggregates only for some benchmarks "
+                               "(--benchmark_report_aggregates_only or ReportAggregatesOnly): their medians would "
+                               "leave a failed repetition out without a word")
     has_cuda = any(k.split("/")[1].endswith(":cuda") for k in runs if k.count("/") >= 1)
     device = "cuda" if has_cuda else "sim"
     rows = build_rows(runs, torch_res, growth_res, device)
@@ -760,8 +972,12 @@ def main():
     text = [render(rows, f"expseg ({'GPU' if has_cuda else 'SIMULATED device: no GPU figures'}) vs the others — "
                    f"{gpu or 'no GPU'}, {info.get('cpu', '')}, {info['date']}")]
     text.append("ratios are expseg / other: < 1 means expseg is faster (replay: Mevents/s, higher is better). "
-                "sm = expseg split_merge, exp = expseg expandable, async = cuMemAllocAsync, "
-                "vmm1 = one cuMemCreate+cuMemMap+cuMemSetAccess of the whole size.")
+                "sm = expseg split_merge, exp = expseg expandable (C++ API: Allocator::allocate/deallocate), "
+                "capi = the same through the C API (expseg_malloc/expseg_free), plug = PyTorch with expseg as its "
+                "allocator (CUDAPluggableAllocator, tools/expseg.py install_torch: raw_alloc/raw_delete through "
+                "PyTorch's wrapper into expseg), torch cls/exp = PyTorch's caching allocator, async = cuMemAllocAsync, "
+                "vmm1 = one cuMemCreate+cuMemMap+cuMemSetAccess of the whole size. Figures: the median of the "
+                "repetitions (expseg_bench: of the successful ones).")
     if has_cuda:
         sim_rows = build_rows(runs, {}, {}, "sim")
         text.append("")
@@ -778,7 +994,8 @@ def main():
         text.append("")
         text.append("errors:")
         for k, v in report["errors"].items():
-            text.append(f"  {k}: {str(v)[:600]}")
+            v = str(v).rstrip()
+            text.append(f"  {k}: {v if len(v) <= 700 else v[:200] + ' [...] ' + v[-500:]}")  # a traceback ends with its error
     for n in report["notes"]:
         text.append("note: " + n)
     text.append(f"timings: {json.dumps(report['timings'])}")
@@ -793,7 +1010,9 @@ def main():
     with open(out_json, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"\nwritten: {out_json}")
-    return 0
+    n = len(report["errors"])
+    print(f"errors: {n}" + (' (under "errors:" above and in compare.json)' if n else ""))
+    return 1 if n else 0
 
 
 if __name__ == "__main__":
