@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_fail.hpp"
 #include "driver/sim_driver.hpp"
 #include "expseg/scenarios.hpp"
 #include "expseg/trace.hpp"
@@ -147,50 +148,6 @@ template <class S>
 stream_t single_stream(S& s) {
   if constexpr (std::is_same_v<S, CuMemAllocAsyncSubject>) return s.stream(0);
   else return nullptr;
-}
-
-// Benchmarks that failed in this process: name -> the first error.
-std::map<std::string, std::string>& failures() {
-  static std::map<std::string, std::string> f;
-  return f;
-}
-
-// Fails this run of the benchmark (SkipWithError) so that Google Benchmark 1.7.1 can still report
-// the benchmark's repetitions: every repetition, failed or not, is reported (no
-// ReportAggregatesOnly: it drops a failed repetition silently and aggregates the others), and
-//  - its ComputeStats aborts the process unless every repetition, failed ones included, reports
-//    the first one's iteration count; a run failed before its loop started reports 0, so the
-//    loop (already failed: it runs no iteration) is started and ended here;
-//  - it dereferences the first repetition's statistics, which a failed repetition has none of
-//    (google/benchmark#1406, fixed after 1.7.1): guarded() fails every later run of a benchmark
-//    that failed once, so a failed first repetition leaves no successful ones to aggregate.
-void fail_run(benchmark::State& st, const std::string& why) {
-  st.SkipWithError(why.c_str());
-  if (st.iterations() == 0)  // 0 only while the loop has not started
-    for (auto _ : st) {
-    }
-}
-
-// Runs `body`, turning an exception into a failed run (the suite goes on with the next benchmark).
-// Once `name` failed, its later runs (repetitions) fail at once with "an earlier repetition failed".
-template <class F>
-void guarded(benchmark::State& st, const std::string& name, F&& body) {
-  if (auto it = failures().find(name); it != failures().end()) {
-    fail_run(st, "an earlier repetition failed: " + it->second);
-    return;
-  }
-  std::string why;
-  try {
-    body();
-    return;
-  } catch (const std::exception& e) {
-    why = e.what();
-  } catch (...) {
-    why = "unknown exception";
-  }
-  Holder::instance().reset();  // a subject in an unknown state is not reused
-  failures().emplace(name, why);
-  fail_run(st, why);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 #include <exception>
 #include <string>
 
+#include "bench_fail.hpp"
 #include "core/json.hpp"
 #include "expseg/config.hpp"
 
@@ -48,7 +49,7 @@ void bm_json_hostile(benchmark::State& st, std::string text) {
   for (auto _ : st) {
     try {
       (void)expseg::core::parse_json(text);
-      st.SkipWithError("the hostile JSON parsed");
+      expseg::bench::fail_run(st, "the hostile JSON parsed");
       break;
     } catch (const std::exception& e) {
       benchmark::DoNotOptimize(e.what());

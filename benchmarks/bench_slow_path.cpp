@@ -38,6 +38,7 @@
 
 #include "backends/expandable/expandable.hpp"
 #include "bench_common.hpp"
+#include "bench_fail.hpp"
 #include "expseg/errors.hpp"
 
 namespace expseg::bench {
@@ -187,7 +188,7 @@ void bm_slow_path(benchmark::State& st, std::size_t frames, std::size_t min_mib,
     st.counters["handles"] = static_cast<double>(s1.physical_handles.current);
     st.counters["live_blocks"] = static_cast<double>(churn.live());
   } catch (const std::exception& e) {
-    st.SkipWithError(e.what());
+    fail_run(st, e.what());
   }
 }
 
