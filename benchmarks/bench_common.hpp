@@ -12,6 +12,7 @@
 #pragma once
 
 #include <array>
+#include <cstdlib>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -125,11 +126,13 @@ class CuMemAllocAsyncSubject final : public Subject {
   StreamSet streams_;
 };
 
-// The C API's allocator of device 0, made from `conf` (plus EXPSEG_ALLOC_CONF, as for every C API
-// user). The C API has one allocator per device, so one CapiSubject lives at a time (the holder's rule).
+// The C API's allocator of device 0, made from `conf` over the defaults, as the C++ targets' (the C
+// API would add EXPSEG_ALLOC_CONF: it is cleared for this process). The C API has one allocator per
+// device, so one CapiSubject lives at a time (the holder's rule).
 class CapiSubject final : public Subject {
  public:
   explicit CapiSubject(const std::string& conf) {
+    ::unsetenv("EXPSEG_ALLOC_CONF");
     capi::reset_for_tests();
     if (expseg_configure(conf.c_str()) != EXPSEG_SUCCESS) throw std::runtime_error(expseg_last_error());
   }

@@ -188,7 +188,7 @@ void bm_slow_path(benchmark::State& st, std::size_t frames, std::size_t min_mib,
     st.counters["handles"] = static_cast<double>(s1.physical_handles.current);
     st.counters["live_blocks"] = static_cast<double>(churn.live());
   } catch (const std::exception& e) {
-    fail_run(st, e.what());
+    throw std::runtime_error(std::string("slow path: ") + e.what());  // guarded() fails the run
   }
 }
 
@@ -203,8 +203,8 @@ void register_slow_path(bool quick) {
       for (Sizes sz : {Sizes{1, 64}, Sizes{2, 16}}) {
         const std::string name = "slow_path/expandable:sim/frames:" + std::to_string(frames) + "/sizes:" + std::to_string(sz.min_mib) +
                                  "-" + std::to_string(sz.max_mib) + "MiB/phase:" + (near_limit ? "near_limit" : "after_oom");
-        benchmark::RegisterBenchmark(name.c_str(), [frames, sz, near_limit](benchmark::State& st) {
-          bm_slow_path(st, frames, sz.min_mib, sz.max_mib, near_limit);
+        benchmark::RegisterBenchmark(name.c_str(), [name, frames, sz, near_limit](benchmark::State& st) {
+          guarded(st, name, [&] { bm_slow_path(st, frames, sz.min_mib, sz.max_mib, near_limit); });
         })
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond)

@@ -33,7 +33,7 @@ def main(path):
               f"{sum(r['fragmentation_ooms'] for r in rs):>5} {sum(r['ooms_below_98pct'] for r in rs):>6} {lowest:>11} {slack:>11} {ms:>20}")
     # Exit status: 1 when expandable has an OOM with verdict fragmentation (a regression: its OOMs
     # under a limit are where the pages run out). The <=98% count is printed, not judged: for
-    # mid-sized and small blocks it is page slack (benchmarks/PERFORMANCE.md), and the last line says so.
+    # mid-sized and small blocks it is page slack (the `slack there` column; benchmarks/PERFORMANCE.md).
     bad = [k for k, rs in rows.items() if k[3] == "expandable" and any(r["fragmentation_ooms"] for r in rs)]
     print("expandable OOMs with verdict fragmentation: " + ("none" if not bad else ", ".join(f"{mib(k[0])}-{mib(k[1])}" for k in bad)))
     below = [(k, sum(r["ooms_below_98pct"] for r in rs)) for k, rs in rows.items() if k[3] == "expandable"]
