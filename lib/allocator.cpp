@@ -100,6 +100,11 @@ void check_config(const Config& c) {
   if (g < 4096 || g > driver::kSimMaxGranularity || !std::has_single_bit(g))
     throw config_error("sim_granularity", "sim_granularity: " + size_value(g) +
                                               " is not a power of two that is a multiple of 4KiB, at most 1TiB, e.g. 2MiB");
+  // A capacity under a MiB is a unit left out (sim_capacity:80), not a page size too large.
+  if (g > c.sim_capacity && c.sim_capacity < (std::size_t{1} << 20))
+    throw config_error("sim_capacity", "sim_capacity: " + std::to_string(c.sim_capacity) + " bytes is less than one page of the simulated "
+                                           "device (sim_granularity " + size_value(g) + "); a size without a unit is a number "
+                                           "of bytes: did you mean sim_capacity:" + std::to_string(c.sim_capacity) + "GiB?");
   if (g > c.sim_capacity)
     throw config_error("sim_granularity", "sim_granularity: " + size_value(g) + " is larger than sim_capacity (" +
                                               size_value(c.sim_capacity) + "): the simulated device could not give out a "
@@ -190,11 +195,11 @@ Allocator::Impl::~Impl() {
   // Imports closed during a capture go now (each holds the registry: left there, they would leak).
   imports->set_capturing(false);
   // Graph pools still in use go with the allocator: their keys leave the process-wide registry.
-  for (const GraphPool& p : graph_pools)
+  for (const auto& [id, p] : graph_pools)
     for (const auto& [stream, key] : p.keys) backends::retire_graph_pool_key(key);
   // Pending frees hold events; the backend gives all memory back in its destructor.
-  for (StreamEvents& se : pending)
-    se.queue.for_each([&](const PendingFree& pf) {
+  for (const StreamEvents* se : busy_queues)
+    se->queue.for_each([&](const PendingFree& pf) {
       try {
         driver->event_destroy(pf.event);
       } catch (...) {
@@ -241,9 +246,14 @@ void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::
     stats.num_ooms += 1;
     ++oom_count;
   }
+  const std::uint64_t seq = ++oom_reports_begun;
+  // The other-backend check runs after the lock is let go, on a copy of the live set; with a dump,
+  // which holds the report whole and is written under the lock (it is of this moment), before it.
+  const bool dump = !config.oom_dump.empty() && !refused_up_front;
+  CounterfactualCheck check;
   std::shared_ptr<OomReport> full;
   try {
-    full = build_oom_report(bytes, stream, asked_on);
+    full = build_oom_report(bytes, stream, asked_on, dump ? nullptr : &check);
   } catch (const std::bad_alloc&) {
     // No host memory for the report: the caller still gets the OOM (PyTorch's OutOfMemoryError, the
     // C API's code, last_oom()), with a short report below. Building it changed nothing.
@@ -251,12 +261,20 @@ void Allocator::Impl::fail_allocation(std::unique_lock<core::Mutex>& lock, std::
   if (recorder.enabled()) recorder.add(TraceAction::allocate_failure, 0, bytes, traced_stream(stream));
   std::shared_ptr<const OomReport> report;
   if (full) {
-    if (!config.oom_dump.empty() && !refused_up_front) write_oom_dump(*full);  // under the lock: the dump is of this moment
+    if (dump) write_oom_dump(*full);
+    if (check.pending) {
+      lock.unlock();
+      finish_counterfactual(*full, check);
+      lock.lock();
+    }
     report = std::move(full);
   } else {
     report = short_oom_report(bytes, asked_on);
   }
-  last_oom = report;
+  if (seq > last_oom_seq) {  // not when an OOM that began later has published its report meanwhile
+    last_oom = report;
+    last_oom_seq = seq;
+  }
   const std::shared_ptr<const Allocator::OomObserver> observer = refused_up_front ? nullptr : oom_observer;
   lock.unlock();
   // An OOM of this allocator inside its own observer (it may allocate) is not observed again: no
@@ -369,8 +387,10 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   std::vector<driver::event_t>& events = free_events;
   events.clear();
   std::size_t queued = 0;
-  auto queue_of = [&](driver::stream_t s) {
-    return std::find_if(pending.begin(), pending.end(), [&](const StreamEvents& se) { return se.stream == s; });
+  auto queue_of = [&](driver::stream_t s) -> StreamEvents* {
+    ++queue_steps;
+    const auto it = pending.find(s);
+    return it == pending.end() ? nullptr : &it->second;
   };
   try {
     events.reserve(b->stream_uses.size());
@@ -392,19 +412,24 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
       driver->event_record(e, event_stream(s));
     }
     for (std::size_t i = 0; i < events.size(); ++i) {
-      auto it = queue_of(b->stream_uses[i]);
-      if (it == pending.end()) {
+      const driver::stream_t s = b->stream_uses[i];
+      StreamEvents* se = queue_of(s);
+      if (se == nullptr) {
         drop_retired_queues();
         drop_empty_queues();
-        it = pending.insert(pending.end(), StreamEvents{b->stream_uses[i], {}});
+        se = &pending.try_emplace(s, StreamEvents{s, {}}).first->second;
       }
+      if (busy_queues.capacity() < pending.size()) busy_queues.reserve(std::max(pending.size(), 2 * busy_queues.capacity()));
+      const bool was_empty = se->queue.empty();
       // A capture another thread began since the check above may hold the event now (asked after
       // every record, so a capture begun before one of them is seen).
-      it->queue.push_back(PendingFree{events[i], b, stream_capturing(event_stream(b->stream_uses[i]))});
+      se->queue.push_back(PendingFree{events[i], b, stream_capturing(event_stream(s))});
+      if (was_empty) busy_queues.push_back(se);  // capacity reserved
       ++queued;
     }
   } catch (...) {
     for (std::size_t i = queued; i-- > 0;) queue_of(b->stream_uses[i])->queue.pop_back();
+    drop_emptied_queues();
     for (driver::event_t e : events) spare_events.push_back(e);
     if (in_live) live.insert_reserved(b);  // right after its erase: room for it
     throw;
@@ -516,7 +541,8 @@ void Allocator::Impl::drop_retired_queues() noexcept {
   if (gen == pending_retired_seen && !retired_queue_left) return;
   pending_retired_seen = gen;
   retired_queue_left = false;
-  std::erase_if(pending, [&](const StreamEvents& se) {
+  std::erase_if(pending, [&](const auto& entry) {
+    const StreamEvents& se = entry.second;
     if (!backends::is_per_thread_key(se.stream) || !backends::is_retired_key(se.stream)) return false;
     if (!se.queue.empty()) retired_queue_left = true;
     return se.queue.empty();
@@ -524,12 +550,12 @@ void Allocator::Impl::drop_retired_queues() noexcept {
 }
 
 // The empty queues, once there are many: streams a program destroyed (a stream per request, say)
-// would otherwise keep theirs for good, and cross-stream frees and process_events walk them all. A
+// would otherwise keep theirs for good (process_events walks only busy ones). A
 // queue made again later costs one small allocation on that stream's next cross-stream free. The
 // next sweep waits until the queues have doubled: amortized constant work per queue made.
 void Allocator::Impl::drop_empty_queues() noexcept {
   if (pending.size() < queue_sweep_at) return;
-  std::erase_if(pending, [](const StreamEvents& se) { return se.queue.empty(); });
+  std::erase_if(pending, [](const auto& entry) { return entry.second.queue.empty(); });
   queue_sweep_at = std::max(kQueueSweepMin, 2 * pending.size());
 }
 
@@ -549,7 +575,10 @@ bool Allocator::Impl::front_event_usable(StreamEvents& se) {
 }
 
 void Allocator::Impl::process_events() {
-  for (StreamEvents& se : pending) {
+  const DropEmptiedQueues drop{*this};
+  for (StreamEvents* busy : busy_queues) {
+    StreamEvents& se = *busy;
+    ++queue_steps;
     while (!se.queue.empty()) {
       if (!front_event_usable(se)) break;  // its stream captures: the free waits for the capture's end
       PendingFree pf = se.queue.front();
@@ -575,7 +604,9 @@ void Allocator::Impl::synchronize_pending_frees() {
   // Held frees whose capture (one expseg was not told of) has ended get their events now.
   if (!frees_after_capture.empty() && held_free_ready()) free_held_after_capture();
   if (pending_count == 0) return;
-  for (StreamEvents& se : pending) {
+  const DropEmptiedQueues drop{*this};
+  for (StreamEvents* busy : busy_queues) {
+    StreamEvents& se = *busy;
     while (!se.queue.empty()) {
       if (!front_event_usable(se)) break;  // its stream captures: the free waits for the capture's end
       try {
@@ -614,8 +645,7 @@ Snapshot Allocator::Impl::snapshot_locked() const {
   for (SegmentInfo& seg : s.segments) {
     const auto key = reinterpret_cast<driver::stream_t>(static_cast<std::uintptr_t>(seg.stream));
     if (!backends::is_graph_pool_key(key)) continue;
-    for (const GraphPool& p : graph_pools)
-      if (p.owns(key)) seg.graph_pool = p.id;
+    if (const std::uint64_t pool = pool_of_key(key); pool != 0) seg.graph_pool = pool;
   }
   s.stats = stats;
   return s;
@@ -663,29 +693,40 @@ std::pair<Allocator::Impl::GraphPool*, driver::stream_t> Allocator::Impl::pool_k
   GraphPool* p = find_graph_pool(pool);
   const bool made = p == nullptr;
   if (made) {
-    graph_pools.push_back(GraphPool{pool, {}, 0, {}});  // may throw: nothing changed
-    p = &graph_pools.back();
+    p = &graph_pools.try_emplace(pool, GraphPool{pool, {}, 0, {}}).first->second;  // may throw: nothing changed
   }
   for (const auto& [s, k] : p->keys)
     if (s == stream) return {p, k};
+  driver::stream_t key = nullptr;
   try {
     p->keys.reserve(p->keys.size() + 1);
-    const driver::stream_t key = backends::new_graph_pool_key();
+    key = backends::new_graph_pool_key();
+    pool_keys.try_emplace(key, PoolKey{pool, false});
     p->keys.emplace_back(stream, key);  // capacity reserved
     return {p, key};
   } catch (...) {
-    if (made) graph_pools.pop_back();
+    if (key != nullptr) backends::retire_graph_pool_key(key);
+    if (made) graph_pools.erase(pool);
     throw;
   }
 }
 
-void Allocator::Impl::prune_released_keys(GraphPool& p) const noexcept {
-  // Keys are few (one per stream that allocated into the pool): a walk of the live blocks per key.
-  std::erase_if(p.released_keys, [&](driver::stream_t key) {
-    bool carried = false;
-    live.for_each([&](const Block* b) { carried = carried || b->stream == key; });
-    return !carried;
+void Allocator::Impl::prune_graph_pools() noexcept {
+  for (auto& [key, k] : pool_keys) k.carried = false;
+  live.for_each([&](const Block* b) {
+    if (!backends::is_graph_pool_key(b->stream)) return;
+    if (const auto it = pool_keys.find(b->stream); it != pool_keys.end()) it->second.carried = true;
   });
+  for (auto it = graph_pools.begin(); it != graph_pools.end();) {
+    GraphPool& p = it->second;
+    std::erase_if(p.released_keys, [&](driver::stream_t key) {
+      const auto k = pool_keys.find(key);
+      if (k->second.carried) return false;
+      pool_keys.erase(k);
+      return true;
+    });
+    it = p.uses == 0 && p.keys.empty() && p.released_keys.empty() ? graph_pools.erase(it) : std::next(it);
+  }
 }
 
 void Allocator::begin_pool_allocations(std::uint64_t pool, stream_t stream) {
@@ -723,11 +764,9 @@ std::vector<std::pair<std::uint64_t, std::size_t>> Allocator::graph_pool_blocks(
   std::lock_guard<core::Mutex> lock(impl_->mu);
   Impl& m = *impl_;
   std::vector<std::pair<std::uint64_t, std::size_t>> out;
-  Impl::GraphPool* p = m.find_graph_pool(pool);
-  if (p == nullptr) return out;
-  m.prune_released_keys(*p);
+  if (m.find_graph_pool(pool) == nullptr) return out;
   m.live.for_each([&](const Block* b) {
-    if (b->status == core::BlockStatus::allocated && backends::is_graph_pool_key(b->stream) && p->owns(b->stream))
+    if (b->status == core::BlockStatus::allocated && backends::is_graph_pool_key(b->stream) && m.pool_of_key(b->stream) == pool)
       out.emplace_back(b->addr, b->size);
   });
   std::sort(out.begin(), out.end());
@@ -816,7 +855,10 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   }
   m.capture_routes.erase(route);
   m.update_capture_state();
-  if (!m.ctx.capturing) m.free_held_after_capture();
+  if (!m.ctx.capturing) {
+    m.free_held_after_capture();
+    m.backend->reap_released();  // a capture loop allocates only while capturing: give released pools back now
+  }
 }
 
 // The frees of blocks other streams used, held back during a capture: as usual now. Should one
@@ -868,8 +910,10 @@ void Allocator::release_graph_pool(std::uint64_t pool) {
   }
   p->keys.clear();
   if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_release, pool, 0, nullptr);
-  m.prune_released_keys(*p);
-  if (p->released_keys.empty()) m.graph_pools.erase(m.graph_pools.begin() + (p - m.graph_pools.data()));
+  // This pool goes unless live blocks carry its keys; so do those released earlier whose blocks
+  // have all been freed since.
+  m.prune_graph_pools();
+  if (!m.ctx.capturing) m.backend->reap_released();
 }
 
 void Allocator::release_cached() {
@@ -879,6 +923,16 @@ void Allocator::release_cached() {
   // Frees still held after a capture whose end could not free them: they are given back too.
   if (!impl_->frees_after_capture.empty()) impl_->free_held_after_capture();
   impl_->backend->release_cached();
+  impl_->prune_graph_pools();     // released pools whose last blocks have been freed
+  impl_->destroy_spare_events();  // after the backend's release, whose synchronization completes pending frees
+}
+
+void Allocator::Impl::destroy_spare_events() {
+  // Kept at their peak count otherwise. The capacity stays: it must hold the pending frees' events.
+  while (!spare_events.empty()) {
+    driver->event_destroy(spare_events.back());  // throws with the event still spare
+    spare_events.pop_back();
+  }
 }
 
 void refuse_unreleasable_stream(driver::stream_t stream) {
@@ -909,7 +963,7 @@ void Allocator::release_stream(stream_t stream) {
   m.driver->stream_synchronize(stream);  // its queued work, and the events of frees that waited for it
   if (m.pending_count != 0) m.process_events();
   m.backend->release_stream(stream);
-  std::erase_if(m.pending, [&](const Impl::StreamEvents& se) { return se.stream == stream && se.queue.empty(); });
+  if (const auto it = m.pending.find(stream); it != m.pending.end() && it->second.queue.empty()) m.pending.erase(it);
 }
 
 Stats Allocator::stats() const {
@@ -1057,13 +1111,18 @@ void Allocator::validate() const {
   if (static_cast<std::int64_t>(m.live.size()) != m.stats.allocation[kAllPools].current)
     fail("live map size differs from allocation.all.current");
   std::size_t queued = 0;
-  for (const Impl::StreamEvents& se : m.pending) {
+  std::size_t busy = 0;
+  for (const auto& [s, se] : m.pending) {
     queued += se.queue.size();
+    busy += se.queue.empty() ? 0 : 1;
     se.queue.for_each([&](const Impl::PendingFree& pf) {
       if (pf.block->status != BlockStatus::pending_free || pf.block->pending_events == 0) fail("pending queue holds a block not pending");
     });
   }
   if (queued != m.pending_count) fail("pending_count is wrong");
+  if (busy != m.busy_queues.size() ||
+      std::any_of(m.busy_queues.begin(), m.busy_queues.end(), [](const Impl::StreamEvents* se) { return se->queue.empty(); }))
+    fail("busy_queues is not the queues that hold frees");
   const Stats& s = m.stats;
   if (s.allocated_bytes[kAllPools].current > s.active_bytes[kAllPools].current) fail("allocated_bytes > active_bytes");
   if (s.active_bytes[kAllPools].current > s.reserved_bytes[kAllPools].current) fail("active_bytes > reserved_bytes");

@@ -6,6 +6,7 @@
 #include <array>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "backends/backend.hpp"
@@ -22,6 +23,23 @@ namespace expseg {
 // this much memory. They are refused up front: out_of_memory with a report, but no OOM of the
 // allocator (num_ooms, the observer, oom_dump and the C API's callback do not see them).
 inline constexpr std::size_t kMaxRequest = std::size_t{1} << 60;
+
+namespace detail {
+// The other-backend check of an OOM report (oom_report.cpp): a simulation of the live set, which
+// may take seconds with millions of blocks, so it runs without the lock on a copy.
+struct CounterfactualCheck {
+  struct Live {
+    std::uint64_t addr;
+    std::size_t requested;
+    driver::stream_t stream;
+  };
+  bool pending = false;    // build_oom_report left it to finish_counterfactual
+  std::vector<Live> live;  // the live set, pending frees included, in no order
+  Config config;
+  std::size_t capacity = 0, granularity = 0, limit = 0, requested = 0;
+  driver::stream_t stream = nullptr;
+};
+}  // namespace detail
 
 struct Allocator::Impl final : backends::FrontendHooks {
   Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv);
@@ -73,8 +91,14 @@ struct Allocator::Impl final : backends::FrontendHooks {
                                                               driver::stream_t stream, driver::stream_t asked_on);
   // The figures of a report that need no driver call and no walk (oom_report.cpp).
   void fill_report_figures(OomReport& r, std::size_t requested, driver::stream_t asked_on) const;
-  // Builds the report of a failed allocation (oom_report.cpp).
-  std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream, driver::stream_t asked_on);
+  using CounterfactualCheck = detail::CounterfactualCheck;
+  // Builds the report of a failed allocation (oom_report.cpp). With `deferred`, a check to run is
+  // left there (its sentence missing from the message) for finish_counterfactual.
+  std::shared_ptr<OomReport> build_oom_report(std::size_t requested, driver::stream_t stream, driver::stream_t asked_on,
+                                              CounterfactualCheck* deferred = nullptr);
+  // Runs the check and adds its answer to the report; needs no lock. Never throws.
+  void finish_counterfactual(OomReport& r, CounterfactualCheck& check) noexcept;
+  void (*counterfactual_probe)() = nullptr;  // tests: called as the check starts
   // The report of an OOM whose full report found no host memory: the figures at hand and a short
   // message, or (no memory for that either) no_memory_report. Never throws.
   std::shared_ptr<const OomReport> short_oom_report(std::size_t requested, driver::stream_t asked_on) const noexcept;
@@ -143,7 +167,20 @@ struct Allocator::Impl final : backends::FrontendHooks {
     driver::stream_t stream;
     PendingQueue queue;
   };
-  alignas(64) std::vector<StreamEvents> pending;  // per stream, in record order
+  // Per stream, in record order; hashed, since a cross-stream free looks its streams' queues up.
+  alignas(64) std::unordered_map<driver::stream_t, StreamEvents> pending;
+  // The queues that hold frees, in the order they got them: what process_events walks (empty ones,
+  // which may be many, are not). Its capacity always holds every queue, so adding one never throws.
+  std::vector<StreamEvents*> busy_queues;
+  void drop_emptied_queues() noexcept {
+    std::erase_if(busy_queues, [](const StreamEvents* se) { return se->queue.empty(); });
+  }
+  // On the way out of a walk of busy_queues, also when a driver call throws.
+  struct DropEmptiedQueues {
+    Impl& m;
+    ~DropEmptiedQueues() { m.drop_emptied_queues(); }
+  };
+  std::uint64_t queue_steps = 0;  // tests: queues process_events and the cross-stream free's lookups looked at
   std::size_t pending_count = 0;
   // Whether the event of the free at the front of `se` can be queried or waited for now: one that
   // may have been recorded into a capture is recorded again on its stream once the capture has
@@ -154,8 +191,9 @@ struct Allocator::Impl final : backends::FrontendHooks {
   static constexpr std::size_t kQueueSweepMin = 32;
   std::size_t queue_sweep_at = kQueueSweepMin;  // drop_empty_queues' next look: at this many queues
   // Recycled events. Its capacity always holds every event, spare or pending (deallocate reserves
-  // it), so that completing a pending free never allocates.
+  // it), so that completing a pending free never allocates. release_cached destroys them.
   std::vector<driver::event_t> spare_events;
+  void destroy_spare_events();
   // deallocate()'s events of the block being freed, kept between calls so that a cross-stream free
   // does not allocate (used under the lock only).
   std::vector<driver::event_t> free_events;
@@ -176,11 +214,6 @@ struct Allocator::Impl final : backends::FrontendHooks {
     // them may still be live: they belong to the pool (graph_pool_blocks) until freed. A pool at no
     // use stays listed while it has such keys, and a later begin takes it up again with new keys.
     std::vector<driver::stream_t> released_keys;
-    // Whether `key` is one of the pool's, current or released.
-    bool owns(driver::stream_t key) const noexcept {
-      return std::any_of(keys.begin(), keys.end(), [&](const auto& k) { return k.second == key; }) ||
-             std::find(released_keys.begin(), released_keys.end(), key) != released_keys.end();
-    }
   };
   struct CaptureRoute {
     std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams
@@ -204,7 +237,18 @@ struct Allocator::Impl final : backends::FrontendHooks {
     };
     std::vector<Fork> forks;
   };
-  std::vector<GraphPool> graph_pools;
+  std::unordered_map<std::uint64_t, GraphPool> graph_pools;  // by id
+  // Every key of a listed pool, current or released -> the pool's id; `carried`: prune_graph_pools' mark.
+  struct PoolKey {
+    std::uint64_t pool = 0;
+    bool carried = false;
+  };
+  std::unordered_map<driver::stream_t, PoolKey> pool_keys;
+  // The id of the listed pool `key` is a key of (0: none).
+  std::uint64_t pool_of_key(driver::stream_t key) const noexcept {
+    const auto it = pool_keys.find(key);
+    return it == pool_keys.end() ? 0 : it->second.pool;
+  }
   std::vector<CaptureRoute> capture_routes;
   // Allocations outside a capture routed into a pool (begin_pool_allocations): a stream's key -> the
   // pool's key for that stream.
@@ -218,15 +262,15 @@ struct Allocator::Impl final : backends::FrontendHooks {
   bool routing = false;
   void update_routing() noexcept { routing = !capture_routes.empty() || !eager_routes.empty(); }
   GraphPool* find_graph_pool(std::uint64_t id) noexcept {
-    for (GraphPool& p : graph_pools)
-      if (p.id == id) return &p;
-    return nullptr;
+    const auto it = graph_pools.find(id);
+    return it == graph_pools.end() ? nullptr : &it->second;
   }
   // The pool's key for requests of `stream` (made on its first begin there), in pool `p` (made
   // first when null); the pool's use is not taken. Strong guarantee.
   std::pair<GraphPool*, driver::stream_t> pool_key_for(std::uint64_t pool, driver::stream_t stream);
-  // Drops the released keys of `p` that no live block carries any more.
-  void prune_released_keys(GraphPool& p) const noexcept;
+  // Drops the released keys that no live block carries any more, and the pools at no use left
+  // without keys (one walk of the live blocks). Invalidates GraphPool pointers of dropped pools.
+  void prune_graph_pools() noexcept;
   // prepare_capture's answers live in ctx.prepared_captures (the backend watches those streams).
   static constexpr std::size_t kMaxPreparedCaptures = 16;
   // ctx.capturing and ctx.capture_spares_legacy from capture_routes.
@@ -267,6 +311,10 @@ struct Allocator::Impl final : backends::FrontendHooks {
 
   Recorder recorder;
   std::shared_ptr<const OomReport> last_oom;
+  // OOM reports begun, and the number of the one last_oom holds: a report finished without the
+  // lock is not published over one that began after it.
+  std::uint64_t oom_reports_begun = 0;
+  std::uint64_t last_oom_seq = 0;
   // Made with the allocator, for an OOM that finds no host memory even for short_oom_report's.
   std::shared_ptr<const OomReport> no_memory_report;
   std::uint64_t oom_count = 0;  // OOMs in this allocator's life (oom_dump's %n); unlike stats.num_ooms, never reset
@@ -287,10 +335,34 @@ struct AllocatorAccess {
   static driver::Driver& driver(Allocator& a) { return *a.impl_->driver; }
   static void deallocate_for_good(Allocator& a, void* ptr) { a.impl_->deallocate_for_good(ptr); }
   static backends::Backend& backend(Allocator& a) { return *a.impl_->backend; }
+  // expseg_release_stream's part for what expseg_cupy_malloc cached under the stream's foreign key
+  // (backends::foreign_stream_key), which Allocator::release_stream refuses (c_api.cpp).
+  static void release_foreign_key(Allocator& a, driver::stream_t stream, bool release);
   // The streams the cross-stream frees keep a queue for (tests).
   static std::size_t pending_streams(Allocator& a) {
     std::lock_guard<core::Mutex> lock(a.impl_->mu);
     return a.impl_->pending.size();
+  }
+  // Queues the cross-stream frees' paths have looked at so far (tests: the work per call).
+  static std::uint64_t queue_steps(Allocator& a) {
+    std::lock_guard<core::Mutex> lock(a.impl_->mu);
+    return a.impl_->queue_steps;
+  }
+  // The graph pools the allocator keeps entries for (tests).
+  static std::size_t graph_pool_entries(Allocator& a) {
+    std::lock_guard<core::Mutex> lock(a.impl_->mu);
+    return a.impl_->graph_pools.size();
+  }
+  // Called as an OOM report's other-backend check starts (tests).
+  static void set_counterfactual_probe(Allocator& a, void (*probe)()) {
+    std::lock_guard<core::Mutex> lock(a.impl_->mu);
+    a.impl_->counterfactual_probe = probe;
+  }
+  // Whether the allocator's lock is free now (tests; takes and leaves it when it is).
+  static bool lock_free(Allocator& a) {
+    if (!a.impl_->mu.try_lock()) return false;
+    a.impl_->mu.unlock();
+    return true;
   }
 };
 }  // namespace detail

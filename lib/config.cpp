@@ -199,10 +199,15 @@ constexpr Unit kUnits[] = {
     {"MiB", kMiB},
     {"GiB", std::size_t{1} << 30},
     {"TiB", std::size_t{1} << 40},
+    // One letter, as PyTorch's expandable_segments_reserve writes GiB (40G): powers of 1024.
+    {"K", kKiB},
+    {"M", kMiB},
+    {"G", std::size_t{1} << 30},
+    {"T", std::size_t{1} << 40},
 };
 constexpr const char* kBytesExpected =
     "a size in bytes: a number with an optional unit B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, "
-    "GiB, TiB (powers of 1024), e.g. 4096, 512KiB, 1.5GiB";
+    "GiB, TiB (powers of 1024; K, M, G, T are the same), e.g. 4096, 512KiB, 1.5GiB, 20G";
 
 // Exact: the integer part is multiplied, the fraction is folded in digit by digit with floor
 // division (Horner), so "1.5GiB" is 1610612736 without rounding through a double.
@@ -367,16 +372,35 @@ std::string format_va_size(const Config& c) {
 
 // PyTorch's expandable_segments_reserve (after 2.11): a positive fraction of device memory (0.5) or
 // whole GiB with a G suffix (40G). PyTorch ignores a bad value with a warning; expseg refuses it, as
-// it does every bad value.
-constexpr const char* kReserveExpected = "a positive fraction of device memory (e.g. 0.5) or a size in GiB (e.g. 40G)";
+// it does every bad value. expseg also takes a size with any other unit of the size keys (40GiB,
+// 512MiB), as expandable_va_size does.
+constexpr const char* kReserveExpected =
+    "a positive fraction of device memory (e.g. 0.5) or a size in GiB (e.g. 40G), or a size with a unit (e.g. 40GiB, 512MiB)";
 
 struct ReserveSpec {
   bool gib;
   double value;
+  std::size_t bytes = 0;  // a size with another unit (40GiB): its bytes; gib and value unused
 };
+
+bool ends_in_letter(std::string_view v) {
+  const char c = v.empty() ? '\0' : v.back();
+  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z');
+}
 
 ReserveSpec parse_reserve_spec(Key key, std::string_view v) {
   const bool gib = !v.empty() && (v.back() == 'G' || v.back() == 'g');
+  if (!gib && ends_in_letter(v)) {  // 40GiB, 512MiB, 1TB: a size, as for expandable_va_size
+    std::size_t n = 0;
+    try {
+      n = parse_bytes_impl(key, v);
+    } catch (const config_error&) {
+      bad_value(key, v, kReserveExpected);
+    }
+    if (n == 0) bad_value(key, v, kReserveExpected);
+    if (n > kMaxExpandableVaSize) bad_value(key, v, std::string(kReserveExpected) + " (at most 1048576G, 1 PiB)");
+    return {false, 0.0, n};
+  }
   std::string_view num = gib ? v.substr(0, v.size() - 1) : v;
   // The numbers PyTorch's stream extraction reads: decimals with an exponent (5e-1) and a leading
   // '+', which from_chars does not take; parse_double refuses inf, nan and hex floats.
@@ -393,7 +417,10 @@ ReserveSpec parse_reserve_spec(Key key, std::string_view v) {
 // PyTorch caps it at its own (9/8 of device memory): expseg's is 2x device memory, its default.
 void parse_segments_reserve(Config& c, Key key, std::string_view v) {
   const ReserveSpec r = parse_reserve_spec(key, v);
-  if (r.gib) {
+  if (r.bytes != 0) {
+    c.va_size = r.bytes;
+    c.va_fraction = 0.0;
+  } else if (r.gib) {
     c.va_size = std::max<std::size_t>(1, static_cast<std::size_t>(std::ceil(r.value * static_cast<double>(std::size_t{1} << 30))));
     c.va_fraction = 0.0;
   } else {
@@ -466,7 +493,7 @@ void parse_max_split_size(Config& c, Key key, std::string_view v) {
   const std::string what = "an integer number of MiB >= " + large_mib(c) + ", or unlimited";
   const std::size_t n = parse_mib(key, v, what);
   if (n < c.large_segment_size)
-    throw config_error(std::string(key), std::string(key) + ": max_split_size_mb too small, must be >= " + large_mib(c) +
+    throw config_error(std::string(key), std::string(key) + ": too small, must be >= " + large_mib(c) +
                                              " (got '" + clip(v) + "'); expected " + what);
   c.max_split_size = n;
 }
@@ -475,7 +502,7 @@ void parse_max_non_split_rounding(Config& c, Key key, std::string_view v) {
   const std::string what = "an integer number of MiB >= " + large_mib(c);
   const std::size_t n = parse_mib(key, v, what);
   if (n < c.large_segment_size)
-    throw config_error(std::string(key), std::string(key) + ": max_non_split_rounding_mb too small, must be >= " +
+    throw config_error(std::string(key), std::string(key) + ": too small, must be >= " +
                                              large_mib(c) + " (got '" + clip(v) + "'); expected " + what);
   c.max_non_split_rounding = n;
 }
@@ -485,7 +512,7 @@ void parse_large_segment_size(Config& c, Key key, std::string_view v) {
   const std::string what = "an integer number of MiB > 10, e.g. 32";
   const std::size_t n = parse_mib(key, v, what);
   if (n <= 10 * kMiB)
-    throw config_error(std::string(key), std::string(key) + ": large_segment_size_mb must be > 10 (got '" + clip(v) +
+    throw config_error(std::string(key), std::string(key) + ": must be > 10 (got '" + clip(v) +
                                              "'); expected " + what);
   c.large_segment_size = n;
 }
@@ -588,8 +615,7 @@ void parse_gc_threshold(Config& c, Key key, std::string_view v) {
   const char* what = "a number in (0, 1), e.g. 0.8, or off";
   const double t = parse_double(key, v, what);
   if (!(t > 0.0 && t < 1.0))
-    throw config_error(std::string(key), std::string(key) + ": garbage_collection_threshold is invalid, set it in (0.0, 1.0) (got '" +
-                                             clip(v) + "'); expected " + what);
+    throw config_error(std::string(key), std::string(key) + ": '" + clip(v) + "' is out of range, set it in (0.0, 1.0); expected " + what);
   c.garbage_collection_threshold = t;
 }
 
@@ -685,7 +711,8 @@ const Entry kEntries[] = {
    [](Config& c, Key k, std::string_view v) { c.oom_counterfactual = parse_bool(k, v); },
    [](const Config& c) -> std::string { return format_bool(c.oom_counterfactual); }},
   {{"oom_dump", "path|none", "none",
-    "at every OOM write report, snapshot, config and recorded trace to this file (%p pid, %d device, %n OOM number)"},
+    "at every OOM write report, snapshot, config and recorded trace to this file (%p pid, %d device, %n OOM number); "
+    "no ',' in it (items are separated by commas)"},
    parse_oom_dump, [](const Config& c) { return c.oom_dump.empty() ? std::string("none") : c.oom_dump; }},
   // --- PyTorch's keys, with PyTorch's meaning ---
   {{"large_segment_size_mb", "MiB", "20", "PyTorch: the segment split_merge gives a request of 1-10 MiB (> 10); also the least max_split_size_mb and the default max_non_split_rounding_mb"},
@@ -704,7 +731,8 @@ const Entry kEntries[] = {
    parse_expandable_segments, nullptr},
   {{"per_process_memory_fraction", "float", "1", "PyTorch: limit to this fraction of device memory, in [0, 1] (= limit:N%; 1 = none, 0 = nothing may be allocated)"},
    parse_memory_fraction, nullptr},
-  {{"expandable_segments_reserve", "float|NG", "2", "PyTorch: = expandable_va_size, as a fraction of device memory (0.5; at most the full reserve, 2) or GiB (40G)"},
+  {{"expandable_segments_reserve", "float|NG", "2", "PyTorch: = expandable_va_size, as a fraction of device memory (0.5; at most the full reserve, 2) or GiB (40G; "
+    "expseg also takes a size with a unit, 40GiB)"},
    parse_segments_reserve, nullptr},
   {{"expandable_segments_reserve_by_class", "[name:float|NG,...]", "[]", "PyTorch: VA reserve per stream class; expseg has no stream classes: checked, then ignored"},
    ignore_reserve_by_class, nullptr},
@@ -806,6 +834,7 @@ std::string expand_oom_dump_path(std::string_view pattern, long pid, int device,
 }
 
 std::string format_bytes(std::size_t bytes) {
+  if (bytes == 1) return "1 byte";
   if (bytes <= 1024) return std::to_string(bytes) + " bytes";
   double v = 0;
   const char* unit = nullptr;
@@ -831,13 +860,31 @@ void Config::apply(std::string_view text) {
     std::string_view key, value;
   };
   std::vector<Item> parsed;
+  std::string_view previous_key;  // of the item before, for the hint on an oom_dump path cut at a ','
   for (std::string_view item : split_items(text)) {
     const std::size_t colon = item.find(':');
     const std::string_view key = trim(item.substr(0, colon));
     if (key.empty()) throw config_error("", "empty key in item '" + clip(trim(item)) + "' (expected key:value)");
     const Entry* e = find_entry(key);
-    if (!e)
-      throw config_error(clip(key), "unknown option '" + clip(key) + "'; valid options are: " + valid_keys());
+    const bool equals = key.find('=') != std::string_view::npos;
+    if (!e && previous_key != "oom_dump" && equals) {
+      // backend=expandable: the shell's or another tool's syntax; PyTorch's (and expseg's) is key:value.
+      const std::string_view name = trim(key.substr(0, key.find('=')));
+      const std::string_view rest = trim(trim(item).substr(trim(item).find('=') + 1));
+      if (find_entry(name))
+        throw config_error(std::string(name), "'" + clip(trim(item)) + "': use key:value, with ':' between key and value, "
+                                                                        "not '=' (e.g. " + clip(name) + ":" + clip(rest) + ")");
+    }
+    if (!e) {
+      // oom_dump:/tmp/a,b.json: the path was split at its ',' and its tail read as a key.
+      const std::string hint = previous_key == "oom_dump"
+                                   ? " (items are separated by commas, so an oom_dump path cannot contain ',': the "
+                                     "path was cut there; choose one without ',')"
+                               : equals ? " (items are key:value, with ':' between key and value, not '=')"
+                                        : "";
+      throw config_error(clip(key), "unknown option '" + clip(key) + "'" + hint + "; valid options are: " + valid_keys());
+    }
+    previous_key = key;
     if (colon == std::string_view::npos)
       throw config_error(std::string(key), std::string(key) + ": missing ':value'; expected " + std::string(key) +
                                                ":<" + e->opt.type + ">");

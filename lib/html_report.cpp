@@ -628,6 +628,7 @@ body { margin: 0; background: #f1f3f5; color: var(--ink); font: 14px/1.5 system-
 main { max-width: 1180px; margin: 0 auto; padding: 24px 20px 48px; }
 header h1 { margin: 0 0 2px; font-size: 26px; letter-spacing: -0.01em; }
 header .sub { color: var(--muted); margin: 0 0 16px; }
+header .note { margin: 0 0 16px; max-width: 70em; }
 .card { background: #fff; border-radius: 10px; box-shadow: 0 1px 3px rgba(0,0,0,0.08), 0 4px 14px rgba(0,0,0,0.04); padding: 18px 22px; margin: 18px 0; }
 h2 { margin: 0 0 4px; font-size: 20px; }
 h2 .name { font: 13px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; color: var(--muted); font-weight: normal; margin-left: 8px; }
@@ -772,8 +773,10 @@ void state_legend(std::string& o) {
 }
 
 void summary_table(std::string& o, const ReportGroup& g) {
+  const bool driver = std::any_of(g.runs.begin(), g.runs.end(), [](const ReportRun& r) { return r.driver_seconds > 0; });
   o += "<table class=\"summary\">\n<thead><tr><th>backend</th><th class=\"l\">outcome</th><th class=\"l\">verdict of the first OOM</th><th>peak allocated</th>"
-       "<th>peak reserved</th><th>reserved / allocated</th><th>OOMs</th><th>time</th></tr></thead>\n<tbody>\n";
+       "<th>peak reserved</th><th>reserved / allocated</th><th>OOMs</th><th>time</th>";
+  o += driver ? "<th>in driver</th></tr></thead>\n<tbody>\n" : "</tr></thead>\n<tbody>\n";
   for (std::size_t i = 0; i < g.runs.size(); ++i) {
     const ReportRun& r = g.runs[i];
     const BackendStyle st = backend_style(r.backend, i);
@@ -781,7 +784,9 @@ void summary_table(std::string& o, const ReportGroup& g) {
          "</td><td class=\"l\"><span class=\"badge " + (r.ooms ? "bad" : "ok") + "\">" + esc(outcome_of(r)) + "</span></td><td class=\"l\">" +
          esc(r.first_oom ? verdict_of(r) : std::string("\xE2\x80\x94")) + "</td><td>" + esc(bytes_text(r.peak_allocated_bytes)) + "</td><td>" +
          esc(bytes_text(r.peak_reserved_bytes)) + "</td><td>" + ratio_text(r) +
-         "</td><td>" + std::to_string(r.ooms) + "</td><td>" + esc(seconds_text(r.seconds)) + "</td></tr>\n";
+         "</td><td>" + std::to_string(r.ooms) + "</td><td>" + esc(seconds_text(r.seconds)) + "</td>";
+    if (driver) o += "<td>" + (r.driver_seconds > 0 ? esc(seconds_text(r.driver_seconds)) : std::string("\xE2\x80\x94")) + "</td>";
+    o += "</tr>\n";
   }
   o += "</tbody>\n</table>\n";
 }
@@ -936,6 +941,7 @@ ReportGroup report_group(std::span<const ScenarioResult> runs) {
     r.peak_allocated_bytes = s.peak_allocated_bytes;
     r.peak_reserved_bytes = s.peak_reserved_bytes;
     r.seconds = s.seconds;
+    r.driver_seconds = s.driver_seconds;
     r.length = s.steps;
     r.series = s.series;
     // oom_steps counts the steps before the failed one; samples are taken after each step.
@@ -962,6 +968,7 @@ ReportGroup report_group(std::span<const ReplayResult> runs, std::string descrip
     r.peak_allocated_bytes = s.peak_allocated_bytes;
     r.peak_reserved_bytes = s.peak_reserved_bytes;
     r.seconds = s.seconds;
+    r.driver_seconds = s.driver_seconds;
     r.length = s.series.empty() ? s.events : s.series.back().event + 1;
     r.series = s.series;
     r.oom_at = s.oom_events;
@@ -988,6 +995,7 @@ std::string render_html_report(std::span<const ReportGroup> groups, const Report
   o += "<title>" + esc(options.title) + "</title>\n<style>" + std::string(kStyle) + "</style>\n</head>\n<body>\n<main>\n";
   o += "<header>\n<h1>" + esc(options.title) + "</h1>\n";
   if (!options.subtitle.empty()) o += "<p class=\"sub\">" + esc(options.subtitle) + "</p>\n";
+  if (!options.note.empty()) o += "<p class=\"note\">" + esc(options.note) + "</p>\n";
   o += "</header>\n";
   if (groups.size() > 1) glance(o, groups);
   for (std::size_t i = 0; i < groups.size(); ++i) group_section(o, groups[i], i);

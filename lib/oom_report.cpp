@@ -25,11 +25,7 @@ std::string with_commas(std::size_t v) {
   return out;
 }
 
-struct LiveAllocation {
-  std::uint64_t addr;
-  std::size_t requested;
-  driver::stream_t stream;
-};
+using LiveAllocation = detail::CounterfactualCheck::Live;
 
 // Replays the live set, in address order, into a fresh allocator of the other backend on a
 // simulated device of the same size and limit, then asks for the failed request.
@@ -61,6 +57,28 @@ Counterfactual run_counterfactual(const Config& base, BackendKind other, std::si
   }
 }
 
+// The message's last sentence: the other backend's answer (`live_count`: the live set it was given),
+// or why it was not asked.
+std::string counterfactual_sentence(const OomReport& r, std::size_t live_count, const char* why_not) {
+  std::string s = " The " + r.other_backend + " backend";
+  switch (r.counterfactual) {
+    case Counterfactual::would_succeed:
+      s += ", given the same " + std::to_string(live_count) + " live allocation" + (live_count == 1 ? "" : "s") +
+           (r.limit_bytes ? " and limit" : "") + ", would have served this request.";
+      break;
+    case Counterfactual::would_fail:
+      s += " would have failed too.";
+      break;
+    case Counterfactual::not_evaluated:  // said, so that no answer is not read as one
+      s += " was not asked";
+      s += why_not;
+      break;
+  }
+  return s;
+}
+
+constexpr const char* kCheckFailed = ": its check could not run (host memory ran out, or its simulated device could not be built).";
+
 }  // namespace
 
 // The figures every report gives, from the allocator's own counts (no driver call).
@@ -77,7 +95,8 @@ void Allocator::Impl::fill_report_figures(OomReport& r, std::size_t requested, d
   r.live_requested_bytes = static_cast<std::size_t>(stats.requested_bytes[kAllPools].current);
 }
 
-std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t requested, driver::stream_t stream, driver::stream_t asked_on) {
+std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t requested, driver::stream_t stream, driver::stream_t asked_on,
+                                                             CounterfactualCheck* deferred) {
   auto r = std::make_shared<OomReport>();
   fill_report_figures(*r, requested, asked_on);
   driver::MemInfo mi;
@@ -144,14 +163,15 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   // and frees held until a capture ends (frees_after_capture). A block freed twice over streams is
   // counted once.
   std::vector<const core::Block*> waiting;
-  for (const StreamEvents& se : pending) se.queue.for_each([&](const PendingFree& pf) { waiting.push_back(pf.block); });
+  for (const StreamEvents* se : busy_queues) se->queue.for_each([&](const PendingFree& pf) { waiting.push_back(pf.block); });
   std::sort(waiting.begin(), waiting.end());
   waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
   const std::size_t held = frees_after_capture.size();
   // The other backend cannot be asked about a CUDA graph capture underway: its check replays the
   // live set into an allocator with no capture, which gives back memory a capture keeps.
   const bool capture_underway = ctx.capturing || stream_capturing(asked_on);
-  std::vector<LiveAllocation> live_set;
+  CounterfactualCheck here;  // the check, when it runs under the lock (no `deferred`)
+  CounterfactualCheck& check = deferred != nullptr ? *deferred : here;
   // The other backend is asked only when it might succeed. What this backend needs (`need`) counts
   // its own overheads (expandable: whole pages), which the other may not have: a live set scattered
   // over partly used pages can still fit split_merge's segments. Only the live requested bytes plus
@@ -166,13 +186,19 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     r->counterfactual = Counterfactual::would_fail;
   } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable && pools == 0 && !capture_underway) {
     // (A device that refused what its figures leave room for is no device the figures can simulate.)
+    // A copy of what the simulation needs, so that it can run without the lock.
+    std::vector<LiveAllocation>& live_set = check.live;
+    live_set.reserve(live.size() + waiting.size() + frees_after_capture.size());
     live.for_each([&](const core::Block* b) { live_set.push_back({b->addr, b->requested, b->stream}); });
     for (const core::Block* b : waiting) live_set.push_back({b->addr, b->requested, b->stream});
     for (const core::Block* b : frees_after_capture) live_set.push_back({b->addr, b->requested, b->stream});
-    std::sort(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr < b.addr; });
-    live_set.erase(std::unique(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr == b.addr; }),
-                   live_set.end());
-    r->counterfactual = run_counterfactual(config, other, capacity, driver->granularity(), ctx.limit, live_set, requested, stream);
+    check.config = config;
+    check.capacity = capacity;
+    check.granularity = driver->granularity();
+    check.limit = ctx.limit;
+    check.requested = requested;
+    check.stream = stream;
+    check.pending = true;
   }
 
   std::ostringstream os;
@@ -262,7 +288,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       // the synchronization that comes first: that, not the stream rule, is then the reason.
       if (capture_underway && config.backend == BackendKind::expandable) {
         os << " A CUDA graph capture is underway: idle memory of other streams goes back only where the synchronization that must "
-           << "come first leaves the capture valid (README: \"CUDA graphs\").";
+           << "come first leaves the capture valid (docs/CUDA_GRAPHS.md).";
       } else if (r->largest_free_block_bytes >= r->rounded_bytes && fs.largest_usable_block < r->largest_free_block_bytes) {
         os << " The largest free block this request could use is " << format_bytes(fs.largest_usable_block)
            << ": free blocks serve only requests on their own stream";
@@ -295,33 +321,45 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   if (held != 0)
     os << (waiting.empty() ? " and " : ", and ") << held << " free" << (held == 1 ? "" : "s") << " held until a CUDA graph capture ends";
   os << " (" << format_bytes(r->live_requested_bytes) << " requested).";
-  switch (r->counterfactual) {
-    case Counterfactual::would_succeed:
-      os << " The " << r->other_backend << " backend, given the same " << live_set.size() << " live allocation"
-         << (live_set.size() == 1 ? "" : "s") << (ctx.limit ? " and limit" : "") << ", would have served this request.";
-      break;
-    case Counterfactual::would_fail:
-      os << " The " << r->other_backend << " backend would have failed too.";
-      break;
-    case Counterfactual::not_evaluated:  // said, so that no answer is not read as one
-      os << " The " << r->other_backend << " backend was not asked";
-      if (!config.oom_counterfactual)
-        os << " (oom_counterfactual:false).";
-      else if (refused != backends::Context::Refusal::none)
-        os << ": a simulation of the figures above cannot tell what a device that refused them would have done.";
-      else if (!simulable)
-        os << ": its check needs the device's free memory, which could not be read.";
-      else if (pools != 0)
-        os << ": its check does not model memory kept for CUDA graph pools.";
-      else if (capture_underway)
-        os << ": its check does not model a CUDA graph capture underway (which keeps memory a request could otherwise get back).";
-      else
-        os << ": its check could not run (host memory ran out, or its simulated device could not be built).";
-      break;
+  // The other backend's answer ends the message: added by finish_counterfactual, here or later.
+  const bool evaluate = check.pending;
+  if (!evaluate) {
+    const char* why_not = !config.oom_counterfactual ? " (oom_counterfactual:false)."
+                          : refused != backends::Context::Refusal::none
+                              ? ": a simulation of the figures above cannot tell what a device that refused them would have done."
+                          : !simulable ? ": its check needs the device's free memory, which could not be read."
+                          : pools != 0 ? ": its check does not model memory kept for CUDA graph pools."
+                          : capture_underway
+                              ? ": its check does not model a CUDA graph capture underway (which keeps memory a request could otherwise get back)."
+                              : kCheckFailed;
+    os << counterfactual_sentence(*r, 0, why_not);
   }
   r->message = os.str();
   if (config.oom_snapshot) r->snapshot = std::make_shared<const Snapshot>(snapshot_locked());
+  if (evaluate && deferred == nullptr) finish_counterfactual(*r, check);
   return r;
+}
+
+void Allocator::Impl::finish_counterfactual(OomReport& r, CounterfactualCheck& check) noexcept {
+  check.pending = false;
+  if (counterfactual_probe != nullptr) counterfactual_probe();
+  std::vector<LiveAllocation>& live_set = check.live;
+  std::sort(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr < b.addr; });
+  live_set.erase(std::unique(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr == b.addr; }),
+                 live_set.end());
+  const BackendKind other = check.config.backend == BackendKind::expandable ? BackendKind::split_merge : BackendKind::expandable;
+  try {
+    r.counterfactual = run_counterfactual(check.config, other, check.capacity, check.granularity, check.limit, live_set, check.requested,
+                                          check.stream);
+  } catch (...) {
+    r.counterfactual = Counterfactual::not_evaluated;
+  }
+  try {
+    r.message += counterfactual_sentence(r, live_set.size(), kCheckFailed);  // strong guarantee: whole or not at all
+  } catch (...) {
+    // No host memory for the sentence: no answer, rather than one the message does not give.
+    r.counterfactual = Counterfactual::not_evaluated;
+  }
 }
 
 std::shared_ptr<const OomReport> Allocator::Impl::short_oom_report(std::size_t requested, driver::stream_t asked_on) const noexcept {

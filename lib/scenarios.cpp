@@ -324,9 +324,11 @@ const Story kStories[] = {
      7, kv_cache_decode},
     {{"mixed-lifetimes", "Long-lived large blocks among short-lived small ones",
       "Each round allocates a large block (32-128 MiB) that lives for 40 rounds, and twenty small ones "
-      "(1-8 MiB), most freed at once and one in five kept for three rounds. Small survivors land in the "
-      "segments freed by large blocks and pin them, so a split pool holds far more than it uses; expandable "
-      "segments give back the pages around them.",
+      "(1-8 MiB), about four in five freed at once and the others kept for three rounds. Small survivors land "
+      "in the room freed large blocks leave and split it, so under the 4 GiB limit a split pool fails a large "
+      "request while much of the limit is free in pieces too small for it (fragmentation); expandable "
+      "segments give back the pages around the survivors, map them where the large block goes, and serve "
+      "every request.",
       4 * GiB, true},
      11, mixed_lifetimes},
 };

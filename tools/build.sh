@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Configures (once) and builds expseg in BUILD_DIR (default: build). Extra arguments go to
 # `meson setup`, e.g. tools/build.sh build-asan -Db_sanitize=address,undefined -Db_lundef=false
+# EXPSEG_BUILD_TARGETS (space-separated ninja targets, e.g. tools/expseg) builds only those and what
+# they need; unset, everything (the library, the command, tests, benchmarks) is built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-build}"
@@ -13,4 +15,5 @@ if [ ! -f "$dir/build.ninja" ]; then
     exit 1
   fi
 fi
-ninja -C "$dir"
+# shellcheck disable=SC2086  # the targets are split on spaces on purpose
+ninja -C "$dir" ${EXPSEG_BUILD_TARGETS:-}

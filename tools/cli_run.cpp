@@ -234,10 +234,20 @@ void print_replay_table(const std::vector<ReplayGroup>& groups) {
 
 void print_replay_failures(const std::vector<ReplayGroup>& groups) {
   bool header = false;
+  bool any_oom = false, any_skipped = false;
+  for (const ReplayGroup& g : groups)
+    for (const ReplayResult& r : g) {
+      any_oom = any_oom || r.first_oom;
+      any_skipped = any_skipped || r.skipped_frees;
+    }
+  // Frees skipped or supplied (--lenient) without an OOM are no failure: the heading says what follows.
+  const char* heading = !any_oom ? "Frees skipped or supplied (no run failed):"
+                        : any_skipped ? "Why the failures happened (the first OOM report of each failing run), and frees skipped or supplied:"
+                                      : "Why the failures happened (the first OOM report of each failing run):";
   for (const ReplayGroup& g : groups)
     for (const ReplayResult& r : g) {
       if (!r.first_oom && !r.skipped_frees) continue;
-      if (!header) std::printf("\nWhy the failures happened (the first OOM report of each failing run):\n");
+      if (!header) std::printf("\n%s\n", heading);
       header = true;
       if (r.first_oom) {
         std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", r.trace.c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
@@ -257,8 +267,26 @@ void print_replay_failures(const std::vector<ReplayGroup>& groups) {
 
 // --- the picture ---------------------------------------------------------------------------------
 
+// On the simulated device the driver calls take no time: the time columns show the allocator's own
+// host time only, which makes a backend that makes fewer but costlier driver calls look slow. What
+// the tables and the picture then say about time (empty on a GPU, where the times are measured).
+std::string sim_time_note(const Config& config, bool study) {
+  if (config.device != DeviceKind::sim) return "";
+  std::string s =
+      "Times on the simulated device: the time columns are the host's time in the allocator alone; the simulated driver calls "
+      "take none, so they leave out what each backend's driver calls (cuMemCreate, cuMemMap, cuMemSetAccess, cuMemAlloc, ...) "
+      "cost on a GPU. ";
+  if (config.sim_latency)
+    s += std::string("\"in driver\" is the H200 latency model's estimate of those calls (sim_latency:true") +
+         (study ? ", on by default in study" : "") + "), not included in the time: compare backends by the two together.";
+  else
+    s += "--conf sim_latency:true adds the H200 latency model's estimate of those calls (\"in driver\").";
+  return s;
+}
+
 void write_picture(const std::string& path, const std::vector<ScenarioGroup>& scenarios, const std::vector<ReplayGroup>& replays,
-                   const std::vector<std::string>& trace_descriptions, const Setup& setup, const std::string& title, const std::string& command) {
+                   const std::vector<std::string>& trace_descriptions, const Setup& setup, const std::string& title, const std::string& command,
+                   bool study = false) {
   std::vector<ReportGroup> groups;
   for (const ScenarioGroup& g : scenarios) groups.push_back(report_group(std::span<const ScenarioResult>(g)));
   for (std::size_t i = 0; i < replays.size(); ++i)
@@ -267,6 +295,7 @@ void write_picture(const std::string& path, const std::vector<ScenarioGroup>& sc
   o.title = title;
   o.subtitle = backend_list(setup.backends) + " on " + setup.device_label + " \xC2\xB7 expseg " + EXPSEG_VERSION + " \xC2\xB7 " + now_text() +
                " \xC2\xB7 " + command;
+  o.note = sim_time_note(setup.config, study);
   write_html_report(path, groups, o);  // expseg::error when it cannot be written: exit 1
 }
 
@@ -392,6 +421,9 @@ int cmd::scenario(int argc, char** argv) {
         throw UsageError("--seed applies to the random stories only (" + random + "); '" + n + "' is fixed");
       }
   if (const auto sizes = args.get("--sizes")) {
+    if (args.has("--all"))  // --all runs every scenario, and only random-churn takes sizes
+      throw UsageError("--sizes applies to random-churn only, and --all runs every scenario: run it alone, e.g. "
+                       "expseg scenario random-churn --sizes " + *sizes);
     for (const std::string& n : names)
       if (n != "random-churn") throw UsageError("--sizes applies to random-churn only (got scenario '" + n + "')");
     // MIN and MAX are checked by name: split at the first '-', "-1MiB-2MiB" would give an empty MIN.
@@ -458,7 +490,10 @@ int cmd::study(int argc, char** argv) {
     if (!std::filesystem::exists(p, ec)) throw InputError(p + ": no such trace file");
   }
   const std::uint64_t seed = args.get("--seed") ? parse_seed(*args.get("--seed")) : 0;
-  const Setup setup = make_setup(args);
+  Setup setup = make_setup(args);
+  // The study compares the backends' times too: on the simulated device its driver calls are charged
+  // the H200's latencies ("in driver"), unless the configuration says otherwise.
+  if (setup.config.device == DeviceKind::sim && !conf_sets(args, "sim_latency")) setup.config.sim_latency = true;
   const bool json = args.has("--json");
   const std::string html = args.get("--html").value_or("expseg-study.html");
   check_picture_path(html, traces);
@@ -479,6 +514,10 @@ int cmd::study(int argc, char** argv) {
                 traces.empty() ? "" : (traces.size() == 1 ? " and 1 trace" : " and " + std::to_string(traces.size()) + " traces").c_str(),
                 backend_list(setup.backends).c_str());
     print_device_line(setup);
+    if (const std::string note = sim_time_note(setup.config, true); !note.empty()) {
+      print_indented(stdout, note, 0, terminal_width(1));
+      std::printf("\n");
+    }
   }
   ScenarioOptions options;
   options.seed = seed;
@@ -534,7 +573,7 @@ int cmd::study(int argc, char** argv) {
   }
   std::string title = "expseg study: ";  // the backends that ran: "split_merge vs expandable", "expandable"
   for (std::size_t i = 0; i < setup.backends.size(); ++i) title += (i ? " vs " : "") + std::string(to_string(setup.backends[i]));
-  write_picture(html, scenarios, replays, descriptions, setup, title, command_line(argc, argv));
+  write_picture(html, scenarios, replays, descriptions, setup, title, command_line(argc, argv), true);
   if (!json) print_picture_hint(html);
   else std::fprintf(stderr, "expseg study: the picture is in %s (open it with: %s %s)\n", absolute_path(html).c_str(), open_command().c_str(), absolute_path(html).c_str());
   return kExitOk;

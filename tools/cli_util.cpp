@@ -168,26 +168,36 @@ Config base_config(const Args& args) {
 }
 
 namespace {
-// Whether a --conf string sets one of `keys` (e.g. the backend: backend:B or PyTorch's
-// expandable_segments:B).
-bool conf_names(const Args& args, std::initializer_list<std::string_view> keys) {
-  for (const std::string& text : args.all("--conf")) {
-    std::size_t start = 0;
-    while (start < text.size()) {
-      std::size_t comma = text.find(',', start);
-      if (comma == std::string::npos) comma = text.size();
-      const std::string item = text.substr(start, comma - start);
-      // Trimmed as Config::apply trims keys: " backend:expandable" sets the backend there too.
-      std::string_view key = std::string_view(item).substr(0, item.find(':'));
-      const std::size_t first = key.find_first_not_of(" \t\n\r\f\v");
-      key = first == std::string_view::npos ? std::string_view() : key.substr(first, key.find_last_not_of(" \t\n\r\f\v") - first + 1);
-      if (std::find(keys.begin(), keys.end(), key) != keys.end()) return true;
-      start = comma + 1;
-    }
+// Whether a key:value,... text sets one of `keys`.
+bool text_names(const std::string& text, std::initializer_list<std::string_view> keys) {
+  std::size_t start = 0;
+  while (start < text.size()) {
+    std::size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(start, comma - start);
+    // Trimmed as Config::apply trims keys: " backend:expandable" sets the backend there too.
+    std::string_view key = std::string_view(item).substr(0, item.find(':'));
+    const std::size_t first = key.find_first_not_of(" \t\n\r\f\v");
+    key = first == std::string_view::npos ? std::string_view() : key.substr(first, key.find_last_not_of(" \t\n\r\f\v") - first + 1);
+    if (std::find(keys.begin(), keys.end(), key) != keys.end()) return true;
+    start = comma + 1;
   }
   return false;
 }
+
+// Whether a --conf string sets one of `keys` (e.g. the backend: backend:B or PyTorch's
+// expandable_segments:B).
+bool conf_names(const Args& args, std::initializer_list<std::string_view> keys) {
+  for (const std::string& text : args.all("--conf"))
+    if (text_names(text, keys)) return true;
+  return false;
+}
 }  // namespace
+
+bool conf_sets(const Args& args, std::string_view key) {
+  const char* env = std::getenv("EXPSEG_ALLOC_CONF");
+  return conf_names(args, {key}) || (env != nullptr && text_names(env, {key}));
+}
 
 Setup make_setup(const Args& args) {
   Setup s;
@@ -219,6 +229,11 @@ Setup make_setup(const Args& args) {
           throw UsageError("bad --device value '" + d + "': the capacity must be bytes or a number with a unit (KiB, MiB, GiB, KB, MB, GB), e.g. sim:80GiB");
         }
         if (s.config.sim_capacity == 0) throw UsageError("bad --device value '" + d + "': the capacity must be more than 0");
+        // sim:80 is 80 bytes, not a device: say so here rather than let the page size take the blame.
+        const std::string_view cap = std::string_view(d).substr(4);
+        if (s.config.sim_capacity < s.config.sim_granularity && cap.find_first_not_of("0123456789") == std::string_view::npos)
+          throw UsageError("bad --device value '" + d + "': a capacity without a unit is a number of bytes, and " + std::string(cap) +
+                           " bytes is less than one page of the simulated device; did you mean sim:" + std::string(cap) + "GiB?");
       }
       s.device_note = "the simulated device (--device " + d + ")";
     } else if (d == "cuda" || d.rfind("cuda:", 0) == 0) {

@@ -74,10 +74,16 @@ def library_path():
         return "libexpseg.so"
     except OSError:
         pass
+    if os.path.isfile(os.path.join(repo, "meson.build")):
+        build = ("build it there: `meson setup build && ninja -C build` in %s (or tools/study.sh, tools/build.sh) gives "
+                 "%s; a build in another directory: EXPSEG_LIBRARY=BUILD_DIR/lib/libexpseg.so" % (repo, built))
+    else:
+        build = ("%s is not an expseg checkout (this expseg.py was copied out of one): point EXPSEG_LIBRARY at "
+                 "BUILD_DIR/lib/libexpseg.so of an expseg build" % repo)
     raise ExpsegError(
-        "libexpseg.so not found: set EXPSEG_LIBRARY=/path/to/libexpseg.so, or build it next to the sources "
-        "(`meson setup build && ninja -C build` in %s gives build/lib/libexpseg.so), or install it" % repo,
-        INVALID_ARGUMENT)
+        "libexpseg.so not found. Looked for: $EXPSEG_LIBRARY (unset), %s (no such file), the system library path "
+        "(ldconfig's, LD_LIBRARY_PATH; after `meson install`). Set EXPSEG_LIBRARY=/path/to/libexpseg.so, or %s"
+        % (built, build), INVALID_ARGUMENT)
 
 
 # void (*)(int device, const char* report_json, void* user_data)
@@ -159,10 +165,31 @@ def load():
     return _lib
 
 
+# What a machine without a usable GPU can do instead, said when the CUDA driver cannot be loaded or finds no device.
+_NO_GPU_HINT = ("no GPU? use device:sim, the simulated device: EXPSEG_ALLOC_CONF=device:sim, or expseg.configure(\"device:sim\") "
+                "before the first allocation")
+
+
 def _error(what):
     lib = load()
     msg = (lib.expseg_last_error() or b"").decode("utf-8", "replace")
-    return ExpsegError(msg or ("%s failed" % what), lib.expseg_last_error_code())
+    code = lib.expseg_last_error_code()
+    if code == DRIVER and ("cannot load the CUDA driver library" in msg or "CUDA_ERROR_NO_DEVICE" in msg):
+        # The library's message says it for the environment variable; an older library's does not.
+        msg += (" (from Python: expseg.configure(\"device:sim\") before the first allocation)" if "device:sim" in msg
+                else " (%s)" % _NO_GPU_HINT)
+    return ExpsegError(msg or ("%s failed" % what), code)
+
+
+def _import(module, who, what, install):
+    """`import module` for install_torch / install_cupy: a missing package is an ExpsegError that says so."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ExpsegError("expseg.%s: %s is not installed in this Python (%s: %s). Install it (%s), or use expseg without "
+                          "it: the C++ or C API, the expseg command, or this module's other functions"
+                          % (who, what, sys.executable, e, install), INVALID_ARGUMENT) from e
 
 
 def _check(rc, what):
@@ -1059,7 +1086,7 @@ def install_torch(conf="", raise_on_oom=True, patch_torch=True):
     torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.
     """
     global _torch_allocator, _torch_conf
-    import torch
+    torch = _import("torch", "install_torch", "PyTorch", "pip install torch")
     options = (conf, bool(raise_on_oom), bool(patch_torch))
     if _torch_allocator is not None:
         if options == _torch_conf:
@@ -1127,7 +1154,7 @@ def install_cupy(conf=""):
     freed after work on one stream is not handed to another before that work is done.
     """
     global _cupy_allocator, _cupy_conf
-    import cupy
+    cupy = _import("cupy", "install_cupy", "CuPy", "pip install cupy-cuda12x, for CUDA 12")
     from cupy.cuda import memory as cupy_memory
     if _cupy_allocator is not None:
         if conf == _cupy_conf:

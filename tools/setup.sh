@@ -18,6 +18,18 @@ if ((${#missing[@]})); then
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# meson.build's meson_version (e.g. '>=0.63.0'): an older meson stops with a less direct message.
+root="$(cd "$(dirname "$0")/.." && pwd)"
+need_meson="$(sed -n "s/^ *meson_version *: *'>= *\([0-9.]*\)'.*/\1/p" "$root/meson.build" | head -n 1)"
+have_meson="$(meson --version 2>/dev/null || true)"
+if [ -n "$need_meson" ] && { [ -z "$have_meson" ] ||
+     [ "$(printf '%s\n%s\n' "$need_meson" "$have_meson" | sort -V | head -n 1)" != "$need_meson" ]; }; then
+  echo "expseg setup: meson ${have_meson:-(not found)} is older than $need_meson, which meson.build requires." >&2
+  echo "  Install a newer one: python3 -m pip install --user 'meson>=$need_meson' (then put ~/.local/bin first in PATH)," >&2
+  echo "  or the meson package of a newer release (Debian 12 and Ubuntu 24.04 have one)." >&2
+  exit 1
+fi
+
 cuda_root="${CUDA_PATH:-}"
 if [ -z "$cuda_root" ]; then
   if [ -f /usr/local/cuda/include/cuda.h ]; then cuda_root=/usr/local/cuda
@@ -25,7 +37,11 @@ if [ -z "$cuda_root" ]; then
   fi
 fi
 if [ -z "$cuda_root" ] || [ ! -f "$cuda_root/include/cuda.h" ]; then
-  echo "expseg setup: cuda.h not found. Install the CUDA toolkit (/usr/local/cuda) or set CUDA_PATH." >&2
+  echo "expseg setup: cuda.h not found${cuda_root:+ in $cuda_root/include}. It is the only CUDA file the build needs; the smallest packages with it:" >&2
+  echo "  - NVIDIA's CUDA apt repository: cuda-cudart-dev-13-0 (or cuda-cudart-dev-12-N), in /usr/local/cuda-13.0" >&2
+  echo "    (set CUDA_PATH=/usr/local/cuda-13.0 if /usr/local/cuda does not point there);" >&2
+  echo "  - Debian (non-free) or Ubuntu (multiverse): nvidia-cuda-dev, which puts it in /usr/include: then CUDA_PATH=/usr." >&2
+  echo "  Or set CUDA_PATH to the CUDA toolkit's directory (the one with include/cuda.h)." >&2
   exit 1
 fi
 echo "expseg setup: ready (CUDA headers in $cuda_root/include)"

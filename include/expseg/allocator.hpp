@@ -112,9 +112,11 @@ class Allocator {
   //     once: each end_graph_pool(pool) ends one of them, the one whose capture has ended (call it
   //     after cuStreamEndCapture: while every capture of the pool still runs, it throws
   //     expseg::error, nothing changed, as the capture's later requests would leave the pool).
-  //   release_graph_pool(pool): drops one use; at none, the pool's cached memory is given back (at
-  //     the next allocation that misses the cache, or release_cached()), and blocks of it still
-  //     allocated are given back when freed.
+  //   release_graph_pool(pool): drops one use; at none, the pool's cached memory is given back:
+  //     expandable, at once when no capture is underway (else at the end_graph_pool that ends the
+  //     last one); split_merge, as PyTorch's releasePool, at release_cached() or a request's last
+  //     retry before an OOM. Blocks of it still allocated go back once freed, at the next of those
+  //     points (expandable: or a request that misses the cache).
   // While a capture allocates into a pool, expseg makes no call the capture refuses (a
   // synchronization it forbids, an event query, cuMemFree): it reclaims only idle memory of streams
   // it may synchronize (expandable; see prepare_capture), processes no cross-stream free (those of

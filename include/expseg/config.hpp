@@ -103,7 +103,8 @@ struct Config {
   // "" (printed and parsed as none) = off. A path cannot contain ','; see expand_oom_dump_path().
   std::string oom_dump;
 
-  // Parse `text` over the defaults. Empty text gives the defaults.
+  // Parse `text` over the defaults. Empty text gives the defaults. EXPSEG_ALLOC_CONF is not read:
+  // from_env() reads it (and Allocator() uses from_env()).
   static Config parse(std::string_view text);
   // Config::parse(getenv("EXPSEG_ALLOC_CONF")) or the defaults when it is unset.
   static Config from_env();

@@ -156,9 +156,11 @@ EXPSEG_API int expseg_device_initialized(int device) EXPSEG_NOEXCEPT;
 /* Gives every cached byte that can be given back to the device (PyTorch's empty_cache()). */
 EXPSEG_API int expseg_release_cached(int device) EXPSEG_NOEXCEPT;
 /* Before destroying a stream the program created with memory cached for it (see
- * Allocator::release_stream): synchronizes it, gives back what is cached for it and forgets it.
- * EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, while blocks allocated on it are in use or have
- * it recorded, for the default, legacy or per-thread stream, or while it captures. */
+ * Allocator::release_stream): synchronizes it, gives back what is cached for it and forgets it,
+ * both what expseg_malloc/expseg_torch_malloc cached for it and what expseg_cupy_malloc did (a
+ * CFunctionAllocator's stream). EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, while blocks
+ * allocated on it by either are in use or have it recorded, for the default, legacy or per-thread
+ * stream, or while it captures. */
 EXPSEG_API int expseg_release_stream(int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 /* CUDA graphs' private pools (see Allocator::begin_graph_pool): while `stream` captures, after
  * expseg_begin_graph_pool(device, pool, stream) and until expseg_end_graph_pool(device, pool), the

@@ -9,7 +9,8 @@
 //     a run of many OOMs gets one marker per pixel column, whose <title> says how many);
 //   - a segment map per backend at the moment of peak reserved (and at the first OOM when the run
 //     kept that snapshot): every segment a bar scaled to its size, its blocks coloured by state;
-//   - a summary table: outcome, verdict, peak allocated, peak reserved, reserved/allocated, OOMs, time.
+//   - a summary table: outcome, verdict, peak allocated, peak reserved, reserved/allocated, OOMs, time
+//     (and the time in driver calls, when a run knows it).
 //
 // The markup is XHTML-compatible (every element closed, attributes quoted, text escaped), so it can
 // be checked with an XML parser. Stable hooks for tests and scripts:
@@ -51,6 +52,8 @@ struct ReportRun {
   std::int64_t peak_allocated_bytes = 0;
   std::int64_t peak_reserved_bytes = 0;
   double seconds = 0.0;
+  double driver_seconds = 0.0;         // in driver calls: measured on a GPU, the latency model's on the
+                                       // simulated device (sim_latency:true); 0: not known (no column)
   std::uint64_t length = 0;            // steps or events in the run (the x range)
   std::vector<SeriesPoint> series;     // allocated/reserved over time
   std::vector<std::uint64_t> oom_at;   // x of every failed allocation
@@ -75,6 +78,7 @@ ReportGroup report_group(std::span<const ReplayResult> runs, std::string descrip
 struct ReportOptions {
   std::string title = "expseg A/B study";
   std::string subtitle;  // one line under the title: device, version, command
+  std::string note;      // a paragraph under the subtitle (e.g. what the times mean on the simulated device)
 };
 
 // The whole page as one string.

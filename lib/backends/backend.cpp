@@ -7,7 +7,7 @@
 #include <bit>
 #include <mutex>
 #include <new>
-#include <vector>
+#include <unordered_set>
 
 namespace expseg::backends {
 
@@ -15,10 +15,14 @@ namespace {
 
 struct KeyRegistry {
   std::mutex mu;
-  PerThreadKey* live = nullptr;  // the keys of live threads, a list through the keys themselves
-  std::uintptr_t next = 1;       // the next key's number (never reused)
-  std::vector<std::uintptr_t> live_pools;  // graph pools' keys not yet retired
+  // Live threads' keys and graph pools' keys not yet retired: is_retired_key is asked once per
+  // cached stream whenever a key retires, so a walk of every thread's key would cost O(threads^2).
+  std::unordered_set<std::uintptr_t> live_keys;
+  // Live threads' keys live_keys found no host memory for, a list through the keys (walked).
+  PerThreadKey* unlisted = nullptr;
+  std::uintptr_t next = 1;  // the next key's number (never reused)
   std::atomic<std::uint64_t> generation{0};
+  std::uint64_t lookup_steps = 0;  // retired_key_lookup_steps()
 };
 
 // Never destroyed: threads may exit, and retire their keys, during static destruction.
@@ -34,17 +38,23 @@ PerThreadKey::PerThreadKey() noexcept {
   KeyRegistry& r = key_registry();
   std::lock_guard lock(r.mu);
   key_ = kPerThreadKeyTag | r.next++;
-  next_ = r.live;
-  if (next_) next_->prev_ = this;
-  r.live = this;
+  try {
+    r.live_keys.insert(key_);
+  } catch (...) {  // no host memory: listed where no allocation is needed
+    next_ = r.unlisted;
+    if (next_) next_->prev_ = this;
+    r.unlisted = this;
+  }
 }
 
 PerThreadKey::~PerThreadKey() {
   KeyRegistry& r = key_registry();
   std::lock_guard lock(r.mu);
-  if (prev_) prev_->next_ = next_;
-  else r.live = next_;
-  if (next_) next_->prev_ = prev_;
+  if (r.live_keys.erase(key_) == 0) {  // on the unlisted list
+    if (prev_) prev_->next_ = next_;
+    else r.unlisted = next_;
+    if (next_) next_->prev_ = prev_;
+  }
   r.generation.fetch_add(1, std::memory_order_release);
 }
 
@@ -75,7 +85,7 @@ driver::stream_t new_graph_pool_key() {
   KeyRegistry& r = key_registry();
   std::lock_guard lock(r.mu);
   const std::uintptr_t key = kPerThreadKeyTag | kGraphPoolBit | r.next;
-  r.live_pools.push_back(key);  // may throw bad_alloc: nothing handed out
+  r.live_keys.insert(key);  // may throw bad_alloc: nothing handed out
   ++r.next;
   return reinterpret_cast<driver::stream_t>(key);
 }
@@ -83,7 +93,7 @@ driver::stream_t new_graph_pool_key() {
 void retire_graph_pool_key(driver::stream_t key) noexcept {
   KeyRegistry& r = key_registry();
   std::lock_guard lock(r.mu);
-  std::erase(r.live_pools, reinterpret_cast<std::uintptr_t>(key));
+  r.live_keys.erase(reinterpret_cast<std::uintptr_t>(key));
   r.generation.fetch_add(1, std::memory_order_release);
 }
 
@@ -92,10 +102,20 @@ bool is_retired_key(driver::stream_t key) noexcept {
   KeyRegistry& r = key_registry();
   std::lock_guard lock(r.mu);
   if ((v & ~(kPerThreadKeyTag | kGraphPoolBit)) >= r.next) return false;  // not handed out yet
-  if ((v & kGraphPoolBit) != 0) return std::find(r.live_pools.begin(), r.live_pools.end(), v) == r.live_pools.end();
-  for (const PerThreadKey* k = r.live; k != nullptr; k = k->next_)
+  ++r.lookup_steps;
+  if (r.live_keys.contains(v)) return false;
+  if ((v & kGraphPoolBit) != 0) return true;
+  for (const PerThreadKey* k = r.unlisted; k != nullptr; k = k->next_) {
+    ++r.lookup_steps;
     if (k->key_ == v) return false;
+  }
   return true;
+}
+
+std::uint64_t retired_key_lookup_steps() noexcept {
+  KeyRegistry& r = key_registry();
+  std::lock_guard lock(r.mu);
+  return r.lookup_steps;
 }
 
 namespace {

@@ -102,7 +102,7 @@ class PerThreadKey {
  private:
   friend bool is_retired_key(driver::stream_t key) noexcept;
   std::uintptr_t key_;
-  PerThreadKey* prev_ = nullptr;  // the registry's list of live keys
+  PerThreadKey* prev_ = nullptr;  // the registry's list of keys its set found no memory for
   PerThreadKey* next_ = nullptr;
 };
 // The calling thread's key (made at its first call; the thread's exit retires it). Out of line and
@@ -112,9 +112,10 @@ driver::stream_t per_thread_key() noexcept;
 driver::stream_t calling_thread_key() noexcept;
 // Changes whenever a thread's key or a graph pool's key is retired.
 std::uint64_t retired_keys_generation() noexcept;
-// Whether per-thread key `key` belongs to a thread that has exited (walks the live threads' keys),
-// or graph pool key `key` to a released pool.
+// Whether per-thread key `key` belongs to a thread that has exited, or graph pool key `key` to a
+// released pool (a hashed lookup).
 bool is_retired_key(driver::stream_t key) noexcept;
+std::uint64_t retired_key_lookup_steps() noexcept;  // tests: entries is_retired_key has looked at
 inline bool is_live_graph_pool_key(driver::stream_t s) noexcept { return is_graph_pool_key(s) && !is_retired_key(s); }
 // The key of a stream the caller may destroy; the default streams (NULL, legacy, per-thread) as they are.
 inline driver::stream_t foreign_stream_key(driver::stream_t s) noexcept {
@@ -289,6 +290,13 @@ class Backend {
   virtual core::Block* allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) = 0;
   // Give every cached byte that can be given back to the device.
   virtual void release_cached() = 0;
+  // No told capture is underway: the frontend's end_graph_pool has ended the last one, or
+  // release_graph_pool released a pool while none ran. Gives back now what released graph pools
+  // and exited threads hold, which a slow path during a capture may not (the synchronization it
+  // takes first would invalidate the capture): a loop of capture, end and release allocates only
+  // while capturing, and never gave its pools back. Best effort, never throws: what cannot go now
+  // waits for the next look (a slow path, release_cached).
+  virtual void reap_released() noexcept { }
   // Bytes of blocks allocated on `stream` that are live or freed and waiting for other streams.
   virtual std::size_t stream_bytes_in_use(driver::stream_t stream) const = 0;
   // Gives back everything cached for plain stream `stream` and forgets the stream, so that its

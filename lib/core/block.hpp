@@ -7,7 +7,7 @@
 //   - the blocks of a segment tile it: first->addr == segment base, b->addr + b->size == b->next->addr,
 //     last block ends at the segment end; prev/next never cross into another segment
 //   - a free block is in exactly one free index (free_hook linked), an allocated or pending block in
-//     none
+//     none (expandable also keeps its unmapped free blocks by run_hook and dirty_hook)
 //   - no two adjacent free blocks share a mapped state (they are merged on free)
 //   - allocated and pending blocks are mapped; requested <= size for allocated blocks
 #pragma once
@@ -51,9 +51,16 @@ struct alignas(64) Block {
   std::uint8_t pool = 2;      // StatPool: kSmallPool (1) or kLargePool (2)
   std::uint16_t bin = 0;      // size class while in a SizeIndex (core/size_index.hpp)
   std::uint32_t pending_events = 0;         // events still to complete before a pending free ends
-  std::uint64_t gc_base = 0;                // split_merge garbage collection: call count at insertion
+  union {
+    std::uint64_t gc_base = 0;  // split_merge garbage collection: call count at insertion
+    std::uint64_t run_bytes;    // expandable, an unmapped free block: a bound on its run of free blocks (ExpArena::holes)
+  };
   std::vector<driver::stream_t> stream_uses;  // record_stream(); empty on the hot path (no heap)
   PendingHook pending_hook;
+  // expandable, unmapped free blocks only: its arena's holes by run_bytes, and its dirty holes
+  // (ExpArena::holes). They fill what was padding: the Block stays 192 bytes.
+  bi::set_member_hook<bi::optimize_size<true>> run_hook;
+  bi::list_member_hook<> dirty_hook;
 
   bool is_free() const noexcept { return status == BlockStatus::free; }
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }

@@ -19,6 +19,7 @@
 //   - count_ is the number of blocks in all bins
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <boost/intrusive/rbtree.hpp>
@@ -338,11 +339,22 @@ class StreamIndexes {
     std::erase_if(entries_, [&](const Entry& e) { return e.stream == stream; });
     all_.erase(stream);
   }
+  // Forgets, in one pass, every index for which pred(const SizeIndex&, stream) holds (each must be
+  // empty and named by no segment). Returns how many.
+  template <class P>
+  std::size_t erase_if(P&& pred) noexcept {
+    return std::erase_if(entries_, [&](const Entry& e) {
+      if (!pred(static_cast<const SizeIndex&>(*e.index), e.stream)) return false;
+      all_.erase(e.stream);
+      return true;
+    });
+  }
+  std::size_t streams() const noexcept { return entries_.size(); }  // indexes held (tests)
 
  private:
   [[gnu::noinline]] SizeIndex& add(driver::stream_t stream) {
-    auto pos = entries_.begin();
-    while (pos != entries_.end() && key(pos->stream) < key(stream)) ++pos;
+    const auto pos = std::lower_bound(entries_.begin(), entries_.end(), key(stream),
+                                      [](const Entry& e, std::uintptr_t k) { return key(e.stream) < k; });
     auto index = std::make_unique<SizeIndex>();
     SizeIndex* raw = index.get();
     all_.emplace(stream, raw);  // may throw: nothing changed

@@ -112,6 +112,10 @@ inline void check(const Api& api, CUresult r, const char* call) {
   if (r != CUDA_SUCCESS) throw_cuda(api, call, r);
 }
 
+// What a machine without a usable GPU can do instead (the failures of loading libcuda and of cuInit
+// finding no device say it).
+constexpr const char* kNoGpuHint = " (no GPU? use device:sim (EXPSEG_ALLOC_CONF=device:sim) to run on the simulated device)";
+
 Library load_library() {
   Library lib;
   auto fail = [&lib](std::string call, int code, std::string code_name, std::string description) {
@@ -130,7 +134,7 @@ Library load_library() {
     if (handle == nullptr) {
       const char* e2 = ::dlerror();
       return fail("dlopen", CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND",
-                  "cannot load the CUDA driver library: " + first + "; " + (e2 ? e2 : "unknown error"));
+                  "cannot load the CUDA driver library: " + first + "; " + (e2 ? e2 : "unknown error") + kNoGpuHint);
     }
   }
 
@@ -180,7 +184,8 @@ Library load_library() {
 #undef EXPSEG_LOAD
 
   if (CUresult r = lib.api.cuInit(0); r != CUDA_SUCCESS)
-    return fail("cuInit", static_cast<int>(r), error_name(lib.api, r), error_string(lib.api, r));
+    return fail("cuInit", static_cast<int>(r), error_name(lib.api, r),
+                error_string(lib.api, r) + (r == CUDA_ERROR_NO_DEVICE ? kNoGpuHint : ""));
   int count = 0;
   if (CUresult r = lib.api.cuDeviceGetCount(&count); r != CUDA_SUCCESS)
     return fail("cuDeviceGetCount", static_cast<int>(r), error_name(lib.api, r), error_string(lib.api, r));

@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import pickle
+import shutil
 import socket
 import struct
 import subprocess
@@ -41,6 +42,46 @@ class GlueTest(unittest.TestCase):
     def test_version_and_library(self):
         self.assertRegex(expseg.version(), r"^\d+\.\d+\.\d+$")
         self.assertTrue(expseg.library_path())
+
+    def test_library_not_found_names_where_it_looked(self):
+        # Was: "libexpseg.so not found: ... (`meson setup build && ninja -C build` in DIR gives build/lib/libexpseg.so)",
+        # without the path it had looked at, and the same for a copy of expseg.py outside an expseg checkout.
+        with tempfile.TemporaryDirectory() as d:
+            os.mkdir(os.path.join(d, "tools"))
+            shutil.copy(expseg.__file__, os.path.join(d, "tools", "expseg.py"))
+            env = dict(os.environ)
+            env.pop("EXPSEG_LIBRARY", None)
+            env["LD_LIBRARY_PATH"] = ""
+            code = ("import sys; sys.path.insert(0, %r); import expseg\n"
+                    "try:\n    expseg.library_path()\nexcept expseg.ExpsegError as e:\n    print(e)\n"
+                    "else:\n    print('FOUND')\n" % os.path.join(d, "tools"))
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+            if out.strip() == "FOUND":
+                self.skipTest("an installed libexpseg.so is on the system library path")
+            built = os.path.join(d, "build", "lib", "libexpseg.so")
+            self.assertIn("Looked for: $EXPSEG_LIBRARY (unset), %s (no such file)" % built, out)
+            self.assertIn("%s is not an expseg checkout" % d, out)
+            open(os.path.join(d, "meson.build"), "w").close()  # now it looks like one
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+            self.assertIn("`meson setup build && ninja -C build` in %s (or tools/study.sh, tools/build.sh) gives %s"
+                          % (d, built), out)
+
+    def test_no_cuda_driver_says_to_use_the_simulated_device(self):
+        # Was: "... cannot load the CUDA driver library: libcuda.so.1: cannot open shared object file ..." alone.
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            pass
+        else:
+            self.skipTest("libcuda loads here: the message of a machine without it cannot be seen")
+        with self.assertRaises(expseg.ExpsegError) as cm:
+            expseg.set_limit(1 << 30)  # device 0 on the default device, cuda
+        self.assertEqual(cm.exception.code, expseg.DRIVER)
+        self.assertIn("no GPU? use device:sim (EXPSEG_ALLOC_CONF=device:sim)", str(cm.exception))
+        self.assertIn('from Python: expseg.configure("device:sim") before the first allocation', str(cm.exception))
+        expseg.configure("device:sim")  # the advice works in the same process
+        expseg.set_limit(1 << 30)
+        self.assertEqual(expseg.get_limit()[0], 1 << 30)
 
     def test_peer_access_and_ipc(self):
         expseg.configure("device:sim,sim_host_backed:true,sim_capacity:1GiB,backend:expandable,ipc_handle:posix_fd")
@@ -927,6 +968,17 @@ class InstallTest(unittest.TestCase):
         for m in ("torch", "cupy", "cupy.cuda"):
             sys.modules.pop(m, None)
         os.environ.pop("EXPSEG_ALLOC_CONF", None)
+
+    def test_install_without_the_package_says_so(self):
+        # Was: a bare ModuleNotFoundError("No module named 'torch'") raised from inside install_torch.
+        for module, install, what in (("torch", expseg.install_torch, "PyTorch"), ("cupy", expseg.install_cupy, "CuPy")):
+            sys.modules[module] = None  # `import module` raises ImportError, installed or not
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                install("backend:expandable")
+            self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+            self.assertIn("expseg.install_%s: %s is not installed in this Python" % (module, what), str(cm.exception))
+            self.assertIn("pip install", str(cm.exception))
+            self.assertIsNone(expseg._torch_allocator if module == "torch" else expseg._cupy_allocator)
 
     def test_torch_after_cupy_shares_its_allocators(self):
         # CuPy, then PyTorch, in one process: was ALREADY_INITIALIZED from expseg_configure, and a conf-less

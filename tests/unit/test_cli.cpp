@@ -796,7 +796,9 @@ TEST_CASE("cli: tools/study.sh, run from another directory, reads relative paths
   fs::create_directories(dir / "caller");
   fs::copy_file(EXPSEG_SOURCE_DIR "/tools/study.sh", dir / "repo" / "tools" / "study.sh");
   std::ofstream(dir / "repo" / "tools" / "setup.sh") << "#!/bin/sh\ntrue\n";
-  std::ofstream(dir / "repo" / "tools" / "build.sh") << "#!/bin/sh\ntest -f tools/build.sh\n";  // still run from the root
+  // Still run from the root; EXPSEG_BUILD_TARGETS: only the command is built (the tests and benchmarks were
+  // most of the study's build time).
+  std::ofstream(dir / "repo" / "tools" / "build.sh") << "#!/bin/sh\ntest -f tools/build.sh && echo \"targets=$EXPSEG_BUILD_TARGETS\"\n";
   std::ofstream(dir / "repo" / "build" / "tools" / "expseg") << "#!/bin/sh\necho \"cwd=$(pwd)\"\nfor a in \"$@\"; do test -f \"$a\" && echo \"found $a\"; done\ntrue\n";
   for (const char* f : {"tools/study.sh", "tools/setup.sh", "tools/build.sh", "build/tools/expseg"})
     fs::permissions(dir / "repo" / f, fs::perms::owner_all, fs::perm_options::add);
@@ -811,6 +813,7 @@ TEST_CASE("cli: tools/study.sh, run from another directory, reads relative paths
   CAPTURE(out);
   CHECK(out.find("cwd=" + fs::canonical(dir / "caller").string() + "\n") != std::string::npos);
   CHECK(out.find("found my.csv") != std::string::npos);
+  CHECK(out.find("targets=tools/expseg\n") != std::string::npos);
   fs::remove_all(dir);
 }
 
@@ -938,4 +941,78 @@ TEST_CASE("cli: study titles the page with the backends that ran, and says n/a f
   CHECK(zero_row);
   CHECK(r.out.find("reserved - allocated") == std::string::npos);
   fs::remove_all(dir);
+}
+
+// --- a new user's walkthrough (the library's side: test_regression_usability.cpp) --------------------
+
+TEST_CASE("cli: --device sim:80 (no unit) suggests sim:80GiB instead of blaming sim_granularity") {
+  // Was: "sim_granularity: 2MiB is larger than sim_capacity (80): ...".
+  const Run r = run_cli("scenario cupy-limit --device sim:80");
+  CAPTURE(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find("a capacity without a unit is a number of bytes") != std::string::npos);
+  CHECK(r.err.find("did you mean sim:80GiB?") != std::string::npos);
+  CHECK(r.err.find("sim_granularity") == std::string::npos);
+  // A capacity of whole pages without a unit is taken as bytes, as before.
+  CHECK(run_cli("scenario split-800-500-300 --device sim:85899345920 --json").status == 0);
+}
+
+TEST_CASE("cli: scenario --all --sizes says that --all runs every scenario") {
+  // Was: "--sizes applies to random-churn only (got scenario 'split-800-500-300')", a name not given.
+  const Run r = run_cli("scenario --all --sizes 1MiB-2MiB --device sim");
+  CAPTURE(r.err);
+  CHECK(r.status == 2);
+  CHECK(r.err.find("--all runs every scenario") != std::string::npos);
+  CHECK(r.err.find("expseg scenario random-churn --sizes 1MiB-2MiB") != std::string::npos);
+  CHECK(r.err.find("split-800-500-300") == std::string::npos);
+}
+
+TEST_CASE("cli: replay --lenient without an OOM heads its skipped frees as such, not as failures") {
+  // Was: "Why the failures happened (the first OOM report of each failing run):" over runs with 0 OOMs.
+  const fs::path trace = temp_path("lenient.csv");
+  std::ofstream(trace) << "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n1,1,free,0x2000,4096,0x0\n"
+                          "1,2,free,0x1000,4096,0x0\n";
+  const Run r = run_cli("replay '" + trace.string() + "' --device sim --lenient");
+  CAPTURE(r.out);
+  CHECK(r.status == 0);
+  CHECK(r.out.find("Frees skipped or supplied (no run failed):") != std::string::npos);
+  CHECK(r.out.find("Why the failures happened") == std::string::npos);
+  CHECK(count(r.out, "1 free skipped or supplied") == 2);
+  fs::remove(trace);
+}
+
+TEST_CASE("cli: study on the simulated device models the driver's time and says what its times mean") {
+  // Was: the time column alone, the host's time with driver calls that cost nothing, so expandable's
+  // growing-buffer looked 17x slower than split_merge's; "in driver" was "-" everywhere.
+  const fs::path html = temp_path("study-times.html");
+  const Run r = run_cli("study --device sim --html '" + html.string() + "'");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("Times on the simulated device: the time columns are the host's time in the allocator alone") != std::string::npos);
+  CHECK(r.out.find("sim_latency:true, on by default in study") != std::string::npos);
+  // growing-buffer: split_merge's driver calls cost far more than expandable's, as on the H200 (README).
+  auto driver_ms = [&](const std::string& backend) {
+    for (const std::string& l : lines(r.out))
+      if (l.rfind("growing-buffer", 0) == 0 && l.find(" " + backend + " ") != std::string::npos) {
+        std::vector<std::string> words;  // the last two: the "in driver" cell, e.g. "155.3 ms"
+        std::stringstream ss(l);
+        for (std::string w; ss >> w;) words.push_back(w);
+        REQUIRE(words.size() > 2);
+        const std::string& unit = words.back();
+        CHECK((unit == "ms" || unit == "us" || unit == "s"));
+        return std::stod(words[words.size() - 2]) * (unit == "ms" ? 1.0 : unit == "us" ? 1e-3 : 1e3);
+      }
+    FAIL("no growing-buffer row of " << backend);
+    return 0.0;
+  };
+  CHECK(driver_ms("split_merge") > 5 * driver_ms("expandable"));
+  const std::string page = read_file(html);
+  CHECK(page.find("<p class=\"note\">Times on the simulated device") != std::string::npos);
+  CHECK(count(page, "<th>in driver</th>") == 8);
+  // sim_latency:false, given, is kept: no model, and the note says how to have it.
+  const Run off = run_cli("study --device sim --html '" + html.string() + "'", "EXPSEG_ALLOC_CONF=sim_latency:false");
+  REQUIRE(off.status == 0);
+  CHECK(off.out.find("--conf sim_latency:true adds the H200 latency model's estimate") != std::string::npos);
+  CHECK(read_file(html).find("<th>in driver</th>") == std::string::npos);
+  fs::remove(html);
 }

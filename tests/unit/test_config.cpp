@@ -308,8 +308,8 @@ TEST_CASE("config: PyTorch's expandable_segments, max_split_size_mb, max_non_spl
   CHECK(Config::parse("max_split_size_mb:512").max_split_size == 512 * MiB);
   CHECK(Config::parse("max_split_size_mb:512,max_split_size_mb:unlimited").max_split_size == SIZE_MAX);
   CHECK(Config::parse("max_split_size_mb:20").max_split_size == 20 * MiB);  // PyTorch 2.9+: >= 20
-  check_fails("max_split_size_mb:19", "max_split_size_mb", {"max_split_size_mb too small, must be >= 20", "'19'"});
-  check_fails("max_split_size_mb:0", "max_split_size_mb", {"max_split_size_mb too small, must be >= 20"});
+  check_fails("max_split_size_mb:19", "max_split_size_mb", {"max_split_size_mb: too small, must be >= 20", "'19'"});
+  check_fails("max_split_size_mb:0", "max_split_size_mb", {"max_split_size_mb: too small, must be >= 20"});
   check_fails("max_split_size_mb:-1", "max_split_size_mb", {"negative"});
   check_fails("max_split_size_mb:1.5", "max_split_size_mb", {"'1.5'", "integer number of MiB"});
   check_fails("max_split_size_mb:64MiB", "max_split_size_mb", {"'64MiB'", "integer number of MiB"});
@@ -325,7 +325,7 @@ TEST_CASE("config: PyTorch's expandable_segments, max_split_size_mb, max_non_spl
 
   CHECK(Config::parse("max_non_split_rounding_mb:20").max_non_split_rounding == 20 * MiB);
   CHECK(Config::parse("max_non_split_rounding_mb:1024").max_non_split_rounding == GiB);
-  check_fails("max_non_split_rounding_mb:19", "max_non_split_rounding_mb", {"max_non_split_rounding_mb too small, must be >= 20"});
+  check_fails("max_non_split_rounding_mb:19", "max_non_split_rounding_mb", {"max_non_split_rounding_mb: too small, must be >= 20"});
   check_fails("max_non_split_rounding_mb:x", "max_non_split_rounding_mb", {"'x'", "MiB"});
 }
 

@@ -449,8 +449,8 @@ TEST_CASE("graph capture: expandable: a released graph pool's memory waits while
   void* m = sa.sim->stream_create();
   void* q = sa->allocate(30 * MiB, m);
   void* c = sa->allocate(2 * MiB, u);
-  sa->release_graph_pool(1);  // its 60 MiB go back at the next look (a slow path)
   sa.sim->capture_begin(u);
+  sa->release_graph_pool(1);  // its 60 MiB go back once no capture expseg sees is underway
   void* early = nullptr;
   CHECK_THROWS_AS(early = sa->allocate(64 * MiB, m), expseg::out_of_memory);
   if (early != nullptr) sa->deallocate(early);

@@ -212,7 +212,9 @@ TEST_CASE("fidelity regression: expandable_segments_reserve sets the virtual ran
   CHECK(Config::parse("expandable_va_size:1GiB,expandable_segments_reserve:0.5") == half);
   CHECK(Config::parse("expandable_segments_reserve:0.5,expandable_va_size:1GiB").va_fraction == 0.0);
   CHECK(Config::parse("expandable_segments_reserve:0.5,expandable_va_size:1GiB").va_size == GiB);
-  for (const char* bad : {"0", "-1", "0G", "abc", "inf", "nan", "infG", "0x1p3", "1e", "G", "1.5GiB"})
+  // expseg also takes a size with a unit here ("1.5GiB", as expandable_va_size does; PyTorch ignores it):
+  // test_regression_usability.cpp.
+  for (const char* bad : {"0", "-1", "0G", "abc", "inf", "nan", "infG", "0x1p3", "1e", "G", "0GiB", "1.5XiB"})
     check_config_fails(std::string("expandable_segments_reserve:") + bad, "expandable_segments_reserve", "positive fraction");
   check_config_fails("expandable_segments_reserve:2000000G", "expandable_segments_reserve", "at most 1048576G");
   check_config_fails("expandable_va_size:-5%", "expandable_va_size", "negative");

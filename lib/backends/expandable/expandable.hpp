@@ -23,6 +23,9 @@
 //   - no two adjacent free blocks have the same mapped state
 //   - a mapped free block is in its arena's mapped_free index, an unmapped one in unmapped, no other
 //     block is in an index
+//   - an unmapped free block (a hole) is in its arena's holes index or dirty_holes list or both, no
+//     other block is; a run of free blocks holding holes holds a dirty one, or each of its holes
+//     has run_bytes at least the run's bytes (the placement search skips the holes of short runs)
 //   - a mapped handle is idle (holds no byte of an allocated or pending block) iff it lies wholly
 //     inside one mapped free block (a handle maps whole; the free blocks over it are mapped and
 //     merged); not stored per handle
@@ -101,12 +104,38 @@ struct BlockAddressOrder {
 using UnmappedIndex = core::bi::set<core::Block, core::bi::member_hook<core::Block, core::FreeHook, &core::Block::free_hook>,
                                     core::bi::compare<BlockAddressOrder>, core::bi::constant_time_size<true>>;
 
+// An arena's unmapped free blocks ("holes") by run_bytes, then address; and the holes whose
+// run_bytes may be short of their run (see ExpArena::holes).
+struct RunBytesOrder {
+  bool operator()(const core::Block& a, const core::Block& b) const noexcept {
+    return a.run_bytes != b.run_bytes ? a.run_bytes < b.run_bytes : a.addr < b.addr;
+  }
+};
+struct RunBytesKey {  // lower_bound by run_bytes alone
+  bool operator()(std::size_t s, const core::Block& b) const noexcept { return s < b.run_bytes; }
+  bool operator()(const core::Block& b, std::size_t s) const noexcept { return b.run_bytes < s; }
+};
+using HoleIndex = core::bi::set<core::Block,
+                                core::bi::member_hook<core::Block, core::bi::set_member_hook<core::bi::optimize_size<true>>, &core::Block::run_hook>,
+                                core::bi::compare<RunBytesOrder>, core::bi::constant_time_size<false>>;
+using DirtyHoles = core::bi::list<core::Block, core::bi::member_hook<core::Block, core::bi::list_member_hook<>, &core::Block::dirty_hook>,
+                                  core::bi::constant_time_size<false>>;
+
 struct ExpArena {
   core::BlockPool blocks;       // this arena's Block objects (per stream: threads share no free list)
   driver::stream_t stream = nullptr;
   core::SizeIndex mapped_free;  // free blocks backed by memory: best fit by (size, address)
   ArenaRunList idle_runs;       // the backend's idle runs that lie in this arena's segments, in its order
   UnmappedIndex unmapped;       // free address ranges without memory: first fit by address
+  // The placement search's index of holes (unmapped free blocks) by the bytes of the run of free
+  // blocks around them (run_bytes), which only runs of at least the request's size are worth a
+  // look: a run holding a dirty hole may have grown past its holes' run_bytes; every other run's
+  // holes are in `holes` with run_bytes at least the run's bytes. Runs grow only in free(), which
+  // marks the holes beside the merged block dirty (O(1), no walk); carving only shrinks runs, and
+  // the slow paths mark the holes they make or whose run loses its dirty hole (insert_free,
+  // set_range_mapped). refresh_runs walks the dirty holes' runs before a search.
+  HoleIndex holes;
+  DirtyHoles dirty_holes;     // not in `holes`, or run_bytes there may be short
   std::vector<ExpSegment*> segments;
   // Whether the stream captures a CUDA graph, as asked in operation `capture_seen_op` (see
   // ExpandableBackend::arena_captures): asked once per arena per operation, on slow paths only.
@@ -139,6 +168,14 @@ struct ExpArena {
   // not be asked): while it captures, the legacy stream's synchronization would invalidate the
   // capture (ExpandableBackend::seen_capture).
   bool stream_blocks = false;
+  // On the backend's retired_ list: a flag, so that finding the retired arenas is not a search of
+  // that list per arena (thousands of exited threads or released graph pools: O(n^2)).
+  bool retired = false;
+  // Forgotten (forget_arena): no segment, no longer found by its stream; taken out of arenas_ and
+  // retired_ and deleted by the sweep at the end of the operation (sweep_forgotten), in one pass
+  // for all of them: erasing each from arenas_ at once made release_cached O(arenas^2) (128k
+  // streams: 1.9 s).
+  bool forgotten = false;
 };
 
 class ExpandableBackend final : public Backend {
@@ -152,6 +189,7 @@ class ExpandableBackend final : public Backend {
   void free(core::Block* block) noexcept override;
   core::Block* allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) override;
   void release_cached() override;
+  void reap_released() noexcept override;
   std::size_t stream_bytes_in_use(driver::stream_t stream) const override;
   void release_stream(driver::stream_t stream) override;
   void on_limit_changed() override;
@@ -175,10 +213,11 @@ class ExpandableBackend final : public Backend {
   // Blocks and idle handles that the slow paths' lookups have looked at: the block an unmap takes
   // its handle from, room_after_reclaim's idle handles, and those of one stream's reclaim before
   // memory grows past its highest mark (tests check they stay near the work done, not the number
-  // of blocks, idle handles or streams).
+  // of blocks, idle handles or streams). Also counts the arenas that forgetting streams walks.
   std::uint64_t slow_path_steps() const noexcept { return slow_path_steps_; }
-  // What the slow paths' searches have looked at: the unmapped blocks of find_placement, the mapped
-  // free blocks and handles of find_mapped_place, the idle handles of move_idle_handle.
+  // What the slow paths' searches have looked at: the unmapped blocks of find_placement and the
+  // blocks of the runs it brings up to date (refresh_runs), the mapped free blocks and handles of
+  // find_mapped_place, the idle handles of move_idle_handle.
   std::uint64_t search_steps() const noexcept { return search_steps_; }
   // Allocations that took the slow path (no cached place: mapping, reclaim or a place search).
   std::uint64_t slow_calls() const noexcept { return slow_calls_; }
@@ -292,7 +331,16 @@ class ExpandableBackend final : public Backend {
   void reap_retired(const ExpArena* keep);
   void recheck_legacy_waits(ExpArena& a) noexcept;
   bool give_back_arena(ExpArena* a);
-  void forget_arena(ExpArena* a) noexcept;  // an arena without segments: deleted
+  void forget_arena(ExpArena* a) noexcept;  // an arena without segments: marked, deleted by sweep_forgotten
+  // Deletes the forgotten arenas and takes them out of arenas_ and retired_: one pass over both.
+  // Every path that may forget an arena ends with it (SweepForgotten), so no forgotten arena
+  // outlives the call that forgot it (validate() checks none is left).
+  void sweep_forgotten() noexcept;
+  struct SweepForgotten {
+    ExpandableBackend& be;
+    ~SweepForgotten() { be.sweep_forgotten(); }
+  };
+  std::size_t forgotten_ = 0;  // arenas forgotten and not yet swept
   void drop_empty_segments();
   // Out of address range: the idle memory, ranges and arenas of the streams (but `keep`'s) that
   // hold no block in use, given back (give_back_arena). Walks their blocks: that rare path only.
@@ -313,6 +361,13 @@ class ExpandableBackend final : public Backend {
   void make_busy_inside(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
   template <class F>
   void for_each_idle(F&& f) const;
+  // A hole whose run may have grown past its run_bytes (ExpArena::holes).
+  static void mark_dirty(ExpArena& arena, core::Block* hole) noexcept {
+    if (!hole->dirty_hook.is_linked()) arena.dirty_holes.push_back(*hole);
+  }
+  void refresh_runs(ExpArena& arena) noexcept;
+  void set_run_bytes(ExpArena& arena, core::Block* first, const core::Block* end, std::size_t bytes) noexcept;
+  std::vector<core::Block*> hole_scratch_;  // find_placement's holes to visit
   void insert_free(ExpArena& arena, core::Block* b) noexcept;
   void erase_free(ExpArena& arena, core::Block* b) noexcept;
   core::Block* merge_free(ExpArena& arena, core::Block* b) noexcept;

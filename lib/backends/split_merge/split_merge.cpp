@@ -31,6 +31,7 @@ SplitMergeBackend::SplitMergeBackend(Context& ctx) : Backend(ctx) {
 SplitMergeBackend::~SplitMergeBackend() {
   small_.blocks.clear();
   large_.blocks.clear();
+  by_stream_.clear();  // unlinks the segments it lists while they still exist
   while (!segments_.empty()) {
     SmSegment& seg = segments_.front();
     segments_.pop_front();
@@ -111,13 +112,18 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
   const std::size_t size = p.alloc_size;
   if (ctx_.limit != 0 && (size > ctx_.limit || total_allocated_memory_ > ctx_.limit - size)) return false;
   auto owned = std::make_unique<SmSegment>();  // before the driver call: a bad_alloc leaks nothing
+  const auto [mine, fresh] = by_stream_.try_emplace(p.stream);  // so is the stream's segment list
   driver::dev_ptr ptr = 0;
   try {
     ptr = ctx_.driver.mem_alloc(size);
   } catch (const driver_error& e) {
+    if (fresh) by_stream_.erase(mine);
     if (!e.is_out_of_memory()) throw;
     ctx_.refused = Context::Refusal::memory;
     return false;
+  } catch (...) {
+    if (fresh) by_stream_.erase(mine);
+    throw;
   }
   SmSegment* seg = owned.release();
   Block* b = blocks_.make();  // cannot throw: allocate() reserved two blocks
@@ -128,6 +134,7 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
   seg->index = p.index;
   seg->first = b;
   segments_.push_back(*seg);
+  mine->second.push_back(*seg);
   b->addr = ptr;
   b->size = size;
   b->stream = p.stream;
@@ -157,6 +164,9 @@ void SplitMergeBackend::release_block(Block* block) {
   ctx_.stats.num_device_free += 1;
   if (ctx_.hooks) ctx_.hooks->on_unmap(seg->base, seg->size, seg->stream);
   segments_.erase(segments_.iterator_to(*seg));
+  const auto mine = by_stream_.find(seg->stream);
+  mine->second.erase(mine->second.iterator_to(*seg));
+  if (mine->second.empty()) by_stream_.erase(mine);
   delete seg;
   blocks_.recycle(block);
 }
@@ -190,20 +200,33 @@ bool SplitMergeBackend::release_available_cached_blocks(const Params& p) {
   return true;
 }
 
-bool SplitMergeBackend::release_cached_blocks() {
+bool SplitMergeBackend::release_cached_blocks(const core::SizeIndex* keep) {
   if (ctx_.hooks) ctx_.hooks->synchronize_pending_frees();
   for (Pool* pool : {&large_, &small_}) {
     pool->blocks.for_each_block([&](Block& b) {
       if (releasable(b)) release_block(&b);
     });
   }
+  prune_indexes(keep);
   return true;
+}
+
+// Forgets the indexes of streams that have no segment left (a released graph pool's once its
+// memory is given back), but `keep`. Such a stream's next request makes a new one.
+void SplitMergeBackend::prune_indexes(const core::SizeIndex* keep) noexcept {
+  for (Pool* pool : {&large_, &small_})
+    pool->blocks.erase_if([&](const core::SizeIndex& index, driver::stream_t s) {
+      if (&index == keep || !index.empty() || by_stream_.contains(s)) return false;
+      retired_threads_.erase(s);  // nothing left to reap
+      retired_pools_.erase(s);
+      return true;
+    });
 }
 
 // The segments cached for the per-thread stream of a thread that has exited: no request can name
 // that stream again, so they would stay cached for good (a pool of short-lived threads grew without
 // bound). Their unsplit free blocks are given back (cuMemFree waits for the work the thread queued);
-// a key whose segments still hold live blocks stays on retired_ until they are freed, and each look
+// a key whose segments still hold live blocks stays in its set until they are freed, and each look
 // gives back what has come free. Given back, not handed to another stream: the next thread's first
 // requests map their own, but no stream's cache fills with memory it never asked for. Runs on the
 // slow path and in release_cached/trim only; `keep`: the stream of the request at hand.
@@ -215,21 +238,26 @@ void SplitMergeBackend::reap_retired(driver::stream_t keep, bool graph_pools) {
   if (const std::uint64_t gen = retired_keys_generation(); gen != retired_seen_) {
     for (Pool* pool : {&large_, &small_})
       pool->blocks.for_each_index([&](core::SizeIndex&, driver::stream_t s) {
-        if (is_per_thread_key(s) && s != keep && std::find(retired_.begin(), retired_.end(), s) == retired_.end() &&
-            is_retired_key(s))
-          retired_.push_back(s);
+        if (!is_per_thread_key(s) || s == keep) return;
+        auto& retired = is_graph_pool_key(s) ? retired_pools_ : retired_threads_;
+        if (!retired.contains(s) && is_retired_key(s)) retired.insert(s);
       });
     retired_seen_ = gen;
   }
-  for (std::size_t i = retired_.size(); i-- > 0;) {
-    const driver::stream_t s = retired_[i];
-    if (s == keep || (!graph_pools && is_graph_pool_key(s))) continue;
-    if (release_unsplit_free(s) || std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == s; }))
-      continue;  // live blocks hold segments of it: looked at again later
-    large_.blocks.erase(s);
-    small_.blocks.erase(s);
-    retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(i));
-  }
+  auto reap = [&](std::unordered_set<driver::stream_t>& retired) {
+    for (auto it = retired.begin(); it != retired.end();) {
+      const driver::stream_t s = *it;
+      if (s == keep || release_unsplit_free(s) || by_stream_.contains(s)) {
+        ++it;  // live blocks hold segments of it: looked at again later
+        continue;
+      }
+      large_.blocks.erase(s);
+      small_.blocks.erase(s);
+      it = retired.erase(it);
+    }
+  };
+  reap(retired_threads_);
+  if (graph_pools) reap(retired_pools_);
 }
 
 // Gives back the unsplit free blocks (whole free segments) cached for `stream`. Returns whether
@@ -358,7 +386,7 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
       // (release_available_cached_blocks does nothing for it): over the limit or out of device memory,
       // it frees all unsplit cached blocks (free_all_blocks) and retries, as PyTorch's last step does.
       found = alloc_block(p, false) || (release_available_cached_blocks(p) && alloc_block(p, false)) ||
-              (release_cached_blocks() && alloc_block(p, true));
+              (release_cached_blocks(p.index) && alloc_block(p, true));
     }
   }
   if (!found) return nullptr;
@@ -372,12 +400,13 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
 Block* SplitMergeBackend::allocate_at(driver::stream_t stream, std::uint64_t addr, std::size_t size) {
   if (size == 0 || addr % kMinBlockSize != 0 || size % kMinBlockSize != 0) return nullptr;
   Block* b = nullptr;
-  for (SmSegment& seg : segments_) {
-    if (seg.stream != stream || addr < seg.base || addr - seg.base >= seg.size) continue;
-    for (b = seg.first; b->end() <= addr; b = b->next) {
+  if (const auto mine = by_stream_.find(stream); mine != by_stream_.end())
+    for (SmSegment& seg : mine->second) {
+      if (addr < seg.base || addr - seg.base >= seg.size) continue;
+      for (b = seg.first; b->end() <= addr; b = b->next) {
+      }
+      break;
     }
-    break;
-  }
   if (b == nullptr || !b->is_free() || b->end() - addr < size) return nullptr;
   Pool& pool = pool_of(*b);
   core::SizeIndex& index = index_of(*b);
@@ -479,17 +508,22 @@ void SplitMergeBackend::release_cached() {
 
 std::size_t SplitMergeBackend::stream_bytes_in_use(driver::stream_t stream) const {
   std::size_t in_use = 0;
-  for (const SmSegment& seg : segments_)
-    if (seg.stream == stream)
+  if (const auto mine = by_stream_.find(stream); mine != by_stream_.end())
+    for (const SmSegment& seg : mine->second)
       for (const Block* b = seg.first; b != nullptr; b = b->next)
         if (!b->is_free()) in_use += b->size;
   return in_use;
 }
 
 void SplitMergeBackend::release_stream(driver::stream_t stream) {
-  // Every block of the stream is free, so each of its segments is one unsplit free block.
-  if (release_unsplit_free(stream) || std::any_of(segments_.begin(), segments_.end(), [&](const SmSegment& seg) { return seg.stream == stream; }))
-    broken("release_stream: a segment with no block in use stayed");
+  // Every block of the stream is free, so each of its segments is one unsplit free block. Only
+  // the stream's own segments are looked at.
+  if (const auto mine = by_stream_.find(stream); mine != by_stream_.end()) {
+    for (const SmSegment& seg : mine->second)
+      if (!seg.first->is_free() || seg.first->next != nullptr) broken("release_stream: a segment of the stream holds a block in use");
+    // The last release_block forgets the list: counted, not asked for emptiness.
+    for (std::size_t n = mine->second.size(); n-- > 0;) release_block(mine->second.front().first);
+  }
   large_.blocks.erase(stream);
   small_.blocks.erase(stream);
 }
@@ -551,6 +585,17 @@ void SplitMergeBackend::validate() const {
     if (expect != seg.base + seg.size) broken("blocks do not cover their segment");
   }
   if (total != total_allocated_memory_) broken("total_allocated_memory differs from the sum of segments");
+  std::size_t listed = 0;
+  for (const auto& [stream, list] : by_stream_) {
+    if (list.empty()) broken("a stream with no segment has a segment list");
+    for (const SmSegment& seg : list) {
+      if (seg.stream != stream) broken("segment listed under another stream");
+      // An index forgotten while a segment names it would dangle.
+      if (const_cast<Pool&>(pool_of(*seg.first)).blocks.find(stream) != seg.index) broken("segment's index is not its stream's");
+    }
+    listed += list.size();
+  }
+  if (listed != segments_.size()) broken("a segment is missing from its stream's list");
   if (free_blocks != small_.blocks.size() + large_.blocks.size()) broken("free index holds blocks not in any segment");
   // Each stream's index holds that stream's blocks in (size, address) order (keys change in place
   // on the cached path: reposition).

@@ -18,6 +18,8 @@
 #pragma once
 
 #include <boost/intrusive/list.hpp>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "backends/backend.hpp"
 #include "core/size_index.hpp"
@@ -32,8 +34,10 @@ struct SmSegment {
   std::uint8_t pool = kLargePool;
   core::SizeIndex* index = nullptr;  // the free index of this segment's pool and stream
   core::Block* first = nullptr;
-  core::bi::list_member_hook<> hook;
+  core::bi::list_member_hook<> hook;         // SplitMergeBackend::segments_
+  core::bi::list_member_hook<> stream_hook;  // its stream's list in SplitMergeBackend::by_stream_
 };
+using SmStreamSegments = core::bi::list<SmSegment, core::bi::member_hook<SmSegment, core::bi::list_member_hook<>, &SmSegment::stream_hook>>;
 
 class SplitMergeBackend final : public Backend {
  public:
@@ -55,6 +59,8 @@ class SplitMergeBackend final : public Backend {
   void snapshot(std::vector<SegmentInfo>& out) const override;
   FreeSummary free_summary(std::size_t request = 0, driver::stream_t stream = nullptr) const override;
   bool contains(std::uint64_t addr) const noexcept override;
+  // The free indexes held, both pools together (tests: they must not outlive their streams' segments).
+  std::size_t stream_indexes() const noexcept { return small_.blocks.streams() + large_.blocks.streams(); }
 
   // PyTorch's constants.
   static constexpr std::size_t kMinBlockSize = 512;
@@ -97,8 +103,10 @@ class SplitMergeBackend final : public Backend {
     return !b.is_split() && !(is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream)) &&
            !stream_captures(ctx_, b.stream);
   }
-  bool release_cached_blocks();
+  // `keep`: an index the caller holds (the request's), which prune_indexes leaves.
+  bool release_cached_blocks(const core::SizeIndex* keep = nullptr);
   void release_block(core::Block* block);
+  void prune_indexes(const core::SizeIndex* keep) noexcept;
   void reap_retired(driver::stream_t keep, bool graph_pools = true);
   bool release_unsplit_free(driver::stream_t stream);
   void garbage_collect_cached_blocks();
@@ -113,14 +121,25 @@ class SplitMergeBackend final : public Backend {
 
   using SegmentList = core::bi::list<SmSegment, core::bi::member_hook<SmSegment, core::bi::list_member_hook<>, &SmSegment::hook>>;
 
+  // Invariants (validate()):
+  //   - by_stream_ lists every segment under its stream, and only streams that have one: releasing
+  //     or sizing up one stream walks its segments, not all of them
+  //   - a segment's index is its pool's index for its stream (an index is forgotten only when no
+  //     segment names it: prune_indexes, release_stream, reap_retired)
+  // An index (~16 KB) of a stream with no segment left goes at release_cached and at the slow
+  // path's last retry: a stream per request would otherwise keep one per stream ever used.
   Pool small_;
   Pool large_;
   core::BlockPool blocks_;
   SegmentList segments_;
+  std::unordered_map<driver::stream_t, SmStreamSegments> by_stream_;  // nodes never move: lists stay put
   std::size_t total_allocated_memory_ = 0;  // PyTorch's name: bytes of all segments (reserved)
   bool has_divisions_ = false;              // roundup_power2_divisions configured
-  std::vector<driver::stream_t> retired_;   // per-thread keys of exited threads that still have segments
-  std::uint64_t retired_seen_ = 0;          // retired_keys_generation() when retired_ was last brought up to date
+  // Retired keys that still have an index: exited threads' per-thread keys, released graph pools'
+  // keys (apart: a request's slow path looks only at the first). Sets: O(1) to ask and to drop.
+  std::unordered_set<driver::stream_t> retired_threads_;
+  std::unordered_set<driver::stream_t> retired_pools_;
+  std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when the sets were last brought up to date
 };
 
 }  // namespace expseg::backends
