@@ -943,27 +943,39 @@ void refuse_unreleasable_stream(driver::stream_t stream) {
 
 void Allocator::release_stream(stream_t stream) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
-  Impl& m = *impl_;
+  impl_->release_stream_locked(stream, false);
+}
+
+void Allocator::Impl::release_stream_locked(stream_t stream, bool foreign_too) {
   refuse_unreleasable_stream(stream);
-  if (m.ctx.capturing)
+  if (ctx.capturing)
     throw error("release_stream: a CUDA graph capture allocates into a graph pool; synchronizing would invalidate it");
-  if (backends::stream_captures(m.ctx, stream)) throw error("release_stream: the stream is capturing");
-  if (const std::size_t in_use = m.backend->stream_bytes_in_use(stream); in_use != 0)
+  if (backends::stream_captures(ctx, stream)) throw error("release_stream: the stream is capturing");
+  if (const std::size_t in_use = backend->stream_bytes_in_use(stream); in_use != 0)
     throw error("release_stream: " + std::to_string(in_use) +
                 " bytes of blocks allocated on the stream are in use (live, or freed and waiting for other streams): free them first");
+  const stream_t key = backends::foreign_stream_key(stream);
+  if (foreign_too)
+    if (const std::size_t in_use = backend->stream_bytes_in_use(key); in_use != 0)
+      throw error("release_stream: " + std::to_string(in_use) +
+                  " bytes of blocks expseg_cupy_malloc allocated on the stream are in use (live, or freed and waiting for other streams): free them first");
   auto uses = [&](const Block* b) {
     return std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) != b->stream_uses.end();
   };
   std::size_t recorded = 0;
-  m.live.for_each([&](const Block* b) { recorded += uses(b); });
-  recorded += static_cast<std::size_t>(std::count_if(m.frees_after_capture.begin(), m.frees_after_capture.end(), uses));
+  live.for_each([&](const Block* b) { recorded += uses(b); });
+  recorded += static_cast<std::size_t>(std::count_if(frees_after_capture.begin(), frees_after_capture.end(), uses));
   if (recorded != 0)
     throw error("release_stream: " + std::to_string(recorded) +
                 " block(s) have the stream recorded (record_stream) and are not freed yet: an event would be recorded on it");
-  m.driver->stream_synchronize(stream);  // its queued work, and the events of frees that waited for it
-  if (m.pending_count != 0) m.process_events();
-  m.backend->release_stream(stream);
-  if (const auto it = m.pending.find(stream); it != m.pending.end() && it->second.queue.empty()) m.pending.erase(it);
+  driver->stream_synchronize(stream);  // its queued work, and the events of frees that waited for it
+  if (pending_count != 0) process_events();
+  // The backends take the stream as synchronized (the foreign key's memory is the same stream's
+  // work): no further synchronization, so no capture elsewhere is at stake.
+  backend->release_stream(stream);
+  if (foreign_too) backend->release_stream(key);
+  for (const stream_t q : {stream, key})
+    if (const auto it = pending.find(q); it != pending.end() && it->second.queue.empty()) pending.erase(it);
 }
 
 Stats Allocator::stats() const {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -76,6 +77,10 @@ struct Allocator::Impl final : backends::FrontendHooks {
 
   // Completes pending frees whose events have completed (PyTorch's process_events).
   void process_events();
+  // Allocator::release_stream under the lock; `foreign_too`: also what expseg_cupy_malloc cached
+  // under the stream's foreign key (expseg_release_stream). Refuses, nothing changed, before it
+  // synchronizes the stream.
+  void release_stream_locked(driver::stream_t stream, bool foreign_too);
   void finish_pending(core::Block* b) noexcept;
   void drop_retired_queues() noexcept;
   void drop_empty_queues() noexcept;
@@ -98,7 +103,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
                                               CounterfactualCheck* deferred = nullptr);
   // Runs the check and adds its answer to the report; needs no lock. Never throws.
   void finish_counterfactual(OomReport& r, CounterfactualCheck& check) noexcept;
-  void (*counterfactual_probe)() = nullptr;  // tests: called as the check starts
+  std::atomic<void (*)()> counterfactual_probe{nullptr};  // tests: called as the check starts (read without the lock)
   // The report of an OOM whose full report found no host memory: the figures at hand and a short
   // message, or (no memory for that either) no_memory_report. Never throws.
   std::shared_ptr<const OomReport> short_oom_report(std::size_t requested, driver::stream_t asked_on) const noexcept;
@@ -335,9 +340,12 @@ struct AllocatorAccess {
   static driver::Driver& driver(Allocator& a) { return *a.impl_->driver; }
   static void deallocate_for_good(Allocator& a, void* ptr) { a.impl_->deallocate_for_good(ptr); }
   static backends::Backend& backend(Allocator& a) { return *a.impl_->backend; }
-  // expseg_release_stream's part for what expseg_cupy_malloc cached under the stream's foreign key
-  // (backends::foreign_stream_key), which Allocator::release_stream refuses (c_api.cpp).
-  static void release_foreign_key(Allocator& a, driver::stream_t stream, bool release);
+  // expseg_release_stream: Allocator::release_stream, and what expseg_cupy_malloc cached under the
+  // stream's foreign key (backends::foreign_stream_key), which Allocator::release_stream refuses.
+  static void release_stream_with_foreign_key(Allocator& a, driver::stream_t stream) {
+    std::lock_guard<core::Mutex> lock(a.impl_->mu);
+    a.impl_->release_stream_locked(stream, true);
+  }
   // The streams the cross-stream frees keep a queue for (tests).
   static std::size_t pending_streams(Allocator& a) {
     std::lock_guard<core::Mutex> lock(a.impl_->mu);

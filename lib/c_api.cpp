@@ -571,31 +571,12 @@ int expseg_release_stream(int device, expseg_stream_t stream) noexcept {
       refuse_unreleasable_stream(static_cast<expseg::stream_t>(stream));
       return EXPSEG_SUCCESS;
     }
-    // expseg_cupy_malloc caches the stream's memory under its foreign key: refused first if in
-    // use there (nothing changed), given back once release_stream has synchronized the stream.
-    const auto s = static_cast<expseg::stream_t>(stream);
-    refuse_unreleasable_stream(s);
-    detail::AllocatorAccess::release_foreign_key(*a, s, false);
-    a->release_stream(s);
-    detail::AllocatorAccess::release_foreign_key(*a, s, true);
+    // expseg_cupy_malloc caches the stream's memory under its foreign key: given back with the rest.
+    detail::AllocatorAccess::release_stream_with_foreign_key(*a, static_cast<expseg::stream_t>(stream));
     return EXPSEG_SUCCESS;
   } catch (...) {  // refused: blocks use the stream, or it is not one's own
     return fail_as_misuse(fn);
   }
-}
-
-// Without `release`, only refuses as Allocator::release_stream would (blocks in use, a capture);
-// the caller synchronized the stream (Allocator::release_stream) before `release`.
-void expseg::detail::AllocatorAccess::release_foreign_key(Allocator& a, driver::stream_t stream, bool release) {
-  std::lock_guard<core::Mutex> lock(a.impl_->mu);
-  Allocator::Impl& m = *a.impl_;
-  const driver::stream_t key = backends::foreign_stream_key(stream);
-  if (m.ctx.capturing || backends::stream_captures(m.ctx, key))
-    throw error("release_stream: a capture is underway; giving memory back would invalidate it");
-  if (const std::size_t in_use = m.backend->stream_bytes_in_use(key); in_use != 0)
-    throw error("release_stream: " + std::to_string(in_use) +
-                " bytes of blocks expseg_cupy_malloc allocated on the stream are in use (live, or freed and waiting for other streams): free them first");
-  if (release) m.backend->release_stream(key);
 }
 
 namespace {

@@ -342,7 +342,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
 
 void Allocator::Impl::finish_counterfactual(OomReport& r, CounterfactualCheck& check) noexcept {
   check.pending = false;
-  if (counterfactual_probe != nullptr) counterfactual_probe();
+  if (auto* probe = counterfactual_probe.load(std::memory_order_acquire); probe != nullptr) probe();
   std::vector<LiveAllocation>& live_set = check.live;
   std::sort(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr < b.addr; });
   live_set.erase(std::unique(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr == b.addr; }),

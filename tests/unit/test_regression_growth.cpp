@@ -134,4 +134,42 @@ TEST_CASE("C API: expseg_release_stream gives back what expseg_cupy_malloc cache
   }
 }
 
+TEST_CASE("C API: expseg_release_stream of a CuPy stream while another stream captures") {
+  // The stream is synchronized by the call itself, so giving back its CuPy memory takes no other
+  // synchronization, which a capture elsewhere would refuse. Was (expandable): the stream's own
+  // memory given back, then "invariant broken: release_stream: an arena with no block in use kept
+  // a segment", as the foreign key's memory waited for a device synchronization.
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    for (const bool blocking : {false, true}) {
+      const std::string backend = expseg::to_string(kind);
+      CAPTURE(backend);
+      CAPTURE(blocking);
+      CApiFixture fixture;
+      REQUIRE(expseg_configure(("device:sim,sim_capacity:80GiB,backend:" + backend).c_str()) == EXPSEG_SUCCESS);
+      void* first = expseg_cupy_malloc(nullptr, MiB, 0);  // creates the allocator
+      REQUIRE(first != nullptr);
+      expseg::Allocator* a = expseg::capi::allocator_for_tests(0);
+      REQUIRE(a != nullptr);
+      auto& sim = dynamic_cast<expseg::driver::SimDriver&>(expseg::detail::AllocatorAccess::driver(*a));
+      const std::int64_t before = reserved(*a);
+      void* s = blocking ? sim.stream_create_blocking() : sim.stream_create();
+      void* p = expseg_cupy_malloc(s, 60 * MiB, 0);
+      REQUIRE(p != nullptr);
+      expseg_cupy_free(s, p, 0);
+      void* x = sim.stream_create_blocking();  // a blocking stream's capture: the legacy stream's and the device's synchronizations invalidate it
+      sim.capture_begin(x);
+      CHECK(expseg_release_stream(0, s) == EXPSEG_SUCCESS);
+      CHECK(reserved(*a) == before);
+      a->validate();
+      expseg::driver::graph_t g = nullptr;
+      CHECK_NOTHROW(g = sim.capture_end(x));  // still valid: nothing synchronized but s
+      if (g != nullptr) sim.graph_destroy(g);
+      sim.stream_destroy(x);
+      sim.stream_destroy(s);
+      expseg_cupy_free(nullptr, first, 0);
+      a->validate();
+    }
+  }
+}
+
 }  // TEST_SUITE

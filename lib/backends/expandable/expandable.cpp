@@ -1899,7 +1899,7 @@ void ExpandableBackend::reap_released() noexcept {
 
 // Gives back the idle memory and the empty segments of an arena no request will name again, and,
 // once it holds nothing, the arena itself (deleted: true).
-bool ExpandableBackend::give_back_arena(ExpArena* a) {
+bool ExpandableBackend::give_back_arena(ExpArena* a, bool synchronized) {
   // The idle handles: those lying wholly inside one of its mapped free blocks.
   std::vector<ExpHandle*> idle;
   a->mapped_free.for_each([&](Block& b) {
@@ -1909,7 +1909,9 @@ bool ExpandableBackend::give_back_arena(ExpArena* a) {
     whole_handles(seg, b, lo, hi);
     for (std::uint64_t at = lo; at < hi; at += handle_at(seg, at)->bytes) idle.push_back(handle_at(seg, at));
   });
-  if (!idle.empty() && !may_unmap_in(*a)) return false;  // a capture would refuse its synchronization: later
+  // A capture would refuse its synchronization: later. None is needed when the caller has
+  // synchronized the arena's work (release_stream), so no capture elsewhere is at stake.
+  if (!idle.empty() && !synchronized && !may_unmap_in(*a)) return false;
   for (ExpHandle* h : idle) {
     synchronize_once(*a);
     unmap_handle(h);
@@ -1983,9 +1985,12 @@ void ExpandableBackend::release_stream(driver::stream_t stream) {
   ExpArena* const arena = find_arena(stream);
   if (arena == nullptr) return;
   begin_operation();
-  synced_.streams[synced_.count++] = stream;  // by the frontend, just now
+  // By the frontend, just now; so is what stream_to_synchronize would name for it (the legacy
+  // stream for a blocking CuPy stream's key, the device for a non-blocking one's): not again.
+  synced_.streams[synced_.count++] = stream;
+  if (const driver::stream_t target = stream_to_synchronize(*arena); target != stream) synced_.streams[synced_.count++] = target;
   const SweepForgotten sweep{*this};
-  if (!give_back_arena(arena)) broken("release_stream: an arena with no block in use kept a segment");
+  if (!give_back_arena(arena, true)) broken("release_stream: an arena with no block in use kept a segment");
 }
 
 void ExpandableBackend::release_cached() {

@@ -330,7 +330,7 @@ class ExpandableBackend final : public Backend {
   }
   void reap_retired(const ExpArena* keep);
   void recheck_legacy_waits(ExpArena& a) noexcept;
-  bool give_back_arena(ExpArena* a);
+  bool give_back_arena(ExpArena* a, bool synchronized = false);  // synchronized: the caller synchronized its stream
   void forget_arena(ExpArena* a) noexcept;  // an arena without segments: marked, deleted by sweep_forgotten
   // Deletes the forgotten arenas and takes them out of arenas_ and retired_: one pass over both.
   // Every path that may forget an arena ends with it (SweepForgotten), so no forgotten arena
