@@ -32,6 +32,15 @@ bool recorded_in_capture(const driver_error& e) noexcept {
 
 using core::hex;
 
+// A driver failure after a call committed its change: the same call and code, its text followed by
+// `after`, which says what was done, what was not and when it is retried.
+[[noreturn]] void throw_after_commit(const driver_error& e, const std::string& after) {
+  const std::string prefix = e.call() + " failed: " + e.code_name() + " (" + std::to_string(e.code()) + "): ";
+  const std::string_view what = e.what();
+  const std::string_view description = what.starts_with(prefix) ? what.substr(prefix.size()) : what;
+  throw driver_error(e.call(), e.code(), e.code_name(), std::string(description) + "; " + after);
+}
+
 // Flips a stream (or stream key) into a value no stream or key has (a CUstream is a user-space
 // address below 2^48; keys carry 0xFFFF or 0xFFFE in their top 16 bits): a fork's entry in
 // GraphPool::keys.
@@ -211,6 +220,12 @@ Allocator::Impl::~Impl() {
     } catch (...) {
     }
   }
+  for (const auto& [e, s] : captured_spares) {
+    try {
+      driver->event_destroy(e);
+    } catch (...) {
+    }
+  }
   backend.reset();
 }
 
@@ -353,6 +368,7 @@ void Allocator::Impl::recover_failed_deallocate(void* ptr) {
       live.insert_reserved(b);  // right after its erase: room for it
       throw;
     }
+    drop_recorded_uses(*b);
     b->stream_uses.clear();
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
     backend->free(b);
@@ -386,6 +402,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   }
   std::vector<driver::event_t>& events = free_events;
   events.clear();
+  std::size_t recorded = 0;
   std::size_t queued = 0;
   auto queue_of = [&](driver::stream_t s) -> StreamEvents* {
     ++queue_steps;
@@ -400,6 +417,8 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
     // Doubling: a new high-water mark of events costs a reallocation now and then, not each time.
     if (const std::size_t n = spare_events.size() + pending_count + b->stream_uses.size(); n > spare_events.capacity())
       spare_events.reserve(std::max(n, 2 * spare_events.capacity()));
+    if (const std::size_t n = captured_spares.size() + b->stream_uses.size(); n > captured_spares.capacity())
+      captured_spares.reserve(std::max(n, 2 * captured_spares.capacity()));
     for (driver::stream_t s : b->stream_uses) {
       driver::event_t e = nullptr;
       if (spare_events.empty()) {
@@ -410,6 +429,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
       }
       events.push_back(e);  // capacity reserved: cannot throw
       driver->event_record(e, event_stream(s));
+      ++recorded;
     }
     for (std::size_t i = 0; i < events.size(); ++i) {
       const driver::stream_t s = b->stream_uses[i];
@@ -430,12 +450,19 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
   } catch (...) {
     for (std::size_t i = queued; i-- > 0;) queue_of(b->stream_uses[i])->queue.pop_back();
     drop_emptied_queues();
-    for (driver::event_t e : events) spare_events.push_back(e);
+    // An event recorded on a stream that captures now may be part of that capture (begun by another
+    // thread after the check above): kept apart until it ends. Both lists have room reserved.
+    for (std::size_t i = 0; i < events.size(); ++i) {
+      const driver::stream_t s = event_stream(b->stream_uses[i]);
+      if (i < recorded && stream_capturing(s)) captured_spares.emplace_back(events[i], s);
+      else spare_events.push_back(events[i]);
+    }
     if (in_live) live.insert_reserved(b);  // right after its erase: room for it
     throw;
   }
   if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
   pending_count += events.size();
+  drop_recorded_uses(*b);  // its events stand for the uses now
   if (in_live) backend->begin_pending_free(b);  // a free held during a capture is pending already
   b->pending_events = static_cast<std::uint32_t>(events.size());
 }
@@ -461,7 +488,23 @@ void Allocator::Impl::record_stream(void* ptr, driver::stream_t stream) {
         if (k == b->stream && (s == stream || s == alias)) return;
     }
   }
-  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) b->stream_uses.push_back(stream);
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) != b->stream_uses.end()) return;
+  b->stream_uses.push_back(stream);  // may throw: nothing changed
+  try {
+    add_recorded_use(stream);
+  } catch (...) {
+    b->stream_uses.pop_back();
+    throw;
+  }
+}
+
+void Allocator::Impl::add_recorded_use(driver::stream_t stream) {
+  const auto [it, made] = recorded_uses.try_emplace(stream, 0);
+  ++it->second;
+  if (!made || recorded_uses.size() < recorded_sweep_at) return;
+  // Streams a program stopped using (a stream per request) would otherwise keep their entries.
+  std::erase_if(recorded_uses, [](const auto& entry) { return entry.second == 0; });
+  recorded_sweep_at = std::max(kRecordedSweepMin, 2 * recorded_uses.size());
 }
 
 // The pool key of a request on a stream of a capture that allocates into a graph pool, or on a
@@ -845,6 +888,8 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   if (!ended)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " is still running; end the capture (cuStreamEndCapture) first");
+  // The last capture's end frees what was held for it: its host memory now, before the end commits.
+  if (m.capture_routes.size() == 1) m.held_scratch.reserve(m.frees_after_capture.size());
   if (m.recorder.enabled()) {
     for (const Impl::CaptureRoute::Fork& f : route->forks) {
       if (!f.begin_traced) continue;  // the recording began after the fork's first request
@@ -855,10 +900,24 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   }
   m.capture_routes.erase(route);
   m.update_capture_state();
-  if (!m.ctx.capturing) {
+  if (m.ctx.capturing) return;
+  // The end is done whatever follows: a failure below must not read as an end not made (a retry
+  // would find no capture), so its error says what was done and what is left.
+  try {
     m.free_held_after_capture();
-    m.backend->reap_released();  // a capture loop allocates only while capturing: give released pools back now
+  } catch (const driver_error& e) {
+    m.backend->reap_released();
+    const std::size_t left = m.frees_after_capture.size();
+    throw_after_commit(e, "end_graph_pool(" + std::to_string(pool) + "): the capture's end is done (its routing into graph pool " +
+                              std::to_string(pool) + " is gone: do not call end_graph_pool for it again), but " + std::to_string(left) +
+                              " free(s) held during the capture could not be completed (no event, and the device synchronization "
+                              "failed): they stay held and are retried at the next end_graph_pool, release_cached(), or a "
+                              "request that would otherwise run out of memory");
+  } catch (...) {
+    m.backend->reap_released();
+    throw;
   }
+  m.backend->reap_released();  // a capture loop allocates only while capturing: give released pools back now
 }
 
 // The frees of blocks other streams used, held back during a capture: as usual now. Should one
@@ -868,7 +927,9 @@ void Allocator::Impl::free_held_after_capture() {
   // Taken out first: a free whose stream still captures (one expseg was not told of) goes back in.
   // The list keeps its capacity, so neither that nor putting back what is left when something
   // throws allocates.
-  std::vector<Block*> held(frees_after_capture.begin(), frees_after_capture.end());  // may throw: nothing changed
+  std::vector<Block*>& held = held_scratch;
+  held.reserve(frees_after_capture.size());  // may throw: nothing changed (end_graph_pool reserved it already)
+  held.assign(frees_after_capture.begin(), frees_after_capture.end());
   frees_after_capture.clear();
   struct PutBack {
     std::vector<Block*>& held;
@@ -881,6 +942,7 @@ void Allocator::Impl::free_held_after_capture() {
       free_after_uses(b, false);
     } catch (...) {
       driver->device_synchronize();
+      drop_recorded_uses(*b);
       b->stream_uses.clear();
       backend->free(b);
     }
@@ -911,7 +973,8 @@ void Allocator::release_graph_pool(std::uint64_t pool) {
   p->keys.clear();
   if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_release, pool, 0, nullptr);
   // This pool goes unless live blocks carry its keys; so do those released earlier whose blocks
-  // have all been freed since.
+  // have all been freed since. Neither throws: once the release commits above, nothing can fail
+  // (a give-back that fails is retried at the next reap).
   m.prune_graph_pools();
   if (!m.ctx.capturing) m.backend->reap_released();
 }
@@ -929,9 +992,22 @@ void Allocator::release_cached() {
 
 void Allocator::Impl::destroy_spare_events() {
   // Kept at their peak count otherwise. The capacity stays: it must hold the pending frees' events.
+  // Holding the lock does not keep captures away: another thread may begin one (untold, or before
+  // its begin_graph_pool) on a stream between a free's capture check and its record. Completed
+  // frees give back events queried complete, outside any capture; a failed free gives back what it
+  // recorded, and an event whose stream captures then may be that capture's: it waits in
+  // captured_spares, and goes only once its stream captures no more (CUDA documents no use of an
+  // event handle by a capture underway; HIP's captures list their events, and once kept a
+  // destroyed one).
   while (!spare_events.empty()) {
     driver->event_destroy(spare_events.back());  // throws with the event still spare
     spare_events.pop_back();
+  }
+  for (std::size_t i = captured_spares.size(); i-- > 0;) {
+    const auto [e, s] = captured_spares[i];
+    if (stream_capturing(s)) continue;
+    driver->event_destroy(e);  // throws with the event still kept
+    captured_spares.erase(captured_spares.begin() + static_cast<std::ptrdiff_t>(i));
   }
 }
 
@@ -959,13 +1035,8 @@ void Allocator::Impl::release_stream_locked(stream_t stream, bool foreign_too) {
     if (const std::size_t in_use = backend->stream_bytes_in_use(key); in_use != 0)
       throw error("release_stream: " + std::to_string(in_use) +
                   " bytes of blocks expseg_cupy_malloc allocated on the stream are in use (live, or freed and waiting for other streams): free them first");
-  auto uses = [&](const Block* b) {
-    return std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) != b->stream_uses.end();
-  };
-  std::size_t recorded = 0;
-  live.for_each([&](const Block* b) { recorded += uses(b); });
-  recorded += static_cast<std::size_t>(std::count_if(frees_after_capture.begin(), frees_after_capture.end(), uses));
-  if (recorded != 0)
+  const auto counted = recorded_uses.find(stream);
+  if (const std::size_t recorded = counted == recorded_uses.end() ? 0 : counted->second; recorded != 0)
     throw error("release_stream: " + std::to_string(recorded) +
                 " block(s) have the stream recorded (record_stream) and are not freed yet: an event would be recorded on it");
   driver->stream_synchronize(stream);  // its queued work, and the events of frees that waited for it
@@ -976,6 +1047,7 @@ void Allocator::Impl::release_stream_locked(stream_t stream, bool foreign_too) {
   if (foreign_too) backend->release_stream(key);
   for (const stream_t q : {stream, key})
     if (const auto it = pending.find(q); it != pending.end() && it->second.queue.empty()) pending.erase(it);
+  recorded_uses.erase(stream);  // at zero, checked above
 }
 
 Stats Allocator::stats() const {
@@ -1132,6 +1204,17 @@ void Allocator::validate() const {
     });
   }
   if (queued != m.pending_count) fail("pending_count is wrong");
+  // recorded_uses: the streams recorded on live blocks and held frees, each block counted once.
+  std::unordered_map<stream_t, std::size_t> uses;
+  auto count_uses = [&](const Block* b) {
+    for (stream_t s : b->stream_uses) uses[s] += 1;
+  };
+  m.live.for_each(count_uses);
+  std::for_each(m.frees_after_capture.begin(), m.frees_after_capture.end(), count_uses);
+  for (const auto& [s, n] : m.recorded_uses)
+    if (n != 0 && (!uses.contains(s) || uses.at(s) != n)) fail("recorded_uses differs from the streams recorded on live blocks and held frees");
+  for (const auto& [s, n] : uses)
+    if (!m.recorded_uses.contains(s) || m.recorded_uses.at(s) != n) fail("recorded_uses misses streams recorded on live blocks or held frees");
   if (busy != m.busy_queues.size() ||
       std::any_of(m.busy_queues.begin(), m.busy_queues.end(), [](const Impl::StreamEvents* se) { return se->queue.empty(); }))
     fail("busy_queues is not the queues that hold frees");

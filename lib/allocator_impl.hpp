@@ -198,6 +198,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // Recycled events. Its capacity always holds every event, spare or pending (deallocate reserves
   // it), so that completing a pending free never allocates. release_cached destroys them.
   std::vector<driver::event_t> spare_events;
+  // Events of a failed free whose record may have landed in a capture another thread began meanwhile
+  // on the stream (the stream captures when the free gives them back), with that stream: neither
+  // reused nor destroyed while it captures (see destroy_spare_events). Room for the events of a
+  // free is reserved before they are recorded, so giving them back here cannot throw.
+  std::vector<std::pair<driver::event_t, driver::stream_t>> captured_spares;
   void destroy_spare_events();
   // deallocate()'s events of the block being freed, kept between calls so that a cross-stream free
   // does not allocate (used under the lock only).
@@ -293,6 +298,9 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // and no query could ever wait for it (CUDA_ERROR_CAPTURED_EVENT); held until that capture has
   // ended, looked at again before an OOM (synchronize_pending_frees) and by release_cached.
   std::vector<core::Block*> frees_after_capture;
+  // free_held_after_capture's copy of the held frees; end_graph_pool reserves it before the end
+  // commits, so the held frees' host memory cannot fail after it.
+  std::vector<core::Block*> held_scratch;
   // `pool`, when given, receives the id of the pool the stream allocates into now (0: none).
   driver::stream_t route_to_pool(driver::stream_t stream, bool make = true, std::uint64_t* pool = nullptr);
   // The stream a trace names for an allocation on `key`: for a graph pool's key, the stream whose
@@ -309,6 +317,21 @@ struct Allocator::Impl final : backends::FrontendHooks {
   bool stream_capturing(driver::stream_t stream) const noexcept;
   void free_held_after_capture();  // frees_after_capture, once no capture allocates into a pool
   [[gnu::noinline]] void free_after_uses(core::Block* b, bool in_live);  // deallocate()'s part for a block other streams used
+
+  // Per stream, the blocks that have it recorded (record_stream) and no event for it yet: live ones
+  // and frees held in frees_after_capture (validate checks it against them). release_stream looks
+  // a stream up here instead of walking the live blocks. An entry that drops to zero stays (no heap
+  // traffic per record and free) until release_stream forgets the stream or a sweep once the
+  // entries have doubled.
+  std::unordered_map<driver::stream_t, std::size_t> recorded_uses;
+  static constexpr std::size_t kRecordedSweepMin = 32;
+  std::size_t recorded_sweep_at = kRecordedSweepMin;
+  void add_recorded_use(driver::stream_t stream);  // may throw std::bad_alloc, nothing changed
+  // `b` leaves the counted blocks: its events are recorded, or it is freed with its uses cleared.
+  void drop_recorded_uses(const core::Block& b) noexcept {
+    for (driver::stream_t s : b.stream_uses)
+      if (const auto it = recorded_uses.find(s); it != recorded_uses.end() && it->second != 0) --it->second;
+  }
 
   // Recently freed addresses, to tell a double free from a foreign pointer (0 = empty slot).
   std::array<std::uint64_t, 64> recent_frees{};
@@ -355,6 +378,11 @@ struct AllocatorAccess {
   static std::uint64_t queue_steps(Allocator& a) {
     std::lock_guard<core::Mutex> lock(a.impl_->mu);
     return a.impl_->queue_steps;
+  }
+  // Walks of the live map so far (tests: whether a call walks the live blocks).
+  static std::uint64_t live_walks(Allocator& a) {
+    std::lock_guard<core::Mutex> lock(a.impl_->mu);
+    return a.impl_->live.walks();
   }
   // The graph pools the allocator keeps entries for (tests).
   static std::size_t graph_pool_entries(Allocator& a) {

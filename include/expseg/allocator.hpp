@@ -112,6 +112,9 @@ class Allocator {
   //     once: each end_graph_pool(pool) ends one of them, the one whose capture has ended (call it
   //     after cuStreamEndCapture: while every capture of the pool still runs, it throws
   //     expseg::error, nothing changed, as the capture's later requests would leave the pool).
+  //     Unlike other calls, it may throw after its change: when the frees held for the capture
+  //     cannot be completed (expseg::driver_error), the end is done all the same, as the error
+  //     says; the frees stay held for the next end_graph_pool or release_cached().
   //   release_graph_pool(pool): drops one use; at none, the pool's cached memory is given back:
   //     expandable, at once when no capture is underway (else at the end_graph_pool that ends the
   //     last one); split_merge, as PyTorch's releasePool, at release_cached() or a request's last

@@ -67,9 +67,11 @@ class LiveMap {
     return found;
   }
   std::size_t size() const noexcept { return size_; }
+  std::uint64_t walks() const noexcept { return walks_; }  // for_each calls so far (tests: who walks every block)
 
   template <class F>
   void for_each(F&& f) const {
+    ++walks_;
     for (std::size_t i = 0; i < capacity_; ++i)
       if (table_[i].block) f(table_[i].block);
   }
@@ -109,6 +111,7 @@ class LiveMap {
   // Written on every insert and erase: on its own line, so the fields every lookup reads stay
   // shared in the caches of threads that take turns at the allocator.
   alignas(64) std::size_t size_ = 0;
+  mutable std::uint64_t walks_ = 0;  // written by walks only, under the same lock as the table
 };
 
 }  // namespace expseg::core

@@ -220,6 +220,7 @@ ExpandableBackend::~ExpandableBackend() {
     quietly([&] { ctx_.driver.release(h->handle); });
     delete h;
   }
+  retired_looks_.clear();  // before the arenas it links go
   for (ExpArena* arena : arenas_) {
     arena->mapped_free.clear();
     arena->unmapped.clear();
@@ -1011,6 +1012,8 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
   // mapped (a limit above the device's memory does not make room the device lacks).
   ++slow_calls_;
   if (arena.legacy_unasked) recheck_legacy_waits(arena);
+  // A late request on an exited thread's key: its growth may leave idle handles (reap_retired skips it now).
+  if (arena.retired) [[unlikely]] look_again(arena);
   const CaptureScope capture(ctx_, arena.stream);
   ctx_.refused = Context::Refusal::none;
   const bool never_fits = round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total);
@@ -1810,6 +1813,7 @@ void ExpandableBackend::free(Block* b) noexcept {
   leave_active(*b);
   auto& seg = *static_cast<ExpSegment*>(b->segment);
   ExpArena& arena = *seg.arena;
+  if (arena.retired) [[unlikely]] look_again(arena);  // it may hold memory to give back now
   const std::uint64_t lo = b->addr;
   const std::uint64_t hi = b->end();
   // An allocated block is mapped: it merges with mapped free neighbours, and the merged block takes
@@ -1866,7 +1870,8 @@ void ExpandableBackend::free(Block* b) noexcept {
 // its stream cannot be named from another thread; the legacy stream's synchronization waits for it:
 // synchronize_once), or of the device for a released graph pool's arena, then
 // its empty segments; the arena goes with its last segment. One whose live blocks hold memory stays
-// on retired_ and each look gives back what has come free since. Given back, not handed to another
+// on retired_, and is looked at again only once something in it may have come free
+// (retired_looks_), not on every slow path. Given back, not handed to another
 // stream: the next thread's first requests map their own, but no stream's cache fills with memory
 // it never asked for. Runs within an operation (begin_operation), on the slow path and in
 // release_cached/trim only; `keep`: the arena of the request at hand.
@@ -1878,11 +1883,20 @@ void ExpandableBackend::reap_retired(const ExpArena* keep) {
       if (a != keep && !a->retired && !a->forgotten && is_per_thread_key(a->stream) && is_retired_key(a->stream)) {
         retired_.push_back(a);  // may throw bad_alloc: nothing changed, the next look finds it again
         a->retired = true;
+        retired_looks_.push_back(*a);
       }
     retired_seen_ = gen;
   }
-  for (std::size_t i = retired_.size(); i-- > 0;)  // one given back is forgotten: it leaves retired_ at the sweep
-    if (ExpArena* a = retired_[i]; a != keep && !a->forgotten) give_back_arena(a);
+  // Only the arenas where something may have changed since their last look (retired_looks_): one
+  // that throws stays on the list, and so does one refused (a capture underway) or skipped (`keep`).
+  for (auto it = retired_looks_.begin(); it != retired_looks_.end();) {
+    ExpArena* a = &*it;
+    ++it;  // a forgotten one leaves the list (forget_arena)
+    if (a == keep) continue;
+    ++slow_path_steps_;
+    bool refused = false;
+    if (!give_back_arena(a, false, &refused) && !refused) retired_looks_.erase(retired_looks_.iterator_to(*a));
+  }
 }
 
 // The memory of released graph pools and exited threads, now that no told capture is underway
@@ -1899,10 +1913,12 @@ void ExpandableBackend::reap_released() noexcept {
 
 // Gives back the idle memory and the empty segments of an arena no request will name again, and,
 // once it holds nothing, the arena itself (deleted: true).
-bool ExpandableBackend::give_back_arena(ExpArena* a, bool synchronized) {
+bool ExpandableBackend::give_back_arena(ExpArena* a, bool synchronized, bool* refused) {
   // The idle handles: those lying wholly inside one of its mapped free blocks.
   std::vector<ExpHandle*> idle;
+  slow_path_steps_ += a->segments.size();  // drop_segment's look at each
   a->mapped_free.for_each([&](Block& b) {
+    ++slow_path_steps_;
     const auto& seg = *static_cast<const ExpSegment*>(b.segment);
     std::uint64_t lo = 0;
     std::uint64_t hi = 0;
@@ -1911,7 +1927,10 @@ bool ExpandableBackend::give_back_arena(ExpArena* a, bool synchronized) {
   });
   // A capture would refuse its synchronization: later. None is needed when the caller has
   // synchronized the arena's work (release_stream), so no capture elsewhere is at stake.
-  if (!idle.empty() && !synchronized && !may_unmap_in(*a)) return false;
+  if (!idle.empty() && !synchronized && !may_unmap_in(*a)) {
+    if (refused != nullptr) *refused = true;
+    return false;
+  }
   for (ExpHandle* h : idle) {
     synchronize_once(*a);
     unmap_handle(h);
@@ -1925,6 +1944,7 @@ bool ExpandableBackend::give_back_arena(ExpArena* a, bool synchronized) {
 void ExpandableBackend::forget_arena(ExpArena* a) noexcept {
   std::erase_if(arena_index_, [&](const ArenaEntry& e) { return e.arena == a; });  // at most kScanArenas
   arena_by_stream_.erase(a->stream);
+  if (a->look_hook.is_linked()) retired_looks_.erase(retired_looks_.iterator_to(*a));
   a->forgotten = true;
   ++forgotten_;
 }
@@ -2081,8 +2101,13 @@ void ExpandableBackend::validate() const {
     if (arena->retired != on_retired.contains(arena)) broken("an arena's retired flag disagrees with retired_");
     retired_arenas += arena->retired;
     if (find_arena(arena->stream) != arena) broken("an arena is not found by its stream");
+    if (arena->look_hook.is_linked() && !arena->retired) broken("an arena that is not retired is on retired_looks_");
+    const bool looked = arena->retired && !arena->look_hook.is_linked();  // nothing to give back (retired_looks_)
+    const std::size_t idle_before = idle;
     for (const ExpSegment* seg : arena->segments) {
       ++segments;
+      if (looked && seg->mapped_bytes == 0 && seg->first != nullptr && seg->first->next == nullptr && seg->first->is_free())
+        broken("a retired arena off retired_looks_ keeps an empty segment");
       if (seg->arena != arena) broken("segment points to another arena");
       if (seg->frames.size() * frame_ > seg->va_bytes) broken("frame table is larger than the segment");
       // Handles: frames -> handle consistency; live bytes and idleness recomputed below.
@@ -2205,8 +2230,11 @@ void ExpandableBackend::validate() const {
         f += h->nframes;
       }
     }
+    if (looked && idle != idle_before) broken("a retired arena off retired_looks_ keeps an idle handle");
   }
   if (retired_arenas != retired_.size()) broken("retired_ holds an arena that is not one of the arenas");
+  for (const ExpArena& a : retired_looks_)
+    if (!on_retired.contains(&a)) broken("retired_looks_ holds an arena not on retired_");
   std::size_t indexed_mapped = 0;
   std::size_t indexed_unmapped = 0;
   for (const ExpArena* arena : arenas_) {

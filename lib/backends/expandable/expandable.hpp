@@ -35,6 +35,8 @@
 //   - reserved_ = bytes of every handle held (mapped or waiting for a retried release)
 //   - a mapped orphan (its access grant and its unmap failed) lies inside a reservation still held,
 //     and no handle is mapped over its frames until its unmap succeeds
+//   - an arena on retired_looks_ is retired; a retired arena off it holds no idle handle and no
+//     empty segment (its last look gave back all it could, and nothing in it changed since)
 #pragma once
 
 #include <boost/intrusive/list.hpp>
@@ -124,6 +126,10 @@ using DirtyHoles = core::bi::list<core::Block, core::bi::member_hook<core::Block
 struct ExpArena {
   core::BlockPool blocks;       // this arena's Block objects (per stream: threads share no free list)
   driver::stream_t stream = nullptr;
+  // On the backend's retired_ list: a flag, so that finding the retired arenas is not a search of
+  // that list per arena (thousands of exited threads or released graph pools: O(n^2)). Next to
+  // `stream`, on a line free() loads anyway: free() tests it to mark the arena for another look.
+  bool retired = false;
   core::SizeIndex mapped_free;  // free blocks backed by memory: best fit by (size, address)
   ArenaRunList idle_runs;       // the backend's idle runs that lie in this arena's segments, in its order
   UnmappedIndex unmapped;       // free address ranges without memory: first fit by address
@@ -168,9 +174,9 @@ struct ExpArena {
   // not be asked): while it captures, the legacy stream's synchronization would invalidate the
   // capture (ExpandableBackend::seen_capture).
   bool stream_blocks = false;
-  // On the backend's retired_ list: a flag, so that finding the retired arenas is not a search of
-  // that list per arena (thousands of exited threads or released graph pools: O(n^2)).
-  bool retired = false;
+  // On the backend's retired_looks_: a retired arena whose memory the next reap_retired must look
+  // at (ExpandableBackend::retired_looks_ says when).
+  core::bi::list_member_hook<> look_hook;
   // Forgotten (forget_arena): no segment, no longer found by its stream; taken out of arenas_ and
   // retired_ and deleted by the sweep at the end of the operation (sweep_forgotten), in one pass
   // for all of them: erasing each from arenas_ at once made release_cached O(arenas^2) (128k
@@ -330,7 +336,12 @@ class ExpandableBackend final : public Backend {
   }
   void reap_retired(const ExpArena* keep);
   void recheck_legacy_waits(ExpArena& a) noexcept;
-  bool give_back_arena(ExpArena* a, bool synchronized = false);  // synchronized: the caller synchronized its stream
+  // synchronized: the caller synchronized its stream; *refused set when may_unmap_in kept its idle memory.
+  bool give_back_arena(ExpArena* a, bool synchronized = false, bool* refused = nullptr);
+  // Something in retired arena `a` may have come free (a free, its own slow path): look again.
+  void look_again(ExpArena& a) noexcept {
+    if (!a.look_hook.is_linked()) retired_looks_.push_back(a);
+  }
   void forget_arena(ExpArena* a) noexcept;  // an arena without segments: marked, deleted by sweep_forgotten
   // Deletes the forgotten arenas and takes them out of arenas_ and retired_: one pass over both.
   // Every path that may forget an arena ends with it (SweepForgotten), so no forgotten arena
@@ -392,6 +403,15 @@ class ExpandableBackend final : public Backend {
   std::vector<ArenaEntry> arena_index_;  // stream -> arena for at most kScanArenas of them, scanned by arena_for()
   std::unordered_map<driver::stream_t, ExpArena*> arena_by_stream_;  // every arena, by stream
   std::vector<ExpArena*> retired_;  // arenas of per-thread keys of exited threads (reap_retired)
+  // The retired arenas reap_retired looks at: a look walks the arena's free blocks and segments, and
+  // thousands of retired arenas may hold live blocks (graph outputs kept past their pool's release),
+  // so only those where something may have changed since their last look are here: newly retired,
+  // a block freed (free) or an allocation's slow path there since, or the last look refused by
+  // may_unmap_in (a capture underway: it may have ended). Nothing else makes memory of a retired
+  // arena idle or a segment of it empty (others' reclaims only unmap idle handles).
+  using LookList = core::bi::list<ExpArena, core::bi::member_hook<ExpArena, core::bi::list_member_hook<>, &ExpArena::look_hook>,
+                                  core::bi::constant_time_size<false>>;
+  LookList retired_looks_;
   std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when retired_ was last brought up to date
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
   IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths never allocate one
