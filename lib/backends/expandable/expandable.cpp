@@ -220,7 +220,8 @@ ExpandableBackend::~ExpandableBackend() {
     quietly([&] { ctx_.driver.release(h->handle); });
     delete h;
   }
-  retired_looks_.clear();  // before the arenas it links go
+  retired_looks_.clear();  // before the arenas they link go
+  keyed_.clear();
   for (ExpArena* arena : arenas_) {
     arena->mapped_free.clear();
     arena->unmapped.clear();
@@ -317,6 +318,7 @@ ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
     delete a;
     throw;
   }
+  if (is_per_thread_key(stream)) keyed_.push_back(*a);  // after the last throw: reap_retired may retire it
   return *a;
 }
 
@@ -1878,13 +1880,17 @@ void ExpandableBackend::free(Block* b) noexcept {
 void ExpandableBackend::reap_retired(const ExpArena* keep) {
   const SweepForgotten sweep{*this};
   if (const std::uint64_t gen = retired_keys_generation(); gen != retired_seen_) {
-    slow_path_steps_ += arenas_.size();
-    for (ExpArena* a : arenas_)
-      if (a != keep && !a->retired && !a->forgotten && is_per_thread_key(a->stream) && is_retired_key(a->stream)) {
-        retired_.push_back(a);  // may throw bad_alloc: nothing changed, the next look finds it again
-        a->retired = true;
-        retired_looks_.push_back(*a);
-      }
+    // Only the keys' arenas not retired yet (keyed_), in arenas_'s order: not the retired ones.
+    for (auto it = keyed_.begin(); it != keyed_.end();) {
+      ExpArena* a = &*it;
+      ++it;
+      ++slow_path_steps_;
+      if (a == keep || !is_retired_key(a->stream)) continue;
+      retired_.push_back(a);  // may throw bad_alloc: nothing changed, the next look finds it again
+      keyed_.erase(keyed_.iterator_to(*a));
+      a->retired = true;
+      retired_looks_.push_back(*a);
+    }
     retired_seen_ = gen;
   }
   // Only the arenas where something may have changed since their last look (retired_looks_): one
@@ -1945,6 +1951,7 @@ void ExpandableBackend::forget_arena(ExpArena* a) noexcept {
   std::erase_if(arena_index_, [&](const ArenaEntry& e) { return e.arena == a; });  // at most kScanArenas
   arena_by_stream_.erase(a->stream);
   if (a->look_hook.is_linked()) retired_looks_.erase(retired_looks_.iterator_to(*a));
+  if (a->keyed_hook.is_linked()) keyed_.erase(keyed_.iterator_to(*a));
   a->forgotten = true;
   ++forgotten_;
 }
@@ -2096,12 +2103,16 @@ void ExpandableBackend::validate() const {
   const std::set<const ExpArena*> on_retired(retired_.begin(), retired_.end());
   if (on_retired.size() != retired_.size()) broken("an arena is on retired_ twice");
   std::size_t retired_arenas = 0;
+  std::size_t keyed_arenas = 0;
   for (const ExpArena* arena : arenas_) {
     if (arena->forgotten) broken("a forgotten arena is still among the arenas");
     if (arena->retired != on_retired.contains(arena)) broken("an arena's retired flag disagrees with retired_");
     retired_arenas += arena->retired;
     if (find_arena(arena->stream) != arena) broken("an arena is not found by its stream");
     if (arena->look_hook.is_linked() && !arena->retired) broken("an arena that is not retired is on retired_looks_");
+    if (arena->keyed_hook.is_linked() != (is_per_thread_key(arena->stream) && !arena->retired))
+      broken("keyed_ does not hold exactly the keys' arenas that are not retired");
+    keyed_arenas += arena->keyed_hook.is_linked() ? 1 : 0;
     const bool looked = arena->retired && !arena->look_hook.is_linked();  // nothing to give back (retired_looks_)
     const std::size_t idle_before = idle;
     for (const ExpSegment* seg : arena->segments) {
@@ -2235,6 +2246,16 @@ void ExpandableBackend::validate() const {
   if (retired_arenas != retired_.size()) broken("retired_ holds an arena that is not one of the arenas");
   for (const ExpArena& a : retired_looks_)
     if (!on_retired.contains(&a)) broken("retired_looks_ holds an arena not on retired_");
+  // keyed_ in arenas_'s order (reap_retired retires in it, as the walk of arenas_ did), and only
+  // the arenas counted above.
+  std::size_t keyed_at = 0;
+  std::size_t keyed_listed = 0;
+  for (const ExpArena& a : keyed_) {
+    while (keyed_at < arenas_.size() && arenas_[keyed_at] != &a) ++keyed_at;
+    if (keyed_at == arenas_.size()) broken("keyed_ holds an arena out of arenas_'s order, or none of them");
+    ++keyed_listed;
+  }
+  if (keyed_listed != keyed_arenas) broken("keyed_ holds an arena twice");
   std::size_t indexed_mapped = 0;
   std::size_t indexed_unmapped = 0;
   for (const ExpArena* arena : arenas_) {

@@ -37,6 +37,8 @@
 //     and no handle is mapped over its frames until its unmap succeeds
 //   - an arena on retired_looks_ is retired; a retired arena off it holds no idle handle and no
 //     empty segment (its last look gave back all it could, and nothing in it changed since)
+//   - keyed_ holds exactly the arenas of per-thread and graph pool keys that are not retired, in
+//     the order they were made (the order of arenas_)
 #pragma once
 
 #include <boost/intrusive/list.hpp>
@@ -177,6 +179,8 @@ struct ExpArena {
   // On the backend's retired_looks_: a retired arena whose memory the next reap_retired must look
   // at (ExpandableBackend::retired_looks_ says when).
   core::bi::list_member_hook<> look_hook;
+  // On the backend's keyed_: a per-thread or graph pool key's arena not yet retired.
+  core::bi::list_member_hook<> keyed_hook;
   // Forgotten (forget_arena): no segment, no longer found by its stream; taken out of arenas_ and
   // retired_ and deleted by the sweep at the end of the operation (sweep_forgotten), in one pass
   // for all of them: erasing each from arenas_ at once made release_cached O(arenas^2) (128k
@@ -219,7 +223,8 @@ class ExpandableBackend final : public Backend {
   // Blocks and idle handles that the slow paths' lookups have looked at: the block an unmap takes
   // its handle from, room_after_reclaim's idle handles, and those of one stream's reclaim before
   // memory grows past its highest mark (tests check they stay near the work done, not the number
-  // of blocks, idle handles or streams). Also counts the arenas that forgetting streams walks.
+  // of blocks, idle handles or streams). Also counts the arenas that forgetting streams walks, and
+  // those reap_retired asks whether their key retired (keyed_) and looks at (retired_looks_).
   std::uint64_t slow_path_steps() const noexcept { return slow_path_steps_; }
   // What the slow paths' searches have looked at: the unmapped blocks of find_placement and the
   // blocks of the runs it brings up to date (refresh_runs), the mapped free blocks and handles of
@@ -412,6 +417,14 @@ class ExpandableBackend final : public Backend {
   using LookList = core::bi::list<ExpArena, core::bi::member_hook<ExpArena, core::bi::list_member_hook<>, &ExpArena::look_hook>,
                                   core::bi::constant_time_size<false>>;
   LookList retired_looks_;
+  // The arenas a change of retired_keys_generation() may retire (a key's arena not retired yet): the
+  // generation moves at every release_graph_pool and thread exit, and a walk of arenas_ then asked
+  // every arena, the thousands of retired ones that keep live blocks too (a capture loop keeping one
+  // output per graph: O(graphs) per release, O(graphs^2) overall). Linked in new_arena, unlinked
+  // when retired or forgotten: nothing on the cached paths.
+  using KeyedList = core::bi::list<ExpArena, core::bi::member_hook<ExpArena, core::bi::list_member_hook<>, &ExpArena::keyed_hook>,
+                                   core::bi::constant_time_size<false>>;
+  KeyedList keyed_;
   std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when retired_ was last brought up to date
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
   IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths never allocate one

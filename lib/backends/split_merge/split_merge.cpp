@@ -29,6 +29,8 @@ SplitMergeBackend::SplitMergeBackend(Context& ctx) : Backend(ctx) {
 }
 
 SplitMergeBackend::~SplitMergeBackend() {
+  thread_looks_.clear();  // before the segments they link go
+  pool_looks_.clear();
   small_.blocks.clear();
   large_.blocks.clear();
   by_stream_.clear();  // unlinks the segments it lists while they still exist
@@ -131,6 +133,9 @@ bool SplitMergeBackend::alloc_block(Params& p, bool is_retry) {
   seg->size = size;
   seg->stream = p.stream;
   seg->pool = p.pool->stat_pool;
+  // A late request on an exited thread's key (a thread_local destructor): its segment is retired
+  // too. It holds the block handed out now: no look list until it comes wholly free.
+  seg->retired = is_per_thread_key(p.stream) && retired_.contains(p.stream);
   seg->index = p.index;
   seg->first = b;
   segments_.push_back(*seg);
@@ -164,9 +169,16 @@ void SplitMergeBackend::release_block(Block* block) {
   ctx_.stats.num_device_free += 1;
   if (ctx_.hooks) ctx_.hooks->on_unmap(seg->base, seg->size, seg->stream);
   segments_.erase(segments_.iterator_to(*seg));
+  if (seg->look_hook.is_linked()) {
+    LookList& looks = looks_of(seg->stream);
+    looks.erase(looks.iterator_to(*seg));
+  }
   const auto mine = by_stream_.find(seg->stream);
   mine->second.erase(mine->second.iterator_to(*seg));
-  if (mine->second.empty()) by_stream_.erase(mine);
+  if (mine->second.empty()) {
+    by_stream_.erase(mine);
+    if (seg->retired) retired_emptied_ = true;  // its indexes go at the next reap_retired
+  }
   delete seg;
   blocks_.recycle(block);
 }
@@ -214,64 +226,101 @@ bool SplitMergeBackend::release_cached_blocks(const core::SizeIndex* keep) {
 // Forgets the indexes of streams that have no segment left (a released graph pool's once its
 // memory is given back), but `keep`. Such a stream's next request makes a new one.
 void SplitMergeBackend::prune_indexes(const core::SizeIndex* keep) noexcept {
-  for (Pool* pool : {&large_, &small_})
+  for (Pool* pool : {&large_, &small_}) {
+    Pool& other = pool == &large_ ? small_ : large_;
     pool->blocks.erase_if([&](const core::SizeIndex& index, driver::stream_t s) {
       if (&index == keep || !index.empty() || by_stream_.contains(s)) return false;
-      retired_threads_.erase(s);  // nothing left to reap
-      retired_pools_.erase(s);
+      if (other.blocks.find(s) == nullptr) {  // its last index: nothing left to reap
+        keyed_.erase(s);
+        retired_.erase(s);
+      }
       return true;
     });
+  }
 }
 
 // The segments cached for the per-thread stream of a thread that has exited: no request can name
 // that stream again, so they would stay cached for good (a pool of short-lived threads grew without
-// bound). Their unsplit free blocks are given back (cuMemFree waits for the work the thread queued);
-// a key whose segments still hold live blocks stays in its set until they are freed, and each look
-// gives back what has come free. Given back, not handed to another stream: the next thread's first
-// requests map their own, but no stream's cache fills with memory it never asked for. Runs on the
-// slow path and in release_cached/trim only; `keep`: the stream of the request at hand.
+// bound). Their unsplit free blocks (whole free segments) are given back (cuMemFree waits for the
+// work the thread queued); a segment that holds live blocks is looked at again once they are all
+// freed (free puts it on its key's look list), not on every slow path. Given back, not handed to
+// another stream: the next thread's first requests map their own, but no stream's cache fills with
+// memory it never asked for. Runs on the slow path and in release_cached/trim only; `keep`: the
+// stream of the request at hand.
 // A released graph pool's memory is given back here only when `graph_pools` (release_cached, trim),
 // not on a request's slow path or at a new limit: as PyTorch's releasePool, which only marks the
 // private pool freeable for release_cached_blocks (empty_cache, or a request's last retry before an
 // OOM, where this backend's release_cached_blocks gives it back too).
 void SplitMergeBackend::reap_retired(driver::stream_t keep, bool graph_pools) {
   if (const std::uint64_t gen = retired_keys_generation(); gen != retired_seen_) {
-    for (Pool* pool : {&large_, &small_})
-      pool->blocks.for_each_index([&](core::SizeIndex&, driver::stream_t s) {
-        if (!is_per_thread_key(s) || s == keep) return;
-        auto& retired = is_graph_pool_key(s) ? retired_pools_ : retired_threads_;
-        if (!retired.contains(s) && is_retired_key(s)) retired.insert(s);
-      });
-    retired_seen_ = gen;
-  }
-  auto reap = [&](std::unordered_set<driver::stream_t>& retired) {
-    for (auto it = retired.begin(); it != retired.end();) {
+    // Only the keys not known retired (keyed_): not the retired ones that keep live blocks.
+    for (auto it = keyed_.begin(); it != keyed_.end();) {
       const driver::stream_t s = *it;
-      if (s == keep || release_unsplit_free(s) || by_stream_.contains(s)) {
-        ++it;  // live blocks hold segments of it: looked at again later
+      ++slow_path_steps_;
+      if (s == keep || !is_retired_key(s)) {
+        ++it;
         continue;
       }
-      large_.blocks.erase(s);
-      small_.blocks.erase(s);
-      it = retired.erase(it);
+      retired_.insert(s);  // may throw bad_alloc: nothing changed, the next look finds it again
+      it = keyed_.erase(it);
+      const auto mine = by_stream_.find(s);
+      if (mine == by_stream_.end()) {  // an index, no segment
+        forget_key(s);
+        continue;
+      }
+      for (SmSegment& seg : mine->second) {
+        ++slow_path_steps_;
+        seg.retired = true;
+        if (seg.first->is_free() && seg.first->next == nullptr) looks_of(s).push_back(seg);
+      }
+    }
+    retired_seen_ = gen;
+  }
+  if (retired_emptied_) {
+    retired_emptied_ = false;
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      const driver::stream_t s = *it++;
+      ++slow_path_steps_;
+      if (s != keep && !by_stream_.contains(s)) forget_key(s);  // erases s alone: `it` stays valid
+    }
+  }
+  auto reap = [&](LookList& looks) {
+    for (auto it = looks.begin(); it != looks.end();) {
+      SmSegment& seg = *it++;
+      if (seg.stream == keep) continue;
+      ++slow_path_steps_;
+      if (!seg.first->is_free() || seg.first->next != nullptr) {  // allocated from since (a late request)
+        looks.erase(looks.iterator_to(seg));
+        continue;
+      }
+      const driver::stream_t s = seg.stream;
+      release_block(seg.first);  // takes it off the list; throws with nothing changed (it stays on)
+      if (!by_stream_.contains(s)) forget_key(s);
     }
   };
-  reap(retired_threads_);
-  if (graph_pools) reap(retired_pools_);
+  reap(thread_looks_);
+  if (graph_pools) reap(pool_looks_);
+  retired_emptied_ = false;  // set above only by keys forgotten right after
 }
 
-// Gives back the unsplit free blocks (whole free segments) cached for `stream`. Returns whether
-// free blocks of it stay cached (split ones: live blocks share their segments).
-bool SplitMergeBackend::release_unsplit_free(driver::stream_t stream) {
-  bool cached = false;
-  for (Pool* pool : {&large_, &small_})
-    if (core::SizeIndex* index = pool->blocks.find(stream)) {
-      index->for_each([&](Block& b) {
-        if (!b.is_split()) release_block(&b);
-      });
-      cached = cached || !index->empty();
-    }
-  return cached;
+core::SizeIndex& SplitMergeBackend::add_index(Pool& pool, driver::stream_t stream) {
+  const bool fresh = is_per_thread_key(stream) && !retired_.contains(stream) && keyed_.insert(stream).second;  // may throw: nothing changed
+  try {
+    return pool.blocks.of(stream);
+  } catch (...) {
+    if (fresh) keyed_.erase(stream);
+    throw;
+  }
+}
+
+void SplitMergeBackend::forget_key(driver::stream_t s) noexcept {
+  large_.blocks.erase(s);
+  small_.blocks.erase(s);
+  retired_.erase(s);
+}
+
+void SplitMergeBackend::look_again(SmSegment& seg) noexcept {
+  if (!seg.look_hook.is_linked()) looks_of(seg.stream).push_back(seg);
 }
 
 void SplitMergeBackend::garbage_collect_cached_blocks() {
@@ -361,7 +410,8 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
   p.size = round_size(requested);
   if (p.size > std::numeric_limits<std::size_t>::max() / 2) return nullptr;
   p.pool = &pool_for(p.size);
-  p.index = &p.pool->blocks.of(stream);  // created on a stream's first allocation (may throw; nothing changed yet)
+  p.index = p.pool->blocks.find(stream);
+  if (p.index == nullptr) [[unlikely]] p.index = &add_index(*p.pool, stream);  // a stream's first allocation (may throw; nothing changed yet)
   p.alloc_size = allocation_size(p.size);
   p.stream = stream;
 
@@ -497,6 +547,8 @@ void SplitMergeBackend::free(Block* block) noexcept {
   if (block->is_split()) {
     inactive_blocks += 1;
     inactive_bytes += static_cast<std::int64_t>(block->size);
+  } else if (static_cast<SmSegment*>(block->segment)->retired) [[unlikely]] {
+    look_again(*static_cast<SmSegment*>(block->segment));  // wholly free: reap_retired may give it back
   }
   account_inactive(block->pool, inactive_blocks, inactive_bytes);
 }
@@ -526,6 +578,8 @@ void SplitMergeBackend::release_stream(driver::stream_t stream) {
   }
   large_.blocks.erase(stream);
   small_.blocks.erase(stream);
+  keyed_.erase(stream);  // (plain streams: on neither)
+  retired_.erase(stream);
 }
 
 // Gives back just the cached memory above the new limit, in whole unsplit segments
@@ -609,6 +663,32 @@ void SplitMergeBackend::validate() const {
     });
   }
   if (static_cast<std::int64_t>(free_blocks) != ctx_.stats.num_free_blocks) broken("num_free_blocks stat is wrong");
+  // Keys: each per-thread or graph pool key with an index on exactly one of keyed_ and retired_.
+  auto has_index = [&](driver::stream_t s) {
+    return const_cast<Pool&>(small_).blocks.find(s) != nullptr || const_cast<Pool&>(large_).blocks.find(s) != nullptr;
+  };
+  for (const Pool* pool : {&small_, &large_})
+    pool->blocks.for_each_index([&](const core::SizeIndex&, driver::stream_t s) {
+      if (is_per_thread_key(s) && keyed_.contains(s) == retired_.contains(s)) broken("a key with an index is on neither or both of keyed_ and retired_");
+    });
+  for (const auto* keys : {&keyed_, &retired_})
+    for (driver::stream_t s : *keys)
+      if (!is_per_thread_key(s) || !has_index(s)) broken("keyed_ or retired_ holds a key with no index");
+  // Retired segments: flagged iff their key is retired; one wholly free is on its look list.
+  std::size_t looking = 0;
+  for (const SmSegment& seg : segments_) {
+    if (seg.retired != retired_.contains(seg.stream)) broken("a segment's retired flag disagrees with retired_");
+    if (seg.look_hook.is_linked()) ++looking;
+    else if (seg.retired && seg.first->is_free() && seg.first->next == nullptr) broken("a wholly free retired segment is on no look list");
+  }
+  std::size_t listed_looks = 0;
+  for (const LookList* looks : {&thread_looks_, &pool_looks_})
+    for (const SmSegment& seg : *looks) {
+      ++listed_looks;
+      if (!seg.retired || !seg.hook.is_linked()) broken("a look list holds a segment that is not retired");
+      if (&const_cast<SplitMergeBackend*>(this)->looks_of(seg.stream) != looks) broken("a segment is on the other look list");
+    }
+  if (listed_looks != looking) broken("a look list holds a segment twice, or one not among the segments");
   const Stats& s = ctx_.stats;
   for (int pool : {kSmallPool, kLargePool}) {
     reserved[kAllPools] += reserved[pool];

@@ -32,10 +32,14 @@ struct SmSegment {
   std::size_t size = 0;
   driver::stream_t stream = nullptr;
   std::uint8_t pool = kLargePool;
+  // Its stream is a retired key (SplitMergeBackend::retired_): free() looks here, next to `index`,
+  // on the line it loads anyway, to put the segment on a look list once wholly free.
+  bool retired = false;
   core::SizeIndex* index = nullptr;  // the free index of this segment's pool and stream
   core::Block* first = nullptr;
   core::bi::list_member_hook<> hook;         // SplitMergeBackend::segments_
   core::bi::list_member_hook<> stream_hook;  // its stream's list in SplitMergeBackend::by_stream_
+  core::bi::list_member_hook<> look_hook;    // SplitMergeBackend::thread_looks_ or pool_looks_
 };
 using SmStreamSegments = core::bi::list<SmSegment, core::bi::member_hook<SmSegment, core::bi::list_member_hook<>, &SmSegment::stream_hook>>;
 
@@ -61,6 +65,10 @@ class SplitMergeBackend final : public Backend {
   bool contains(std::uint64_t addr) const noexcept override;
   // The free indexes held, both pools together (tests: they must not outlive their streams' segments).
   std::size_t stream_indexes() const noexcept { return small_.blocks.streams() + large_.blocks.streams(); }
+  // What reap_retired has looked at (tests: it must stay near the work done, not grow with the
+  // retired keys that keep live blocks): the keys its generation walk asks, the segments of the
+  // keys it finds retired and of the look lists, the retired keys of a walk after retired_emptied_.
+  std::uint64_t slow_path_steps() const noexcept { return slow_path_steps_; }
 
   // PyTorch's constants.
   static constexpr std::size_t kMinBlockSize = 512;
@@ -108,7 +116,16 @@ class SplitMergeBackend final : public Backend {
   void release_block(core::Block* block);
   void prune_indexes(const core::SizeIndex* keep) noexcept;
   void reap_retired(driver::stream_t keep, bool graph_pools = true);
-  bool release_unsplit_free(driver::stream_t stream);
+  // A stream's first index in `pool` (allocate's rare branch): a per-thread or graph pool key goes
+  // on keyed_ too.
+  [[gnu::noinline]] core::SizeIndex& add_index(Pool& pool, driver::stream_t stream);
+  // Retired key `s` holds no segment: its indexes go (and the key with them).
+  void forget_key(driver::stream_t s) noexcept;
+  // free(): a retired segment that came wholly free goes on its look list.
+  [[gnu::noinline, gnu::cold]] void look_again(SmSegment& seg) noexcept;
+  using LookList = core::bi::list<SmSegment, core::bi::member_hook<SmSegment, core::bi::list_member_hook<>, &SmSegment::look_hook>,
+                                  core::bi::constant_time_size<false>>;
+  LookList& looks_of(driver::stream_t s) noexcept { return is_graph_pool_key(s) ? pool_looks_ : thread_looks_; }
   void garbage_collect_cached_blocks();
   // exact: split whenever the block is larger than p.size (allocate_at), not by should_split.
   core::Block* alloc_found_block(Params& p, std::size_t requested, bool exact = false);
@@ -126,6 +143,11 @@ class SplitMergeBackend final : public Backend {
   //     or sizing up one stream walks its segments, not all of them
   //   - a segment's index is its pool's index for its stream (an index is forgotten only when no
   //     segment names it: prune_indexes, release_stream, reap_retired)
+  //   - every per-thread or graph pool key with an index in either pool is on exactly one of keyed_
+  //     and retired_, and neither holds another key
+  //   - a segment is retired iff its stream is on retired_; a segment on thread_looks_ is a retired
+  //     thread's, on pool_looks_ a released pool's; a retired segment on neither holds a block in
+  //     use (free() puts it on its list when it comes wholly free)
   // An index (~16 KB) of a stream with no segment left goes at release_cached and at the slow
   // path's last retry: a stream per request would otherwise keep one per stream ever used.
   Pool small_;
@@ -135,11 +157,26 @@ class SplitMergeBackend final : public Backend {
   std::unordered_map<driver::stream_t, SmStreamSegments> by_stream_;  // nodes never move: lists stay put
   std::size_t total_allocated_memory_ = 0;  // PyTorch's name: bytes of all segments (reserved)
   bool has_divisions_ = false;              // roundup_power2_divisions configured
+  // Per-thread and graph pool keys that have an index and are not known retired: what a change of
+  // retired_keys_generation() may retire. The generation moves at every thread exit and graph pool
+  // release; a walk of every index then asked the retired keys too (thousands of graph outputs
+  // kept past their pool's release: O(graphs) per release).
+  std::unordered_set<driver::stream_t> keyed_;
   // Retired keys that still have an index: exited threads' per-thread keys, released graph pools'
-  // keys (apart: a request's slow path looks only at the first). Sets: O(1) to ask and to drop.
-  std::unordered_set<driver::stream_t> retired_threads_;
-  std::unordered_set<driver::stream_t> retired_pools_;
-  std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when the sets were last brought up to date
+  // keys. Sets: O(1) to ask and to drop.
+  std::unordered_set<driver::stream_t> retired_;
+  // The retired segments reap_retired looks at: those wholly free since their key retired or their
+  // last look (free), threads' and pools' apart (a request's slow path looks only at the first, as
+  // PyTorch's releasePool leaves a pool's memory to release_cached and the last retry). A look at
+  // every retired key on every slow path walked each one's free index: O(retired keys that keep
+  // live blocks) per slow allocation.
+  LookList thread_looks_;
+  LookList pool_looks_;
+  // A retired key lost its last segment outside reap_retired (another give-back): the next
+  // reap_retired forgets such keys' indexes, one walk of retired_.
+  bool retired_emptied_ = false;
+  std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when keyed_ and retired_ were last brought up to date
+  mutable std::uint64_t slow_path_steps_ = 0;
 };
 
 }  // namespace expseg::backends
