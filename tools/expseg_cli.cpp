@@ -5,6 +5,7 @@
 //   expseg replay TRACE...              replay RMM allocation logs, A/B on both backends
 //   expseg scenario NAME|--all|--list   the OOM stories, A/B on both backends
 //   expseg study                        every scenario and the shipped traces, with an HTML picture
+//   expseg explain DUMP.json            an OOM dump (oom_dump:PATH), its recorded events replayed A/B
 //
 // Exit codes: 0 ok, 1 runtime failure, 2 usage error or bad input. Uses the public API only.
 #include <cerrno>
@@ -28,8 +29,9 @@ namespace {
 
 constexpr const char* kDeviceHelp =
     "  --device D        sim, sim:CAPACITY (bytes or a number with a unit: KiB, MiB, GiB, KB, MB, GB),\n"
-    "                    cuda or cuda:N. Default: cuda:0 when a CUDA device is usable, else sim with\n"
-    "                    the configured sim_capacity (80 GiB unless EXPSEG_ALLOC_CONF says otherwise)\n";
+    "                    cuda or cuda:N. Default: sim when the configuration says device:sim, else\n"
+    "                    cuda:0 when a CUDA device is usable, else sim; sim has the configured\n"
+    "                    sim_capacity (80 GiB unless the configuration says otherwise)\n";
 constexpr const char* kBackendHelp =
     "  --backend B[,B]   split_merge, expandable, or both (default: both, so every run is an A/B;\n"
     "                    a --conf backend:B or expandable_segments:B alone picks that one)\n";
@@ -64,7 +66,8 @@ const CommandHelp* find_help(std::string_view name) {
            kBackendHelp + kDeviceHelp + kConfHelp +
            "  --json            one JSON object per (trace, backend) per line, instead of the table\n"
            "  --html FILE       also write the A/B picture (a self-contained HTML page) to FILE\n"
-           "  --lenient         skip frees of unknown pointers instead of failing\n\n"
+           "  --lenient         replay a partial trace: skip frees of unknown pointers (and pool lines that do\n"
+           "                    not pair up), free a pointer allocated again while live, instead of failing\n\n"
            "Example:\n  expseg replay benchmarks/traces/resnet50-train-varsize.rmm.csv.gz --device sim:80GiB\n"},
       {"scenario", "run the OOM scenarios A/B on both backends",
        "expseg scenario NAME|--all|--list [--backend B[,B]] [--device D] [--conf K:V,...] [--json] [--html FILE] [--seed N]\n"
@@ -100,8 +103,8 @@ const CommandHelp* find_help(std::string_view name) {
        "expseg explain DUMP.json [--backend B[,B]] [--html FILE] [--no-replay]",
        std::string("Prints what the dump holds: the OOM report, the live allocations and free blocks at the OOM (the\n"
                    "largest of each), then, when the recorder was on (record:true), replays the recorded events on both\n"
-                   "backends on a simulated device of the dump's device size under its limit, and says which backend fails\n"
-                   "where and why.\n\n"
+                   "backends on a simulated device of the memory the process could hold at the OOM (the device's, less\n"
+                   "what other processes held) under its limit, and says which backend fails where and why.\n\n"
                    "Options:\n") +
            kExplainBackendHelp +
            "  --html FILE       also write the replay's A/B picture (a self-contained HTML page) to FILE\n"

@@ -75,7 +75,7 @@ struct Config {
   Limit limit;  // limit:20GiB | limit:50% | per_process_memory_fraction:0.5
 
   // --- split_merge, PyTorch semantics ---
-  std::size_t max_split_size = SIZE_MAX;              // max_split_size_mb (MiB, >= 20)
+  std::size_t max_split_size = SIZE_MAX;              // max_split_size_mb (MiB, >= large_segment_size)
   std::size_t max_non_split_rounding = std::size_t{20} << 20;  // max_non_split_rounding_mb (>= large_segment_size)
   // large_segment_size_mb: the segment a request of more than 1 MiB and less than 10 MiB gets
   // (PyTorch's kLargeBuffer, a key in PyTorch after 2.11). Invariant: > 10 MiB, and at most

@@ -10,7 +10,8 @@
  *   Python   tools/expseg.py does both (install_torch / install_cupy) and wraps the rest.
  *
  * State. One allocator per device index (0 .. EXPSEG_MAX_DEVICES-1), created on first use (the
- * first malloc, set_limit, record_start, enable_peer_access or ipc_import for that device) from
+ * first malloc, set_limit, record_start, enable_peer_access, ipc_import, begin_graph_pool,
+ * prepare_capture or begin_pool_allocations for that device) from
  * the configuration: the defaults, then EXPSEG_ALLOC_CONF, then the string given to
  * expseg_configure(). Creation is thread-safe;
  * after it, malloc/free take no lock of the C API, only the allocator's own. Allocators live until

@@ -98,7 +98,10 @@ struct ReplayOptions {
   bool progress = false;          // progress on stderr (only drawn when stderr is a terminal)
   std::size_t series_points = 0;  // >0: sample allocated/reserved over time at about this many points
   bool snapshot_at_peak = false;  // take a snapshot at the moment of peak reserved (replays twice)
-  bool lenient = false;           // skip frees of unknown pointers instead of failing
+  // A partial trace (a recorder ring, a late start): instead of failing, skip frees of unknown
+  // pointers, allocations at pointer 0 and pool lines that do not pair up, and free a pointer that
+  // is allocated again while live first.
+  bool lenient = false;
 };
 
 struct ReplayResult {
