@@ -245,6 +245,8 @@ Allocator::Impl::~Impl() {
   Block* b = bytes < kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
   if (b != nullptr) {
     live.insert_reserved(b);
+    // Graph pools' blocks are counted per key (live_insert); they come only through routing.
+    if (routing) [[unlikely]] pool_block_entered(b->stream);
     if (recorder.enabled()) recorder.add(TraceAction::allocate, b->addr, bytes, routing ? traced_stream(stream) : stream);
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(b->addr));
   }
@@ -329,7 +331,7 @@ void Allocator::Impl::deallocate(void* ptr) {
   if (ptr == nullptr) return;
   const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
   const core::LockGuard lock(mu);
-  Block* b = live.erase(addr);
+  Block* b = live_erase(addr);
   if (b == nullptr) throw_invalid_pointer("free", addr);
   if (b->stream_uses.empty()) [[likely]] {
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
@@ -340,7 +342,7 @@ void Allocator::Impl::deallocate(void* ptr) {
     try {
       frees_after_capture.push_back(b);
     } catch (...) {
-      live.insert_reserved(b);  // right after its erase: room for it
+      live_insert(b);  // right after its erase: room for it
       throw;
     }
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
@@ -360,12 +362,12 @@ void Allocator::Impl::recover_failed_deallocate(void* ptr) {
   } catch (...) {
     const auto addr = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr));
     const core::LockGuard lock(mu);
-    Block* b = live.erase(addr);  // back in the live map, unchanged, after the failure
+    Block* b = live_erase(addr);  // back in the live map, unchanged, after the failure
     if (b == nullptr) throw;
     try {
       driver->device_synchronize();
     } catch (...) {
-      live.insert_reserved(b);  // right after its erase: room for it
+      live_insert(b);  // right after its erase: room for it
       throw;
     }
     drop_recorded_uses(*b);
@@ -391,7 +393,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
     try {
       frees_after_capture.push_back(b);
     } catch (...) {
-      if (in_live) live.insert_reserved(b);  // right after its erase: room for it
+      if (in_live) live_insert(b);  // right after its erase: room for it
       throw;
     }
     if (in_live) {
@@ -457,7 +459,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
       if (i < recorded && stream_capturing(s)) captured_spares.emplace_back(events[i], s);
       else spare_events.push_back(events[i]);
     }
-    if (in_live) live.insert_reserved(b);  // right after its erase: room for it
+    if (in_live) live_insert(b);  // right after its erase: room for it
     throw;
   }
   if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
@@ -744,7 +746,7 @@ std::pair<Allocator::Impl::GraphPool*, driver::stream_t> Allocator::Impl::pool_k
   try {
     p->keys.reserve(p->keys.size() + 1);
     key = backends::new_graph_pool_key();
-    pool_keys.try_emplace(key, PoolKey{pool, false});
+    pool_keys.try_emplace(key, PoolKey{pool});
     p->keys.emplace_back(stream, key);  // capacity reserved
     return {p, key};
   } catch (...) {
@@ -754,22 +756,40 @@ std::pair<Allocator::Impl::GraphPool*, driver::stream_t> Allocator::Impl::pool_k
   }
 }
 
-void Allocator::Impl::prune_graph_pools() noexcept {
-  for (auto& [key, k] : pool_keys) k.carried = false;
-  live.for_each([&](const Block* b) {
-    if (!backends::is_graph_pool_key(b->stream)) return;
-    if (const auto it = pool_keys.find(b->stream); it != pool_keys.end()) it->second.carried = true;
-  });
-  for (auto it = graph_pools.begin(); it != graph_pools.end();) {
-    GraphPool& p = it->second;
-    std::erase_if(p.released_keys, [&](driver::stream_t key) {
-      const auto k = pool_keys.find(key);
-      if (k->second.carried) return false;
-      pool_keys.erase(k);
-      return true;
-    });
-    it = p.uses == 0 && p.keys.empty() && p.released_keys.empty() ? graph_pools.erase(it) : std::next(it);
+void Allocator::Impl::pool_block_entered(driver::stream_t key) noexcept {
+  if (!backends::is_graph_pool_key(key)) return;
+  if (const auto k = pool_keys.find(key); k != pool_keys.end()) {
+    k->second.live += 1;
+    pool_live_blocks += 1;
   }
+}
+
+void Allocator::Impl::pool_block_left(driver::stream_t key) noexcept {
+  const auto it = pool_keys.find(key);
+  if (it == pool_keys.end()) return;
+  PoolKey& k = it->second;
+  pool_live_blocks -= 1;
+  if (--k.live != 0 || !k.released || k.queued) return;
+  k.queued = true;
+  unheld_keys.push_back(key);  // capacity holds every released key (release_graph_pool)
+}
+
+void Allocator::Impl::drop_released_key(std::unordered_map<driver::stream_t, PoolKey>::iterator k) noexcept {
+  const std::uint64_t id = k->second.pool;
+  pool_keys.erase(k);
+  released_key_count -= 1;
+  const auto p = graph_pools.find(id);
+  p->second.released_keys -= 1;
+  if (p->second.uses == 0 && p->second.keys.empty() && p->second.released_keys == 0) graph_pools.erase(p);
+}
+
+void Allocator::Impl::prune_graph_pools() noexcept {
+  for (const driver::stream_t key : unheld_keys) {
+    const auto k = pool_keys.find(key);
+    k->second.queued = false;
+    if (k->second.live == 0) drop_released_key(k);  // else carried again (a failed free's undo)
+  }
+  unheld_keys.clear();
 }
 
 void Allocator::begin_pool_allocations(std::uint64_t pool, stream_t stream) {
@@ -830,7 +850,7 @@ void Allocator::restore_graph_pool_block(std::uint64_t pool, void* ptr, std::siz
   for (const auto& [s, key] : p->keys) {
     Block* b = m.backend->allocate_at(key, addr, size);
     if (b == nullptr) continue;
-    m.live.insert_reserved(b);
+    m.live_insert(b);
     if (m.recorder.enabled()) {  // the block's allocation, marked as a restore into the pool's memory for stream s
       m.recorder.add(TraceAction::pool_restore, pool, 0, s);
       m.recorder.add(TraceAction::allocate, b->addr, size, s);
@@ -964,17 +984,26 @@ void Allocator::release_graph_pool(std::uint64_t pool) {
     throw error("release_graph_pool: a capture still allocates into graph pool " + std::to_string(pool) + " (end_graph_pool first)");
   if (std::any_of(m.eager_routes.begin(), m.eager_routes.end(), [&](const Impl::EagerRoute& r) { return r.pool == pool; }))
     throw error("release_graph_pool: a stream still allocates into graph pool " + std::to_string(pool) + " (end_pool_allocations first)");
-  p->released_keys.reserve(p->released_keys.size() + p->keys.size());  // may throw: nothing changed
+  // Room for every released key on unheld_keys: a free that leaves one unheld never allocates.
+  m.unheld_keys.reserve(m.released_key_count + p->keys.size());  // may throw: nothing changed
   p->uses = 0;
-  for (const auto& [s, k] : p->keys) {
-    backends::retire_graph_pool_key(k);  // the backends give its memory back from their next look
-    p->released_keys.push_back(k);       // capacity reserved
+  for (const auto& [s, key] : p->keys) {
+    backends::retire_graph_pool_key(key);  // the backends give its memory back from their next look
+    const auto k = m.pool_keys.find(key);
+    if (k->second.live == 0) {
+      m.pool_keys.erase(k);
+    } else {  // kept while live blocks carry it
+      k->second.released = true;
+      m.released_key_count += 1;
+      p->released_keys += 1;
+    }
   }
   p->keys.clear();
   if (m.recorder.enabled()) m.recorder.add(TraceAction::pool_release, pool, 0, nullptr);
-  // This pool goes unless live blocks carry its keys; so do those released earlier whose blocks
-  // have all been freed since. Neither throws: once the release commits above, nothing can fail
-  // (a give-back that fails is retried at the next reap).
+  // This pool goes unless live blocks carry its keys; so do the keys released earlier whose blocks
+  // have all been freed since, and their pools. Nothing throws: once the release commits above,
+  // nothing can fail (a give-back that fails is retried at the next reap).
+  if (p->released_keys == 0) m.graph_pools.erase(pool);
   m.prune_graph_pools();
   if (!m.ctx.capturing) m.backend->reap_released();
 }
@@ -1215,6 +1244,35 @@ void Allocator::validate() const {
     if (n != 0 && (!uses.contains(s) || uses.at(s) != n)) fail("recorded_uses differs from the streams recorded on live blocks and held frees");
   for (const auto& [s, n] : uses)
     if (!m.recorded_uses.contains(s) || m.recorded_uses.at(s) != n) fail("recorded_uses misses streams recorded on live blocks or held frees");
+  // pool_keys' counts: the live blocks that carry each key; released keys kept while carried or
+  // queued; unheld_keys the queued ones, with room for every released key.
+  std::unordered_map<stream_t, std::size_t> carried;
+  m.live.for_each([&](const Block* b) {
+    if (backends::is_graph_pool_key(b->stream)) carried[b->stream] += 1;
+  });
+  std::size_t released = 0;
+  std::unordered_map<std::uint64_t, std::size_t> released_per_pool;
+  for (const auto& [key, k] : m.pool_keys) {
+    if (k.live != (carried.contains(key) ? carried.at(key) : 0)) fail("a graph pool key's live count differs from the live blocks that carry it");
+    if (!m.graph_pools.contains(k.pool)) fail("a graph pool key of no listed pool");
+    if (k.released) {
+      released += 1;
+      released_per_pool[k.pool] += 1;
+      if (k.live == 0 && !k.queued) fail("a released key no live block carries is neither dropped nor queued");
+    }
+    if (k.queued && (!k.released || std::count(m.unheld_keys.begin(), m.unheld_keys.end(), key) != 1))
+      fail("a queued graph pool key is not on unheld_keys once");
+  }
+  std::size_t pool_blocks = 0;
+  for (const auto& [key, k] : m.pool_keys) pool_blocks += k.live;
+  if (pool_blocks != m.pool_live_blocks) fail("pool_live_blocks is not the sum of the keys' live counts");
+  if (released != m.released_key_count || m.unheld_keys.capacity() < released) fail("released_key_count is wrong, or unheld_keys lacks room");
+  for (const stream_t key : m.unheld_keys)
+    if (!m.pool_keys.contains(key) || !m.pool_keys.at(key).queued) fail("unheld_keys holds a key not queued");
+  for (const auto& [id, p] : m.graph_pools) {
+    if (p.released_keys != (released_per_pool.contains(id) ? released_per_pool.at(id) : 0)) fail("a graph pool's released_keys is wrong");
+    if (p.uses == 0 && p.released_keys == 0) fail("a graph pool at no use without released keys is still listed");
+  }
   if (busy != m.busy_queues.size() ||
       std::any_of(m.busy_queues.begin(), m.busy_queues.end(), [](const Impl::StreamEvents* se) { return se->queue.empty(); }))
     fail("busy_queues is not the queues that hold frees");

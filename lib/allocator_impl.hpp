@@ -118,6 +118,9 @@ struct Allocator::Impl final : backends::FrontendHooks {
   Stats stats;
   backends::Context ctx;
   std::unique_ptr<backends::Backend> backend;
+  // The sum of pool_keys' `live` counts (graph pools' blocks in the live map), which every free
+  // reads: beside `backend`, read on every call and written rarely.
+  std::size_t pool_live_blocks = 0;
   core::LiveMap live;
   // On a cache line of its own: waiters spin on it, and a neighbour written on every call (the live
   // map's size) would send the line back and forth between them and the holder.
@@ -220,10 +223,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
     // stream, or the other branch of a forked graph, may still use it).
     std::vector<std::pair<driver::stream_t, driver::stream_t>> keys;  // stream -> key
     std::uint64_t uses = 0;  // begin_graph_pool and begin_pool_allocations calls not yet released
-    // Keys an earlier release retired (their memory is given back), kept while blocks allocated under
-    // them may still be live: they belong to the pool (graph_pool_blocks) until freed. A pool at no
-    // use stays listed while it has such keys, and a later begin takes it up again with new keys.
-    std::vector<driver::stream_t> released_keys;
+    // Keys an earlier release retired (their memory is given back) that live blocks still carry:
+    // kept in pool_keys until those are freed, as the blocks belong to the pool (graph_pool_blocks)
+    // till then. A pool at no use stays listed while it has such keys, and a later begin takes it up
+    // again with new keys.
+    std::size_t released_keys = 0;
   };
   struct CaptureRoute {
     std::uint64_t capture_id = 0;  // Driver::stream_capture_id of the capture's streams
@@ -248,12 +252,35 @@ struct Allocator::Impl final : backends::FrontendHooks {
     std::vector<Fork> forks;
   };
   std::unordered_map<std::uint64_t, GraphPool> graph_pools;  // by id
-  // Every key of a listed pool, current or released -> the pool's id; `carried`: prune_graph_pools' mark.
+  // Every key of a listed pool, current or released -> the pool's id, and the blocks in the live map
+  // that carry it (counted as they enter and leave it: a release, or a capture loop's thousands of
+  // them, never walks the live blocks or the pools).
   struct PoolKey {
     std::uint64_t pool = 0;
-    bool carried = false;
+    std::size_t live = 0;
+    bool released = false;  // its pool was released: the key goes once `live` is 0
+    bool queued = false;    // on unheld_keys
   };
   std::unordered_map<driver::stream_t, PoolKey> pool_keys;
+  // Released keys whose count came to 0 since the last prune_graph_pools (each once: `queued`). Its
+  // capacity holds every released key (release_graph_pool reserves it), so a free never allocates
+  // here.
+  std::vector<driver::stream_t> unheld_keys;
+  std::size_t released_key_count = 0;  // keys in pool_keys with `released` set
+  // A block enters or leaves the live map (allocate, free, their undos): graph pools' blocks counted.
+  // (An OOM report's counterfactual allocator is handed keys of pools it does not list: not counted.)
+  void live_insert(core::Block* b) noexcept {
+    live.insert_reserved(b);
+    pool_block_entered(b->stream);
+  }
+  core::Block* live_erase(std::uint64_t addr) noexcept {
+    core::Block* b = live.erase(addr);
+    // The count first: a free where no pool block is live tests one word it holds in cache anyway.
+    if (pool_live_blocks != 0 && b != nullptr && backends::is_graph_pool_key(b->stream)) [[unlikely]] pool_block_left(b->stream);
+    return b;
+  }
+  void pool_block_entered(driver::stream_t key) noexcept;
+  void pool_block_left(driver::stream_t key) noexcept;
   // The id of the listed pool `key` is a key of (0: none).
   std::uint64_t pool_of_key(driver::stream_t key) const noexcept {
     const auto it = pool_keys.find(key);
@@ -278,9 +305,12 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // The pool's key for requests of `stream` (made on its first begin there), in pool `p` (made
   // first when null); the pool's use is not taken. Strong guarantee.
   std::pair<GraphPool*, driver::stream_t> pool_key_for(std::uint64_t pool, driver::stream_t stream);
-  // Drops the released keys that no live block carries any more, and the pools at no use left
-  // without keys (one walk of the live blocks). Invalidates GraphPool pointers of dropped pools.
+  // Drops the released keys that no live block carries any more (unheld_keys), and the pools at no
+  // use left without keys. O(keys queued). Invalidates GraphPool pointers of dropped pools.
   void prune_graph_pools() noexcept;
+  // Drops released key `k` (no live block carries it), and its pool when that leaves it without
+  // use and keys.
+  void drop_released_key(std::unordered_map<driver::stream_t, PoolKey>::iterator k) noexcept;
   // prepare_capture's answers live in ctx.prepared_captures (the backend watches those streams).
   static constexpr std::size_t kMaxPreparedCaptures = 16;
   // ctx.capturing and ctx.capture_spares_legacy from capture_routes.
@@ -389,6 +419,11 @@ struct AllocatorAccess {
     std::lock_guard<core::Mutex> lock(a.impl_->mu);
     return a.impl_->graph_pools.size();
   }
+  // The graph pool keys the allocator keeps entries for, current and released (tests).
+  static std::size_t graph_pool_key_entries(Allocator& a) {
+    std::lock_guard<core::Mutex> lock(a.impl_->mu);
+    return a.impl_->pool_keys.size();
+  }
   // Called as an OOM report's other-backend check starts (tests).
   static void set_counterfactual_probe(Allocator& a, void (*probe)()) {
     std::lock_guard<core::Mutex> lock(a.impl_->mu);
@@ -419,5 +454,8 @@ void refuse_unreleasable_stream(driver::stream_t stream);
 // The devices the drivers make_driver builds for `config` see (Driver::device_count), without
 // building one: every simulated device index, or cuDeviceGetCount (0 when CUDA is not usable).
 int visible_device_count(const Config& config);
+
+// The device as results name it (ReportRun::device, the JSON's "device"): "sim:80GiB", "cuda:0".
+std::string device_label(const Config& config, int device);
 
 }  // namespace expseg

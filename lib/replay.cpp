@@ -245,6 +245,12 @@ Program compile(const Trace& trace, bool lenient) {
   return p;
 }
 
+struct RunOutput {
+  std::vector<std::int64_t> reserved_after;  // per op, when asked for
+};
+
+}  // namespace
+
 std::string device_label(const Config& c, int device) {
   if (c.device == DeviceKind::sim) {
     std::string cap = format_bytes(c.sim_capacity);
@@ -257,12 +263,6 @@ std::string device_label(const Config& c, int device) {
   }
   return "cuda:" + std::to_string(device);
 }
-
-struct RunOutput {
-  std::vector<std::int64_t> reserved_after;  // per op, when asked for
-};
-
-}  // namespace
 
 namespace {
 

@@ -394,7 +394,7 @@ ScenarioResult run_scenario(std::string_view name, const Config& config, const S
     Allocator a(c, device);
     r.scenario = std::string(name);
     r.backend = to_string(c.backend);
-    r.device = std::string(to_string(c.device)) + ":" + std::to_string(device);
+    r.device = device_label(c, device);
     r.limit_bytes = a.limit();
     if (story->info.max_size != 0) {
       r.min_size = options.min_size ? options.min_size : story->info.min_size;

@@ -266,4 +266,78 @@ TEST_CASE("regression: an event a failed free recorded into a capture begun mean
   }
 }
 
+TEST_CASE("regression: releasing graph pools whose blocks outlive them walks no live block; the pools go once freed") {
+  // Was: each release_graph_pool (and release_cached) walked every live block to find the released
+  // keys they still carry, and every listed pool: a capture loop that keeps one output per graph
+  // made release k cost O(k) (O(graphs^2) in all). Now each key counts the live blocks that carry
+  // it as they enter and leave the live map; validate() checks the counts against the blocks.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    // A pool's key is a stream of its own to expandable: a segment's range each (1 GiB here).
+    auto sa = make_sim_allocator(sim_config(kind, 80 * GiB, "expandable_va_size:1GiB"));
+    void* s = sa.sim->stream_create();
+    void* other = sa.sim->stream_create();
+    constexpr std::uint64_t kPools = 1000;
+    std::vector<void*> kept;
+    const std::uint64_t walks = Access::live_walks(*sa);
+    for (std::uint64_t pool = 1; pool <= kPools; ++pool) {
+      sa->begin_pool_allocations(pool, s);
+      kept.push_back(sa->allocate(MiB, s));
+      sa->deallocate(sa->allocate(2 * MiB, s));  // freed before the release: carries nothing
+      sa->end_pool_allocations(pool, s);
+      sa->release_graph_pool(pool);
+    }
+    CHECK(Access::live_walks(*sa) == walks);
+    CHECK(Access::graph_pool_entries(*sa) == kPools);  // each kept by the block it still holds
+    CHECK(Access::graph_pool_key_entries(*sa) == kPools);
+    CHECK(sa->graph_pool_blocks(7).size() == 1);
+    sa->validate();
+    // A pool released with no live block goes at once.
+    sa->begin_pool_allocations(kPools + 1, s);
+    sa->deallocate(sa->allocate(MiB, s));
+    sa->end_pool_allocations(kPools + 1, s);
+    sa->release_graph_pool(kPools + 1);
+    CHECK(Access::graph_pool_entries(*sa) == kPools);
+    // A free undone (its event could not be recorded) leaves the key carried: the pool stays.
+    sa->record_stream(kept[0], other);
+    sa.sim->inject_fault(Op::event_record, 1, Fault::error);
+    CHECK_THROWS_AS(sa->deallocate(kept[0]), expseg::driver_error);
+    sa->validate();
+    sa->release_cached();
+    CHECK(Access::graph_pool_entries(*sa) == kPools);
+    CHECK(sa->graph_pool_blocks(1).size() == 1);
+    const std::uint64_t walks_before_frees = Access::live_walks(*sa);
+    for (void* p : kept) sa->deallocate(p);
+    sa->release_cached();  // the released keys no block carries any more go, and their pools
+    CHECK(Access::live_walks(*sa) == walks_before_frees);
+    sa->validate();
+    CHECK(Access::graph_pool_entries(*sa) == 0);
+    CHECK(Access::graph_pool_key_entries(*sa) == 0);
+    // A released pool kept by a block is taken up again by a later begin; both releases hold.
+    sa->begin_pool_allocations(5, s);
+    void* a = sa->allocate(MiB, s);
+    sa->end_pool_allocations(5, s);
+    sa->release_graph_pool(5);
+    sa->begin_pool_allocations(5, s);
+    void* b = sa->allocate(MiB, s);
+    sa->end_pool_allocations(5, s);
+    CHECK(sa->graph_pool_blocks(5).size() == 2);
+    sa->deallocate(a);
+    sa->release_cached();
+    CHECK(Access::graph_pool_entries(*sa) == 1);  // still in use
+    sa->validate();
+    sa->release_graph_pool(5);
+    CHECK(Access::graph_pool_entries(*sa) == 1);  // b carries its second key
+    sa->deallocate(b);
+    sa->release_cached();
+    CHECK(Access::graph_pool_entries(*sa) == 0);
+    CHECK(Access::graph_pool_key_entries(*sa) == 0);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s);
+    sa.sim->stream_destroy(other);
+  }
+}
+
 }  // TEST_SUITE

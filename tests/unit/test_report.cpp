@@ -220,6 +220,7 @@ TEST_CASE("report: scenario groups — structure, series, OOM markers, segment m
   std::vector<std::size_t> ooms_per_group;
   for (const char* name : {"split-800-500-300", "kv-cache-decode", "cupy-limit"}) {
     const auto runs = run_ab(name);
+    for (const auto& r : runs) CHECK(r.device == "sim:80GiB");  // named as replays name it (was "sim:0")
     std::size_t n = 0;
     for (const auto& r : runs) n += r.ooms;
     expected_ooms += n;
@@ -294,6 +295,7 @@ TEST_CASE("report: replay groups escape odd names and mark every OOM") {
   std::size_t ooms = 0;
   for (const auto& r : runs) ooms += r.ooms;
   REQUIRE(ooms >= 1);
+  for (const auto& r : runs) CHECK(r.device == "sim:80GiB");
   const expseg::ReportGroup g = expseg::report_group(std::span<const expseg::ReplayResult>(runs), "Trace <description> with & and 'quotes'.");
   CHECK(g.name == t.name);
   CHECK(g.x_label == "event");
