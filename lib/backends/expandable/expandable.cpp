@@ -222,7 +222,10 @@ ExpandableBackend::~ExpandableBackend() {
   }
   retired_looks_.clear();  // before the arenas they link go
   keyed_.clear();
-  for (ExpArena* arena : arenas_) {
+  retired_.clear();
+  while (!arenas_.empty()) {
+    ExpArena* arena = &arenas_.front();
+    arenas_.pop_front();
     arena->mapped_free.clear();
     arena->unmapped.clear();
     for (ExpSegment* seg : arena->segments) {
@@ -301,7 +304,7 @@ ExpArena& ExpandableBackend::new_arena(driver::stream_t stream) {
     }
   }
   try {
-    arenas_.push_back(a);
+    arenas_.push_back(*a);
     try {
       arena_by_stream_.emplace(stream, a);
       try {
@@ -1705,7 +1708,8 @@ bool ExpandableBackend::seen_capture(bool blocking_only) const noexcept {
         seen_capture_blocking_ = blocks;
       }
     }
-    for (const ExpArena* a : arenas_) {
+    for (const ExpArena& arena : arenas_) {
+      const ExpArena* a = &arena;
       if (seen_capture_blocking_) break;
       if (a->forgotten || is_stream_key(a->stream) || is_legacy_stream(a->stream) || (seen_capture_any_ && !a->stream_blocks)) continue;
       if (a->capture_seen_op != operation_) {
@@ -1886,7 +1890,7 @@ void ExpandableBackend::reap_retired(const ExpArena* keep) {
       ++it;
       ++slow_path_steps_;
       if (a == keep || !is_retired_key(a->stream)) continue;
-      retired_.push_back(a);  // may throw bad_alloc: nothing changed, the next look finds it again
+      retired_.push_back(*a);
       keyed_.erase(keyed_.iterator_to(*a));
       a->retired = true;
       retired_looks_.push_back(*a);
@@ -1953,26 +1957,25 @@ void ExpandableBackend::forget_arena(ExpArena* a) noexcept {
   if (a->look_hook.is_linked()) retired_looks_.erase(retired_looks_.iterator_to(*a));
   if (a->keyed_hook.is_linked()) keyed_.erase(keyed_.iterator_to(*a));
   a->forgotten = true;
-  ++forgotten_;
+  a->next_forgotten = forgotten_;
+  forgotten_ = a;
 }
 
 void ExpandableBackend::sweep_forgotten() noexcept {
-  if (forgotten_ == 0) return;
-  slow_path_steps_ += arenas_.size() + retired_.size();
-  std::erase_if(retired_, [](const ExpArena* a) { return a->forgotten; });
-  std::size_t kept = 0;
-  for (ExpArena* a : arenas_) {
-    if (a->forgotten) delete a;
-    else arenas_[kept++] = a;
+  while (ExpArena* a = forgotten_) {
+    forgotten_ = a->next_forgotten;
+    ++slow_path_steps_;
+    arenas_.erase(arenas_.iterator_to(*a));
+    if (a->retired_hook.is_linked()) retired_.erase(retired_.iterator_to(*a));
+    delete a;
   }
-  arenas_.erase(arenas_.begin() + static_cast<std::ptrdiff_t>(kept), arenas_.end());
-  forgotten_ = 0;
 }
 
 std::size_t ExpandableBackend::give_back_unused_arenas(const ExpArena* keep) {
   const SweepForgotten sweep{*this};
   std::vector<ExpArena*> unused;
-  for (ExpArena* a : arenas_) {
+  for (ExpArena& arena : arenas_) {
+    ExpArena* a = &arena;
     if (a == keep || a->forgotten) continue;
     bool in_use = false;
     for (const ExpSegment* seg : a->segments)
@@ -1991,8 +1994,8 @@ std::size_t ExpandableBackend::give_back_unused_arenas(const ExpArena* keep) {
 // gives back an expandable segment's range the same way).
 void ExpandableBackend::drop_empty_segments() {
   const SweepForgotten sweep{*this};
-  for (std::size_t i = arenas_.size(); i-- > 0;) {
-    ExpArena* a = arenas_[i];
+  for (auto it = arenas_.rbegin(); it != arenas_.rend(); ++it) {  // forgetting one keeps it linked till the sweep
+    ExpArena* a = &*it;
     if (a->forgotten) continue;
     for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);  // the empty ones
     if (a->segments.empty()) forget_arena(a);
@@ -2051,8 +2054,8 @@ void ExpandableBackend::on_limit_changed() {
 
 void ExpandableBackend::on_peer_added(int) {
   // One cuMemSetAccess per mapped run grants the new peer (the driver's access list has it now).
-  for (ExpArena* arena : arenas_) {
-    for (ExpSegment* seg : arena->segments) {
+  for (ExpArena& arena : arenas_) {
+    for (ExpSegment* seg : arena.segments) {
       for (std::size_t f = 0; f < seg->frames.size();) {
         if (seg->frames[f] == nullptr) {
           ++f;
@@ -2098,13 +2101,14 @@ void ExpandableBackend::validate() const {
   std::size_t segments = 0;
   std::map<const ExpSegment*, std::vector<char>> idle_of;  // per segment, by first frame: 1 idle, 2 seen in a run
   // Arenas: each found by its stream, none forgotten, retired iff on retired_ (once).
-  if (forgotten_ != 0) broken("forgotten arenas outlived the call that forgot them");
+  if (forgotten_ != nullptr) broken("forgotten arenas outlived the call that forgot them");
   if (arena_by_stream_.size() != arenas_.size()) broken("arenas and the stream table disagree");
-  const std::set<const ExpArena*> on_retired(retired_.begin(), retired_.end());
+  std::set<const ExpArena*> on_retired;
+  for (const ExpArena& a : retired_) on_retired.insert(&a);
   if (on_retired.size() != retired_.size()) broken("an arena is on retired_ twice");
   std::size_t retired_arenas = 0;
   std::size_t keyed_arenas = 0;
-  for (const ExpArena* arena : arenas_) {
+  for (const ExpArena* arena : arena_pointers()) {
     if (arena->forgotten) broken("a forgotten arena is still among the arenas");
     if (arena->retired != on_retired.contains(arena)) broken("an arena's retired flag disagrees with retired_");
     retired_arenas += arena->retired;
@@ -2248,17 +2252,17 @@ void ExpandableBackend::validate() const {
     if (!on_retired.contains(&a)) broken("retired_looks_ holds an arena not on retired_");
   // keyed_ in arenas_'s order (reap_retired retires in it, as the walk of arenas_ did), and only
   // the arenas counted above.
-  std::size_t keyed_at = 0;
+  auto keyed_at = arenas_.begin();
   std::size_t keyed_listed = 0;
   for (const ExpArena& a : keyed_) {
-    while (keyed_at < arenas_.size() && arenas_[keyed_at] != &a) ++keyed_at;
-    if (keyed_at == arenas_.size()) broken("keyed_ holds an arena out of arenas_'s order, or none of them");
+    while (keyed_at != arenas_.end() && &*keyed_at != &a) ++keyed_at;
+    if (keyed_at == arenas_.end()) broken("keyed_ holds an arena out of arenas_'s order, or none of them");
     ++keyed_listed;
   }
   if (keyed_listed != keyed_arenas) broken("keyed_ holds an arena twice");
   std::size_t indexed_mapped = 0;
   std::size_t indexed_unmapped = 0;
-  for (const ExpArena* arena : arenas_) {
+  for (const ExpArena* arena : arena_pointers()) {
     indexed_mapped += arena->mapped_free.size();
     indexed_unmapped += arena->unmapped.size();
     // In order: a key changed in place (carve, free) and not repositioned would break best fit.
@@ -2303,7 +2307,7 @@ void ExpandableBackend::validate() const {
   }
   if (in_runs != idle) broken("idle handles missing from the idle runs");
   // Each arena's list holds exactly its runs, in the backend's order.
-  for (const ExpArena* arena : arenas_) {
+  for (const ExpArena* arena : arena_pointers()) {
     auto own = arena->idle_runs.begin();
     for (const IdleRun& r : idle_runs_) {
       if (r.seg->arena != arena) continue;
@@ -2318,7 +2322,7 @@ void ExpandableBackend::validate() const {
     if (!h.mapped) continue;
     // A mapped orphan lies in a reservation that is still held, and nothing is mapped over it.
     bool in_reservation = false;
-    for (const ExpArena* arena : arenas_)
+    for (const ExpArena* arena : arena_pointers())
       for (const ExpSegment* seg : arena->segments) {
         if (h.orphan_addr < seg->base || h.orphan_addr + h.bytes > seg->base + seg->va_bytes) continue;
         in_reservation = true;
@@ -2348,7 +2352,7 @@ void ExpandableBackend::validate() const {
 }
 
 void ExpandableBackend::snapshot(std::vector<SegmentInfo>& out) const {
-  for (const ExpArena* arena : arenas_) {
+  for (const ExpArena* arena : arena_pointers()) {
     for (const ExpSegment* seg : arena->segments) {
       SegmentInfo info;
       info.address = seg->base;
@@ -2389,7 +2393,7 @@ void ExpandableBackend::snapshot(std::vector<SegmentInfo>& out) const {
 FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_t stream) const {
   FreeSummary s;
   s.request_footprint = round_up(request, frame_);
-  for (const ExpArena* arena : arenas_) {
+  for (const ExpArena* arena : arena_pointers()) {
     for (const ExpSegment* seg : arena->segments) {
       // Blocks are address-ordered: a frame is shared only by consecutive live blocks, so the live
       // bytes of the frame being counted add up until a block starts past it.
@@ -2424,7 +2428,7 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_
       close_frame();
     }
   }
-  for (const ExpArena* arena : arenas_) {
+  for (const ExpArena* arena : arena_pointers()) {
     const bool pool = is_graph_pool_key(arena->stream) && is_live_graph_pool_key(arena->stream);
     arena->mapped_free.for_each([&](const Block& b) {
       s.free_blocks += 1;
@@ -2438,7 +2442,7 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_
 }
 
 bool ExpandableBackend::contains(std::uint64_t addr) const noexcept {
-  for (const ExpArena* arena : arenas_)
+  for (const ExpArena* arena : arena_pointers())
     for (const ExpSegment* seg : arena->segments)
       if (addr >= seg->base && addr < seg->base + seg->va_bytes) return true;
   return false;

@@ -181,10 +181,15 @@ struct ExpArena {
   core::bi::list_member_hook<> look_hook;
   // On the backend's keyed_: a per-thread or graph pool key's arena not yet retired.
   core::bi::list_member_hook<> keyed_hook;
+  // On the backend's arenas_ (every arena not yet swept), and on its retired_ once retired: lists,
+  // so that a forgotten arena leaves both in O(1) (see sweep_forgotten).
+  core::bi::list_member_hook<> arenas_hook;
+  core::bi::list_member_hook<> retired_hook;
+  ExpArena* next_forgotten = nullptr;  // the backend's forgotten_ chain
   // Forgotten (forget_arena): no segment, no longer found by its stream; taken out of arenas_ and
-  // retired_ and deleted by the sweep at the end of the operation (sweep_forgotten), in one pass
-  // for all of them: erasing each from arenas_ at once made release_cached O(arenas^2) (128k
-  // streams: 1.9 s).
+  // retired_ and deleted by the sweep at the end of the operation (sweep_forgotten), so that the
+  // walks of arenas_ that forget arenas (drop_empty_segments, give_back_unused_arenas) keep their
+  // place.
   bool forgotten = false;
 };
 
@@ -348,15 +353,17 @@ class ExpandableBackend final : public Backend {
     if (!a.look_hook.is_linked()) retired_looks_.push_back(a);
   }
   void forget_arena(ExpArena* a) noexcept;  // an arena without segments: marked, deleted by sweep_forgotten
-  // Deletes the forgotten arenas and takes them out of arenas_ and retired_: one pass over both.
-  // Every path that may forget an arena ends with it (SweepForgotten), so no forgotten arena
-  // outlives the call that forgot it (validate() checks none is left).
+  // Deletes the forgotten arenas and unlinks them from arenas_ and retired_: O(forgotten arenas),
+  // whatever the number of others (a walk of arenas_ per sweep made each release_stream cost a cache
+  // miss per arena: 16,000 streams holding blocks, ~350 us a call). Every path that may forget an
+  // arena ends with it (SweepForgotten), so no forgotten arena outlives the call that forgot it
+  // (validate() checks none is left).
   void sweep_forgotten() noexcept;
   struct SweepForgotten {
     ExpandableBackend& be;
     ~SweepForgotten() { be.sweep_forgotten(); }
   };
-  std::size_t forgotten_ = 0;  // arenas forgotten and not yet swept
+  ExpArena* forgotten_ = nullptr;  // arenas forgotten and not yet swept (next_forgotten)
   void drop_empty_segments();
   // Out of address range: the idle memory, ranges and arenas of the streams (but `keep`'s) that
   // hold no block in use, given back (give_back_arena). Walks their blocks: that rare path only.
@@ -400,14 +407,36 @@ class ExpandableBackend final : public Backend {
   unsigned frame_shift_;     // log2(frame_)
   bool has_divisions_;       // roundup_power2_divisions configured (round_size)
   std::size_t va_bytes_;
-  std::vector<ExpArena*> arenas_;
+  // Every arena, in the order they were made; the retired ones (per-thread keys of exited threads,
+  // released graph pools' keys: reap_retired) in the order they retired.
+  using ArenaList = core::bi::list<ExpArena, core::bi::member_hook<ExpArena, core::bi::list_member_hook<>, &ExpArena::arenas_hook>,
+                                   core::bi::constant_time_size<true>>;
+  using RetiredList = core::bi::list<ExpArena, core::bi::member_hook<ExpArena, core::bi::list_member_hook<>, &ExpArena::retired_hook>,
+                                     core::bi::constant_time_size<true>>;
+  ArenaList arenas_;
+  // arenas_ as pointers, for the read-only walks (validate, snapshot, contains).
+  struct ArenaPointers {
+    const ArenaList& list;
+    struct Iter {
+      ArenaList::const_iterator it;
+      const ExpArena* operator*() const noexcept { return &*it; }
+      Iter& operator++() noexcept {
+        ++it;
+        return *this;
+      }
+      bool operator!=(const Iter& o) const noexcept { return it != o.it; }
+    };
+    Iter begin() const noexcept { return {list.begin()}; }
+    Iter end() const noexcept { return {list.end()}; }
+  };
+  ArenaPointers arena_pointers() const noexcept { return {arenas_}; }
   struct ArenaEntry {
     driver::stream_t stream;
     ExpArena* arena;
   };
   std::vector<ArenaEntry> arena_index_;  // stream -> arena for at most kScanArenas of them, scanned by arena_for()
   std::unordered_map<driver::stream_t, ExpArena*> arena_by_stream_;  // every arena, by stream
-  std::vector<ExpArena*> retired_;  // arenas of per-thread keys of exited threads (reap_retired)
+  RetiredList retired_;
   // The retired arenas reap_retired looks at: a look walks the arena's free blocks and segments, and
   // thousands of retired arenas may hold live blocks (graph outputs kept past their pool's release),
   // so only those where something may have changed since their last look are here: newly retired,
