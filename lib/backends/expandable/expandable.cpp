@@ -1952,6 +1952,7 @@ bool ExpandableBackend::give_back_arena(ExpArena* a, bool synchronized, bool* re
 }
 
 void ExpandableBackend::forget_arena(ExpArena* a) noexcept {
+  if (a->forgotten) return;  // chained once: a second link would make forgotten_ a cycle
   std::erase_if(arena_index_, [&](const ArenaEntry& e) { return e.arena == a; });  // at most kScanArenas
   arena_by_stream_.erase(a->stream);
   if (a->look_hook.is_linked()) retired_looks_.erase(retired_looks_.iterator_to(*a));
