@@ -209,6 +209,61 @@ TEST_CASE("stream indexes: one index per stream, iterated in stream order") {
   CHECK(order == std::vector<expseg::driver::stream_t>{s1, s2});
   s.clear();
   CHECK(s.size() == 0);
+  CHECK(s.check() == nullptr);
+}
+
+TEST_CASE("stream indexes: thousands of streams added and forgotten in random order, checked against a std::set") {
+  // A stream per request: streams come and go among thousands that stay. Every step checks the
+  // invariants (the scan array stays full while there are streams to fill it), and every stream
+  // held is found, every forgotten one not, in stream order.
+  StreamIndexes s;
+  std::set<std::uintptr_t> model;
+  std::mt19937_64 rng(7);
+  auto stream = [](std::uintptr_t k) { return reinterpret_cast<expseg::driver::stream_t>(k); };
+  auto check_all = [&] {
+    const char* why = s.check();
+    REQUIRE_MESSAGE(why == nullptr, (why ? why : ""));
+    REQUIRE(s.streams() == model.size());
+    std::vector<std::uintptr_t> order;
+    s.for_each_index([&](SizeIndex&, expseg::driver::stream_t st) { order.push_back(reinterpret_cast<std::uintptr_t>(st)); });
+    REQUIRE(order == std::vector<std::uintptr_t>(model.begin(), model.end()));
+  };
+  for (int step = 0; step < 20000; ++step) {
+    const std::uintptr_t k = 16 * (1 + rng() % 6000);
+    const int what = static_cast<int>(rng() % 10);
+    if (what < 6) {
+      SizeIndex& idx = s.of(stream(k));
+      CHECK(s.find(stream(k)) == &idx);
+      model.insert(k);
+    } else if (what < 9) {
+      s.erase(stream(k));
+      model.erase(k);
+      CHECK(s.find(stream(k)) == nullptr);
+    } else {
+      // Forget every stream in a band of addresses in one pass (release_cached's prune).
+      const std::uintptr_t lo = k, hi = k + 16 * 40;
+      const std::size_t n = s.erase_if([&](const SizeIndex&, expseg::driver::stream_t st) {
+        const auto v = reinterpret_cast<std::uintptr_t>(st);
+        return v >= lo && v < hi;
+      });
+      std::size_t expected = 0;
+      for (auto it = model.lower_bound(lo); it != model.end() && *it < hi;) {
+        it = model.erase(it);
+        ++expected;
+      }
+      CHECK(n == expected);
+    }
+    if (step % 997 == 0 || model.size() <= StreamIndexes::kScan + 1) check_all();
+  }
+  check_all();
+  for (std::uintptr_t k = 16; k <= 16 * 6000; k += 16) CHECK((s.find(stream(k)) != nullptr) == model.contains(k));
+  // Down to a handful: every stream left is on the scan array (found without the hash table).
+  while (model.size() > 3) {
+    s.erase(stream(*model.begin()));
+    model.erase(model.begin());
+  }
+  check_all();
+  for (std::uintptr_t k : model) CHECK(s.find(stream(k)) != nullptr);
 }
 
 }  // TEST_SUITE

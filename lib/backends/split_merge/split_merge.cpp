@@ -654,6 +654,7 @@ void SplitMergeBackend::validate() const {
   // Each stream's index holds that stream's blocks in (size, address) order (keys change in place
   // on the cached path: reposition).
   for (const Pool* pool : {&small_, &large_}) {
+    if (const char* why = pool->blocks.check()) broken(why);
     pool->blocks.for_each_index([&](const core::SizeIndex& index, driver::stream_t stream) {
       if (const char* why = index.check()) broken(why);
       index.for_each([&](const Block& b) {
