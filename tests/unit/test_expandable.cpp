@@ -311,16 +311,33 @@ TEST_CASE("expandable: small requests pack into shared frames") {
     a.validate();
   }
   {
-    // Plentiful memory: the tail grows by one 20 MiB granule, in handles apart from the request's
-    // frame, so the rest can be given back while the small blocks live.
+    // Plentiful memory, little held: handles of one frame, and the tail grows by one of them, not
+    // by a 20 MiB granule of ten (a 512 B request on a fresh allocator or a new stream mapped ten).
     auto sa = make_sim_allocator(sim_config(BackendKind::expandable));
     std::vector<void*> v;
     for (int i = 0; i < 4000; ++i) v.push_back(sa->allocate(512));
-    CHECK(reserved(*sa) == static_cast<std::int64_t>(20 * MiB));
-    CHECK(sa.sim->calls(expseg::driver::Op::create) >= 2);
-    sa->release_cached();
     CHECK(reserved(*sa) == static_cast<std::int64_t>(2 * MiB));
+    CHECK(sa.sim->calls(expseg::driver::Op::create) == 1);
+    for (int i = 0; i < 4000; ++i) v.push_back(sa->allocate(512));  // one more frame, one more handle
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * MiB));
+    CHECK(sa.sim->calls(expseg::driver::Op::create) == 2);
     for (void* p : v) sa->deallocate(p);
+    sa->validate();
+  }
+  {
+    // More held (4 GiB: handles of up to 16 MiB): the tail grows by a 16 MiB granule, in a handle
+    // apart from the request's frame, so the rest can be given back while the small blocks live.
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable));
+    void* big = sa->allocate(4 * GiB);
+    const auto creates0 = sa.sim->calls(expseg::driver::Op::create);
+    std::vector<void*> v;
+    for (int i = 0; i < 4000; ++i) v.push_back(sa->allocate(512, reinterpret_cast<void*>(0x40)));  // a stream of its own
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * GiB + 16 * MiB));
+    CHECK(sa.sim->calls(expseg::driver::Op::create) == creates0 + 2);  // the request's frame, then the rest
+    sa->release_cached();
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * GiB + 2 * MiB));
+    for (void* p : v) sa->deallocate(p);
+    sa->deallocate(big);
     sa->validate();
   }
 }

@@ -1400,11 +1400,15 @@ TEST_CASE("graph pool: allocations outside a capture go into the pool, and the p
     void* y = sa->allocate(4 * MiB, s);
     CHECK_FALSE(overlap(y, 4 * MiB, x, 4 * MiB));
     CHECK_FALSE(listed(sa->graph_pool_blocks(5), y));
-    // A capture on the stream into the pool gets x's memory back.
+    // A capture on the stream into the pool gets x's memory back (expandable may place it up to a
+    // frame further, so as not to leave a handle under it partly used), mapping nothing.
     sa.sim->capture_begin(s);
     sa->begin_graph_pool(5, s);
+    const auto maps0 = sa.sim->calls(expseg::driver::Op::map);
     void* c = sa->allocate(4 * MiB, s);
-    CHECK(addr(c) == addr(x));
+    CHECK(sa.sim->calls(expseg::driver::Op::map) == maps0);
+    if (kind == BackendKind::split_merge) CHECK(addr(c) == addr(x));
+    else CHECK(overlap(c, 4 * MiB, x, 4 * MiB));
     const auto g = sa.sim->capture_end(s);
     sa->end_graph_pool(5);
     Blocks expected{{addr(w), 3 * MiB}, {addr(c), 4 * MiB}};

@@ -156,6 +156,39 @@ TEST_CASE("scale regression: release_stream of one stream among thousands costs 
   a.validate();
 }
 
+TEST_CASE("scale regression: unmapping the legacy stream's idle memory asks one capture question, not one per stream") {
+  // PyTorch's default stream is the legacy stream. Before its idle memory is unmapped, its
+  // synchronization must not break a capture; a capture on any blocking stream refuses it, and the
+  // legacy stream's own question reveals every such capture. seen_capture also asked every plain
+  // stream's arena, one driver query each: O(streams) per operation that unmapped that memory.
+  constexpr int held = 300;
+  Allocator a(sim_config(BackendKind::expandable, 1024 * GiB, "expandable_va_size:4GiB,limit:2GiB"));
+  expseg::driver::Driver& drv = expseg::detail::AllocatorAccess::driver(a);
+  std::vector<void*> kept;
+  for (int i = 0; i < held; ++i) kept.push_back(a.allocate(512, stream_no(i)));  // 300 frames: 600 MiB
+  void* big = a.allocate(1 * GiB, nullptr);
+  void* pin = a.allocate(2 * MiB, nullptr);  // after `big`: the next request cannot grow it in place
+  a.deallocate(big);
+  const auto& be = backend_of(a);
+  const std::uint64_t steps0 = be.slow_path_steps();
+  const auto calls0 = drv.call_stats();
+  // 1.25 GiB on the legacy stream: room only once `big`'s idle memory is unmapped (or moved), which
+  // synchronizes the legacy stream first.
+  void* next = a.allocate(1280 * MiB, nullptr);
+  const auto d = drv.call_stats().since(calls0);
+  const std::uint64_t queries = d.calls[static_cast<std::size_t>(expseg::driver::Op::stream_query)];
+  const std::uint64_t syncs = d.calls[static_cast<std::size_t>(expseg::driver::Op::stream_sync)];
+  CAPTURE(queries);
+  CAPTURE(be.slow_path_steps() - steps0);
+  CHECK(syncs >= 1);  // the idle memory was unmapped, after a synchronization
+  CHECK(queries <= 4);  // the old question per arena, counted: 300 and more
+  a.validate();
+  a.deallocate(next);
+  a.deallocate(pin);
+  for (void* p : kept) a.deallocate(p);
+  a.validate();
+}
+
 TEST_CASE("scale regression: out of address range, the unused streams' ranges go back in one pass") {
   // 4 TiB of address range, 1 GiB reserved a stream: ~4000 streams with an idle handle each fill
   // it. The next stream's reservation fails, and every other stream (none holds a block in use)

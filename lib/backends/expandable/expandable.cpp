@@ -133,6 +133,11 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     that needs no driver call (find_mapped_place): random churn seeds 1-6 640 -> 532 ms of
 //     modelled driver time, the same OOMs (one more at 99.1% of the limit), mixes no worse;
 //   - never more than 1 GiB;
+//   - without a limit, a small request growing a segment's untouched tail maps past itself up to a
+//     growth granule (20 MiB, PyTorch's large page), in one handle of at most the size above
+//     (growth_granule): while little is held, one frame. Ten one-frame handles for that granule made
+//     the first 512 B on a fresh allocator or a new stream cost ~0.45 ms of driver calls on the
+//     H200, and left 20 MiB reserved per stream (4,000 streams: 80 GiB for 2 MiB of blocks each);
 //   - the frames a new block covers only partly (at its start and end) get handles of their own,
 //     so neighbours that later pack into them never keep a bulk handle mapped;
 //   - allocations from cached memory prefer, among the few best-fitting free blocks, the place that
@@ -151,13 +156,17 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 // placing blocks so as not to leave a gap smaller than a page beside a live block (most slack sits
 // in such gaps, but the ranking lowered the fill by up to 0.5 points).
 // ---------------------------------------------------------------------------------------------
-// Tail growth maps at least this much (see allocate_slow): 20 MiB like PyTorch's large pages, at
-// most 1/64 of the device; one frame under a limit or when memory is short, where every mapped byte
+// Tail growth for a request of `size` maps at least this much (see grow_and_carve): 20 MiB like
+// PyTorch's large pages, at most 1/64 of the device, and at most one handle of the handle policy's
+// size, so that the extension costs one handle more, never several: while little memory is held
+// (handles of one frame), a 512 B request on a fresh allocator or a new stream mapped 20 MiB in 10
+// handles (~0.45 ms of driver calls on the H200 where one costs ~45 us), most of them for blocks
+// that may never come. One frame under a limit or when memory is short, where every mapped byte
 // counts.
-std::size_t ExpandableBackend::growth_granule() const noexcept {
+std::size_t ExpandableBackend::growth_granule(std::size_t size) const noexcept {
   const std::size_t limit = ctx_.effective_limit();
   if (ctx_.limit != 0 || reserved_ > limit / 16) return frame_;
-  const std::size_t g = std::min<std::size_t>(std::size_t{20} << 20, limit / 64) / frame_ * frame_;
+  const std::size_t g = std::min<std::size_t>({std::size_t{20} << 20, limit / 64, max_handle_bytes(size)}) / frame_ * frame_;
   return std::max(g, frame_);
 }
 
@@ -1117,7 +1126,7 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   // A small request growing into a segment's untouched tail maps up to a whole growth granule, as
   // PyTorch maps 20 MiB pages, so that a run of small requests costs one growth instead of one each.
   std::uint64_t map_hi = pl.start + size;
-  if (const std::size_t granule = growth_granule(); granule > frame_ && size < granule) {
+  if (const std::size_t granule = growth_granule(size); granule > frame_ && size < granule) {
     Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
     while (b->end() < map_hi) b = b->next;
     if (b->next == nullptr && b->is_free() && !b->mapped) {
@@ -1708,17 +1717,27 @@ bool ExpandableBackend::seen_capture(bool blocking_only) const noexcept {
         seen_capture_blocking_ = blocks;
       }
     }
+    // The arenas' streams are asked below only for a synchronization of the device (blocking_only
+    // false): a capture on a blocking one is the legacy stream's answer above already, so the legacy
+    // stream's synchronization (PyTorch's default stream) asks one question, not one per stream.
+    seen_capture_arenas_asked_ = seen_capture_blocking_;
+  }
+  if (!blocking_only && !seen_capture_any_ && !seen_capture_arenas_asked_) {
+    seen_capture_arenas_asked_ = true;
+    // A capture on a non-blocking stream: each plain stream's arena asked (once per operation). A
+    // stream whose flags could not be asked counts as blocking and is asked too.
     for (const ExpArena& arena : arenas_) {
       const ExpArena* a = &arena;
-      if (seen_capture_blocking_) break;
-      if (a->forgotten || is_stream_key(a->stream) || is_legacy_stream(a->stream) || (seen_capture_any_ && !a->stream_blocks)) continue;
+      if (a->forgotten || is_stream_key(a->stream) || is_legacy_stream(a->stream)) continue;
+      ++slow_path_steps_;
       if (a->capture_seen_op != operation_) {
         a->capture_seen_op = operation_;
         a->captures = stream_captures(ctx_, a->stream);
       }
       if (a->captures) {
         seen_capture_any_ = true;
-        seen_capture_blocking_ = a->stream_blocks;
+        seen_capture_blocking_ = seen_capture_blocking_ || a->stream_blocks;
+        break;
       }
     }
   }

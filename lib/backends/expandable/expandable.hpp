@@ -220,7 +220,7 @@ class ExpandableBackend final : public Backend {
 
   // The largest physical handle growth creates (the handle policy, see expandable.cpp).
   std::size_t max_handle_bytes(std::size_t request = 0) const noexcept;
-  std::size_t growth_granule() const noexcept;
+  std::size_t growth_granule(std::size_t size) const noexcept;
   // Physical handles the cached paths (an allocation from cached memory, a free) have looked at:
   // a few per call, however many handles lie under the block (tests check it). Also counts the
   // idle runs an unmap looks at (reclaim).
@@ -229,7 +229,8 @@ class ExpandableBackend final : public Backend {
   // its handle from, room_after_reclaim's idle handles, and those of one stream's reclaim before
   // memory grows past its highest mark (tests check they stay near the work done, not the number
   // of blocks, idle handles or streams). Also counts the arenas that forgetting streams walks, and
-  // those reap_retired asks whether their key retired (keyed_) and looks at (retired_looks_).
+  // those reap_retired asks whether their key retired (keyed_) and looks at (retired_looks_), and the
+  // arenas seen_capture asks whether their stream captures.
   std::uint64_t slow_path_steps() const noexcept { return slow_path_steps_; }
   // What the slow paths' searches have looked at: the unmapped blocks of find_placement and the
   // blocks of the runs it brings up to date (refresh_runs), the mapped free blocks and handles of
@@ -298,6 +299,7 @@ class ExpandableBackend final : public Backend {
   mutable std::uint64_t seen_capture_op_ = 0;
   mutable bool seen_capture_any_ = false;
   mutable bool seen_capture_blocking_ = false;
+  mutable bool seen_capture_arenas_asked_ = false;  // this operation's seen_capture asked the arenas' streams
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_at_memo(ExpArena& arena, std::size_t size, std::size_t requested);
   void remember_place(ExpArena& arena, core::Block* host, std::uint64_t addr, std::size_t size) noexcept;
