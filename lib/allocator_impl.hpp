@@ -455,7 +455,4 @@ void refuse_unreleasable_stream(driver::stream_t stream);
 // building one: every simulated device index, or cuDeviceGetCount (0 when CUDA is not usable).
 int visible_device_count(const Config& config);
 
-// The device as results name it (ReportRun::device, the JSON's "device"): "sim:80GiB", "cuda:0".
-std::string device_label(const Config& config, int device);
-
 }  // namespace expseg

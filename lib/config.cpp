@@ -853,6 +853,17 @@ std::string format_bytes(std::size_t bytes) {
   return std::string(buf, r.ptr) + unit;
 }
 
+std::string device_label(const Config& c, int device) {
+  if (c.device == DeviceKind::sim) {
+    std::string compact;  // "80.00 GiB" -> "80GiB"
+    for (char ch : format_bytes(c.sim_capacity))
+      if (ch != ' ') compact += ch;
+    if (compact.size() > 6 && compact.find(".00") != std::string::npos) compact.erase(compact.find(".00"), 3);
+    return "sim:" + compact;
+  }
+  return "cuda:" + std::to_string(device);
+}
+
 void Config::apply(std::string_view text) {
   Config next = *this;  // a failed apply leaves *this as it was
   struct Item {

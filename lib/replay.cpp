@@ -251,19 +251,6 @@ struct RunOutput {
 
 }  // namespace
 
-std::string device_label(const Config& c, int device) {
-  if (c.device == DeviceKind::sim) {
-    std::string cap = format_bytes(c.sim_capacity);
-    // "80.00 GiB" -> "80GiB" for a compact label
-    std::string compact;
-    for (char ch : cap)
-      if (ch != ' ') compact += ch;
-    if (compact.size() > 6 && compact.find(".00") != std::string::npos) compact.erase(compact.find(".00"), 3);
-    return "sim:" + compact;
-  }
-  return "cuda:" + std::to_string(device);
-}
-
 namespace {
 
 // The streams a replay on the simulated device allocates on: the trace's ids as they are, except the

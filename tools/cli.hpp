@@ -74,7 +74,6 @@ Config base_config(const Args& args);  // EXPSEG_ALLOC_CONF + --conf only
 // Whether EXPSEG_ALLOC_CONF or a --conf names `key` (e.g. sim_latency), whatever its value.
 bool conf_sets(const Args& args, std::string_view key);
 std::vector<BackendKind> parse_backends(const std::string& text);
-std::string device_label(const Config& config, int device);
 std::uint64_t parse_u64(const std::string& option, const std::string& text);
 
 // --- output ------------------------------------------------------------------------------------

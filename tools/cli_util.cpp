@@ -111,18 +111,6 @@ std::vector<BackendKind> parse_backends(const std::string& text) {
   return out;
 }
 
-std::string device_label(const Config& c, int device) {
-  if (c.device == DeviceKind::sim) {
-    // "80.00 GiB" -> "80GiB", as the replay engine labels its results.
-    std::string compact;
-    for (char ch : format_bytes(c.sim_capacity))
-      if (ch != ' ') compact += ch;
-    if (compact.size() > 6 && compact.find(".00") != std::string::npos) compact.erase(compact.find(".00"), 3);
-    return "sim:" + compact;
-  }
-  return "cuda:" + std::to_string(device);
-}
-
 namespace {
 // User text echoed in a message: control and non-ASCII bytes as \xNN (as the library's config
 // messages quote it), cut at 200 bytes.

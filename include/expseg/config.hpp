@@ -142,6 +142,10 @@ std::size_t parse_bytes(std::string_view text, std::string_view key = "size");
 // 1536 -> "1.50 KiB" (PyTorch's format_size: B, KiB, MiB, GiB with two decimals).
 std::string format_bytes(std::size_t bytes);
 
+// The device an allocator of `config` runs on, as results and the CLI name it: "sim:80GiB" (the
+// simulated device and its capacity) or "cuda:0".
+std::string device_label(const Config& config, int device);
+
 }  // namespace expseg
 
 #pragma GCC visibility pop
