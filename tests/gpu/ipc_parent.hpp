@@ -30,7 +30,7 @@ inline void round_trip(const std::string& conf, const std::string& mode, int chi
   expseg::driver::Driver& d = expseg::detail::AllocatorAccess::driver(a);
   const expseg::DeviceInfo info = a.device_info();
   if (!info.ipc_fallback_reason.empty())
-    MESSAGE("ipc_handle asked for in '" << conf << "' fell back to " << expseg::to_string(info.ipc_handle) << ": "
+    MESSAGE("ipc_handle asked for in '" << conf << "' fell back to " << std::string(expseg::to_string(info.ipc_handle)) << ": "
                                         << info.ipc_fallback_reason);
   const std::size_t pad_bytes = 3u << 20;
   const std::size_t size = (5u << 20) + 1024;  // a multiple of 4, not of the granularity
@@ -43,8 +43,8 @@ inline void round_trip(const std::string& conf, const std::string& mode, int chi
   expseg::IpcMemHandle h = a.export_ipc(p);
   CHECK(h.size == size);
   CHECK(h.offset > 0);  // the pad lies before it in the same exported range
-  if (!h.fallback_reason.empty()) MESSAGE("exported as " << expseg::to_string(h.kind) << ": " << h.fallback_reason);
-  MESSAGE("exported " << expseg::to_string(h.kind) << ": " << h.pieces.size() << " pieces, " << h.range_bytes
+  if (!h.fallback_reason.empty()) MESSAGE("exported as " << std::string(expseg::to_string(h.kind)) << ": " << h.fallback_reason);
+  MESSAGE("exported " << std::string(expseg::to_string(h.kind)) << ": " << h.pieces.size() << " pieces, " << h.range_bytes
                       << " bytes, offset " << h.offset);
 
   Child child(EXPSEG_IPC_CHILD, mode, child_device);

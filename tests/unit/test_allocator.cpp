@@ -629,17 +629,24 @@ TEST_CASE("allocator: simulated-device settings that cannot work together are co
     a.validate();
   }
   // The most expandable_va_size may say (1 PiB) is past a process's address space (about 128 TiB,
-  // on CUDA and the simulated device): the allocation is an OOM for the address range, as on a GPU.
-  Allocator a(sim_config(BackendKind::expandable, 40000 * (std::size_t{1} << 40), "expandable_va_size:1024TiB"));
+  // on CUDA and the simulated device), and past expseg's 32 TiB budget of full-size segments: the
+  // segment reserves a sixteenth (64 TiB), and the allocation is served.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 40000 * (std::size_t{1} << 40), "expandable_va_size:1024TiB"));
+  void* p = sa->allocate(512);
+  CHECK(sa.sim->calls(expseg::driver::Op::reserve) == 1);
+  sa->deallocate(p);
+  sa->validate();
+  // When not even the request's own size can be reserved, it is an OOM for the address range.
+  for (std::uint64_t i = 1; i <= 64; ++i) sa.sim->inject_fault(expseg::driver::Op::reserve, i, expseg::driver::Fault::out_of_memory);
   std::string oom = "<no out_of_memory>";
   try {
-    (void)a.allocate(512);
+    (void)sa->allocate(512, reinterpret_cast<void*>(0x40));  // a new stream: a new segment
   } catch (const expseg::out_of_memory& e) {
     oom = e.what();
   }
   CAPTURE(oom);
   CHECK(contains(oom, "No address range could be reserved"));
-  a.validate();
+  sa->validate();
 }
 
 TEST_CASE("allocator: record_stream of a freed pointer names the operation; bad device indices are expseg errors") {

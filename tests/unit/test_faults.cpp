@@ -192,7 +192,7 @@ class Runner {
       // Only the injected fault may surface, once, naming its call and error.
       CHECK_MESSAGE(fault_.has_value(), std::string(e.what()));
       CHECK_MESSAGE(!fired_before, "a second driver_error after the fault had fired: " << std::string(e.what()));
-      CHECK_MESSAGE(names_op(op_, e.call()), "driver_error names " << e.call() << " for a fault on " << expseg::driver::op_name(op_));
+      CHECK_MESSAGE(names_op(op_, e.call()), "driver_error names " << std::string(e.call()) << " for a fault on " << std::string(expseg::driver::op_name(op_)));
       if (fault_) {
         CHECK(e.code_name() == (*fault_ == Fault::out_of_memory ? "CUDA_ERROR_OUT_OF_MEMORY" : "CUDA_ERROR_UNKNOWN"));
         CHECK(e.is_out_of_memory() == (*fault_ == Fault::out_of_memory));

@@ -147,13 +147,13 @@ TEST_CASE_FIXTURE(CApiFixture, "review regression: an expandable reservation ove
   }
   // The largest the configuration accepts still is: 512 TiB, twice over, is 1 PiB. A process has
   // about 128 TiB of address space (CUDA's, and the simulated devices' since SimOptions::
-  // address_space), so its first malloc is an OOM for the address range, as on a GPU: no config error.
+  // address_space): no config error, and the first malloc is served from a smaller segment (it was
+  // an OOM for the address range until segments shrank when the address space runs short).
   expseg::capi::reset_for_tests();
   REQUIRE(expseg_configure("device:sim,backend:expandable,sim_capacity:512TiB") == EXPSEG_SUCCESS);
   void* p = expseg_malloc(1, 0, nullptr);
-  CHECK(p == nullptr);
-  CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
-  CHECK(std::string(expseg_last_error()).find("address range") != std::string::npos);
+  CHECK(p != nullptr);
+  expseg_free(p, 0, 0, nullptr);
   // Reservations that fit the address space (32 TiB, twice over) serve.
   expseg::capi::reset_for_tests();
   REQUIRE(expseg_configure("device:sim,backend:expandable,sim_capacity:32TiB") == EXPSEG_SUCCESS);

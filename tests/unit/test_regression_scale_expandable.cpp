@@ -189,6 +189,51 @@ TEST_CASE("scale regression: unmapping the legacy stream's idle memory asks one 
   a.validate();
 }
 
+TEST_CASE("scale regression: streams that keep memory past the address space get smaller segments, not an OOM") {
+  // Each stream's segment reserved 2x the device (160 GiB here); the process has 128 TiB of address
+  // space, so about 800 streams holding a block each used it up, and the next stream's first request
+  // was an OOM for the address range while the device had nearly all its memory free (the H200:
+  // 112 TiB, ~400 streams). Once the segments hold 32 TiB, new ones reserve a sixteenth.
+  constexpr int streams = 3000;
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB));
+  std::vector<void*> kept;
+  for (int i = 0; i < streams; ++i) {
+    CAPTURE(i);
+    kept.push_back(sa->allocate(512, stream_no(i)));
+  }
+  CHECK(sa->stats().num_ooms == 0);
+  CHECK(sa->stats().segment[kAllPools].current == streams);
+  CHECK(sa.sim->calls(expseg::driver::Op::reserve) == streams);  // no reservation refused
+  // A request larger than the smaller segments gets a segment of its own size.
+  void* big = sa->allocate(60 * GiB, stream_no(streams - 1));
+  sa->validate();
+  sa->deallocate(big);
+  for (void* p : kept) sa->deallocate(p);
+  sa->release_cached();
+  CHECK(sa->stats().segment[kAllPools].current == 0);
+  sa->validate();
+}
+
+TEST_CASE("regression: when the address space runs short, a new segment reserves less, down to the request's own size") {
+  // Other reservations of the process (another library, other devices) can use up the address
+  // space whatever expseg's budget: a refused reservation is tried again smaller, and the sizes
+  // that served are where later segments start, until release_cached gives ranges back.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB));
+  for (std::uint64_t i = 1; i <= 3; ++i) sa.sim->inject_fault(expseg::driver::Op::reserve, i, expseg::driver::Fault::out_of_memory);
+  void* p = sa->allocate(4 * MiB, stream_no(1));  // 160 GiB, 40 GiB, 10 GiB refused; 2.5 GiB serves
+  CHECK(sa.sim->calls(expseg::driver::Op::reserve) == 4);
+  CHECK(sa->stats().num_ooms == 0);
+  // The next stream starts at 2.5 GiB: one reservation, no refused attempt first.
+  void* q = sa->allocate(4 * MiB, stream_no(2));
+  CHECK(sa.sim->calls(expseg::driver::Op::reserve) == 5);
+  // A request above that size still gets a segment of its own size.
+  void* big = sa->allocate(8 * GiB, stream_no(3));
+  CHECK(sa.sim->calls(expseg::driver::Op::reserve) == 6);
+  sa->validate();
+  for (void* x : {p, q, big}) sa->deallocate(x);
+  sa->validate();
+}
+
 TEST_CASE("scale regression: out of address range, the unused streams' ranges go back in one pass") {
   // 4 TiB of address range, 1 GiB reserved a stream: ~4000 streams with an idle handle each fill
   // it. The next stream's reservation fails, and every other stream (none holds a block in use)

@@ -203,6 +203,7 @@ ExpandableBackend::ExpandableBackend(Context& ctx)
     throw config_error("expandable_va_size", "expandable_va_size: " + what + " is more than one segment may reserve: at most 1024TiB (1 PiB); set a smaller expandable_va_size");
   }
   va_bytes_ = std::max(round_up(va, frame_), frame_);
+  va_hint_ = va_bytes_;
 }
 
 ExpandableBackend::~ExpandableBackend() {
@@ -985,14 +986,25 @@ bool ExpandableBackend::find_mapped_place(ExpArena& arena, std::size_t size, Pla
 }
 
 ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_bytes) {
-  const std::size_t va = std::max(va_bytes_, round_up(min_bytes, frame_));
+  // A segment reserves va_bytes_ (2x the device by default, so that it grows in place to any size)
+  // while the segments held reserve less than kFullRangeBudget; past it, a sixteenth: a process has
+  // ~112 TiB of address space on the H200, which ~400 streams holding memory used up at 2x its
+  // memory each, and the next stream's first request was an OOM for the address range with the
+  // device's memory free. Past the budget, thousands of streams fit; a request larger than a
+  // segment gets one of its own size.
+  const std::size_t least = std::max(round_up(min_bytes, frame_), frame_);
+  std::size_t base_va = va_hint_;
+  if (va_reserved_ + base_va > kFullRangeBudget) base_va = std::min(base_va, std::max(round_up(va_bytes_ / 16, frame_), frame_));
+  std::size_t va = std::max(base_va, least);
   // Host memory first: a bad_alloc once the range is reserved would leak the reservation.
   auto seg = std::make_unique<ExpSegment>();
   seg->frames.reserve(64);  // grows with the mapped high-water mark, not with the reservation
   arena.segments.reserve(arena.segments.size() + 1);
   arena.blocks.reserve_two();  // the segment's free block
   driver::dev_ptr base = 0;
-  for (int attempt = 0;; ++attempt) {
+  bool gave_back = false;
+  bool shrunk = false;
+  for (;;) {
     try {
       base = ctx_.driver.reserve(va);
       break;
@@ -1000,11 +1012,27 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
       if (!e.is_out_of_memory()) throw;
       // Out of address range: give back the memory and ranges of other streams that hold no
       // block in use, once.
-      if (attempt == 0 && give_back_unused_arenas(&arena) != 0) continue;
+      if (!gave_back) {
+        gave_back = true;
+        if (give_back_unused_arenas(&arena) != 0) continue;
+      }
+      // Then a smaller range, down to the request's own size: the address space ran out, not the
+      // memory (the H200 gives a process 112 TiB: ~400 streams holding memory at 2x its memory a
+      // segment). The segment can no longer grow in place past it; a later request that does not
+      // fit makes another segment.
+      if (va > least) {
+        va = std::max(least, round_up(va / 4, frame_));
+        shrunk = true;
+        continue;
+      }
       ctx_.refused = Context::Refusal::address_range;
       return nullptr;
     }
   }
+  // The next segments start at the size that served (not at failed attempts for each new stream);
+  // release_cached, which gives ranges back, and the last segment's going reset it.
+  if (shrunk) va_hint_ = std::min(va_hint_, va);
+  va_reserved_ += va;
   seg->base = base;
   seg->va_bytes = va;
   seg->arena = &arena;
@@ -1115,11 +1143,13 @@ void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg) {
   if (seg->mapped_bytes != 0 || b->next != nullptr || !b->is_free()) return;
   unmap_orphans_in(seg->base, seg->va_bytes);  // throws: the reservation stays while a mapping is in it
   ctx_.driver.free_reserve(seg->base, seg->va_bytes);
+  va_reserved_ -= seg->va_bytes;
   erase_free(arena, b);
   arena.blocks.recycle(b);
   arena.segments.erase(std::find(arena.segments.begin(), arena.segments.end(), seg));
   account_segment(kLargePool, -1);
   delete seg;
+  if (ctx_.stats.segment[kLargePool].current == 0) va_hint_ = va_bytes_;
 }
 
 Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested) {
@@ -2050,6 +2080,7 @@ void ExpandableBackend::release_cached() {
   reclaim_idle(std::numeric_limits<std::size_t>::max(), Exclusion{});
   retry_orphans();
   drop_empty_segments();
+  va_hint_ = va_bytes_;  // ranges went back: new segments try the configured size again
 }
 
 // Gives back just the idle memory above the new limit, in whole handles (core::pick_give_back:
@@ -2356,6 +2387,10 @@ void ExpandableBackend::validate() const {
   if (s.reserved_bytes[kAllPools].current != static_cast<std::int64_t>(reserved_)) broken("reserved_bytes stat is wrong");
   if (s.physical_handles.current != static_cast<std::int64_t>(handles_)) broken("physical_handles stat is wrong");
   if (s.segment[kAllPools].current != static_cast<std::int64_t>(segments)) broken("segment stat is wrong");
+  std::size_t va_reserved = 0;
+  for (const ExpArena* arena : arena_pointers())
+    for (const ExpSegment* seg : arena->segments) va_reserved += seg->va_bytes;
+  if (va_reserved != va_reserved_) broken("va_reserved_ is not the segments' address range");
   if (s.num_free_blocks != static_cast<std::int64_t>(mapped_free_blocks)) broken("num_free_blocks stat is wrong");
   for (int pool : {kSmallPool, kLargePool}) {
     allocated[kAllPools] += allocated[pool];

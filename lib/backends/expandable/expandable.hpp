@@ -32,7 +32,8 @@
 //   - the idle runs partition the idle handles: each run is a range of whole handles inside one
 //     mapped free block, its first handle's run_first and its last handle's run_last point to it;
 //     an arena's idle_runs are the runs in its segments, in the backend's order
-//   - reserved_ = bytes of every handle held (mapped or waiting for a retried release)
+//   - reserved_ = bytes of every handle held (mapped or waiting for a retried release);
+//     va_reserved_ = bytes of address range the segments hold
 //   - a mapped orphan (its access grant and its unmap failed) lies inside a reservation still held,
 //     and no handle is mapped over its frames until its unmap succeeds
 //   - an arena on retired_looks_ is retired; a retired arena off it holds no idle handle and no
@@ -409,6 +410,11 @@ class ExpandableBackend final : public Backend {
   unsigned frame_shift_;     // log2(frame_)
   bool has_divisions_;       // roundup_power2_divisions configured (round_size)
   std::size_t va_bytes_;
+  // What a new segment reserves: va_bytes_, or less once the address space ran short
+  // (new_segment); va_bytes_ again after release_cached or once no segment is left.
+  std::size_t va_hint_;
+  std::size_t va_reserved_ = 0;  // address range the segments hold
+  static constexpr std::size_t kFullRangeBudget = std::size_t{32} << 40;  // 32 TiB (new_segment)
   // Every arena, in the order they were made; the retired ones (per-thread keys of exited threads,
   // released graph pools' keys: reap_retired) in the order they retired.
   using ArenaList = core::bi::list<ExpArena, core::bi::member_hook<ExpArena, core::bi::list_member_hook<>, &ExpArena::arenas_hook>,
