@@ -691,7 +691,7 @@ const Entry kEntries[] = {
    [](const Config& c) -> std::string { return format_bool(c.sim_latency); }},
   {{"limit", "bytes|N%", "0", "memory limit: bytes, or a percentage of device memory; 0 = none"},
    parse_limit, [](const Config& c) { return format_limit(c.limit); }},
-  {{"expandable_va_size", "bytes|N%", "0", "virtual address range reserved per expandable segment: bytes (at most 1024TiB) or a percentage of device memory; 0 = 2x device memory"},
+  {{"expandable_va_size", "bytes|N%", "0", "virtual address range reserved per expandable segment: bytes (at most 1024TiB) or a percentage of device memory; 0 = 2x device memory; a sixteenth of it once the segments hold 32TiB"},
    parse_va_size, format_va_size},
   {{"expandable_max_handle", "bytes", "0", "largest physical handle of the expandable backend (multiple of 2MiB); 0 = policy default"},
    parse_max_handle, [](const Config& c) { return format_size_exact(c.max_handle_size); }},
