@@ -214,6 +214,34 @@ TEST_CASE("scale regression: streams that keep memory past the address space get
   sa->validate();
 }
 
+TEST_CASE("regression: the 32 TiB budget of full-size segments is the process's, shared by every device's allocator") {
+  // The devices of a process share one address space: an allocator for device 1 counts the ranges
+  // device 0's allocator holds. 20 segments of 1 TiB on device 0; device 1's first segment would
+  // take the process past 32 TiB at 16 TiB, so it reserves a sixteenth (1 TiB).
+  expseg::Config c0 = sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:1TiB");
+  expseg::Config c1 = sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:16TiB");
+  Allocator a0(c0, 0);
+  std::vector<void*> kept;
+  for (int i = 0; i < 20; ++i) kept.push_back(a0.allocate(512, stream_no(i)));
+  {
+    Allocator a1(c1, 1);
+    void* p = a1.allocate(512);
+    const auto& be1 = backend_of(a1);
+    CHECK(be1.contains(reinterpret_cast<std::uint64_t>(p) + 512 * GiB));
+    CHECK_FALSE(be1.contains(reinterpret_cast<std::uint64_t>(p) + 2048 * GiB));  // not 16 TiB
+    a1.deallocate(p);
+  }
+  for (void* p : kept) a0.deallocate(p);
+  a0.release_cached();
+  {
+    // Device 0's ranges went back: device 1's segment is full size again.
+    Allocator a1(c1, 1);
+    void* p = a1.allocate(512);
+    CHECK(backend_of(a1).contains(reinterpret_cast<std::uint64_t>(p) + 8192 * GiB));
+    a1.deallocate(p);
+  }
+}
+
 TEST_CASE("regression: when the address space runs short, a new segment reserves less, down to the request's own size") {
   // Other reservations of the process (another library, other devices) can use up the address
   // space whatever expseg's budget: a refused reservation is tried again smaller, and the sizes

@@ -255,6 +255,7 @@ ExpandableBackend::~ExpandableBackend() {
     }
     delete arena;
   }
+  process_va_reserved_.fetch_sub(va_reserved_, std::memory_order_relaxed);
   idle_runs_.clear_and_dispose([](IdleRun* r) { delete r; });
   while (IdleRun* r = spare_runs_) {
     spare_runs_ = r->next_spare;
@@ -987,14 +988,15 @@ bool ExpandableBackend::find_mapped_place(ExpArena& arena, std::size_t size, Pla
 
 ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_bytes) {
   // A segment reserves va_bytes_ (2x the device by default, so that it grows in place to any size)
-  // while the segments held reserve less than kFullRangeBudget; past it, a sixteenth: a process has
+  // while the segments of all devices' allocators of the process (one address space) reserve less
+  // than kFullRangeBudget; past it, a sixteenth: a process has
   // ~112 TiB of address space on the H200, which ~400 streams holding memory used up at 2x its
   // memory each, and the next stream's first request was an OOM for the address range with the
   // device's memory free. Past the budget, thousands of streams fit; a request larger than a
   // segment gets one of its own size.
   const std::size_t least = std::max(round_up(min_bytes, frame_), frame_);
   std::size_t base_va = va_hint_;
-  if (va_reserved_ + base_va > kFullRangeBudget) base_va = std::min(base_va, std::max(round_up(va_bytes_ / 16, frame_), frame_));
+  if (process_va_reserved_.load(std::memory_order_relaxed) + base_va > kFullRangeBudget) base_va = std::min(base_va, std::max(round_up(va_bytes_ / 16, frame_), frame_));
   std::size_t va = std::max(base_va, least);
   // Host memory first: a bad_alloc once the range is reserved would leak the reservation.
   auto seg = std::make_unique<ExpSegment>();
@@ -1033,6 +1035,7 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
   // release_cached, which gives ranges back, and the last segment's going reset it.
   if (shrunk) va_hint_ = std::min(va_hint_, va);
   va_reserved_ += va;
+  process_va_reserved_.fetch_add(va, std::memory_order_relaxed);
   seg->base = base;
   seg->va_bytes = va;
   seg->arena = &arena;
@@ -1144,6 +1147,7 @@ void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg) {
   unmap_orphans_in(seg->base, seg->va_bytes);  // throws: the reservation stays while a mapping is in it
   ctx_.driver.free_reserve(seg->base, seg->va_bytes);
   va_reserved_ -= seg->va_bytes;
+  process_va_reserved_.fetch_sub(seg->va_bytes, std::memory_order_relaxed);
   erase_free(arena, b);
   arena.blocks.recycle(b);
   arena.segments.erase(std::find(arena.segments.begin(), arena.segments.end(), seg));

@@ -42,6 +42,7 @@
 //     the order they were made (the order of arenas_)
 #pragma once
 
+#include <atomic>
 #include <boost/intrusive/list.hpp>
 #include <boost/intrusive/set.hpp>
 #include <limits>
@@ -414,6 +415,9 @@ class ExpandableBackend final : public Backend {
   // (new_segment); va_bytes_ again after release_cached or once no segment is left.
   std::size_t va_hint_;
   std::size_t va_reserved_ = 0;  // address range the segments hold
+  // Address range the segments of every expandable allocator of the process hold: all devices share
+  // one address space (new_segment's budget). Relaxed: a budget, read under this allocator's lock only.
+  static inline std::atomic<std::size_t> process_va_reserved_{0};
   static constexpr std::size_t kFullRangeBudget = std::size_t{32} << 40;  // 32 TiB (new_segment)
   // Every arena, in the order they were made; the retired ones (per-thread keys of exited threads,
   // released graph pools' keys: reap_retired) in the order they retired.
