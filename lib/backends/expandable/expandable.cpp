@@ -989,14 +989,14 @@ bool ExpandableBackend::find_mapped_place(ExpArena& arena, std::size_t size, Pla
 ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_bytes) {
   // A segment reserves va_bytes_ (2x the device by default, so that it grows in place to any size)
   // while the segments of all devices' allocators of the process (one address space) reserve less
-  // than kFullRangeBudget; past it, a sixteenth: a process has
-  // ~112 TiB of address space on the H200, which ~400 streams holding memory used up at 2x its
-  // memory each, and the next stream's first request was an OOM for the address range with the
-  // device's memory free. Past the budget, thousands of streams fit; a request larger than a
-  // segment gets one of its own size.
+  // than kFullRangeBudget; past it, a sixteenth. A process has ~112 TiB of address space on the
+  // H200, which ~400 streams holding memory used up at 2x its memory each, and the next stream's
+  // first request was an OOM for the address range with the device's memory free. Past the budget,
+  // thousands of streams fit; a request larger than a segment gets one of its own size.
   const std::size_t least = std::max(round_up(min_bytes, frame_), frame_);
   std::size_t base_va = va_hint_;
-  if (process_va_reserved_.load(std::memory_order_relaxed) + base_va > kFullRangeBudget) base_va = std::min(base_va, std::max(round_up(va_bytes_ / 16, frame_), frame_));
+  if (process_va_reserved_.load(std::memory_order_relaxed) + base_va > kFullRangeBudget)
+    base_va = std::min(base_va, std::max(round_up(va_bytes_ / 16, frame_), frame_));
   std::size_t va = std::max(base_va, least);
   // Host memory first: a bad_alloc once the range is reserved would leak the reservation.
   auto seg = std::make_unique<ExpSegment>();
@@ -1031,8 +1031,8 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
       return nullptr;
     }
   }
-  // The next segments start at the size that served (not at failed attempts for each new stream);
-  // release_cached, which gives ranges back, and the last segment's going reset it.
+  // The next segments start at the size that served (not at failed attempts for each new stream),
+  // until ranges go back (drop_segment, release_cached).
   if (shrunk) va_hint_ = std::min(va_hint_, va);
   va_reserved_ += va;
   process_va_reserved_.fetch_add(va, std::memory_order_relaxed);
@@ -1152,8 +1152,10 @@ void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg) {
   arena.blocks.recycle(b);
   arena.segments.erase(std::find(arena.segments.begin(), arena.segments.end(), seg));
   account_segment(kLargePool, -1);
+  // A range of its size is free again: a new segment that large would fit (the hint goes back to
+  // va_bytes_ once no segment is left).
+  va_hint_ = ctx_.stats.segment[kLargePool].current == 0 ? va_bytes_ : std::max(va_hint_, std::min(seg->va_bytes, va_bytes_));
   delete seg;
-  if (ctx_.stats.segment[kLargePool].current == 0) va_hint_ = va_bytes_;
 }
 
 Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested) {

@@ -412,7 +412,8 @@ class ExpandableBackend final : public Backend {
   bool has_divisions_;       // roundup_power2_divisions configured (round_size)
   std::size_t va_bytes_;
   // What a new segment reserves: va_bytes_, or less once the address space ran short
-  // (new_segment); va_bytes_ again after release_cached or once no segment is left.
+  // (new_segment); at least the range of a segment given back since (drop_segment), va_bytes_ again
+  // after release_cached or once no segment is left.
   std::size_t va_hint_;
   std::size_t va_reserved_ = 0;  // address range the segments hold
   // Address range the segments of every expandable allocator of the process hold: all devices share
