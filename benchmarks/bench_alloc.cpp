@@ -471,7 +471,7 @@ void bm_replay(benchmark::State& st, const std::string& name, const Config& cfg)
 // Registration.
 
 void register_slow_path(bool quick);  // bench_slow_path.cpp
-void register_streams(bool quick);    // bench_streams.cpp
+void register_streams(bool quick, bool cuda);  // bench_streams.cpp
 
 void register_all() {
   std::string why;
@@ -638,7 +638,7 @@ void register_all() {
 
   // The slow path at scale, on the simulated device.
   register_slow_path(quick);
-  register_streams(quick);
+  register_streams(quick, cuda);
 }
 
 }  // namespace expseg::bench

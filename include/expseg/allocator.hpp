@@ -92,8 +92,10 @@ class Allocator {
   // expseg::error while a graph capture allocates into a pool (it would have to synchronize).
   void release_cached();
   // Before destroying a stream the program created (a stream per request, say): synchronizes it,
-  // completes the frees that waited for it, gives back everything cached for it and forgets it.
-  // The stream may then be destroyed; naming it again later starts afresh. Throws expseg::error,
+  // completes the frees that waited for it, gives back everything cached for it and forgets it
+  // (expandable keeps the address range of the stream's segment, nothing mapped in it, for the next
+  // new stream's segment; release_cached gives it back). The stream may then be destroyed; naming it
+  // again later starts afresh. Throws expseg::error,
   // changing nothing else, while blocks allocated on it are live or wait for other streams, while a
   // live block or a held free has it recorded (record_stream), while it or a graph pool's capture
   // is capturing, and for the default, legacy or per-thread stream; expseg::driver_error when the

@@ -224,10 +224,18 @@ TEST_CASE("gpu: streams made per request and destroyed after release_stream leav
     Allocator a(cuda_config(b, "limit:1GiB"));
     Driver& d = driver_of(a);
     void* m = d.stream_create();
+    const auto reserve_calls = [&] { return d.call_stats().calls[static_cast<std::size_t>(expseg::driver::Op::reserve)]; };
+    const auto address_frees = [&] { return d.call_stats().calls[static_cast<std::size_t>(expseg::driver::Op::free_reserve)]; };
     for (int round = 0; round < 4; ++round) {
+      CAPTURE(round);
+      const auto reserves0 = reserve_calls();
+      const auto frees0 = address_frees();
       void* s = d.stream_create();
       void* p = a.allocate(600 * MiB, s);
-      d.memset_d32(dp(p), 0x600u + static_cast<std::uint32_t>(round), 600 * MiB / 4, s);
+      const std::uint32_t word = 0x600u + static_cast<std::uint32_t>(round);
+      d.memset_d32(dp(p), word, 600 * MiB / 4, s);
+      d.stream_synchronize(s);
+      CHECK(read_back(d, p, 600 * MiB, word) == -1);  // new pages under the range the last stream gave back
       a.deallocate(p);
       a.release_stream(s);
       d.stream_destroy(s);
@@ -239,6 +247,12 @@ TEST_CASE("gpu: streams made per request and destroyed after release_stream leav
       a.deallocate(q);
       a.release_stream(m);
       check_stats(a);
+      // expandable keeps the range of the last segment given back for the next one: after the
+      // first round, the two streams of a round take turns with one range, no reservation made.
+      if (b == BackendKind::expandable) {
+        CHECK(reserve_calls() - reserves0 == (round == 0 ? 1u : 0u));
+        CHECK(address_frees() == frees0);
+      }
     }
     a.validate();
     d.stream_destroy(m);

@@ -481,6 +481,99 @@ TEST_CASE("expandable: streams used once do not use up the address range; releas
   }
 }
 
+TEST_CASE("expandable: a stream per request reuses the address range of the last stream released") {
+  // A server that makes a stream per request and releases it after: each stream's segment reserved
+  // its range (cuMemAddressReserve) and gave it back (cuMemAddressFree), 2 of the cycle's 12 driver
+  // calls. The range of the last segment given back is kept for the next new segment.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, ""));
+  void* own = sa.sim->stream_create();
+  void* keep = sa->allocate(1 * MiB, own);  // the program's own stream keeps its segment
+  const auto reserves0 = sa.sim->calls(Op::reserve);
+  const auto frees0 = sa.sim->calls(Op::free_reserve);
+  for (int round = 0; round < 10; ++round) {
+    CAPTURE(round);
+    void* s = sa.sim->stream_create();
+    void* p = sa->allocate(3 * MiB, s);
+    sa.sim->set_stream_busy(s, true);
+    sa.sim->queue_use(s, addr(p), 3 * MiB);
+    sa->deallocate(p);
+    sa->release_stream(s);
+    CHECK(sa.sim->hazards().empty());  // the pages went back after s's queued work
+    sa.sim->set_stream_busy(s, false);
+    sa.sim->stream_destroy(s);
+    CHECK(sa.sim->calls(Op::reserve) == reserves0 + 1);  // the first stream's reservation serves every one
+    CHECK(sa.sim->calls(Op::free_reserve) == frees0);
+    CHECK(sa.sim->live().reservations == 2);  // own's segment and the spare range
+    CHECK(sa.sim->live().handles == 1);       // own's: the released stream's memory went back
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(sa.sim->granularity()));
+    CHECK(sa->stats().segment[kAllPools].current == 1);  // the spare range is no segment
+    sa->validate();
+  }
+  // A request too large for the spare range gives it back and reserves its own.
+  {
+    auto small = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:1GiB"));
+    void* a = small.sim->stream_create();
+    void* b = small.sim->stream_create();
+    small->deallocate(small->allocate(8 * MiB, a));
+    small->release_stream(a);
+    CHECK(small.sim->live().reservations == 1);  // a's 1 GiB range, spare
+    void* big = small->allocate(3 * GiB, b);
+    CHECK(small.sim->live().reservations == 1);  // b's 3 GiB segment; the spare went back
+    small->validate();
+    small->deallocate(big);
+    small->release_cached();
+    CHECK(small.sim->live().reservations == 0);
+    small->validate();
+    small.alloc.reset();
+    small.sim->stream_destroy(a);
+    small.sim->stream_destroy(b);
+  }
+  sa->deallocate(keep);
+  sa->release_cached();  // gives back the spare range too
+  CHECK(sa.sim->live().reservations == 0);
+  CHECK(reserved(*sa) == 0);
+  sa->validate();
+  sa.alloc.reset();
+  sa.sim->stream_destroy(own);
+}
+
+TEST_CASE("expandable: out of address range, the spare range goes back before a segment is made smaller") {
+  // 3 GiB of address range: a released stream's 2 GiB range kept spare leaves 1 GiB; a request for
+  // 2.5 GiB on another stream needs a larger range than the spare: the spare goes back, and the
+  // request gets a range of its own size rather than an OOM for the address range.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:2GiB"),
+                               expseg::driver::SimOptions{.address_space = std::size_t{3} << 30});
+  void* a = sa.sim->stream_create();
+  void* b = sa.sim->stream_create();
+  sa->deallocate(sa->allocate(8 * MiB, a));
+  sa->release_stream(a);
+  CHECK(sa.sim->live().reservations == 1);
+  void* big = sa->allocate(2 * GiB + 512 * MiB, b);
+  CHECK(sa->stats().num_ooms == 0);
+  CHECK(sa.sim->live().reservations == 1);
+  sa->validate();
+  sa->deallocate(big);
+  sa->release_cached();
+  CHECK(sa.sim->live().reservations == 0);
+  // Stream a's segment, idle, not released, holds 2 GiB; b's first request finds 1 GiB of range
+  // left: a's memory and range go back (kept spare by the give-back, then given back too), and b's
+  // segment gets the full 2 GiB, so that b grows in place to 1.9 GiB with no other reservation.
+  sa->deallocate(sa->allocate(8 * MiB, a));
+  const auto reserves0 = sa.sim->calls(Op::reserve);
+  void* first = sa->allocate(8 * MiB, b);
+  CHECK(sa.sim->calls(Op::reserve) == reserves0 + 2);  // refused once, then served at full size
+  void* more = sa->allocate(1900 * MiB, b);
+  CHECK(sa.sim->calls(Op::reserve) == reserves0 + 2);
+  CHECK(sa.sim->live().reservations == 1);
+  CHECK(sa->stats().num_ooms == 0);
+  sa->validate();
+  sa->deallocate(first);
+  sa->deallocate(more);
+  sa.alloc.reset();
+  sa.sim->stream_destroy(a);
+  sa.sim->stream_destroy(b);
+}
+
 }  // TEST_SUITE
 
 namespace {

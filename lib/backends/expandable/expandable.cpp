@@ -255,6 +255,7 @@ ExpandableBackend::~ExpandableBackend() {
     }
     delete arena;
   }
+  if (spare_range_.bytes != 0) quietly([&] { ctx_.driver.free_reserve(spare_range_.base, spare_range_.bytes); });
   process_va_reserved_.fetch_sub(va_reserved_, std::memory_order_relaxed);
   idle_runs_.clear_and_dispose([](IdleRun* r) { delete r; });
   while (IdleRun* r = spare_runs_) {
@@ -1006,17 +1007,33 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
   driver::dev_ptr base = 0;
   bool gave_back = false;
   bool shrunk = false;
-  for (;;) {
+  const bool spare = spare_range_.bytes >= va;  // the range of a segment given back serves
+  if (spare) {
+    base = spare_range_.base;
+    va = spare_range_.bytes;
+    spare_range_ = {};
+  } else if (spare_range_.bytes != 0) {
+    // Too small for this segment: a new range takes its place (if it cannot go back now, it
+    // stays spare and the reservation below is made all the same).
+    try {
+      free_spare_range();
+    } catch (const driver_error&) {
+    }
+  }
+  for (; !spare;) {
     try {
       base = ctx_.driver.reserve(va);
       break;
     } catch (const driver_error& e) {
       if (!e.is_out_of_memory()) throw;
       // Out of address range: give back the memory and ranges of other streams that hold no
-      // block in use, once.
+      // block in use, once (and the spare range that one of them may have left).
       if (!gave_back) {
         gave_back = true;
-        if (give_back_unused_arenas(&arena) != 0) continue;
+        const bool given = give_back_unused_arenas(&arena) != 0;
+        const bool spare_given = spare_range_.bytes != 0;
+        if (spare_given) free_spare_range();
+        if (given || spare_given) continue;
       }
       // Then a smaller range, down to the request's own size: the address space ran out, not the
       // memory (the H200 gives a process 112 TiB: ~400 streams holding memory at 2x its memory a
@@ -1034,8 +1051,10 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
   // The next segments start at the size that served (not at failed attempts for each new stream),
   // until ranges go back (drop_segment, release_cached).
   if (shrunk) va_hint_ = std::min(va_hint_, va);
-  va_reserved_ += va;
-  process_va_reserved_.fetch_add(va, std::memory_order_relaxed);
+  if (!spare) {  // the spare range is counted already
+    va_reserved_ += va;
+    process_va_reserved_.fetch_add(va, std::memory_order_relaxed);
+  }
   seg->base = base;
   seg->va_bytes = va;
   seg->arena = &arena;
@@ -1113,7 +1132,7 @@ Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::
   } catch (...) {
     if (fresh != nullptr) {
       try {
-        drop_segment(arena, fresh);
+        drop_segment(arena, fresh, false);  // a failed request gives back the range it took
       } catch (...) {  // the segment stays, consistent; the first error is the one to report
       }
     }
@@ -1121,7 +1140,7 @@ Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::
   }
   if (b == nullptr && fresh != nullptr) {
     try {
-      drop_segment(arena, fresh);
+      drop_segment(arena, fresh, false);
     } catch (...) {  // the segment stays, empty and consistent; the OOM is what to report
     }
   }
@@ -1140,14 +1159,20 @@ std::size_t ExpandableBackend::room_limit() const noexcept {
   return std::max(ctx_.effective_limit(), held_ceiling_);
 }
 
-// Gives back the address range of an empty segment (one free unmapped block) and forgets it.
-void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg) {
+// Gives back the address range of an empty segment (one free unmapped block), or keeps it as the
+// spare range when it is larger than the spare range held (keep_range), and forgets the segment.
+void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg, bool keep_range) {
   Block* b = seg->first;
   if (seg->mapped_bytes != 0 || b->next != nullptr || !b->is_free()) return;
   unmap_orphans_in(seg->base, seg->va_bytes);  // throws: the reservation stays while a mapping is in it
-  ctx_.driver.free_reserve(seg->base, seg->va_bytes);
-  va_reserved_ -= seg->va_bytes;
-  process_va_reserved_.fetch_sub(seg->va_bytes, std::memory_order_relaxed);
+  if (keep_range && seg->va_bytes > spare_range_.bytes) {
+    if (spare_range_.bytes != 0) free_spare_range();  // throws with nothing changed
+    spare_range_ = {seg->base, seg->va_bytes};
+  } else {
+    ctx_.driver.free_reserve(seg->base, seg->va_bytes);
+    va_reserved_ -= seg->va_bytes;
+    process_va_reserved_.fetch_sub(seg->va_bytes, std::memory_order_relaxed);
+  }
   erase_free(arena, b);
   arena.blocks.recycle(b);
   arena.segments.erase(std::find(arena.segments.begin(), arena.segments.end(), seg));
@@ -1156,6 +1181,14 @@ void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg) {
   // va_bytes_ once no segment is left).
   va_hint_ = ctx_.stats.segment[kLargePool].current == 0 ? va_bytes_ : std::max(va_hint_, std::min(seg->va_bytes, va_bytes_));
   delete seg;
+}
+
+void ExpandableBackend::free_spare_range() {
+  if (spare_range_.bytes == 0) return;
+  ctx_.driver.free_reserve(spare_range_.base, spare_range_.bytes);  // throws with nothing changed
+  va_reserved_ -= spare_range_.bytes;
+  process_va_reserved_.fetch_sub(spare_range_.bytes, std::memory_order_relaxed);
+  spare_range_ = {};
 }
 
 Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested) {
@@ -2053,7 +2086,7 @@ void ExpandableBackend::drop_empty_segments() {
   for (auto it = arenas_.rbegin(); it != arenas_.rend(); ++it) {  // forgetting one keeps it linked till the sweep
     ExpArena* a = &*it;
     if (a->forgotten) continue;
-    for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);  // the empty ones
+    for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j], false);  // the empty ones
     if (a->segments.empty()) forget_arena(a);
   }
 }
@@ -2086,6 +2119,7 @@ void ExpandableBackend::release_cached() {
   reclaim_idle(std::numeric_limits<std::size_t>::max(), Exclusion{});
   retry_orphans();
   drop_empty_segments();
+  free_spare_range();
   va_hint_ = va_bytes_;  // ranges went back: new segments try the configured size again
 }
 
@@ -2394,9 +2428,16 @@ void ExpandableBackend::validate() const {
   if (s.physical_handles.current != static_cast<std::int64_t>(handles_)) broken("physical_handles stat is wrong");
   if (s.segment[kAllPools].current != static_cast<std::int64_t>(segments)) broken("segment stat is wrong");
   std::size_t va_reserved = 0;
+  const std::uint64_t spare_lo = spare_range_.base;
+  const std::uint64_t spare_hi = spare_range_.base + spare_range_.bytes;
   for (const ExpArena* arena : arena_pointers())
-    for (const ExpSegment* seg : arena->segments) va_reserved += seg->va_bytes;
-  if (va_reserved != va_reserved_) broken("va_reserved_ is not the segments' address range");
+    for (const ExpSegment* seg : arena->segments) {
+      va_reserved += seg->va_bytes;
+      if (seg->base < spare_hi && seg->base + seg->va_bytes > spare_lo) broken("a segment overlaps the spare range");
+    }
+  if (va_reserved + spare_range_.bytes != va_reserved_) broken("va_reserved_ is not the address range of the segments and the spare range");
+  for (const ExpHandle& h : orphans_)
+    if (h.mapped && h.orphan_addr < spare_hi && h.orphan_addr + h.bytes > spare_lo) broken("a mapped orphan lies in the spare range");
   if (s.num_free_blocks != static_cast<std::int64_t>(mapped_free_blocks)) broken("num_free_blocks stat is wrong");
   for (int pool : {kSmallPool, kLargePool}) {
     allocated[kAllPools] += allocated[pool];

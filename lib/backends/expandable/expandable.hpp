@@ -33,7 +33,8 @@
 //     mapped free block, its first handle's run_first and its last handle's run_last point to it;
 //     an arena's idle_runs are the runs in its segments, in the backend's order
 //   - reserved_ = bytes of every handle held (mapped or waiting for a retried release);
-//     va_reserved_ = bytes of address range the segments hold
+//     va_reserved_ = bytes of address range the segments and the spare range hold; the spare
+//     range overlaps no segment and no mapped orphan
 //   - a mapped orphan (its access grant and its unmap failed) lies inside a reservation still held,
 //     and no handle is mapped over its frames until its unmap succeeds
 //   - an arena on retired_looks_ is retired; a retired arena off it holds no idle handle and no
@@ -311,7 +312,8 @@ class ExpandableBackend final : public Backend {
   // Allocates [start, start + size) out of free mapped block `b`, which holds it; the caller has
   // reserved one idle run and two Blocks (nothing here throws).
   core::Block* carve_at(ExpArena& arena, ExpSegment& seg, core::Block* b, std::uint64_t start, std::size_t size, std::size_t requested) noexcept;
-  void drop_segment(ExpArena& arena, ExpSegment* seg);
+  // keep_range: the range may become the spare range (not when ranges must go back now).
+  void drop_segment(ExpArena& arena, ExpSegment* seg, bool keep_range = true);
   bool find_placement(ExpArena& arena, std::size_t size, Placement& out, bool with_room = false);
   bool find_mapped_place(ExpArena& arena, std::size_t size, Placement& out);
   std::size_t frames_needed(const ExpSegment& seg, std::uint64_t lo, std::uint64_t hi) const noexcept;
@@ -415,7 +417,17 @@ class ExpandableBackend final : public Backend {
   // (new_segment); at least the range of a segment given back since (drop_segment), va_bytes_ again
   // after release_cached or once no segment is left.
   std::size_t va_hint_;
-  std::size_t va_reserved_ = 0;  // address range the segments hold
+  std::size_t va_reserved_ = 0;  // address range the segments and the spare range hold
+  // The address range of the last segment given back, kept reserved for the next new segment: a
+  // stream that lives for a few requests (a stream per request in a server) cost a
+  // cuMemAddressReserve and a cuMemAddressFree per life. Nothing is mapped in it. At most one, given
+  // back by release_cached, when a new segment needs more, when the address space runs short, and by
+  // the destructor.
+  struct SpareRange {
+    driver::dev_ptr base = 0;
+    std::size_t bytes = 0;  // 0: none
+  } spare_range_;
+  void free_spare_range();
   // Address range the segments of every expandable allocator of the process hold: all devices share
   // one address space (new_segment's budget). Relaxed: a budget, read under this allocator's lock only.
   static inline std::atomic<std::size_t> process_va_reserved_{0};
