@@ -99,7 +99,8 @@ class Allocator {
   // changing nothing else, while blocks allocated on it are live or wait for other streams, while a
   // live block or a held free has it recorded (record_stream), while it or a graph pool's capture
   // is capturing, and for the default, legacy or per-thread stream; expseg::driver_error when the
-  // synchronization fails.
+  // synchronization or a give-back fails (what went back before stays given back, the allocator
+  // stays consistent; a later call gives back the rest).
   void release_stream(stream_t stream);
 
   // CUDA graphs' private pools, as PyTorch's torch.cuda.graph keeps them. A graph replays the

@@ -537,6 +537,59 @@ TEST_CASE("expandable: a stream per request reuses the address range of the last
   sa.sim->stream_destroy(own);
 }
 
+TEST_CASE("release_stream: a give-back that fails throws driver_error, the allocator stays consistent, a second call ends it") {
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind, 80 * GiB, ""));
+    void* s = sa.sim->stream_create();
+    std::vector<void*> ps;
+    for (int i = 0; i < 3; ++i) ps.push_back(sa->allocate(64 * MiB, s));
+    for (void* p : ps) sa->deallocate(p);
+    sa.sim->inject_fault(kind == BackendKind::split_merge ? Op::mem_free : Op::unmap, 1, expseg::driver::Fault::error);
+    CHECK_THROWS_AS(sa->release_stream(s), expseg::driver_error);
+    sa->validate();
+    sa->release_stream(s);
+    CHECK(reserved(*sa) == 0);
+    sa->validate();
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s);
+  }
+}
+
+TEST_CASE("expandable: a cuMemAddressFree of the spare range that fails leaves the allocator consistent") {
+  using expseg::driver::Fault;
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:1GiB"));
+  void* a = sa.sim->stream_create();
+  void* b = sa.sim->stream_create();
+  void* c = sa.sim->stream_create();
+  sa->deallocate(sa->allocate(3 * GiB, b));
+  sa->deallocate(sa->allocate(8 * MiB, a));
+  sa->release_stream(a);  // a's 1 GiB range: the spare
+  // b's 3 GiB segment is larger: releasing b gives the 1 GiB spare back first, and that fails.
+  CHECK(sa.sim->live().reservations == 2);
+  sa.sim->inject_fault(Op::free_reserve, 1, Fault::error);
+  CHECK_THROWS_AS(sa->release_stream(b), expseg::driver_error);
+  sa->validate();
+  CHECK(sa.sim->live().reservations == 2);  // b's segment and the spare, both still counted
+  sa->release_stream(b);                    // again: served, b's range is the spare now
+  CHECK(sa.sim->live().reservations == 1);
+  CHECK(sa->stats().reserved_bytes[kAllPools].current == 0);
+  sa->validate();
+  // A request on c too large for the 3 GiB spare: the spare's give-back fails, the request is
+  // served from a reservation of its own, and the spare stays (given back by release_cached).
+  sa.sim->inject_fault(Op::free_reserve, 1, Fault::error);
+  void* big = sa->allocate(4 * GiB, c);
+  CHECK(sa.sim->live().reservations == 2);
+  sa->validate();
+  sa->deallocate(big);
+  sa->release_cached();
+  CHECK(sa.sim->live().reservations == 0);
+  sa->validate();
+  sa.alloc.reset();
+  for (void* s : {a, b, c}) sa.sim->stream_destroy(s);
+}
+
 TEST_CASE("expandable: out of address range, the spare range goes back before a segment is made smaller") {
   // 3 GiB of address range: a released stream's 2 GiB range kept spare leaves 1 GiB; a request for
   // 2.5 GiB on another stream needs a larger range than the spare: the spare goes back, and the
