@@ -9,13 +9,20 @@
 //                                                      cost of a short stream's life (real streams;
 //                                                      the short one is the same CUstream each
 //                                                      time, new to expseg after release_stream)
+//   streams/<backend>:<sim|cuda>/held:16/weights:4GiB/new_stream_cycle   the same while the program
+//                                                      holds 4 GiB on its default stream (a model's
+//                                                      weights): expandable's handles may then be
+//                                                      16 MiB, and a small request growing a
+//                                                      segment maps a growth granule
 //
 // Counters: driver_calls per cycle, and per driver call (calls_<name>); on the GPU also the time in
 // the driver per cycle (driver_us) and per call (us_<name>). What grew with N before the
 // fixes this guards: expandable's sweep of every arena per release, split_merge's sorted vector of
 // per-stream indexes, whose insert and erase moved every entry after the stream's. And what it
 // showed with few streams held: expandable's first 512 B on a new stream mapped a 20 MiB growth
-// granule in ten one-frame handles (57 driver calls a cycle; now 12).
+// granule in ten one-frame handles (57 driver calls a cycle; now 12); with gigabytes held, in two
+// handles (the request's frame and the granule's rest), where a stream's first growth now maps its
+// frame alone.
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -31,7 +38,7 @@ namespace {
 
 stream_t fake_stream(std::size_t i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(0x10000 + 16 * i)); }
 
-void bm_new_stream_cycle(benchmark::State& st, BackendKind backend, std::size_t held, bool cuda) {
+void bm_new_stream_cycle(benchmark::State& st, BackendKind backend, std::size_t held, std::size_t weights, bool cuda) {
   Config cfg;
   cfg.backend = backend;
   cfg.device = cuda ? DeviceKind::cuda : DeviceKind::sim;
@@ -50,7 +57,8 @@ void bm_new_stream_cycle(benchmark::State& st, BackendKind backend, std::size_t 
     return real[i];
   };
   std::vector<void*> kept;
-  kept.reserve(held);
+  kept.reserve(held + 1);
+  if (weights != 0) kept.push_back(a.allocate(weights, nullptr));
   for (std::size_t i = 0; i < held; ++i) kept.push_back(a.allocate(512, stream_at(i)));
   std::size_t next = held;
   const driver::CallStats calls0 = drv.call_stats();
@@ -84,14 +92,18 @@ void register_streams(bool quick, bool cuda) {
     for (BackendKind backend : {BackendKind::split_merge, BackendKind::expandable}) {
       for (std::size_t held : {std::size_t{16}, std::size_t{4000}, std::size_t{16000}}) {
         if (on_gpu && held != 16) continue;  // thousands of real streams: the simulator's figures say it
-        const std::string name = std::string("streams/") + (backend == BackendKind::expandable ? "expandable" : "split_merge") +
-                                 (on_gpu ? ":cuda" : ":sim") + "/held:" + std::to_string(held) + "/new_stream_cycle";
-        benchmark::RegisterBenchmark(name.c_str(), [name, backend, held, on_gpu](benchmark::State& st) {
-          guarded(st, name, [&] { bm_new_stream_cycle(st, backend, held, on_gpu); });
-        })
-            ->Unit(benchmark::kMicrosecond)
-            ->MinTime(quick ? 0.02 : 0.25)
-            ->UseRealTime();
+        for (std::size_t weights : {std::size_t{0}, std::size_t{4} * GiB}) {
+          if (weights != 0 && held != 16) continue;
+          const std::string name = std::string("streams/") + (backend == BackendKind::expandable ? "expandable" : "split_merge") +
+                                   (on_gpu ? ":cuda" : ":sim") + "/held:" + std::to_string(held) +
+                                   (weights != 0 ? "/weights:4GiB" : "") + "/new_stream_cycle";
+          benchmark::RegisterBenchmark(name.c_str(), [name, backend, held, weights, on_gpu](benchmark::State& st) {
+            guarded(st, name, [&] { bm_new_stream_cycle(st, backend, held, weights, on_gpu); });
+          })
+              ->Unit(benchmark::kMicrosecond)
+              ->MinTime(quick ? 0.02 : 0.25)
+              ->UseRealTime();
+        }
       }
     }
   }

@@ -325,17 +325,21 @@ TEST_CASE("expandable: small requests pack into shared frames") {
     sa->validate();
   }
   {
-    // More held (4 GiB: handles of up to 16 MiB): the tail grows by a 16 MiB granule, in a handle
-    // apart from the request's frame, so the rest can be given back while the small blocks live.
+    // More held (4 GiB: handles of up to 16 MiB). A new stream's first request maps its frame
+    // alone (4000 x 512 B fit in it); its next growth maps a 16 MiB granule, in a handle apart from
+    // the request's frame, so the rest can be given back while the small blocks live.
     auto sa = make_sim_allocator(sim_config(BackendKind::expandable));
     void* big = sa->allocate(4 * GiB);
     const auto creates0 = sa.sim->calls(expseg::driver::Op::create);
     std::vector<void*> v;
     for (int i = 0; i < 4000; ++i) v.push_back(sa->allocate(512, reinterpret_cast<void*>(0x40)));  // a stream of its own
-    CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * GiB + 16 * MiB));
-    CHECK(sa.sim->calls(expseg::driver::Op::create) == creates0 + 2);  // the request's frame, then the rest
-    sa->release_cached();
     CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * GiB + 2 * MiB));
+    CHECK(sa.sim->calls(expseg::driver::Op::create) == creates0 + 1);  // the first request's frame only
+    for (int i = 0; i < 4000; ++i) v.push_back(sa->allocate(512, reinterpret_cast<void*>(0x40)));
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * GiB + 16 * MiB));  // the granule: frames 2-16 MiB
+    CHECK(sa.sim->calls(expseg::driver::Op::create) == creates0 + 3);  // the request's frame, then the rest
+    sa->release_cached();
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * GiB + 4 * MiB));  // the two frames the blocks use
     for (void* p : v) sa->deallocate(p);
     sa->deallocate(big);
     sa->validate();

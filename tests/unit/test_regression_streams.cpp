@@ -509,7 +509,15 @@ TEST_CASE("expandable: a stream per request reuses the address range of the last
     CHECK(sa->stats().segment[kAllPools].current == 1);  // the spare range is no segment
     sa->validate();
   }
-  // A request too large for the spare range gives it back and reserves its own.
+  sa->deallocate(keep);
+  sa->release_cached();  // gives back the spare range too
+  CHECK(sa.sim->live().reservations == 0);
+  CHECK(reserved(*sa) == 0);
+  sa->validate();
+  sa.alloc.reset();
+  sa.sim->stream_destroy(own);
+  // A request too large for the spare range gives it back and reserves its own (another allocator,
+  // made once the first is gone: a spare is kept only by the process's one expandable allocator).
   {
     auto small = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:1GiB"));
     void* a = small.sim->stream_create();
@@ -528,13 +536,78 @@ TEST_CASE("expandable: a stream per request reuses the address range of the last
     small.sim->stream_destroy(a);
     small.sim->stream_destroy(b);
   }
-  sa->deallocate(keep);
-  sa->release_cached();  // gives back the spare range too
-  CHECK(sa.sim->live().reservations == 0);
-  CHECK(reserved(*sa) == 0);
+}
+
+TEST_CASE("expandable: with two allocators in the process, a released stream's range goes back, not kept for one of them") {
+  // All expandable allocators of a process share one address space, and each keeps its ranges under
+  // its own lock. Was: allocator A kept the range of a released stream as its spare, and allocator B
+  // (another device), short of address range, could not take it back: B's request was an OOM for
+  // the address range while A mapped nothing; A's release_cached made it succeed.
+  const expseg::driver::SimOptions three_gib{.address_space = std::size_t{3} << 30};
+  auto a = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:2GiB"), three_gib);
+  auto b = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, "expandable_va_size:2GiB"), three_gib);
+  void* sa = a.sim->stream_create();
+  void* sb = b.sim->stream_create();
+  a->deallocate(a->allocate(8 * MiB, sa));
+  const auto a_frees = a.sim->calls(Op::free_reserve);
+  a->release_stream(sa);
+  CHECK(a.sim->calls(Op::free_reserve) == a_frees + 1);  // the range went back
+  CHECK(a.sim->live().reservations == 0);
+  a->validate();
+  void* p = b->allocate(1536 * MiB, sb);
+  CHECK(b->stats().num_ooms == 0);
+  b->validate();
+  b->deallocate(p);
+  b.alloc.reset();
+  // Alone in the process again, A keeps the next released stream's range.
+  a->deallocate(a->allocate(8 * MiB, sa));
+  a->release_stream(sa);
+  CHECK(a.sim->live().reservations == 1);
+  a->validate();
+  a->release_cached();
+  CHECK(a.sim->live().reservations == 0);
+  a.alloc.reset();
+  a.sim->stream_destroy(sa);
+  b.sim->stream_destroy(sb);
+}
+
+TEST_CASE("expandable: a stream per request maps one handle while the process holds gigabytes") {
+  // With 4 GiB held, handles may be 16 MiB and a small request growing a segment's tail maps a
+  // 16 MiB growth granule: the request's frame and the granule's rest, two handles. A stream that
+  // lives for one request made and gave back both (cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap,
+  // cuMemRelease twice); its first request now maps its own frame alone.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 80 * GiB, ""));
+  void* weights = sa->allocate(4 * GiB);
+  for (int round = 0; round < 5; ++round) {
+    CAPTURE(round);
+    void* s = sa.sim->stream_create();
+    const auto before = sa.sim->call_stats();
+    void* p = sa->allocate(512, s);
+    void* q = sa->allocate(64 * KiB, s);  // packs into the same frame: no growth
+    sa->deallocate(q);
+    sa->deallocate(p);
+    sa->release_stream(s);
+    const auto d = sa.sim->call_stats().since(before);
+    CHECK(d.calls[static_cast<std::size_t>(Op::create)] == 1);
+    CHECK(d.calls[static_cast<std::size_t>(Op::set_access)] == 1);
+    CHECK(d.calls[static_cast<std::size_t>(Op::release)] == 1);
+    CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * GiB));
+    sa->validate();
+    sa.sim->stream_destroy(s);
+  }
+  // A stream that goes on asking grows by the granule from its second growth on.
+  void* s = sa.sim->stream_create();
+  std::vector<void*> v;
+  for (int i = 0; i < 3; ++i) v.push_back(sa->allocate(1 * MiB, s));  // the third needs a second frame
+  CHECK(reserved(*sa) == static_cast<std::int64_t>(4 * GiB + 16 * MiB));
   sa->validate();
+  for (void* p : v) sa->deallocate(p);
+  sa->release_stream(s);
+  sa->deallocate(weights);
+  sa->release_cached();
+  CHECK(reserved(*sa) == 0);
   sa.alloc.reset();
-  sa.sim->stream_destroy(own);
+  sa.sim->stream_destroy(s);
 }
 
 TEST_CASE("release_stream: a give-back that fails throws driver_error, the allocator stays consistent, a second call ends it") {
@@ -579,7 +652,9 @@ TEST_CASE("expandable: a cuMemAddressFree of the spare range that fails leaves t
   // A request on c too large for the 3 GiB spare: the spare's give-back fails, the request is
   // served from a reservation of its own, and the spare stays (given back by release_cached).
   sa.sim->inject_fault(Op::free_reserve, 1, Fault::error);
+  const auto frees_before = sa.sim->calls(Op::free_reserve);
   void* big = sa->allocate(4 * GiB, c);
+  CHECK(sa.sim->calls(Op::free_reserve) == frees_before + 1);  // the spare was offered back, and that failed
   CHECK(sa.sim->live().reservations == 2);
   sa->validate();
   sa->deallocate(big);

@@ -137,7 +137,10 @@ Block* split_after(core::BlockPool& pool, Block* b, std::uint64_t at) {
 //     growth granule (20 MiB, PyTorch's large page), in one handle of at most the size above
 //     (growth_granule): while little is held, one frame. Ten one-frame handles for that granule made
 //     the first 512 B on a fresh allocator or a new stream cost ~0.45 ms of driver calls on the
-//     H200, and left 20 MiB reserved per stream (4,000 streams: 80 GiB for 2 MiB of blocks each);
+//     H200, and left 20 MiB reserved per stream (4,000 streams: 80 GiB for 2 MiB of blocks each).
+//     Not at a segment's first growth: a new stream's first small request maps its frame alone,
+//     one handle where the request's frame and the granule's rest were two (a stream per request
+//     while the process held 1-8.8 GB of the H200: two handles made and given back per stream);
 //   - the frames a new block covers only partly (at its start and end) get handles of their own,
 //     so neighbours that later pack into them never keep a bulk handle mapped;
 //   - allocations from cached memory prefer, among the few best-fitting free blocks, the place that
@@ -204,9 +207,11 @@ ExpandableBackend::ExpandableBackend(Context& ctx)
   }
   va_bytes_ = std::max(round_up(va, frame_), frame_);
   va_hint_ = va_bytes_;
+  process_instances_.fetch_add(1, std::memory_order_relaxed);  // last: a throw above counts nothing
 }
 
 ExpandableBackend::~ExpandableBackend() {
+  process_instances_.fetch_sub(1, std::memory_order_relaxed);
   // Give everything back; errors cannot be reported from a destructor, so a failing call is tried
   // once more (a transient failure then leaks nothing) and otherwise left to process exit.
   auto quietly = [](auto&& f) {
@@ -1165,10 +1170,19 @@ void ExpandableBackend::drop_segment(ExpArena& arena, ExpSegment* seg, bool keep
   Block* b = seg->first;
   if (seg->mapped_bytes != 0 || b->next != nullptr || !b->is_free()) return;
   unmap_orphans_in(seg->base, seg->va_bytes);  // throws: the reservation stays while a mapping is in it
-  if (keep_range && seg->va_bytes > spare_range_.bytes) {
+  // Kept only by the process's one expandable allocator: all share one address space, and another
+  // allocator (another device's) could not take this one's spare back when it runs out of range.
+  const bool sole = process_instances_.load(std::memory_order_relaxed) == 1;
+  if (keep_range && seg->va_bytes > spare_range_.bytes && sole) {
     if (spare_range_.bytes != 0) free_spare_range();  // throws with nothing changed
     spare_range_ = {seg->base, seg->va_bytes};
   } else {
+    if (!sole && spare_range_.bytes != 0) {  // kept before another allocator came: best effort
+      try {
+        free_spare_range();
+      } catch (const driver_error&) {
+      }
+    }
     ctx_.driver.free_reserve(seg->base, seg->va_bytes);
     va_reserved_ -= seg->va_bytes;
     process_va_reserved_.fetch_sub(seg->va_bytes, std::memory_order_relaxed);
@@ -1194,8 +1208,13 @@ void ExpandableBackend::free_spare_range() {
 Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested) {
   // A small request growing into a segment's untouched tail maps up to a whole growth granule, as
   // PyTorch maps 20 MiB pages, so that a run of small requests costs one growth instead of one each.
+  // Not the segment's first growth: a new stream's first request maps only its own frame, so a
+  // stream that lives for one request (a stream per request, a short-lived thread's per-thread
+  // stream) maps and gives back one handle, not two (the request's frame and the granule's rest,
+  // as handles apart: see the handle policy); a stream that goes on asking pays that one handle
+  // once, at its second growth.
   std::uint64_t map_hi = pl.start + size;
-  if (const std::size_t granule = growth_granule(size); granule > frame_ && size < granule) {
+  if (const std::size_t granule = growth_granule(size); granule > frame_ && size < granule && pl.seg->high_water != 0) {
     Block* b = pl.anchor ? pl.anchor->next : pl.seg->first;
     while (b->end() < map_hi) b = b->next;
     if (b->next == nullptr && b->is_free() && !b->mapped) {

@@ -422,7 +422,9 @@ class ExpandableBackend final : public Backend {
   // stream that lives for a few requests (a stream per request in a server) cost a
   // cuMemAddressReserve and a cuMemAddressFree per life. Nothing is mapped in it. At most one, given
   // back by release_cached, when a new segment needs more, when the address space runs short, and by
-  // the destructor.
+  // the destructor. Kept only while this is the process's one expandable allocator
+  // (process_instances_): another device's allocator that runs out of address range cannot take it
+  // back (each allocator's ranges are its own, under its own lock).
   struct SpareRange {
     driver::dev_ptr base = 0;
     std::size_t bytes = 0;  // 0: none
@@ -432,6 +434,8 @@ class ExpandableBackend final : public Backend {
   // one address space (new_segment's budget). Relaxed: a budget, read under this allocator's lock only.
   static inline std::atomic<std::size_t> process_va_reserved_{0};
   static constexpr std::size_t kFullRangeBudget = std::size_t{32} << 40;  // 32 TiB (new_segment)
+  // Expandable allocators alive in the process (the spare range's condition).
+  static inline std::atomic<int> process_instances_{0};
   // Every arena, in the order they were made; the retired ones (per-thread keys of exited threads,
   // released graph pools' keys: reap_retired) in the order they retired.
   using ArenaList = core::bi::list<ExpArena, core::bi::member_hook<ExpArena, core::bi::list_member_hook<>, &ExpArena::arenas_hook>,
