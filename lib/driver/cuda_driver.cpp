@@ -21,6 +21,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -126,7 +127,19 @@ Library load_library() {
     return std::move(lib);
   };
 
-  void* handle = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  // EXPSEG_LIBCUDA names the driver library to load instead (the CUDA forward-compatibility
+  // driver, /usr/local/cuda/compat/libcuda.so.1, say); only that one is tried then.
+  void* handle = nullptr;
+  if (const char* path = std::getenv("EXPSEG_LIBCUDA"); path != nullptr && *path != '\0') {
+    handle = ::dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      const char* e = ::dlerror();
+      return fail("dlopen", CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND",
+                  std::string("cannot load the CUDA driver library that EXPSEG_LIBCUDA names: ") + (e ? e : path) + kNoGpuHint);
+    }
+  } else {
+    handle = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  }
   if (handle == nullptr) {
     const char* e1 = ::dlerror();
     std::string first = e1 ? e1 : "unknown error";

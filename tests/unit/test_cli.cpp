@@ -372,6 +372,30 @@ TEST_CASE("cli: a lenient replay's note says a missing free was supplied, not th
   fs::remove(p);
 }
 
+TEST_CASE("cli: without a loadable CUDA driver, the error says to use device:sim") {
+  // Was: "dlopen failed: CUDA_ERROR_NOT_FOUND (500): cannot load the CUDA driver library: libcuda.so.1: ..."
+  // and nothing more. EXPSEG_LIBCUDA naming a library that is not there stands for a machine without
+  // a driver, so this runs on every machine, a GPU machine too.
+  const std::string env = "EXPSEG_LIBCUDA=/nonexistent/expseg-test/libcuda.so.1";
+  const char* hint = "no GPU? use device:sim (EXPSEG_ALLOC_CONF=device:sim)";
+  Run info = run_cli("info", env);
+  CHECK(info.status == 0);
+  CHECK(info.out.find("CUDA: not usable") != std::string::npos);
+  CHECK(info.out.find("cannot load the CUDA driver library that EXPSEG_LIBCUDA names: /nonexistent/expseg-test/libcuda.so.1") !=
+        std::string::npos);
+  CHECK(info.out.find(hint) != std::string::npos);
+  CHECK(info.out.find("the simulator: CUDA is not usable") != std::string::npos);
+  Run cuda = run_cli("scenario split-800-500-300 --device cuda", env);
+  CHECK(cuda.status != 0);
+  CHECK(cuda.err.find(hint) != std::string::npos);
+  // And the story runs on the simulated device, as the hint says.
+  Run sim = run_cli("scenario split-800-500-300 --device sim", env);
+  CHECK(sim.status == 0);
+  // Unset, the library loads as before where there is one (the gpu suite checks that machine).
+  Run plain = run_cli("info");
+  CHECK(plain.out.find("EXPSEG_LIBCUDA") == std::string::npos);
+}
+
 TEST_CASE("cli: info and config") {
   Run r = run_cli("info");
   CHECK(r.status == 0);
@@ -862,7 +886,7 @@ TEST_CASE("cli: explain finds the trace of a dump whose path is not UTF-8") {
 
 TEST_CASE("cli: output that cannot be written is a failure, exit 1, with the system's reason") {
   // `expseg ... --json > /dev/full` exited 0: a script took the empty file for the run's result.
-  if (!fs::exists("/dev/full")) return;
+  REQUIRE_MESSAGE(fs::exists("/dev/full"), "Linux has /dev/full: a device whose writes fail with ENOSPC");
   for (const char* args : {"scenario split-800-500-300 --device sim --json", "scenario split-800-500-300 --device sim",
                            "replay --device sim --json '" EXPSEG_SOURCE_DIR "/benchmarks/traces/resnet50-train-varsize.rmm.csv.gz'"}) {
     const Run r = run_cli(std::string(args) + " >/dev/full");
