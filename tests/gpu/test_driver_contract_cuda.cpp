@@ -133,7 +133,10 @@ TEST_SUITE("driver") {
     options.shareable = ShareableHandle::posix_fd;
     auto d = make_cuda_driver(0, options);
     if (d->shareable_handle_type() != ShareableHandle::posix_fd) {
-      MESSAGE("posix_fd handles unavailable: " << d->shareable_fallback_reason());
+      // Linux with a current driver supports them: on the H200 (driver 580) a fallback is a failure.
+      if (d->device_name().find("H200") != std::string::npos)
+        FAIL("posix_fd handles unavailable on an H200: " << d->shareable_fallback_reason());
+      WARN_MESSAGE(false, "posix_fd handles unavailable, the export and import were not tested: " << d->shareable_fallback_reason());
       CHECK_FALSE(d->shareable_fallback_reason().empty());
       return;
     }

@@ -569,7 +569,10 @@ TEST_CASE("gpu: expandable requests the device cannot hold give back every page 
 TEST_CASE("gpu: regression: expseg_enable_peer_access refuses a peer the machine does not have before creating the allocator") {
   const int count = expseg::driver::cuda_device_count();
   REQUIRE(count >= 1);
-  if (count >= EXPSEG_MAX_DEVICES) return;  // every index the C API takes is a device here
+  if (count >= EXPSEG_MAX_DEVICES) {  // every index the C API takes is a device here
+    WARN_MESSAGE(false, "this machine has " << count << " devices, every index the C API takes: the refusal was not tested");
+    return;
+  }
   expseg::capi::reset_for_tests();
   REQUIRE(expseg_configure("device:cuda") == EXPSEG_SUCCESS);
   CHECK(expseg_enable_peer_access(0, count) == EXPSEG_ERROR_INVALID_DEVICE);

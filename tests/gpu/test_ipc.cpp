@@ -26,6 +26,20 @@ TEST_CASE("ipc: expandable with ipc_handle:fabric (fabric handles, or posix_fd w
   // Fabric handles need IMEX channels; where they are refused, the driver falls back to posix_fd
   // and says why (device_info().ipc_fallback_reason, IpcMemHandle::fallback_reason).
   ipc_test::round_trip("backend:expandable,ipc_handle:fabric,expandable_max_handle:2MiB", "scm");
+  // Which of the two it was, and never a silent fallback.
+  expseg::Allocator a(expseg::Config::parse("backend:expandable,ipc_handle:fabric"), 0);
+  void* p = a.allocate(1u << 20);
+  const expseg::IpcMemHandle h = a.export_ipc(p);
+  CAPTURE(h.fallback_reason);
+  if (h.kind == expseg::IpcKind::fabric) {
+    CHECK(h.fallback_reason.empty());
+    CHECK(a.device_info().ipc_fallback_reason.empty());
+  } else {
+    CHECK(h.kind == expseg::IpcKind::posix_fd);
+    CHECK_FALSE(h.fallback_reason.empty());
+    CHECK(h.fallback_reason == a.device_info().ipc_fallback_reason);
+  }
+  a.deallocate(p);
 }
 
 TEST_CASE("ipc: export errors on the real device") {

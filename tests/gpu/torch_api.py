@@ -250,6 +250,11 @@ def main():
         print("torch_api: SKIPPED (no torch)")
         return 77
     if not torch.cuda.is_available():
+        # Skipped only where there is no GPU to test: a machine with an NVIDIA device whose driver
+        # torch cannot use is a failure (as a skip it would pass unseen on the GPU machines).
+        if os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia/gpus"):
+            print("torch_api: FAILED (an NVIDIA device is present, but torch.cuda.is_available() is False)")
+            return 1
         print("torch_api: SKIPPED (no CUDA device)")
         return 77
     import shutil

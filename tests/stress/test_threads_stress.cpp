@@ -37,6 +37,14 @@ TEST_CASE("threads: 16 threads on each backend keep every invariant and every by
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("threads: %s %s: %.1f s, %s\n", expseg::to_string(c.backend), c.config, secs, r.to_string().c_str());
     CHECK_MESSAGE(r.failure.empty(), r.failure);
+    // The run did what it stands for: allocations, frees on other streams, validations, cache
+    // releases and limit changes from the threads, while others allocate.
+    CHECK(r.allocs > 0);
+    CHECK(r.frees > 0);
+    CHECK(r.cross_stream > 0);
+    CHECK(r.validations > 0);
+    CHECK(r.release_cached > 0);
+    CHECK(r.limit_changes > 0);
   }
 }
 

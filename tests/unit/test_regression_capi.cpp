@@ -221,6 +221,7 @@ TEST_CASE_FIXTURE(CApiFixture, "capi regression: expseg_torch_malloc throws out_
   } catch (...) {
     // Was: std::runtime_error("host memory exhausted (std::bad_alloc)"), which PyTorch cannot tell from other errors.
   }
+  CHECK(g_fail_nth_new == 0);  // the failure fired: else this was an ordinary OOM
   g_fail_nth_new = 0;
   CHECK(oom);
   CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
