@@ -712,7 +712,7 @@ const Entry kEntries[] = {
    [](const Config& c) -> std::string { return format_bool(c.oom_counterfactual); }},
   {{"oom_dump", "path|none", "none",
     "at every OOM write report, snapshot, config and recorded trace to this file (%p pid, %d device, %n OOM number); "
-    "no ',' in it (items are separated by commas)"},
+    "no ',' in it outside balanced [...] (items are separated by commas)"},
    parse_oom_dump, [](const Config& c) { return c.oom_dump.empty() ? std::string("none") : c.oom_dump; }},
   // --- PyTorch's keys, with PyTorch's meaning ---
   {{"large_segment_size_mb", "MiB", "20", "PyTorch: the segment split_merge gives a request of 1-10 MiB (> 10); also the least max_split_size_mb and the default max_non_split_rounding_mb"},
