@@ -11,6 +11,7 @@
 // allocation last, go to a second file beside it (PATH without ".json", plus ".trace.csv"), which
 // `expseg explain PATH` (and `expseg replay`) replays on both backends on the simulated device.
 // Both files are written to a temporary name and renamed, so a reader never sees half a dump.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,6 +71,21 @@ std::string rename_into_place(const std::string& tmp, const std::string& path) {
   return std::string("cannot rename ") + tmp + " to " + path + ": " + std::strerror(err);
 }
 
+// The dump replaces a file at its path by a rename: a symlink, a device such as /dev/stderr or a FIFO
+// there would be replaced, for the whole machine when run as root. Throws when `path` exists and is
+// one of those (a directory stays: the rename onto it fails, and says so).
+void require_regular_or_absent(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return;  // absent (or unreadable: the write says why)
+  if (S_ISREG(st.st_mode) || S_ISDIR(st.st_mode)) return;
+  const char* what = S_ISLNK(st.st_mode)    ? "a symbolic link"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) ? "a device"
+                                                                     : "not a regular file";
+  throw std::runtime_error(path + " is " + std::string(what) +
+                           ": a dump replaces a regular file only (name a file path in oom_dump, e.g. /tmp/oom-%p.json)");
+}
+
 // Held from a dump's first rename to its last: allocators of different devices dump under their
 // own locks, and a path without %d (or %n) is shared by their OOMs; without it one OOM's JSON could
 // land beside another's trace (two allocators on one path: 19 mixed pairs of 3,000).
@@ -99,6 +115,7 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
     saved = true;
     path = expand_oom_dump_path(config.oom_dump, static_cast<long>(::getpid()), driver->device(),
                                 oom_count);
+    require_regular_or_absent(path);
     // The report's own snapshot (oom_snapshot:true) when it has one: no second walk, no copy.
     std::optional<Snapshot> taken;
     if (!report.snapshot) taken = snapshot_locked();
@@ -112,6 +129,7 @@ void Allocator::Impl::write_oom_dump(OomReport& report) noexcept {
       trace_path = oom_dump_trace_path(path);
       trace_tmp = temporary_name(trace_path);
       try {
+        require_regular_or_absent(trace_path);
         write_trace_file(trace_tmp, events);
       } catch (const std::exception& e) {
         trace_error = e.what();
@@ -390,10 +408,28 @@ OomReport read_report(const Reader& r, const JsonValue& o) {
 OomDump read_oom_dump(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw error(path + ": cannot open the OOM dump: " + std::strerror(errno));
+  // Read in chunks, up to a bound: a dump of 100,000 blocks is ~9.4 MB, and a device or a large
+  // file named by mistake (/dev/zero, a core file) must end in an error, not in all host memory.
+  constexpr std::size_t kMaxDumpBytes = std::size_t{1} << 30;
   std::string text;
   errno = 0;
   try {
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    std::array<char, 1 << 16> chunk{};
+    while (in.read(chunk.data(), chunk.size()) || in.gcount() > 0) {
+      const auto n = static_cast<std::size_t>(in.gcount());
+      if (text.empty()) {
+        // JSON begins with '{' after white space: anything else is no dump, said at once.
+        const std::string_view head(chunk.data(), n);
+        const std::size_t first = head.find_first_not_of(" \t\r\n");
+        if (first != std::string_view::npos && head[first] != '{')
+          throw error(path + ": not an expseg OOM dump: it does not begin with a JSON object ('{')" +
+                      (head.find('\0') != std::string_view::npos ? " (binary data: a NUL byte)" : ""));
+      }
+      if (text.size() + n > kMaxDumpBytes)
+        throw error(path + ": not an expseg OOM dump: larger than " + std::to_string(kMaxDumpBytes >> 20) + " MiB");
+      text.append(chunk.data(), n);
+      if (in.eof()) break;
+    }
   } catch (const std::ios_base::failure&) {
     in.setstate(std::ios::badbit);  // a read error (a directory opens, then reads fail): say so with the file's name
   }
@@ -419,6 +455,18 @@ OomDump read_oom_dump(const std::string& path) {
     d.trace_events = r.u64(doc, "trace_events");
     d.trace_complete = r.boolean(doc, "trace_complete");
     d.limit_changed = doc.has("limit_changed") && r.boolean(doc, "limit_changed");  // absent in older dumps
+    // The device's size sizes explain's simulated device: one that cannot hold what the run held
+    // replays to OOMs that say nothing about it (an edited or damaged dump).
+    const std::size_t total = d.report.device_total_bytes;
+    if (total == 0) throw std::runtime_error("member 'report.device_total_bytes' is 0: no device size to replay on");
+    if (d.report.reserved_bytes > total)
+      throw std::runtime_error("member 'report.reserved_bytes' (" + std::to_string(d.report.reserved_bytes) +
+                               ") is more than the device's memory, 'report.device_total_bytes' (" + std::to_string(total) + ")");
+    std::uint64_t mapped = 0;
+    for (const SegmentInfo& seg : d.snapshot.segments) mapped += std::min<std::uint64_t>(seg.mapped_bytes, total);
+    if (mapped > total)
+      throw std::runtime_error("the snapshot's segments hold " + std::to_string(mapped) + " bytes of memory, more than the device's " +
+                               std::to_string(total) + " ('report.device_total_bytes')");
     return d;
   } catch (const std::exception& e) {
     throw error(path + ": not an expseg OOM dump: " + e.what());

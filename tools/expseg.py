@@ -242,6 +242,28 @@ def _size(n, what):
     return n
 
 
+def _cstr(text, what):
+    """A str argument the C API takes as a C string: ctypes would cut it at a NUL, and bytes or other types
+    would fail with an AttributeError deep in the call."""
+    if not isinstance(text, str):
+        raise ExpsegError("%s must be a str, not %s" % (what, type(text).__name__), INVALID_ARGUMENT)
+    if "\0" in text:
+        raise ExpsegError("%s contains a NUL character, which would cut it short: %r" % (what, text), INVALID_ARGUMENT)
+    return text.encode()
+
+
+def _cpath(path, what):
+    """A file system path (str, bytes or os.PathLike) as the C API takes it."""
+    try:
+        raw = os.fsencode(path)
+    except TypeError:
+        raise ExpsegError("%s must be a path (str, bytes or os.PathLike), not %s" % (what, type(path).__name__),
+                          INVALID_ARGUMENT) from None
+    if b"\0" in raw:
+        raise ExpsegError("%s contains a NUL character, which would cut it short: %r" % (what, path), INVALID_ARGUMENT)
+    return raw
+
+
 def version():
     """expseg's version string."""
     return load().expseg_version().decode()
@@ -249,7 +271,7 @@ def version():
 
 def configure(conf=""):
     """Sets the configuration (EXPSEG_ALLOC_CONF syntax, applied over it) of allocators not yet created."""
-    _check(load().expseg_configure((conf or "").encode()), "expseg_configure")
+    _check(load().expseg_configure(_cstr("" if conf is None else conf, "the configuration")), "expseg_configure")
 
 
 def config(device=0):
@@ -285,6 +307,8 @@ def on_oom(fn):
     release_cached()). An exception in fn is printed and dropped: it cannot cross the C library.
     on_oom(None) removes it."""
     global _oom_callback
+    if fn is not None and not callable(fn):
+        raise ExpsegError("on_oom takes a callable (or None), not %s" % type(fn).__name__, INVALID_ARGUMENT)
     lib = load()
     if fn is None:
         _check(lib.expseg_set_oom_callback(_OOM_CALLBACK(), None), "expseg_set_oom_callback")
@@ -319,7 +343,17 @@ def release_stream(stream, device=0):
     handle = getattr(stream, "cuda_stream", None)
     if handle is None:
         handle = getattr(stream, "ptr", stream)
-    handle = _pointer(int(handle or 0), "stream")  # ctypes would wrap an int past 64 bits into another stream
+    if handle is None:
+        handle = 0
+    if isinstance(handle, bool):
+        raise ExpsegError("stream %r is not a stream (a torch.cuda.Stream, an object with .ptr, or a handle as an int)"
+                          % (stream,), INVALID_ARGUMENT)
+    try:
+        handle = operator.index(handle)  # not int(): 1.5 or "3" would name another stream
+    except TypeError:
+        raise ExpsegError("stream %r is not a stream (a torch.cuda.Stream, an object with .ptr, or a handle as an int)"
+                          % (stream,), INVALID_ARGUMENT) from None
+    handle = _pointer(handle, "stream")  # ctypes would wrap an int past 64 bits into another stream
     _check(load().expseg_release_stream(_device(device), ctypes.c_void_p(handle)), "expseg_release_stream")
 
 
@@ -357,7 +391,7 @@ def record_stop(device=0):
 
 def record_write(path, device=0):
     """Writes the recorded events as an RMM CSV trace (gzip when path ends in .gz)."""
-    _check(load().expseg_record_write(_device(device), os.fsencode(path)), "expseg_record_write")
+    _check(load().expseg_record_write(_device(device), _cpath(path, "path")), "expseg_record_write")
 
 
 def enable_peer_access(peer, device=0):
@@ -675,6 +709,9 @@ def torch_snapshot(devices=None):
     https://pytorch.org/memory_viz opens. Traces hold what the event recorder recorded (no stack frames)."""
     if devices is None:
         devices = initialized_devices()
+    elif isinstance(devices, (int, str)) or hasattr(devices, "index") and hasattr(devices, "type"):
+        devices = [devices]  # one device, as an index, "cuda:N" or a torch.device
+    devices = [_device(d) for d in devices]
     segments = []
     traces = [[] for _ in range(max(devices, default=-1) + 1)]
     for d in devices:

@@ -321,6 +321,35 @@ print("sim limit", expseg.get_limit()[0])
         with self.assertRaises(expseg.ExpsegError):
             expseg.record_start(0, ring=-5)
 
+    def test_strings_streams_and_callbacks_of_the_wrong_kind_raise(self):
+        # Was: configure('device:sim\0,limit:1MiB') set device:sim alone (ctypes cut at the NUL), and
+        # record_write('a\0b') wrote a file named 'a'; bytes or an int raised AttributeError; 1.5 named
+        # stream 1 (the legacy stream); on_oom(5) failed only at the OOM, as a printed traceback.
+        for bad in ("device:sim\0,limit:1MiB", b"device:sim", 123):
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                expseg.configure(bad)
+            self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+        expseg.configure("device:sim")
+        self.assertIn("limit:0", expseg.config())
+        with tempfile.TemporaryDirectory() as d:
+            expseg.record_start(0)
+            for bad in (os.path.join(d, "a\0b"), 7):
+                with self.assertRaises(expseg.ExpsegError) as cm:
+                    expseg.record_write(bad)
+                self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+            self.assertEqual(os.listdir(d), [])
+        for bad in (1.5, "abc", True):
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                expseg.release_stream(bad)
+            self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+        with self.assertRaises(expseg.ExpsegError) as cm:
+            expseg.on_oom(5)
+        self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+        # One device as torch_snapshot's `devices`, as an index or a name.
+        expseg.stats(0)
+        self.assertEqual(expseg.torch_snapshot(devices=0), expseg.torch_snapshot(devices=[0]))
+        self.assertEqual(expseg.torch_snapshot(devices="cuda:0"), expseg.torch_snapshot(devices=[0]))
+
     def test_devices_apart(self):
         expseg.configure("device:sim,sim_capacity:1GiB,sim_host_backed:true")
         p0 = self.lib.expseg_cupy_malloc(None, 2 * MiB, 0)

@@ -2,6 +2,7 @@
 // recorded trace; lib/oom_dump.cpp) and the OOM observer (Allocator::set_oom_observer).
 #include <doctest/doctest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -232,6 +233,51 @@ TEST_CASE("oom_dump: a dump that cannot be written leaves an OOM that says why, 
   }
 }
 
+TEST_CASE("oom_dump: a symbolic link, a FIFO or a device at the dump's path is left as it is, and the report says why") {
+  // Was: the dump's rename replaced whatever was at the path: a symlink (its target kept, the link
+  // gone), a FIFO, or, run as root, a device such as /dev/stderr or /dev/full for the whole machine.
+  TempDir dir("special");
+  std::ofstream(dir.path / "target.txt") << "precious";
+  fs::create_symlink("target.txt", dir.path / "link.json");
+  REQUIRE(::mkfifo((dir.path / "fifo.json").c_str(), 0600) == 0);
+  const struct {
+    const char* name;
+    const char* what;
+  } cases[] = {{"link.json", "is a symbolic link"}, {"fifo.json", "is a FIFO"}};
+  for (const auto& c : cases) {
+    CAPTURE(c.name);
+    const std::string path = (dir.path / c.name).string();
+    Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,record:true,oom_dump:" + path));
+    std::vector<void*> live;
+    const expseg::out_of_memory e = run_800_500_300(a, live);
+    CHECK(e.report().dump_path.empty());
+    const std::string what = e.what();
+    CHECK(what.find("expseg: oom_dump: the dump of this OOM could not be written to " + path + ": " + path + " " + c.what) !=
+          std::string::npos);
+    CHECK(what.find("a dump replaces a regular file only") != std::string::npos);
+    for (void* p : live) a.deallocate(p);
+    a.validate();
+  }
+  CHECK(fs::is_symlink(dir.path / "link.json"));
+  CHECK(read_file((dir.path / "target.txt").string()) == "precious");
+  CHECK(fs::is_fifo(dir.path / "fifo.json"));
+  // Nothing else left beside them: no temporary, no trace.
+  CHECK(dir.files() == std::set<std::string>{"target.txt", "link.json", "fifo.json"});
+  // A trace path that is a symbolic link: the JSON is written, the trace is not, and the message says why.
+  fs::create_symlink("target.txt", dir.path / "t.trace.csv");
+  const std::string path = (dir.path / "t.json").string();
+  Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,record:true,oom_dump:" + path));
+  std::vector<void*> live;
+  const expseg::out_of_memory e = run_800_500_300(a, live);
+  CHECK(e.report().dump_path == path);
+  CHECK(std::string(e.what()).find("the recorded events could not be written: " + (dir.path / "t.trace.csv").string() + " is a symbolic link") !=
+        std::string::npos);
+  CHECK(fs::is_symlink(dir.path / "t.trace.csv"));
+  CHECK(read_file((dir.path / "target.txt").string()) == "precious");
+  CHECK_NOTHROW((void)expseg::read_oom_dump(path));
+  for (void* p : live) a.deallocate(p);
+}
+
 TEST_CASE("oom_dump: a dump whose JSON cannot be written leaves the earlier dump at that path whole, with its own trace") {
   // A path without %n: each OOM replaces the last dump. When the new JSON cannot be written (a full
   // disk or a quota, here a file size limit the trace fits under and the JSON does not), the earlier
@@ -435,7 +481,8 @@ TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file 
   } cases[] = {
       {"", "not an expseg OOM dump: "},
       {"{\"format\":", "not an expseg OOM dump: "},
-      {"[1,2]", "the document is not an object"},
+      {"[1,2]", "it does not begin with a JSON object ('{')"},
+      {std::string("\x7f" "ELF\0\0", 6), "(binary data: a NUL byte)"},
       {replace("expseg-oom-dump/1", "expseg-oom-dump/9"), "format 'expseg-oom-dump/9' is not one this version reads"},
       {replace("\"pid\":", "\"pid_\":"), "member 'pid' is missing"},
       {replace("\"requested_bytes\":16777216", "\"requested_bytes\":\"16\""), "member 'report.requested_bytes': "},
@@ -502,6 +549,10 @@ TEST_CASE("read_oom_dump: a snapshot whose segments and blocks contradict each o
       {replace(seg_size, R"("size":18446744073709551615,"mapped_bytes":2097152000)"), "snapshot.segments[0]: size 18446744073709551615"},
       {replace(seg_size, R"("size":2097152000,"mapped_bytes":2097152001)"),
        "snapshot.segments[0]: mapped_bytes 2097152001 exceed its size 2097152000"},
+      // A device that could not hold what the run held: explain replayed on a 2 MiB simulated device.
+      {replace(R"("device_total_bytes":85899345920)", R"("device_total_bytes":0)"), "member 'report.device_total_bytes' is 0"},
+      {replace(R"("device_total_bytes":85899345920)", R"("device_total_bytes":1048576)"),
+       "member 'report.reserved_bytes' (2097152000) is more than the device's memory, 'report.device_total_bytes' (1048576)"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.expected);
