@@ -746,7 +746,9 @@ const Entry kEntries[] = {
   {{"pinned_reserve_segment_size_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
   {{"pinned_max_round_threshold_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
   {{"pinned_max_cached_size_mb", "count", "0", "PyTorch host-side option; ignored"}, ignore_count, nullptr},
-  {{"graph_capture_record_stream_reuse", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
+  {{"graph_capture_record_stream_reuse", "bool", "False",
+    "PyTorch: reuse during a capture a block freed there that other streams used; ignored (expseg holds such frees until the capture ends)"},
+   ignore_bool, nullptr},
   {{"pinned_free_catch_all", "bool", "False", "PyTorch host-side option; ignored"}, ignore_bool, nullptr},
   // PyTorch accepts its ROCm spellings in CUDA builds too.
   {{"release_lock_on_hipmalloc", "bool", "False", "PyTorch host-side option (ROCm spelling); ignored"}, ignore_bool, nullptr},

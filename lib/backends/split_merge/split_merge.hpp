@@ -7,14 +7,28 @@
 //   - best fit by (stream, size, address); a block is split if the remainder is >= 512 B (small
 //     pool) or > 1 MiB (large pool, and only for requests below max_split_size);
 //   - blocks of max_split_size or more are only handed to requests of that size class, and only
-//     if at most max_non_split_rounding larger;
+//     if less than max_non_split_rounding larger;
 //   - on a miss: garbage collection (if configured), a new segment, then freeing cached oversize
 //     blocks, then freeing every cached unsplit segment and retrying once; then OOM;
 //   - freed blocks merge with free neighbours, never across two driver allocations.
+// Left out of PyTorch's: the free-memory callbacks a miss runs first (trigger_free_memory_callbacks:
+// torch.multiprocessing's CUDA IPC collection, which expseg's glue does not serve) and MemPool's
+// use_on_oom pools (try_mempool_fallback). A pool a stream allocates into outside a capture
+// (Allocator::begin_pool_allocations; PyTorch's MemPool and graph trees' warm-ups) takes the
+// allocator's full path: PyTorch counts such a route as a capture underway, which skips
+// process_events and the last retry's release of the cache (an OOM there where expseg frees the
+// cache and succeeds), and routes every stream of the calling thread, where expseg routes the stream
+// it is told of. graph_capture_record_stream_reuse is accepted and ignored: a free of a block other
+// streams used during a capture waits for the capture's end (PyTorch with the option reuses it in
+// the capture after its free markers).
 // policy:cupy follows CuPy's SingleDeviceMemoryPool: 512 B rounding, one pool, segments of exactly
 // the rounded size, best fit with split and merge, and a limit that counts everything the pool
 // holds (total_bytes); a miss over the limit or beyond the device frees all unsplit cached
-// segments and retries once (CuPy's _try_malloc since cupy/cupy#7679, July 2023).
+// segments and retries once (CuPy's _try_malloc since cupy/cupy#7679, July 2023). CuPy's pool also
+// runs Python's gc.collect() and retries before the OOM (a reference cycle may hold blocks): no
+// Python runs inside expseg's allocation, so through install_cupy a cycle's memory comes back only
+// at the program's own gc.collect(). Among free blocks of one size, the lowest address is taken
+// (CuPy takes whichever its set yields).
 #pragma once
 
 #include <boost/intrusive/list.hpp>
