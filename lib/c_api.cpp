@@ -892,8 +892,12 @@ int expseg_enable_peer_access(int device, int peer) noexcept {
   constexpr const char* fn = "expseg_enable_peer_access";
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
   if (peer < 0 || peer >= kMaxDevices) {  // checked before the allocator is created
-    set_error(EXPSEG_ERROR_INVALID_DEVICE, fn,
-              "peer device " + std::to_string(peer) + " is out of range (0 .. " + std::to_string(kMaxDevices - 1) + ")");
+    try {  // building the message may throw bad_alloc, which must not leave a noexcept function
+      set_error(EXPSEG_ERROR_INVALID_DEVICE, fn,
+                "peer device " + std::to_string(peer) + " is out of range (0 .. " + std::to_string(kMaxDevices - 1) + ")");
+    } catch (...) {
+      set_error(EXPSEG_ERROR_INVALID_DEVICE, fn, "peer device index out of range");
+    }
     return EXPSEG_ERROR_INVALID_DEVICE;
   }
   // A device is its own peer already: nothing to grant, so no allocator to create (expseg.h).

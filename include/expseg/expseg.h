@@ -126,7 +126,9 @@ EXPSEG_API void expseg_cupy_free(void* param, void* ptr, int device_id) EXPSEG_N
  * is released and before the call returns NULL (or throws). `report_json` is the OOM report as
  * expseg_last_oom_report_json gives it, valid during the call only. The callback may call expseg
  * (expseg_snapshot_json, expseg_release_cached, ...); an OOM of its own allocations is not reported
- * to it again. A NULL callback removes it; each call replaces
+ * to it again. Its calls share the thread's string buffers (see Strings above): a string the thread
+ * took from expseg_snapshot_json before an allocation is no longer valid after that allocation if
+ * the callback called expseg_snapshot_json too. A NULL callback removes it; each call replaces
  * the previous one; a call already running on another thread may still be running when
  * expseg_set_oom_callback returns, so keep the previous callback's user_data valid (e.g. for the
  * life of the process). Typical use: save a snapshot, or log the report where the job's logs go.

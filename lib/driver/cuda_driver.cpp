@@ -208,8 +208,11 @@ Library load_library() {
 }
 
 const Library& library() {
-  static const Library lib = load_library();  // thread-safe, once
-  return lib;
+  // Thread-safe, once, and never destroyed: an allocator made or used while the process exits (a
+  // static destructor, a thread still running during exit(), PyTorch freeing its tensors) reads it
+  // after function-local statics are destroyed (its error strings freed: a use after free, ASan).
+  static const Library* const lib = new Library(load_library());
+  return *lib;
 }
 
 CUmemAllocationHandleType to_cu(ShareableHandle type) noexcept {

@@ -207,6 +207,24 @@ TEST_CASE("capi regression: host memory running out in the OOM report's counterf
   sa->validate();
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "capi regression: expseg_enable_peer_access with a peer out of range and no host memory returns, not terminates") {
+  // Was: the message for the out-of-range peer was built outside any try: a bad_alloc there left the
+  // noexcept function, std::terminate.
+  for (std::uint64_t n = 1; n <= 4; ++n) {
+    CAPTURE(n);
+    int rc = EXPSEG_SUCCESS;
+    const bool fired = with_nth_new_failing(n, [&] { rc = expseg_enable_peer_access(0, 99); });
+    CHECK(rc == EXPSEG_ERROR_INVALID_DEVICE);
+    CHECK(expseg_last_error_code() == EXPSEG_ERROR_INVALID_DEVICE);
+    if (!fired) {
+      CHECK(n > 1);  // the first host allocation of the call failed, at least
+      CHECK(std::string(expseg_last_error()).find("peer device 99 is out of range") != std::string::npos);
+      break;
+    }
+  }
+  CHECK(expseg_device_initialized(0) == 0);
+}
+
 TEST_CASE_FIXTURE(CApiFixture, "capi regression: expseg_torch_malloc throws out_of_memory when the OOM report finds no host memory") {
   REQUIRE(expseg_configure("device:sim,sim_capacity:1GiB") == EXPSEG_SUCCESS);
   void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
