@@ -365,7 +365,7 @@ void Allocator::Impl::recover_failed_deallocate(void* ptr) {
     Block* b = live_erase(addr);  // back in the live map, unchanged, after the failure
     if (b == nullptr) throw;
     try {
-      driver->device_synchronize();
+      synchronize_uses(*b);
     } catch (...) {
       live_insert(b);  // right after its erase: room for it
       throw;
@@ -375,6 +375,18 @@ void Allocator::Impl::recover_failed_deallocate(void* ptr) {
     if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
     backend->free(b);
     recent_frees[recent_next++ % recent_frees.size()] = addr;
+  }
+}
+
+// A device synchronization would also wait for, and invalidate, a capture underway on a stream
+// unrelated to the block (one expseg was not told of: a C API free recovering from a failed event
+// record broke it). A stream that cannot be synchronized (destroyed since its use was recorded)
+// falls back to the device's synchronization, as before.
+void Allocator::Impl::synchronize_uses(const Block& b) {
+  try {
+    for (const stream_t s : b.stream_uses) driver->stream_synchronize(event_stream(s));
+  } catch (const driver_error&) {
+    driver->device_synchronize();
   }
 }
 
@@ -961,7 +973,7 @@ void Allocator::Impl::free_held_after_capture() {
     try {
       free_after_uses(b, false);
     } catch (...) {
-      driver->device_synchronize();
+      synchronize_uses(*b);
       drop_recorded_uses(*b);
       b->stream_uses.clear();
       backend->free(b);
@@ -1220,19 +1232,30 @@ void Allocator::validate() const {
   auto fail = [](const std::string& what) { throw error("frontend invariant broken: " + what); };
   m.live.for_each([&](const Block* b) {
     if (b->status != BlockStatus::allocated) fail("live map holds a block that is not allocated");
+    if (m.live.find(b->addr) != b) fail("live map does not find a block by its address");
   });
   if (static_cast<std::int64_t>(m.live.size()) != m.stats.allocation[kAllPools].current)
     fail("live map size differs from allocation.all.current");
   std::size_t queued = 0;
   std::size_t busy = 0;
+  std::unordered_map<const Block*, std::uint32_t> events_of;  // queue entries per pending block
   for (const auto& [s, se] : m.pending) {
     queued += se.queue.size();
     busy += se.queue.empty() ? 0 : 1;
     se.queue.for_each([&](const Impl::PendingFree& pf) {
       if (pf.block->status != BlockStatus::pending_free || pf.block->pending_events == 0) fail("pending queue holds a block not pending");
+      events_of[pf.block] += 1;
     });
   }
   if (queued != m.pending_count) fail("pending_count is wrong");
+  // A block's count of events still to complete is its entries in the queues: one more, and it is
+  // never freed; one less, and it is freed while a stream may still use it.
+  for (const auto& [b, n] : events_of)
+    if (b->pending_events != n) fail("a pending block's pending_events differs from its entries in the queues");
+  // Frees held during a capture: pending for the caller, no event yet, out of the live map.
+  for (const Block* b : m.frees_after_capture)
+    if (b->status != BlockStatus::pending_free || events_of.contains(b) || m.live.find(b->addr) == b)
+      fail("a free held during a capture is not pending, has events, or is still live");
   // recorded_uses: the streams recorded on live blocks and held frees, each block counted once.
   std::unordered_map<stream_t, std::size_t> uses;
   auto count_uses = [&](const Block* b) {
@@ -1269,9 +1292,25 @@ void Allocator::validate() const {
   if (released != m.released_key_count || m.unheld_keys.capacity() < released) fail("released_key_count is wrong, or unheld_keys lacks room");
   for (const stream_t key : m.unheld_keys)
     if (!m.pool_keys.contains(key) || !m.pool_keys.at(key).queued) fail("unheld_keys holds a key not queued");
+  std::size_t current_keys = 0;
   for (const auto& [id, p] : m.graph_pools) {
     if (p.released_keys != (released_per_pool.contains(id) ? released_per_pool.at(id) : 0)) fail("a graph pool's released_keys is wrong");
     if (p.uses == 0 && p.released_keys == 0) fail("a graph pool at no use without released keys is still listed");
+    // Its current keys: in pool_keys under it, not released (a key missing there is never retired,
+    // its memory never given back); none once its uses are released.
+    if (p.uses == 0 && !p.keys.empty()) fail("a graph pool at no use keeps current keys");
+    for (const auto& [stream, key] : p.keys) {
+      const auto k = m.pool_keys.find(key);
+      if (k == m.pool_keys.end() || k->second.pool != id || k->second.released) fail("a graph pool's key is not a current key of it in pool_keys");
+    }
+    current_keys += p.keys.size();
+  }
+  if (current_keys + released != m.pool_keys.size()) fail("pool_keys holds a key that is neither a pool's current key nor released");
+  // Routing: captures allocate into pools iff ctx.capturing; each route's key is its pool's.
+  if (m.ctx.capturing != !m.capture_routes.empty()) fail("ctx.capturing disagrees with the capture routes");
+  for (const Impl::CaptureRoute& r : m.capture_routes) {
+    const auto k = m.pool_keys.find(r.key);
+    if (k == m.pool_keys.end() || k->second.pool != r.pool || k->second.released) fail("a capture route's key is not a current key of its pool");
   }
   if (busy != m.busy_queues.size() ||
       std::any_of(m.busy_queues.begin(), m.busy_queues.end(), [](const Impl::StreamEvents* se) { return se->queue.empty(); }))

@@ -345,7 +345,10 @@ struct Allocator::Impl final : backends::FrontendHooks {
     return key;
   }
   bool stream_capturing(driver::stream_t stream) const noexcept;
-  void free_held_after_capture();  // frees_after_capture, once no capture allocates into a pool
+  void free_held_after_capture();
+  // Waits for the work that the streams which used `b` queued so far, where no event can stand for it
+  // (a free's recovery): each stream alone, a device synchronization only when one fails.
+  void synchronize_uses(const core::Block& b);  // frees_after_capture, once no capture allocates into a pool
   [[gnu::noinline]] void free_after_uses(core::Block* b, bool in_live);  // deallocate()'s part for a block other streams used
 
   // Per stream, the blocks that have it recorded (record_stream) and no event for it yet: live ones

@@ -408,6 +408,10 @@ class StreamIndexes {
       const auto it = all_.find(scan_[i].stream);
       if (it == all_.end() || it->second.get() != scan_[i].entry || !scan_[i].entry->in_scan)
         return "stream indexes: a scan slot names no entry";
+      // Distinct: with a slot twice, a flagged entry in no slot is found by neither the scan nor,
+      // once its stream is asked again, anything but a second add.
+      for (std::size_t j = 0; j < i; ++j)
+        if (scan_[j].entry == scan_[i].entry) return "stream indexes: an entry is in two scan slots";
     }
     return nullptr;
   }

@@ -844,7 +844,9 @@ TEST_CASE("graph pool: frees held past a failed end_graph_pool go back at releas
     sa->deallocate(p);  // held until the capture's end
     const auto g = sa.sim->capture_end(s);
     sa.sim->inject_fault(Op::event_record, 1, Fault::error);
+    // Both synchronizations fail: of the stream that used the block, then the device's.
     sa.sim->inject_fault(Op::stream_sync, 1, Fault::error);
+    sa.sim->inject_fault(Op::stream_sync, 2, Fault::error);
     CHECK_THROWS_AS(sa->end_graph_pool(9), expseg::driver_error);
     sa.sim->clear_faults();
     sa->validate();

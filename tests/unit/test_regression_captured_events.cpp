@@ -42,6 +42,39 @@ std::int64_t requested(const expseg::Allocator& a) { return a.stats().requested_
 
 TEST_SUITE("regression-streams") {
 
+TEST_CASE("regression: the retry before an OOM with a free still pending for a capture's end is made once") {
+  // Was (expandable): allocate_slow completed the pending frees and called allocate again, "at most
+  // once more: nothing is pending now"; a free whose event a capture took stays pending through that
+  // synchronization, so each retry retried: a stack overflow (SIGSEGV) instead of an OOM.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto drv = std::make_shared<CaptureAtRecord>(std::make_shared<expseg::driver::SimDriver>());
+    auto a = expseg::detail::AllocatorAccess::make(sim_config(b, 4 * GiB, "limit:64MiB"), drv);
+    void* s1 = drv->sim().stream_create();
+    void* cs = drv->sim().stream_create();
+    void* p = a->allocate(32 * MiB, s1);
+    a->record_stream(p, cs);
+    drv->target = cs;
+    a->deallocate(p);  // its event on cs lands in the capture: pending until the capture ends
+    const auto retries = a->stats().num_alloc_retries;
+    CHECK_THROWS_AS((void)a->allocate(48 * MiB, s1), expseg::out_of_memory);
+    CHECK(a->stats().num_alloc_retries == retries + 1);
+    a->validate();
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = drv->sim().capture_end(cs));  // the capture is whole
+    drv->sim().graph_destroy(g);
+    // After the capture the free completes, and the request fits.
+    void* q = nullptr;
+    CHECK_NOTHROW(q = a->allocate(48 * MiB, s1));
+    if (q != nullptr) a->deallocate(q);
+    a->release_cached();
+    a->validate();
+    a.reset();
+    drv->sim().stream_destroy(s1);
+    drv->sim().stream_destroy(cs);
+  }
+}
+
 TEST_CASE("regression: a free whose event a capture begun meanwhile took waits for the capture's end, then completes") {
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     for (const bool end_at_once : {false, true}) {

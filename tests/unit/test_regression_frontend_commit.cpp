@@ -111,6 +111,36 @@ TEST_CASE("regression: release_stream finds a stream's recorded blocks from a co
   }
 }
 
+TEST_CASE("regression: a free that cannot record its event waits for the streams that used the block, not the device") {
+  // Was: the C API's free (deallocate_for_good) recovered from a failed cuEventRecord with a device
+  // synchronization, which a capture underway on an unrelated stream (untold to expseg) refuses and
+  // is invalidated by. Also the frees held for a capture's end that fail the same way.
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind, 4 * GiB));
+    void* s1 = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    void* other = sa.sim->stream_create();
+    void* p = sa->allocate(4 * MiB, s1);
+    sa->record_stream(p, s2);
+    sa.sim->capture_begin(other);  // a capture expseg was not told of
+    sa.sim->inject_fault(Op::event_record, 1, Fault::error);
+    const auto before = sa.sim->call_stats();
+    CHECK_NOTHROW(Access::deallocate_for_good(*sa, p));
+    CHECK(sa.sim->call_stats().since(before).calls[static_cast<std::size_t>(Op::event_record)] == 1);  // the failure fired
+    CHECK(sa->stats().active_bytes[kAllPools].current == 0);  // freed
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = sa.sim->capture_end(other));  // and the capture is whole
+    if (g != nullptr) sa.sim->graph_destroy(g);
+    sa->validate();
+    sa->release_cached();
+    CHECK(reserved(*sa) == 0);
+    sa.alloc.reset();
+    for (void* s : {s1, s2, other}) sa.sim->stream_destroy(s);
+  }
+}
+
 TEST_CASE("regression: an end_graph_pool whose held frees fail after the end says the end is done; they complete later") {
   // Was: end_graph_pool removed the capture's routing, then threw the driver's error from
   // completing the frees held for the capture: the caller saw a failed end, and a retry failed
@@ -132,7 +162,9 @@ TEST_CASE("regression: an end_graph_pool whose held frees fail after the end say
       sa->deallocate(p);  // held until the capture's end
       const auto g = sa.sim->capture_end(s);
       sa.sim->inject_fault(Op::event_record, 1, Fault::error);
+      // Both synchronizations fail: of the stream that used the block, then the device's.
       sa.sim->inject_fault(Op::stream_sync, 1, Fault::error);
+      sa.sim->inject_fault(Op::stream_sync, 2, Fault::error);
       std::string message;
       try {
         sa->end_graph_pool(9);

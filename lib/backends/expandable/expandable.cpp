@@ -1087,14 +1087,21 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
   ctx_.refused = Context::Refusal::none;
   const bool never_fits = round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total);
   Block* b = never_fits ? nullptr : place_or_grow(arena, size, requested);
-  if (b != nullptr || ctx_.hooks == nullptr || !ctx_.hooks->has_pending_frees() || ctx_.capturing) return b;
+  if (b != nullptr || retrying_pending_ || ctx_.hooks == nullptr || !ctx_.hooks->has_pending_frees() || ctx_.capturing) return b;
   // As PyTorch's retry before an OOM: wait for the streams of pending cross-stream frees
   // (record_stream), complete them, and try once more, the cached memory included. Also for a
   // request that can never fit, as PyTorch (and split_merge) do: the OOM then finds the same live
   // set on both backends.
   ctx_.hooks->synchronize_pending_frees();
   ctx_.stats.num_alloc_retries += 1;
-  return allocate(requested, arena.stream);  // at most once more: nothing is pending now
+  // Once: a free whose event a capture took stays pending through the synchronization (it waits
+  // for the capture's end), and a retry for each retry recursed until the stack ran out.
+  retrying_pending_ = true;
+  struct Reset {
+    bool& flag;
+    ~Reset() { flag = false; }
+  } reset{retrying_pending_};
+  return allocate(requested, arena.stream);
 }
 
 Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested) {
@@ -2235,6 +2242,7 @@ void ExpandableBackend::validate() const {
         broken("a retired arena off retired_looks_ keeps an empty segment");
       if (seg->arena != arena) broken("segment points to another arena");
       if (seg->frames.size() * frame_ > seg->va_bytes) broken("frame table is larger than the segment");
+      if (seg->va_bytes % frame_ != 0 || (seg->base % frame_) != 0) broken("segment is not a whole number of frames");
       // Handles: frames -> handle consistency; live bytes and idleness recomputed below.
       std::size_t mapped = 0;
       std::vector<std::size_t> live(seg->frames.size(), 0);  // live bytes per handle, by first frame
@@ -2298,7 +2306,7 @@ void ExpandableBackend::validate() const {
           for (std::size_t f = f0; f <= f1; ++f)
             if (frame_handle(*seg, f) == nullptr) broken("block at " + hex(b->addr) + " lies on an unmapped frame");
         } else {
-          if ((b->addr - seg->base) % frame_ != 0 || ((b->end() - seg->base) % frame_ != 0 && b->end() != seg->base + seg->va_bytes))
+          if ((b->addr - seg->base) % frame_ != 0 || (b->end() - seg->base) % frame_ != 0)
             broken("unmapped block at " + hex(b->addr) + " is not frame aligned");
           for (std::size_t f = f0; f <= f1; ++f)
             if (frame_handle(*seg, f) != nullptr) broken("unmapped block at " + hex(b->addr) + " covers a mapped frame");
@@ -2306,6 +2314,8 @@ void ExpandableBackend::validate() const {
         if (!b->is_free()) {
           if (!b->mapped) broken("allocated block is not mapped");
           if (b->requested > b->size) broken("requested size larger than block");
+          // The stats' pool index: <= kSmallSize counts in small_pool (carve sets it).
+          if (b->pool != pool_of_size(b->size)) broken("allocated block at " + hex(b->addr) + " counts in the wrong pool");
           active[b->pool] += static_cast<std::int64_t>(b->size);
           requested[b->pool] += static_cast<std::int64_t>(b->requested);  // pending blocks too, as PyTorch counts them
           if (b->status == BlockStatus::allocated) allocated[b->pool] += static_cast<std::int64_t>(b->size);
@@ -2383,12 +2393,17 @@ void ExpandableBackend::validate() const {
     const Block* prev = nullptr;
     for (const Block& b : arena->unmapped) {
       if (b.mapped) broken("unmapped index holds a mapped block");
+      if (!b.is_free() || static_cast<const ExpSegment*>(b.segment)->arena != arena) broken("unmapped index holds a block that is not a hole of the arena");
       if (prev && prev->addr >= b.addr) broken("unmapped index out of address order at " + hex(b.addr));
       prev = &b;
     }
     std::size_t holes = 0;
+    const Block* prev_hole = nullptr;
     for (const Block& b : arena->holes) {
       if (b.mapped || !b.is_free() || static_cast<const ExpSegment*>(b.segment)->arena != arena) broken("holes index holds a block that is not a hole of the arena");
+      // By (run_bytes, address): a key changed in place and not repositioned would hide a run.
+      if (prev_hole != nullptr && !RunBytesOrder{}(*prev_hole, b)) broken("holes index out of (run_bytes, address) order at " + hex(b.addr));
+      prev_hole = &b;
       ++holes;
     }
     for (const Block& b : arena->dirty_holes) {
@@ -2416,6 +2431,16 @@ void ExpandableBackend::validate() const {
       broken("the end handles of the idle run at " + hex(r.lo) + " do not point to it");
   }
   if (in_runs != idle) broken("idle handles missing from the idle runs");
+  // IdleRun objects: each in a run or spare, at least one per handle (a free takes one without a
+  // check: map_handle makes sure of it).
+  std::size_t run_objects = static_cast<std::size_t>(std::distance(idle_runs_.begin(), idle_runs_.end()));
+  for (const IdleRun* r = spare_runs_; r != nullptr; r = r->next_spare) ++run_objects;
+  if (run_objects != run_objects_) broken("IdleRun objects in runs and spare (" + std::to_string(run_objects) + ") are not run_objects_");
+  if (run_objects_ < handles_) broken("fewer IdleRun objects than handles: a free could find none");
+  // The cached path's scan of streams: at most kScanArenas entries, each naming its stream's arena.
+  if (arena_index_.size() > kScanArenas) broken("arena_index_ holds more than kScanArenas entries");
+  for (const ArenaEntry& e : arena_index_)
+    if (find_arena(e.stream) != e.arena || e.arena->forgotten) broken("arena_index_ names an arena that is not its stream's");
   // Each arena's list holds exactly its runs, in the backend's order.
   for (const ExpArena* arena : arena_pointers()) {
     auto own = arena->idle_runs.begin();
@@ -2429,6 +2454,7 @@ void ExpandableBackend::validate() const {
   for (const ExpHandle& h : orphans_) {
     reserved += h.bytes;
     ++handles;
+    if (h.seg != nullptr) broken("an orphan still names a segment");
     if (!h.mapped) continue;
     // A mapped orphan lies in a reservation that is still held, and nothing is mapped over it.
     bool in_reservation = false;

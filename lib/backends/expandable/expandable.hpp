@@ -262,7 +262,8 @@ class ExpandableBackend final : public Backend {
   }
 
   ExpArena& arena_for(driver::stream_t stream) {
-    // A read-only scan of the first kScanArenas arenas made (streams are few): threads on different
+    // A read-only scan of at most kScanArenas arenas (the first made; a forgotten one's slot goes to
+    // the next new arena) (streams are few): threads on different
     // streams then share no written line here, where a "last arena" cache would be rewritten on
     // every switch. The others through a hash table (a program with thousands of streams: O(1), not
     // a scan of them all on every cached allocation).
@@ -422,9 +423,10 @@ class ExpandableBackend final : public Backend {
   // stream that lives for a few requests (a stream per request in a server) cost a
   // cuMemAddressReserve and a cuMemAddressFree per life. Nothing is mapped in it. At most one, given
   // back by release_cached, when a new segment needs more, when the address space runs short, and by
-  // the destructor. Kept only while this is the process's one expandable allocator
+  // the destructor. Made only while this is the process's one expandable allocator
   // (process_instances_): another device's allocator that runs out of address range cannot take it
-  // back (each allocator's ranges are its own, under its own lock).
+  // back (each allocator's ranges are its own, under its own lock); one made before another
+  // allocator came goes back at the next segment given back (best effort, not an invariant).
   struct SpareRange {
     driver::dev_ptr base = 0;
     std::size_t bytes = 0;  // 0: none
@@ -485,6 +487,7 @@ class ExpandableBackend final : public Backend {
   KeyedList keyed_;
   std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when retired_ was last brought up to date
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
+  bool retrying_pending_ = false;  // allocate_slow's retry after completing pending frees is under way
   IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths never allocate one
   std::size_t run_objects_ = 0;    // IdleRun objects, in runs or spare: at least handles_ (map_handle)
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()

@@ -650,6 +650,8 @@ void SplitMergeBackend::validate() const {
     listed += list.size();
   }
   if (listed != segments_.size()) broken("a segment is missing from its stream's list");
+  for (const SmSegment& seg : segments_)
+    if (!seg.stream_hook.is_linked()) broken("a segment is on no stream's list");  // and so another is listed that is no segment
   if (free_blocks != small_.blocks.size() + large_.blocks.size()) broken("free index holds blocks not in any segment");
   // Each stream's index holds that stream's blocks in (size, address) order (keys change in place
   // on the cached path: reposition).
