@@ -39,6 +39,9 @@ namespace {
 stream_t fake_stream(std::size_t i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(0x10000 + 16 * i)); }
 
 void bm_new_stream_cycle(benchmark::State& st, BackendKind backend, std::size_t held, std::size_t weights, bool cuda) {
+  // The only allocator of the process, as a server's: the previous benchmark's subject would be a
+  // second expandable allocator, with which none keeps a released stream's range spare.
+  Holder::instance().reset();
   Config cfg;
   cfg.backend = backend;
   cfg.device = cuda ? DeviceKind::cuda : DeviceKind::sim;
