@@ -943,8 +943,8 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
     throw_after_commit(e, "end_graph_pool(" + std::to_string(pool) + "): the capture's end is done (its routing into graph pool " +
                               std::to_string(pool) + " is gone: do not call end_graph_pool for it again), but " + std::to_string(left) +
                               " free(s) held during the capture could not be completed (no event, and the device synchronization "
-                              "failed): they stay held and are retried at the next end_graph_pool, release_cached(), or a "
-                              "request that would otherwise run out of memory");
+                              "failed): they stay held and are retried at the next end_graph_pool, release_cached(), "
+                              "release_stream() of a stream they used, or a request that would otherwise run out of memory");
   } catch (...) {
     m.backend->reap_released();
     throw;
@@ -1068,6 +1068,11 @@ void Allocator::Impl::release_stream_locked(stream_t stream, bool foreign_too) {
   if (ctx.capturing)
     throw error("release_stream: a CUDA graph capture allocates into a graph pool; synchronizing would invalidate it");
   if (backends::stream_captures(ctx, stream)) throw error("release_stream: the stream is capturing");
+  // Frees the caller made are no use of the stream: those held for a capture (one expseg was not
+  // told of) that has ended get their events, and those whose events have passed complete. Was:
+  // such a free kept the stream refused until release_cached.
+  if (!frees_after_capture.empty() && held_free_ready()) free_held_after_capture();
+  if (pending_count != 0) process_events();
   if (const std::size_t in_use = backend->stream_bytes_in_use(stream); in_use != 0)
     throw error("release_stream: " + std::to_string(in_use) +
                 " bytes of blocks allocated on the stream are in use (live, or freed and waiting for other streams): free them first");

@@ -96,8 +96,10 @@ class Allocator {
   // (expandable keeps the address range of the stream's segment, nothing mapped in it, for the next
   // new stream's segment; release_cached gives it back). The stream may then be destroyed; naming it
   // again later starts afresh. Throws expseg::error,
-  // changing nothing else, while blocks allocated on it are live or wait for other streams, while a
-  // live block or a held free has it recorded (record_stream), while it or a graph pool's capture
+  // changing nothing else, while blocks allocated on it are live or wait for other streams' work
+  // that has not passed (frees whose events have passed complete first, and frees held for a capture
+  // that has ended get their events), while a live block or a held free has it recorded
+  // (record_stream), while it or a graph pool's capture
   // is capturing, and for the default, legacy or per-thread stream; expseg::driver_error when the
   // synchronization or a give-back fails (what went back before stays given back, the allocator
   // stays consistent; a later call gives back the rest).

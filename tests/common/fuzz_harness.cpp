@@ -1014,10 +1014,9 @@ void Harness::op_release_stream(Source& src) {
   bool must_refuse = false;
   bool may_refuse = false;
   for (const auto& [addr, l] : live_) must_refuse = must_refuse || (l.pool == 0 && l.stream == s) || recorded(l);
-  for (const auto& [addr, p] : pending_) {
-    must_refuse = must_refuse || (p.block.pool == 0 && p.block.stream == s);
-    may_refuse = may_refuse || recorded(p.block);
-  }
+  // A free still waiting for other streams' work refuses the stream, unless that work has passed
+  // (release_stream completes such frees first, and frees held for a capture that has ended).
+  for (const auto& [addr, p] : pending_) may_refuse = may_refuse || (p.block.pool == 0 && p.block.stream == s) || recorded(p.block);
   may_refuse = may_refuse || must_refuse;
   try {
     alloc_->release_stream(s);
