@@ -252,16 +252,15 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       if (!overflow && fs.request_footprint > r->rounded_bytes)
         os << ", needing " << format_bytes(fs.request_footprint) << (pages ? " of whole pages" : " as a new segment");
       if (pools != 0) os << ") and " << format_bytes(pools) << " cached for CUDA graph pools (kept for their graphs until release_graph_pool";
-      if (r->verdict == OomVerdict::capacity && !free_known) {
+      if (r->verdict == OomVerdict::capacity && !free_known)
         os << ") exceed the device's memory (" << format_bytes(mi.total) << ").";
-        break;
-      }
-      if (r->verdict == OomVerdict::capacity) {
+      else if (r->verdict == OomVerdict::capacity)
         os << ") exceed what the device can give this process (" << format_bytes(std::min(obtainable, mi.total)) << " of "
            << format_bytes(mi.total) << ").";
-        break;
-      }
-      os << ") exceed the limit of " << format_bytes(ctx.limit) << ".";
+      else
+        os << ") exceed the limit of " << format_bytes(ctx.limit) << ".";
+      // Against the device as against a limit: live bytes plus the request may fit where the pages
+      // they occupy do not (and the other backend may then serve it); say what those pages hold.
       if (r->page_slack_bytes != 0)
         os << " Of those pages, " << format_bytes(r->page_slack_bytes) << " in " << r->partial_pages << " page"
            << (r->partial_pages == 1 ? " is" : "s are") << " free but shared with live allocations: pages ("
