@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -41,10 +42,18 @@ constexpr dev_ptr kFirstFakeAddress = 0x100000000000;
 // Bookkeeping mode: device d hands out addresses from its own span [kFirstFakeAddress + d * kDeviceSpan,
 // + kDeviceSpan), so pointers of two simulated devices never coincide (as under CUDA's unified
 // addressing) and a pointer of device 0 is foreign to device 1. 64 PiB per device; 255 devices fit.
+// The SimDrivers of one device alive at once take slots of its span (kDriverSlot each, lowest free
+// first), so that a pointer of one is foreign to the other, as under two CUDA contexts of one
+// process, while each driver's addresses still follow from its own calls alone (a replay run
+// beside the run it replays gets the same addresses, hence the same address-ordered choices).
+// Past kDriverSlots drivers of one device at once, slots are shared (addresses may coincide).
 constexpr dev_ptr kDeviceSpan = kSimAddressSpan;
 constexpr int kMaxDevices = kSimMaxDevices;
 static_assert(kFirstFakeAddress % kSimMaxGranularity == 0 && kDeviceSpan % kSimMaxGranularity == 0,
               "every device's span must start on a granule");
+constexpr std::size_t kDriverSlots = 32;
+constexpr dev_ptr kDriverSlot = kDeviceSpan / kDriverSlots;  // 2 PiB: an expandable segment's 1 PiB bound fits
+static_assert(kDriverSlot % kSimMaxGranularity == 0, "every driver's slot must start on a granule");
 // Host-backed mode: each SimDriver carves its reservations and cuMemAllocs from one PROT_NONE arena
 // of its own, reserved at first use, so its addresses follow from its calls alone (not from ASLR or
 // the process's other mappings) and a fixed-seed run replays exactly. The arena goes to a fixed
@@ -66,6 +75,28 @@ std::atomic<std::uint64_t> g_next_instance{1};  // tells exported handles of two
 // rounded up to the granularity, guard granules not counted), as CUDA's devices share one address
 // space. Invariant: the sum of every live Impl's address_space_held.
 std::atomic<std::size_t> g_address_space_in_use{0};
+
+// Bookkeeping mode: bit k of device d's word is set while a SimDriver of d holds slot k of its span.
+// Never destroyed: a SimDriver held by a static object may outlive the process's other statics.
+std::atomic<std::uint32_t>& driver_slots(int device) {
+  static std::atomic<std::uint32_t>* const slots = new std::atomic<std::uint32_t>[kSimMaxDevices]{};
+  return slots[device];
+}
+static_assert(kDriverSlots == 32, "one bit per slot in a 32-bit word");
+// The lowest free slot of `device`'s span, taken; or, with every slot taken, one shared (owned: false).
+struct DriverSlot {
+  std::size_t index = 0;
+  bool owned = false;
+};
+DriverSlot take_driver_slot(int device, std::uint64_t instance) noexcept {
+  std::atomic<std::uint32_t>& word = driver_slots(device);
+  std::uint32_t taken = word.load(std::memory_order_relaxed);
+  while (taken != ~std::uint32_t{0}) {
+    const auto k = static_cast<std::size_t>(std::countr_one(taken));
+    if (word.compare_exchange_weak(taken, taken | (std::uint32_t{1} << k), std::memory_order_relaxed)) return {k, true};
+  }
+  return {static_cast<std::size_t>(instance % kDriverSlots), false};
+}
 
 std::string hex(std::uint64_t v) {
   char buf[24];
@@ -200,9 +231,13 @@ struct SimDriver::Impl {
 
   explicit Impl(const SimOptions& o)
       : opt(o), instance(g_next_instance.fetch_add(1)),
-        next_address(kFirstFakeAddress + static_cast<dev_ptr>(o.device) * kDeviceSpan),
-        address_end(next_address + kDeviceSpan) {}
-  ~Impl() { g_address_space_in_use.fetch_sub(address_space_held, std::memory_order_relaxed); }  // leaked ranges too
+        slot(o.host_backed ? DriverSlot{} : take_driver_slot(o.device, instance)),
+        next_address(kFirstFakeAddress + static_cast<dev_ptr>(o.device) * kDeviceSpan + slot.index * kDriverSlot),
+        address_end(next_address + kDriverSlot) {}
+  ~Impl() {
+    g_address_space_in_use.fetch_sub(address_space_held, std::memory_order_relaxed);  // leaked ranges too
+    if (slot.owned) driver_slots(opt.device).fetch_and(~(std::uint32_t{1} << slot.index), std::memory_order_relaxed);
+  }
 
   const SimOptions opt;
   const std::uint64_t instance;
@@ -215,7 +250,8 @@ struct SimDriver::Impl {
   std::size_t last_op = 0;                     // the call being charged (set by enter)
 
   std::uint64_t next_id = 1;  // handles, physical allocations, cuMemAllocs, events and streams: never reused
-  dev_ptr next_address;  // bookkeeping mode: the next free address of this device's span
+  const DriverSlot slot;  // bookkeeping mode: this driver's slot of its device's span
+  dev_ptr next_address;  // bookkeeping mode: the next free address of this driver's slot
   const dev_ptr address_end;
   // Bookkeeping mode: ranges given back below next_address (cuMemAddressFree, cuMemFree), start ->
   // length with the guard granule, merged: taken again first fit, as the driver reuses freed

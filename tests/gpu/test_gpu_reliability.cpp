@@ -652,7 +652,7 @@ TEST_CASE("gpu: regression: cudaStreamPerThread is each host thread's own stream
   // A block freed by one thread on its per-thread stream was handed at once to another thread's.
   void* const ptds = reinterpret_cast<void*>(std::uintptr_t{2});  // CU_STREAM_PER_THREAD
   for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(kind));
+    CAPTURE(std::string(expseg::to_string(kind)));
     Allocator a(cuda_config(kind, "limit:512MiB"));
     Driver& d = driver_of(a);
     constexpr std::size_t n = 8 * MiB;
@@ -689,7 +689,7 @@ TEST_CASE("gpu: regression: short-lived threads on cudaStreamPerThread do not gr
   void* const ptds = reinterpret_cast<void*>(std::uintptr_t{2});  // CU_STREAM_PER_THREAD
   for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
     for (const char* extra : {"", "limit:1GiB"}) {
-      CAPTURE(expseg::to_string(kind));
+      CAPTURE(std::string(expseg::to_string(kind)));
       CAPTURE(extra);
       Allocator a(cuda_config(kind, extra));
       Driver& d = driver_of(a);

@@ -622,7 +622,7 @@ TEST_CASE("gpu: between cuStreamBeginCapture and begin_graph_pool, another strea
   // misses the cache meanwhile would give back a released graph pool's memory, whose
   // synchronization is the device's: expandable now sees the prepared stream capture and leaves it.
   for (BackendKind b : kBackends) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     Allocator a(cuda_config(b));
     Driver& d = driver_of(a);
     void* cap1 = d.stream_create();
@@ -696,7 +696,7 @@ TEST_CASE("gpu: a held free with a use on the legacy stream waits while an untol
   // end_graph_pool. With a capture expseg was not told of underway on a blocking stream, its event
   // on the legacy stream would be refused and invalidate that capture: the free stays held instead.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     Allocator a(cuda_config(b));
     Driver& d = driver_of(a);
     void* s3 = d.stream_create();

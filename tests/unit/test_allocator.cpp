@@ -45,7 +45,7 @@ TEST_SUITE("allocator") {
 
 TEST_CASE("allocator: size 0 gives nullptr and freeing nullptr does nothing") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     Allocator a(sim_config(b));
     CHECK(a.allocate(0) == nullptr);
     a.deallocate(nullptr);
@@ -71,7 +71,7 @@ TEST_CASE("allocator: roundup_power2_divisions rounds the same on both backends"
   };
   for (BackendKind b : kBackends) {
     for (const Case& c : cases) {
-      CAPTURE(name(b));
+      CAPTURE(std::string(name(b)));
       CAPTURE(c.conf);
       CAPTURE(c.request);
       Allocator a(sim_config(b, 80 * GiB, c.conf));
@@ -86,7 +86,7 @@ TEST_CASE("allocator: roundup_power2_divisions rounds the same on both backends"
 
 TEST_CASE("allocator: absurd sizes fail as a capacity OOM and leave the allocator as it was") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     Allocator a(sim_config(b, 8 * GiB));
     void* keep = a.allocate(1 * MiB);
     const auto before = a.stats();
@@ -114,7 +114,7 @@ TEST_CASE("allocator: absurd sizes fail as a capacity OOM and leave the allocato
 
 TEST_CASE("allocator: double free, interior and foreign pointers are reported by name and change nothing") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     Allocator a(sim_config(b));
     void* p = a.allocate(4 * MiB);
     void* q = a.allocate(4 * MiB);
@@ -137,7 +137,7 @@ TEST_CASE("allocator: double free, interior and foreign pointers are reported by
 
 TEST_CASE("allocator: a pointer of another device's allocator is foreign") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     Allocator d0(sim_config(b), 0);
     Allocator d1(sim_config(b), 1);
     void* p = d0.allocate(1 * MiB);
@@ -152,7 +152,7 @@ TEST_CASE("allocator: a pointer of another device's allocator is foreign") {
 
 TEST_CASE("allocator: record_stream defers the free until the other stream's work completes") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     auto sa = make_sim_allocator(sim_config(b));
     void* other = sa.sim->stream_create();
     void* p = sa->allocate(8 * MiB);
@@ -179,7 +179,7 @@ TEST_CASE("allocator: record_stream defers the free until the other stream's wor
 
 TEST_CASE("allocator: release_cached waits for pending cross-stream frees") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     auto sa = make_sim_allocator(sim_config(b));
     void* other = sa.sim->stream_create();
     void* p = sa->allocate(30 * MiB);
@@ -199,7 +199,7 @@ TEST_CASE("allocator: release_cached waits for pending cross-stream frees") {
 
 TEST_CASE("allocator: threads allocating and freeing concurrently keep every invariant") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     Allocator a(sim_config(b, 80 * GiB, "limit:8GiB"));
     std::atomic<int> failures{0};
     std::vector<std::thread> threads;
@@ -236,7 +236,7 @@ TEST_CASE("allocator: threads allocating and freeing concurrently keep every inv
 
 TEST_CASE("allocator: limit changes give back cached memory above the new limit") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     Allocator a(sim_config(b));
     void* keep = a.allocate(100 * MiB);
     for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(200 * MiB + static_cast<std::size_t>(i) * 50 * MiB));
@@ -275,7 +275,7 @@ TEST_CASE("allocator: a lower limit gives back only the cached memory above it, 
 
 TEST_CASE("allocator: the recorder's trace replays to the same peaks as the recorded run") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     auto cfg = sim_config(b, 80 * GiB, "limit:3GiB");
     Allocator a(cfg);
     a.start_recording();
@@ -389,7 +389,7 @@ TEST_CASE("allocator: every scenario's verdict on the simulated device") {
   for (const Expect& e : expected) {
     for (BackendKind b : kBackends) {
       CAPTURE(e.scenario);
-      CAPTURE(name(b));
+      CAPTURE(std::string(name(b)));
       auto r = expseg::run_scenario(e.scenario, sim_config(b));
       const auto& want = b == BackendKind::split_merge ? e.split_merge : e.expandable;
       CHECK(r.verdict == want);
@@ -416,7 +416,7 @@ TEST_CASE("allocator: random-churn draws from the size range it is given, and re
   o.min_size = 3 * MiB;
   o.max_size = 3 * MiB;
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     const auto r = expseg::run_scenario("random-churn", sim_config(b, 80 * GiB, "limit:30MiB"), o);
     CHECK(r.min_size == 3 * MiB);
     CHECK(r.max_size == 3 * MiB);
@@ -493,7 +493,7 @@ TEST_CASE("allocator: scenario and replay results say how much time went to whic
 TEST_CASE("allocator: stats identities hold after every step of randomized scenarios") {
   for (BackendKind b : kBackends) {
     for (const char* s : {"random-churn", "kv-cache-decode", "mixed-lifetimes"}) {
-      CAPTURE(name(b));
+      CAPTURE(std::string(name(b)));
       CAPTURE(s);
       expseg::ScenarioOptions o;
       o.series_points = 100000;  // every step

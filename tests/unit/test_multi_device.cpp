@@ -23,6 +23,7 @@
 
 using namespace testutil;
 using expseg::Allocator;
+using expseg::driver::dev_ptr;
 using expseg::BackendKind;
 using expseg::ImportedMemory;
 using expseg::IpcKind;
@@ -129,7 +130,7 @@ TEST_SUITE("multi_device") {
 
 TEST_CASE("multi-device: each device has its own allocator, stats and address span") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     Allocator d0(sim_config(b), 0);
     Allocator d1(sim_config(b), 1);
     CHECK(d0.device() == 0);
@@ -198,6 +199,73 @@ TEST_CASE("multi-device: simulated devices hand out addresses from disjoint span
   CHECK_THROWS_AS(expseg::driver::SimDriver{o}, std::invalid_argument);
 }
 
+TEST_CASE("multi-device: simulated drivers of one device alive at once take disjoint addresses, each its own sequence") {
+  // Was: each SimDriver began at its device's span start, so two allocators of one simulated device
+  // handed out the same addresses, and a pointer of one freed through the other freed one of its
+  // blocks (on CUDA the other allocator calls it foreign).
+  SimOptions o;
+  o.granularity = 64 * 1024;
+  const std::size_t g = o.granularity;
+  auto calls = [g](expseg::driver::SimDriver& d) {  // a fixed sequence; what each call returned
+    std::vector<dev_ptr> out;
+    const dev_ptr r = d.reserve(8 * g);
+    out.push_back(r);
+    out.push_back(d.mem_alloc(100));
+    d.free_reserve(r, 8 * g);
+    out.push_back(d.reserve(4 * g));
+    return out;
+  };
+  std::vector<dev_ptr> alone;
+  {
+    expseg::driver::SimDriver d(o);
+    alone = calls(d);
+  }
+  {
+    expseg::driver::SimDriver a(o);
+    expseg::driver::SimDriver b(o);
+    const std::vector<dev_ptr> in_a = calls(a);
+    const std::vector<dev_ptr> in_b = calls(b);
+    CHECK(in_a == alone);  // the first driver's addresses are those of a driver alone
+    // The second's are the same sequence, in a part of the span of its own.
+    const dev_ptr offset = in_b[0] - in_a[0];
+    CHECK(offset >= (std::uint64_t{1} << 50));
+    for (std::size_t i = 0; i < in_b.size(); ++i) CHECK(in_b[i] - offset == in_a[i]);
+    // The ranges still held (a's and b's mem_alloc and last reserve) are disjoint.
+    CHECK((in_a[1] + g <= in_b[1] || in_b[1] + g <= in_a[1]));
+    CHECK(in_b[2] >= in_a[1] + g);
+    {
+      // A third, while both live: another part again.
+      expseg::driver::SimDriver c(o);
+      const std::vector<dev_ptr> in_c = calls(c);
+      CHECK(in_c[0] != in_a[0]);
+      CHECK(in_c[0] != in_b[0]);
+    }
+  }
+  // All gone: a fresh driver starts where one alone did.
+  expseg::driver::SimDriver again(o);
+  CHECK(calls(again) == alone);
+}
+
+TEST_CASE("multi-device: two allocators of one simulated device refuse each other's pointers") {
+  for (BackendKind b : kBackends) {
+    CAPTURE(std::string(name(b)));
+    Allocator one(sim_config(b), 0);
+    Allocator two(sim_config(b), 0);
+    void* p = one.allocate(3 * MiB);
+    void* q = two.allocate(3 * MiB);
+    CHECK(p != q);
+    for (const auto& s1 : one.snapshot().segments)
+      for (const auto& s2 : two.snapshot().segments)
+        CHECK((s1.address + s1.size <= s2.address || s2.address + s2.size <= s1.address));
+    CHECK(contains(what_of<expseg::invalid_pointer>([&] { two.deallocate(p); }), "not allocated by this expseg allocator"));
+    CHECK(two.stats().allocation[kAllPools].current == 1);
+    one.deallocate(p);
+    two.deallocate(q);
+    one.validate();
+    two.validate();
+  }
+}
+
 TEST_CASE("multi-device: enable_peer_access re-grants every mapped run once and later growth includes the peer") {
   Holey h;
   auto& sim = *h.s.sim;
@@ -264,7 +332,7 @@ TEST_CASE("multi-device: split_merge peer access is the driver's (no per-range g
 
 TEST_CASE("multi-device: enable_peer_access errors name the device") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     auto s = sim_alloc(sim_config(b), 0, 2);
     CHECK(contains(what_of<expseg::error>([&] { s->enable_peer_access(2); }), "no device 2 (2 sim devices visible)"));
     CHECK(contains(what_of<expseg::error>([&] { s->enable_peer_access(-1); }), "no device -1"));
@@ -296,7 +364,7 @@ TEST_CASE("ipc: export/import round trip in-process on the host-backed simulator
       {BackendKind::expandable, "ipc_handle:fabric,expandable_max_handle:2MiB", IpcKind::fabric},
   };
   for (const Case& k : cases) {
-    CAPTURE(name(k.backend));
+    CAPTURE(std::string(name(k.backend)));
     CAPTURE(k.extra);
     auto s = sim_alloc(host_config(k.backend, k.extra));
     void* pad = s->allocate(3 * MiB);
@@ -450,7 +518,7 @@ TEST_CASE("ipc: descriptors taken with pidfd_getfd, or a clear error naming the 
 
 TEST_CASE("ipc: export errors: freed, unknown, interior pointers, expandable without ipc_handle") {
   for (BackendKind b : kBackends) {
-    CAPTURE(name(b));
+    CAPTURE(std::string(name(b)));
     auto s = sim_alloc(sim_config(b, 8 * GiB, b == BackendKind::expandable ? "ipc_handle:posix_fd" : ""));
     void* p = s->allocate(4 * MiB);
     void* q = s->allocate(4 * MiB);

@@ -136,7 +136,7 @@ TEST_CASE("oom_dump: an OOM writes report, snapshot, config and the recorded tra
   // The loop a user closes: replayed on the simulated device, split_merge fails the same way and
   // expandable does not.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     const expseg::ReplayResult r = expseg::replay(trace, sim_config(b, 80 * GiB, "limit:2064MiB"));
     CHECK(r.ooms == (b == BackendKind::split_merge ? 1u : 0u));
     if (b == BackendKind::split_merge) CHECK(r.first_oom->verdict == expseg::OomVerdict::fragmentation);
@@ -405,7 +405,7 @@ TEST_CASE("oom observer: called once per OOM with its report, after the lock is 
 TEST_CASE("read_oom_dump: reads back exactly what was written, on both backends") {
   TempDir dir("read");
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     const std::string path = (dir.path / (std::string(expseg::to_string(b)) + ".json")).string();
     // expandable: a limit OOM with partly used pages, so page_slack_bytes and mapped ranges are set.
     Allocator a(sim_config(b, 80 * GiB, "limit:64MiB,record:true,oom_dump:" + path));
@@ -444,7 +444,7 @@ TEST_CASE("read_oom_dump: uint64 sizes and limits above int64 read back (a reque
   // refused dumps expseg itself wrote for a negative size cast to size_t.
   TempDir dir("huge");
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     const std::string path = (dir.path / (std::string(expseg::to_string(b)) + ".json")).string();
     Allocator a(sim_config(b, 80 * GiB, "limit:18446744073709551615,oom_dump:" + path));
     // The largest request the allocator sees (1 EiB and more is refused up front, with no dump).
@@ -604,7 +604,7 @@ TEST_CASE("oom_dump and observer under threads: one dump and one observer call p
 TEST_CASE("read_oom_dump: several streams, a cross-stream free, and a %p-%d-%n-%% path read back exactly") {
   TempDir dir("streams");
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     const std::string pattern = (dir.path / (std::string(expseg::to_string(b)) + "-%p-%d-%n-%%.json")).string();
     auto sa = make_sim_allocator(sim_config(b, 80 * GiB, "limit:80MiB,record:true,oom_dump:" + pattern));
     void* s1 = sa.sim->stream_create();
@@ -653,7 +653,7 @@ TEST_CASE("seed_live_before_trace: a ring-cut trace gets the blocks live before 
   TempDir dir("seed");
   const std::string path = (dir.path / "oom.json").string();
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     Allocator a(sim_config(b, 4 * GiB, "limit:1GiB,record:true,record_ring:8,oom_dump:" + path));
     void* weights = a.allocate(600 * MiB);
     void* other = a.allocate(100 * MiB);
@@ -676,7 +676,7 @@ TEST_CASE("seed_live_before_trace: a ring-cut trace gets the blocks live before 
     CHECK(trace.events[0].size == 600 * MiB);
     CHECK(trace.events[1].pointer == addr(other));
     for (BackendKind rb : {BackendKind::split_merge, BackendKind::expandable}) {
-      CAPTURE(expseg::to_string(rb));
+      CAPTURE(std::string(expseg::to_string(rb)));
       const expseg::ReplayResult r = expseg::replay(trace, sim_config(rb, 4 * GiB, "limit:1GiB"), lenient);
       CHECK(r.ooms == 1);
       CHECK(r.skipped_frees == 0);

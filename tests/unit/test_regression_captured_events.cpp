@@ -47,7 +47,7 @@ TEST_CASE("regression: the retry before an OOM with a free still pending for a c
   // once more: nothing is pending now"; a free whose event a capture took stays pending through that
   // synchronization, so each retry retried: a stack overflow (SIGSEGV) instead of an OOM.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     auto drv = std::make_shared<CaptureAtRecord>(std::make_shared<expseg::driver::SimDriver>());
     auto a = expseg::detail::AllocatorAccess::make(sim_config(b, 4 * GiB, "limit:64MiB"), drv);
     void* s1 = drv->sim().stream_create();
@@ -78,7 +78,7 @@ TEST_CASE("regression: the retry before an OOM with a free still pending for a c
 TEST_CASE("regression: a free whose event a capture begun meanwhile took waits for the capture's end, then completes") {
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     for (const bool end_at_once : {false, true}) {
-      CAPTURE(expseg::to_string(b));
+      CAPTURE(std::string(expseg::to_string(b)));
       CAPTURE(end_at_once);
       auto drv = std::make_shared<CaptureAtRecord>(std::make_shared<expseg::driver::SimDriver>());
       auto a = expseg::detail::AllocatorAccess::make(sim_config(b, 4 * GiB), drv);
@@ -122,7 +122,7 @@ TEST_CASE("regression: a free whose event landed in a capture completes at relea
   // allocation in between to query the event first.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     for (const bool end_at_once : {false, true}) {
-      CAPTURE(expseg::to_string(b));
+      CAPTURE(std::string(expseg::to_string(b)));
       CAPTURE(end_at_once);
       auto drv = std::make_shared<CaptureAtRecord>(std::make_shared<expseg::driver::SimDriver>());
       auto a = expseg::detail::AllocatorAccess::make(sim_config(b, 4 * GiB), drv);
@@ -177,7 +177,7 @@ TEST_CASE("regression: a held free with a use on the legacy stream waits while a
   // end_graph_pool threw. The legacy stream now counts as capturing while a blocking stream
   // captures: the free stays held until then.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     auto sa = make_sim_allocator(sim_config(b, 1 * GiB));
     void* s3 = sa.sim->stream_create();
     void* s5 = sa.sim->stream_create_blocking();

@@ -38,7 +38,7 @@ TEST_CASE("fidelity regression: no 'allowed' figure in the OOM message at a memo
   // allowed_memory_maximum = ...`, and the OOM message adds "N allowed; " only
   // `if (allowed_memory_maximum.has_value())`.
   for (BackendKind b : kBoth) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     for (const char* conf : {"", "per_process_memory_fraction:1", "limit:100%", "limit:1GiB", "limit:2GiB"}) {
       CAPTURE(conf);
       const std::string msg = oom_message(b, conf);
@@ -71,7 +71,7 @@ TEST_CASE("fidelity regression: per_process_memory_fraction takes PyTorch's [0, 
   CHECK(Config::parse(zero.to_string()) == zero);
   CHECK_NOTHROW((void)Config::parse("per_process_memory_fraction:0.0"));
   for (BackendKind b : kBoth) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     Allocator a(sim_config(b, 80 * GiB, "per_process_memory_fraction:0"));
     CHECK(a.limit() != 0);
     try {

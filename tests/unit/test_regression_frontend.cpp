@@ -34,7 +34,7 @@ using expseg::driver::Op;
 
 TEST_CASE("regression: a deallocate that fails records no free; the trace of the real free validates") {
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     auto sa = make_sim_allocator(sim_config(b, 512 * MiB));
     void* s1 = sa.sim->stream_create();
     void* s2 = sa.sim->stream_create();
@@ -112,7 +112,7 @@ TEST_CASE("regression: an OOM observer that owns memory of its allocator is dest
   // free re-took it: a self-deadlock), and ~Allocator destroyed it after the backend (a use after
   // free).
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     auto a = std::make_unique<expseg::Allocator>(sim_config(b, 1 * GiB));
     expseg::Allocator* raw = a.get();
     std::atomic<int> released{0};
@@ -225,7 +225,7 @@ TEST_CASE("regression: a request of 1 EiB or more is refused up front: out_of_me
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     auto sa = make_sim_allocator(sim_config(b, 1 * GiB, "limit:256MiB,oom_dump:" + (dir / "oom-%n.json").string()));
     int observed = 0;
     sa->set_oom_observer([&](const expseg::OomReport&) { ++observed; });
@@ -263,7 +263,7 @@ TEST_CASE("regression: a request that can never fit waits for pending frees firs
   // stats still counted a free waiting for another stream that split_merge had completed.
   std::int64_t active[2] = {}, requested[2] = {}, syncs[2] = {};
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     auto sa = make_sim_allocator(sim_config(b, 2 * GiB));
     void* other = sa.sim->stream_create();
     void* keep = sa->allocate(10 * MiB);
@@ -295,7 +295,7 @@ TEST_CASE("regression: an OOM report names the frees still waiting for other str
   // Was: "1 live allocation (140.00 MiB requested)", the requested bytes of a free waiting for
   // another stream's work counted beside one live allocation.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     auto sa = make_sim_allocator(sim_config(b, 1 * GiB, "limit:160MiB"));
     void* other = sa.sim->stream_create();
     void* c = sa.sim->stream_create();

@@ -84,7 +84,7 @@ TEST_CASE("oom truth: a driver that refuses room the figures leave is no fragmen
                         Case{BackendKind::expandable, Op::reserve, 64,
                              "No address range could be reserved for a new segment (cuMemAddressReserve: out of memory), although the device has "
                              "1024.00 MiB of memory free"}}) {
-    CAPTURE(expseg::to_string(c.backend));
+    CAPTURE(std::string(expseg::to_string(c.backend)));
     CAPTURE(static_cast<int>(c.op));
     auto sa = make_sim_allocator(sim_config(c.backend, 1 * GiB));
     for (int i = 1; i <= c.faults; ++i) sa.sim->inject_fault(c.op, static_cast<std::uint64_t>(i), Fault::out_of_memory);
@@ -335,7 +335,7 @@ TEST_CASE("oom truth: during a capture, the other-backend check is not run and e
   // the request, and each report said the other backend would have served it; expandable's said
   // free blocks serve only their own stream, which is not its rule.
   for (const BackendKind kind : {BackendKind::expandable, BackendKind::split_merge}) {
-    CAPTURE(expseg::to_string(kind));
+    CAPTURE(std::string(expseg::to_string(kind)));
     auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, "limit:200MiB"));
     void* s2 = stream_id(0x200);
     void* s7 = stream_id(0x700);
@@ -361,7 +361,7 @@ TEST_CASE("oom truth: during a capture, the other-backend check is not run and e
 
 TEST_CASE("oom truth: memory kept for a graph pool: the other-backend check says it does not model it; a request into the pool may use the pool's own") {
   for (const BackendKind kind : {BackendKind::expandable, BackendKind::split_merge}) {
-    CAPTURE(expseg::to_string(kind));
+    CAPTURE(std::string(expseg::to_string(kind)));
     {
       // Eager request beside a live pool's 60 MiB: not asked, and the reason was "host memory ran
       // out, or its simulated device could not be built".

@@ -25,7 +25,7 @@ TEST_CASE("scenario regression: the downsampled series ends with the run's last 
   for (const char* name : {"growing-buffer", "kv-cache-decode", "mixed-lifetimes"}) {
     for (auto b : {expseg::BackendKind::split_merge, expseg::BackendKind::expandable}) {
       CAPTURE(name);
-      CAPTURE(expseg::to_string(b));
+      CAPTURE(std::string(expseg::to_string(b)));
       expseg::ScenarioOptions o;
       o.series_points = 600;
       const expseg::ScenarioResult r = expseg::run_scenario(name, sim(b), o);
@@ -49,7 +49,7 @@ TEST_CASE("scenario regression: the downsampled series reaches the run's peak al
   for (const expseg::ScenarioInfo& info : expseg::list_scenarios()) {
     for (auto b : {expseg::BackendKind::split_merge, expseg::BackendKind::expandable}) {
       CAPTURE(info.name);
-      CAPTURE(expseg::to_string(b));
+      CAPTURE(std::string(expseg::to_string(b)));
       expseg::ScenarioOptions o;
       o.series_points = 600;  // as expseg's pictures
       o.snapshot_at_peak = true;

@@ -121,7 +121,7 @@ TEST_CASE("replay regression: --lenient, a pointer allocated again while live fr
   expseg::ReplayOptions lenient;
   lenient.lenient = true;
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     const auto r = expseg::replay(expseg::parse_trace(csv, "again.csv"), sim_config(b, 80 * GiB, "limit:1536MiB"), lenient);
     CHECK(r.ooms == 0);
     CHECK(r.peak_requested_bytes == static_cast<std::int64_t>(GiB));

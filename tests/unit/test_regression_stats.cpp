@@ -59,7 +59,7 @@ TEST_CASE("stats regression: a device free that fails is counted when a retry su
   // succeeded). Was: expandable counted a cuMemRelease that failed, and again nothing when the
   // handle, kept as an orphan, was released later; split_merge counts only a cuMemFree that worked.
   for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(kind));
+    CAPTURE(std::string(expseg::to_string(kind)));
     auto sa = make_sim_allocator(sim_config(kind, 1 * GiB));
     sa->deallocate(sa->allocate(64 * MiB));
     REQUIRE(sa->stats().num_device_alloc == 1);

@@ -77,7 +77,7 @@ TEST_CASE("trace pools: replay keeps a live pool's memory to the pool, as the re
   const auto without = expseg::parse_trace(without_pool_lines(kPoolThenPlain), "plain.csv");
   REQUIRE(without.events.size() == 4);
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     const auto r_with = expseg::replay(with, sim_config(b));
     const auto r_without = expseg::replay(without, sim_config(b));
     CHECK(r_with.allocations == 2);
@@ -100,7 +100,7 @@ TEST_CASE("trace pools: replay keeps a live pool's memory to the pool, as the re
 
 TEST_CASE("trace pools: the recorder writes pool lifetimes, and a pool's allocations on the stream that began it") {
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     expseg::Allocator a(sim_config(b));
     const auto s = reinterpret_cast<expseg::stream_t>(std::uintptr_t{0x5});
     a.start_recording();
@@ -147,7 +147,7 @@ TEST_CASE("trace pools: the recorder writes pool lifetimes, and a pool's allocat
 
 TEST_CASE("trace pools: a capture's allocations are traced on its stream, a forked stream's on an id of its own with a pool begin and end") {
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     auto sa = make_sim_allocator(sim_config(b, 1 * GiB));
     void* s = sa.sim->stream_create();
     void* t = sa.sim->stream_create();
@@ -200,7 +200,7 @@ TEST_CASE("trace pools: a fork onto a stream with a pool route of its own, or th
   // strict replay ("allocates into pool 0x3 already"), and a lenient replay that ended the stream's
   // own route early.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     for (const std::uint64_t eager_pool : {std::uint64_t{3}, std::uint64_t{5}, std::uint64_t{0}}) {
       CAPTURE(eager_pool);
       auto sa = make_sim_allocator(sim_config(b, 1 * GiB));
@@ -274,7 +274,7 @@ TEST_CASE("trace pools: a block restored into a live pool is traced as a pool re
   CHECK(plain.events[0].pointer == 0x4000);
 
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     expseg::Allocator a(sim_config(b));
     const auto s = reinterpret_cast<expseg::stream_t>(std::uintptr_t{0x5});
     a.start_recording();
@@ -383,7 +383,7 @@ TEST_CASE("trace pools: a replayed restore goes back where the block it restores
   // new memory for the 5 MiB (peak reserved 20 MiB). Replayed, D landed elsewhere in the pool, the
   // 5 MiB fit in B+D+C, and the peaks were not the run's (14 MiB).
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
-    CAPTURE(expseg::to_string(b));
+    CAPTURE(std::string(expseg::to_string(b)));
     const expseg::Config conf = sim_config(b, 80 * GiB, "limit:64MiB");
     expseg::Allocator a(conf);
     const auto s = reinterpret_cast<expseg::stream_t>(std::uintptr_t{0x5});
@@ -414,7 +414,7 @@ TEST_CASE("trace pools: a random run with graph pools and restores, routed and n
   // by the backend instead of where the block lay; the layouts then parted.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     for (std::uint64_t seed : {1u, 2u, 3u}) {
-      CAPTURE(expseg::to_string(b));
+      CAPTURE(std::string(expseg::to_string(b)));
       CAPTURE(seed);
       const expseg::Config conf = sim_config(b, 80 * GiB, "limit:768MiB");
       expseg::Allocator a(conf);
