@@ -172,6 +172,47 @@ void bm_pair(benchmark::State& st, const std::string& key, const Make<S>& make, 
   });
 }
 
+// Cached allocate+free of 1 MiB while N other streams each hold a cross-stream free (record_stream)
+// whose work has not finished: simulated device only (it holds a stream's work unfinished on
+// demand), with the H200 latency model, so that what the pair asks the driver shows up beside its
+// own time. split_merge asks about every stream's free each request, as PyTorch's malloc does;
+// expandable about two streams' (its slow path completes all of them before mapping anything).
+void bm_pair_pending(benchmark::State& st, const std::string& key, const Config& base, std::size_t nstreams) {
+  guarded(st, key, [&] {
+    Config cfg = base;
+    cfg.sim_latency = true;
+    Allocator a(cfg, 0);
+    auto& sim = dynamic_cast<driver::SimDriver&>(detail::AllocatorAccess::driver(a));
+    std::vector<stream_t> streams;
+    for (std::size_t i = 0; i < nstreams; ++i) {
+      streams.push_back(sim.stream_create());
+      void* p = a.allocate(4096, nullptr);
+      a.record_stream(p, streams.back());
+      sim.set_stream_busy(streams.back(), true);
+      a.deallocate(p);
+    }
+    a.deallocate(a.allocate(MiB, nullptr));
+    const driver::CallStats before = sim.call_stats();
+    std::uint64_t pairs = 0;
+    for (auto _ : st) {
+      void* p = a.allocate(MiB, nullptr);
+      benchmark::DoNotOptimize(p);
+      a.deallocate(p);
+      ++pairs;
+    }
+    const driver::CallStats d = sim.call_stats().since(before);
+    std::uint64_t calls = 0;
+    for (std::uint64_t c : d.calls) calls += c;
+    const double n = static_cast<double>(std::max<std::uint64_t>(pairs, 1));
+    st.counters["ns_per_pair"] = ns_per(1);
+    st.counters["driver_calls_per_pair"] = static_cast<double>(calls) / n;
+    st.counters["modelled_driver_ns_per_pair"] = d.total_seconds() * 1e9 / n;
+    for (stream_t s : streams) sim.set_stream_busy(s, false);
+    a.release_cached();
+    for (stream_t s : streams) sim.stream_destroy(s);
+  });
+}
+
 // torch_anchor.py's churn, one step per iteration. The generator and the 64 slots live as long as
 // the subject, so the sequence continues across Google Benchmark's calls; the first call warms the
 // cache with 20000 untimed steps (the anchor warms with a whole untimed pass).
@@ -526,6 +567,18 @@ void register_all() {
     for (std::size_t bytes : pair_sizes) {
       const std::string name = "pair/" + label + "/" + size_label(bytes);
       benchmark::RegisterBenchmark(name.c_str(), [name, make, bytes](benchmark::State& st) { bm_pair<CapiSubject>(st, name, make, bytes); })
+          ->MinTime(t_short)
+          ->UseRealTime();
+    }
+  }
+
+  // Cached pairs while other streams' frees wait for their work.
+  for (const Target& t : targets) {
+    if (t.kind != Kind::expseg || t.cuda) continue;
+    for (std::size_t n : {std::size_t{1}, std::size_t{8}, std::size_t{64}}) {
+      const std::string name = "pair_pending/" + t.label + "/streams:" + std::to_string(n);
+      const Config cfg = t.config;
+      benchmark::RegisterBenchmark(name.c_str(), [name, cfg, n](benchmark::State& st) { bm_pair_pending(st, name, cfg, n); })
           ->MinTime(t_short)
           ->UseRealTime();
     }

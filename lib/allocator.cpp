@@ -186,6 +186,7 @@ Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
   ctx.limit = config.limit.resolve(ctx.device_total);
   ctx.hooks = this;
   backend = config.backend == BackendKind::expandable ? backends::make_expandable(ctx) : backends::make_split_merge(ctx);
+  poll_every_queue = config.backend != BackendKind::expandable;  // expandable asks process_pending_frees
   if (config.record) recorder.start(config.record_ring);
   auto r = std::make_shared<OomReport>();
   r->backend = to_string(config.backend);
@@ -236,7 +237,13 @@ Allocator::Impl::~Impl() {
   const driver::stream_t asked_on = stream;
   if (routing) [[unlikely]] stream = route_to_pool(stream);
   // No event query while the request's stream captures: it would invalidate the capture.
-  if (pending_count != 0 && !ctx.capturing && !stream_capturing(asked_on)) process_events();
+  if (pending_count != 0 && !ctx.capturing && !stream_capturing(asked_on)) [[unlikely]] {
+    if (poll_every_queue)
+      process_events();
+    else
+      process_events_of_next_queues();
+  }
+  asking_stream = asked_on;
   // Room in the live table before the backend hands out a block: a bad_alloc growing it afterwards
   // would leave the block allocated with no pointer to free it by.
   live.reserve_one();
@@ -631,28 +638,47 @@ bool Allocator::Impl::front_event_usable(StreamEvents& se) {
   return true;
 }
 
+void Allocator::Impl::process_pending_frees() {
+  if (pending_count != 0 && !ctx.capturing && !stream_capturing(asking_stream)) process_events();
+}
+
+void Allocator::Impl::process_events_of_next_queues() {
+  const std::size_t turns = std::min(kQueuesPolledPerRequest, busy_queues.size());  // each queue once at most
+  for (std::size_t n = 0; n < turns; ++n) {
+    if (next_polled_queue >= busy_queues.size()) next_polled_queue = 0;
+    StreamEvents& se = *busy_queues[next_polled_queue];
+    process_queue(se);
+    if (se.queue.empty())  // out of busy_queues; the next queue moves into its place, and its turn
+      busy_queues.erase(busy_queues.begin() + static_cast<std::ptrdiff_t>(next_polled_queue));
+    else
+      ++next_polled_queue;
+  }
+}
+
 void Allocator::Impl::process_events() {
   const DropEmptiedQueues drop{*this};
-  for (StreamEvents* busy : busy_queues) {
-    StreamEvents& se = *busy;
-    ++queue_steps;
-    while (!se.queue.empty()) {
-      if (!front_event_usable(se)) break;  // its stream captures: the free waits for the capture's end
-      PendingFree pf = se.queue.front();
-      bool done = false;
-      try {
-        done = driver->event_query(pf.event);  // throws with the free still queued
-      } catch (const driver_error& e) {
-        if (!recorded_in_capture(e)) throw;
-        se.queue.front().maybe_captured = true;
-        (void)front_event_usable(se);  // recorded again now if the capture has ended; asked next time
-      }
-      if (!done) break;
-      se.queue.pop_front();
-      --pending_count;
-      spare_events.push_back(pf.event);  // within the capacity deallocate reserved: cannot throw
-      finish_pending(pf.block);
+  for (StreamEvents* busy : busy_queues) process_queue(*busy);
+}
+
+// process_events' work on one queue: its frees whose events have completed, in order.
+void Allocator::Impl::process_queue(StreamEvents& se) {
+  ++queue_steps;
+  while (!se.queue.empty()) {
+    if (!front_event_usable(se)) break;  // its stream captures: the free waits for the capture's end
+    PendingFree pf = se.queue.front();
+    bool done = false;
+    try {
+      done = driver->event_query(pf.event);  // throws with the free still queued
+    } catch (const driver_error& e) {
+      if (!recorded_in_capture(e)) throw;
+      se.queue.front().maybe_captured = true;
+      (void)front_event_usable(se);  // recorded again now if the capture has ended; asked next time
     }
+    if (!done) break;
+    se.queue.pop_front();
+    --pending_count;
+    spare_events.push_back(pf.event);  // within the capacity deallocate reserved: cannot throw
+    finish_pending(pf.block);
   }
 }
 

@@ -75,8 +75,21 @@ struct Allocator::Impl final : backends::FrontendHooks {
   }
   bool held_free_ready() const noexcept;
 
+  // Before a backend's slow path maps or gives back memory: completes every pending free whose
+  // events have completed (process_events), unless the request's stream captures.
+  void process_pending_frees() override;
   // Completes pending frees whose events have completed (PyTorch's process_events).
   void process_events();
+  // The cached path's share of process_events where the backend asks process_pending_frees on its
+  // slow path (expandable): the frees of the next kQueuesPolledPerRequest busy queues in turn, so
+  // that a cached request makes at most three driver calls (the capture check and two event
+  // queries) however many streams wait on record_stream'd work; with one or two such streams, as
+  // before, every queue each request. split_merge walks every queue, as PyTorch's malloc does.
+  void process_events_of_next_queues();
+  static constexpr std::size_t kQueuesPolledPerRequest = 2;
+  std::size_t next_polled_queue = 0;  // process_events_of_next_queues' turn, an index of busy_queues
+  bool poll_every_queue = true;       // the backend does not ask process_pending_frees (split_merge)
+  driver::stream_t asking_stream = nullptr;  // the stream the current request was made on (before routing)
   // Allocator::release_stream under the lock; `foreign_too`: also what expseg_cupy_malloc cached
   // under the stream's foreign key (expseg_release_stream). Refuses, nothing changed, before it
   // synchronizes the stream.
@@ -188,6 +201,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
     Impl& m;
     ~DropEmptiedQueues() { m.drop_emptied_queues(); }
   };
+  // process_events' work on one queue: its frees whose events have completed, in order.
+  void process_queue(StreamEvents& se);
   std::uint64_t queue_steps = 0;  // tests: queues process_events and the cross-stream free's lookups looked at
   std::size_t pending_count = 0;
   // Whether the event of the free at the front of `se` can be queried or waited for now: one that

@@ -89,7 +89,9 @@ TEST_CASE("scale regression: with frees waiting on one stream of many, an alloca
     }
     CHECK(Access::pending_streams(*sa) == m);
     for (int i = 1; i < m; ++i) sa.sim->set_stream_busy(streams[static_cast<std::size_t>(i)], false);
-    sa->deallocate(sa->allocate(4 * KiB, own));  // completes the m - 1 idle streams' frees
+    // Completes the m - 1 idle streams' frees: split_merge's at once, expandable's two queues a
+    // request (the loop below takes the rest in turn).
+    sa->deallocate(sa->allocate(4 * KiB, own));
     sa->validate();
     void* last = streams.back();  // the last queue made (the end of a walk in making order)
     const std::uint64_t steps0 = Access::queue_steps(*sa);
@@ -232,3 +234,54 @@ TEST_CASE("scale regression: release_cached destroys the spare events of complet
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("scale regression: with many streams' frees waiting, a cached expandable request makes at most three driver calls") {
+  // Was (a review's probe): each cached request made 1 + N driver calls, an event query for every
+  // one of the N streams with a record_stream'd free waiting (65 with 64 streams), under the lock.
+  // Expandable's cached path now looks at two queues a request, its slow path at every one before
+  // it maps memory: a completed free still serves a request before anything is mapped.
+  using expseg::driver::Op;
+  constexpr int m = 64;
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 8 * GiB));
+  void* own = sa.sim->stream_create();
+  std::vector<void*> streams;
+  std::vector<void*> blocks;
+  for (int i = 0; i < m; ++i) blocks.push_back(sa->allocate(8 * MiB, own));  // adjacent: they merge once free
+  for (int i = 0; i < m; ++i) {
+    streams.push_back(sa.sim->stream_create());
+    sa->record_stream(blocks[static_cast<std::size_t>(i)], streams.back());
+    sa.sim->set_stream_busy(streams.back(), true);
+    sa->deallocate(blocks[static_cast<std::size_t>(i)]);
+  }
+  sa->deallocate(sa->allocate(MiB, own));  // a cached block for the pairs below
+  auto all_calls = [&] {
+    std::uint64_t n = 0;
+    for (std::size_t op = 0; op < expseg::driver::kOpCount; ++op) n += sa.sim->calls(static_cast<Op>(op));
+    return n;
+  };
+  const std::uint64_t before = all_calls();
+  constexpr int pairs = 200;
+  for (int i = 0; i < pairs; ++i) sa->deallocate(sa->allocate(MiB, own));
+  const std::uint64_t per_pair_x100 = (all_calls() - before) * 100 / pairs;
+  CAPTURE(per_pair_x100);
+  CHECK(per_pair_x100 <= 300);  // the capture check and two event queries
+  CHECK(per_pair_x100 >= 200);  // the queues are still looked at
+  CHECK(sa->stats().active_bytes[kAllPools].current == static_cast<std::int64_t>(m * 8 * MiB));  // all still waiting
+  sa->validate();
+
+  // Their work done, the 64 frees make one free 512 MiB block once completed. A request for it
+  // misses the cached path (two queues completed), and the slow path completes the rest first: no
+  // memory is mapped for it.
+  for (void* s : streams) sa.sim->set_stream_busy(s, false);
+  const auto st0 = sa->stats();
+  void* big = sa->allocate(m * 8 * MiB, own);
+  const auto st1 = sa->stats();
+  CHECK(st1.reserved_bytes[kAllPools].current == st0.reserved_bytes[kAllPools].current);
+  CHECK(st1.num_device_alloc == st0.num_device_alloc);
+  sa->deallocate(big);
+  CHECK(sa->stats().active_bytes[kAllPools].current == 0);  // no free left waiting
+  sa->validate();
+  sa.alloc.reset();
+  for (void* s : streams) sa.sim->stream_destroy(s);
+  sa.sim->stream_destroy(own);
+}

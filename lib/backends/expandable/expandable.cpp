@@ -708,6 +708,12 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
   if (size > std::numeric_limits<std::size_t>::max() / 2) return nullptr;
   ExpArena& arena = arena_for(stream);
   if (arena.legacy_waits) [[unlikely]] arena.legacy_unasked = true;
+  if (Block* b = allocate_cached(arena, size, requested)) return b;
+  return allocate_slow(arena, size, requested);
+}
+
+// The cached path: a mapped free block of the arena, or nullptr. No driver call.
+[[gnu::always_inline]] inline Block* ExpandableBackend::allocate_cached(ExpArena& arena, std::size_t size, std::size_t requested) {
   // Best fit among mapped free blocks; among the few smallest that fit, prefer a place that does
   // not leave an idle handle partly used (it could not be given back while the block lives).
   Block* best = nullptr;
@@ -727,9 +733,8 @@ Block* ExpandableBackend::allocate(std::size_t requested, driver::stream_t strea
     if (best_pin == 0) break;
   }
   if (best != nullptr) return carve(arena, best, size, requested, best_back);
-  if (max_shared_frames == 1)
-    if (Block* c = allocate_at_memo(arena, size, requested)) return c;
-  return allocate_slow(arena, size, requested);
+  if (max_shared_frames == 1) return allocate_at_memo(arena, size, requested);
+  return nullptr;
 }
 
 // Under a limit, a place the slow path found for this size before (ExpArena::PlaceMemo), when a
@@ -1077,14 +1082,21 @@ ExpSegment* ExpandableBackend::new_segment(ExpArena& arena, std::size_t min_byte
 }
 
 Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested) {
-  // A request that could not fit even in an empty allocator fails before anything is reserved or
-  // mapped (a limit above the device's memory does not make room the device lacks).
+  // Cross-stream frees whose events have completed: the cached path completes two streams' a
+  // request (process_events_of_next_queues), here all of them, before any memory is mapped or given
+  // back (PyTorch's malloc completes them first). Their blocks may serve this request.
+  if (!retrying_pending_ && ctx_.hooks != nullptr && ctx_.hooks->has_pending_frees()) {
+    ctx_.hooks->process_pending_frees();
+    if (Block* b = allocate_cached(arena, size, requested)) return b;
+  }
   ++slow_calls_;
   if (arena.legacy_unasked) recheck_legacy_waits(arena);
   // A late request on an exited thread's key: its growth may leave idle handles (reap_retired skips it now).
   if (arena.retired) [[unlikely]] look_again(arena);
   const CaptureScope capture(ctx_, arena.stream);
   ctx_.refused = Context::Refusal::none;
+  // A request that could not fit even in an empty allocator fails before anything is reserved or
+  // mapped (a limit above the device's memory does not make room the device lacks).
   const bool never_fits = round_up(size, frame_) > std::min(ctx_.effective_limit(), ctx_.device_total);
   Block* b = never_fits ? nullptr : place_or_grow(arena, size, requested);
   if (b != nullptr || retrying_pending_ || ctx_.hooks == nullptr || !ctx_.hooks->has_pending_frees() || ctx_.capturing) return b;

@@ -278,7 +278,7 @@ class ExpandableBackend final : public Backend {
   }
   static constexpr std::size_t kScanArenas = 8;
   [[gnu::noinline]] ExpArena& new_arena(driver::stream_t stream);
-  core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done = false);
+  [[gnu::returns_nonnull]] core::Block* carve(ExpArena& arena, core::Block* b, std::size_t size, std::size_t requested, bool back, bool runs_done = false);
   static constexpr std::size_t kNoPlace = std::numeric_limits<std::size_t>::max();
   // Bytes of idle handles a block at [lo, hi), inside free block `free`, would use only partly;
   // kNoPlace when it would use only part of an idle handle of more than `max_shared_frames` frames
@@ -307,6 +307,7 @@ class ExpandableBackend final : public Backend {
   static constexpr int kPlacementCandidates = 4;
   core::Block* allocate_at_memo(ExpArena& arena, std::size_t size, std::size_t requested);
   void remember_place(ExpArena& arena, core::Block* host, std::uint64_t addr, std::size_t size) noexcept;
+  core::Block* allocate_cached(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* allocate_slow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested);
   core::Block* grow_and_carve(ExpArena& arena, const Placement& pl, std::size_t size, std::size_t requested);

@@ -18,9 +18,15 @@
 // allocator's full path: PyTorch counts such a route as a capture underway, which skips
 // process_events and the last retry's release of the cache (an OOM there where expseg frees the
 // cache and succeeds), and routes every stream of the calling thread, where expseg routes the stream
-// it is told of. graph_capture_record_stream_reuse is accepted and ignored: a free of a block other
-// streams used during a capture waits for the capture's end (PyTorch with the option reuses it in
-// the capture after its free markers).
+// it is told of. Such a pool's cached blocks are never given back while the pool lives, not even
+// its oversize blocks on its own slow path (PyTorch's release_available_cached_blocks frees those
+// of the request's private pool): a graph captured into the pool may replay into that memory, and
+// expseg cannot tell whether one did (with max_split_size_mb, an OOM in the pool where PyTorch
+// frees an oversize block and succeeds). graph_capture_record_stream_reuse is accepted and ignored:
+// a free of a block other streams used during a capture waits for the capture's end (PyTorch with
+// the option reuses it in the capture after its free markers). cudaStreamPerThread is a cache per
+// thread, given back when the thread exits, where PyTorch keys all threads' blocks by its one
+// handle value (backend.hpp, stream keys).
 // policy:cupy follows CuPy's SingleDeviceMemoryPool: 512 B rounding, one pool, segments of exactly
 // the rounded size, best fit with split and merge, and a limit that counts everything the pool
 // holds (total_bytes); a miss over the limit or beyond the device frees all unsplit cached
