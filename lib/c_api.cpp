@@ -134,6 +134,7 @@ struct ThreadState {
   ThreadState& operator=(const ThreadState&) = delete;
   ~ThreadState() { t_state_destroyed = true; }
 };
+static_assert(std::is_nothrow_default_constructible_v<ThreadState>, "tls()'s fallback constructs one without host memory");
 ThreadState& tls() noexcept {
   if (t_state_destroyed) [[unlikely]] {
     // Called after this thread's thread_local objects were destroyed: from a static destructor at
@@ -144,7 +145,14 @@ ThreadState& tls() noexcept {
     // one small state left behind per thread that calls in this late.
     thread_local ThreadState* late = nullptr;
     if (late == nullptr) {
-      late = new ThreadState();
+      late = new (std::nothrow) ThreadState();
+      if (late == nullptr) {
+        // No host memory for it: the thread's own storage, which lasts as long as the thread (the
+        // state's constructor allocates nothing; what its strings take later is not given back).
+        alignas(ThreadState) thread_local unsigned char storage[sizeof(ThreadState)];
+        late = ::new (static_cast<void*>(storage)) ThreadState();
+        return *late;
+      }
       // Kept reachable (leak checkers see a live list, not a lost block): a lock-free push.
       static std::atomic<ThreadState*> kept{nullptr};
       late->next_late = kept.load(std::memory_order_relaxed);
