@@ -10,8 +10,11 @@
 // Error contract: every call either succeeds or throws expseg::driver_error carrying the call's name
 // and the driver's error name and string; driver_error::is_out_of_memory() tells an OOM from the
 // rest. A call that throws has no effect (nothing half-created is left behind).
-// A Driver object is used under its owner's lock; implementations need not be thread-safe except
-// where a method says so.
+// A Driver object is used under its owner's lock, with one exception: an imported IPC mapping
+// (ipc.cpp, ImportedMemory) is released by whichever thread drops it, without the allocator's lock
+// (unmap, release, free_reserve, device_synchronize, ipc_close). Both implementations are
+// thread-safe (CudaDriver: the CUDA driver API and its atomic call counters; SimDriver: a lock per
+// call); a new implementation must be too, or ipc.cpp must take the allocator's lock.
 #pragma once
 
 #include <array>
