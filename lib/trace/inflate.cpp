@@ -238,6 +238,9 @@ class Inflater {
       align_and_rewind();
     } catch (...) {
       out_.resize(pos_);
+      // Cut short: what was decoded from real input is handed on, so a reader can say how far it got.
+      if (sink_ && truncated_ && decoded_before_end() > handed_)
+        (*sink_)(std::string_view(out_).substr(emitted_, decoded_before_end() - handed_));
       throw;
     }
     out_.resize(pos_);
@@ -248,6 +251,13 @@ class Inflater {
     return std::size_t(p_ - start_);
   }
 
+  // Bytes this stream decoded (with a sink: handed on or still held).
+  std::size_t decoded() const { return handed_ + (pos_ - emitted_); }
+  // Of them, those decoded before the input ran out (the decoder reads ahead into zero padding, so
+  // a few symbols past that point may be garbage; those decoded from the last few real bytes are
+  // left out too).
+  std::size_t decoded_before_end() const { return padded_ ? decoded_at_end_ : decoded(); }
+
  private:
   const unsigned char* start_;
   const unsigned char* p_;
@@ -256,6 +266,10 @@ class Inflater {
   std::string& out_;
   const ChunkSink* sink_;
   std::size_t emitted_ = 0;  // with a sink: out_[0, emitted_) has been handed on
+  std::size_t handed_ = 0;   // bytes handed to the sink
+  bool padded_ = false;      // the input ran out and zeros were padded on
+  std::size_t decoded_at_end_ = 0;  // decoded() when that happened
+  bool truncated_ = false;
   std::uint64_t buf_ = 0;
   unsigned cnt_ = 0;    // bits in buf_
   std::size_t pad_ = 0; // zero bytes appended past the end of input (over-reads are detected later)
@@ -273,11 +287,12 @@ class Inflater {
     return base_offset_ + std::size_t(p_ - start_) - buffered;
   }
 
-  [[noreturn]] void truncated() const {
+  [[noreturn]] void truncated() {
+    truncated_ = true;
     throw gzip_error("truncated gzip data: the compressed stream ends before its final block");
   }
   // Corrupt-data errors; when the decoder has already read past the end, the real cause is truncation.
-  [[noreturn]] void fail(const std::string& what) const {
+  [[noreturn]] void fail(const std::string& what) {
     if (overrun()) truncated();
     throw gzip_error(what + " (near input byte " + std::to_string(input_offset()) + ")");
   }
@@ -294,8 +309,13 @@ class Inflater {
     }
     if (overrun()) truncated();
     while (cnt_ <= 56) {
-      if (p_ < end_) buf_ |= std::uint64_t(*p_++) << cnt_;
-      else ++pad_;
+      if (p_ < end_) {
+        buf_ |= std::uint64_t(*p_++) << cnt_;
+      } else {
+        if (!padded_) decoded_at_end_ = decoded();
+        padded_ = true;
+        ++pad_;
+      }
       cnt_ += 8;
     }
   }
@@ -329,6 +349,7 @@ class Inflater {
     if (sink_ && pos_ > kWindow && pos_ + n > kFlushBytes) {
       // Hand on what is new and keep the last 32 KiB, the most a back-reference reaches.
       (*sink_)(std::string_view(o_ + emitted_, pos_ - emitted_));
+      handed_ += pos_ - emitted_;
       const std::size_t shift = pos_ - kWindow;
       std::memmove(o_, o_ + shift, kWindow);
       pos_ = emitted_ = kWindow;
@@ -841,8 +862,10 @@ std::string gunzip(std::string_view bytes) {
 void gunzip(std::string_view bytes, const ChunkSink& sink) {
   const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
   const std::size_t n = bytes.size();
-  auto truncated = [](const char* where) {
-    throw gzip_error(std::string("truncated gzip data: input ends inside the ") + where);
+  std::uint64_t total = 0;  // decompressed bytes of the members before this one
+  auto truncated = [&total](const char* where) {
+    throw gzip_error(std::string("truncated gzip data: input ends inside the ") + where +
+                     (total ? " (" + std::to_string(total) + " bytes decompressed before it)" : std::string()));
   };
   std::string window;  // the decoder's buffer: at most a few MiB, whatever the output size
   std::size_t at = 0;
@@ -896,7 +919,14 @@ void gunzip(std::string_view bytes, const ChunkSink& sink) {
       sink(piece);
     };
     Inflater inf(bytes.substr(at), window, at, &checked);
-    at += inf.run();
+    try {
+      at += inf.run();
+    } catch (const gzip_error& e) {
+      if (std::string_view(e.what()).starts_with("truncated"))
+        throw gzip_error(std::string(e.what()) + " (" + std::to_string(total + inf.decoded_before_end()) + " bytes decompressed before the data ran out)");
+      throw;
+    }
+    total += produced;
     if (n - at < 8) truncated("trailer (CRC-32 and size)");
     const std::uint32_t stored_crc = load_le32(b + at), stored_size = load_le32(b + at + 4);
     at += 8;

@@ -17,7 +17,8 @@ namespace expseg::trace {
 
 // Malformed or truncated compressed data. Messages start with what went wrong ("truncated gzip
 // data", "CRC-32 mismatch", "invalid Huffman code", "invalid distance too far back", ...) and give
-// the byte offset in the input where it is known.
+// the byte offset in the input where it is known; a truncation says how many bytes were decompressed
+// before the data ran out (the sink has been handed those bytes).
 class gzip_error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -455,13 +455,14 @@ Trace parse_trace(std::string_view csv_text, const std::string& name) {
 // Reads as a stream: memory holds the events (and a gzip file's compressed bytes), never the whole
 // text, so a trace of tens of millions of lines, or a small .gz that inflates to gigabytes, costs
 // what its events cost.
-Trace read_trace(const std::string& path) {
+namespace {
+
+Trace read_trace_bytes(const std::string& path, bool& gzip) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
   if (!f) throw trace_error(path, 0, std::string("cannot open trace file: ") + std::strerror(errno));
   trace::Parser parser{path};
   trace::LineFeeder lines(parser);
   std::string compressed;  // a gzip file is read whole, then decoded as a stream
-  bool gzip = false;
   std::size_t offset = 0;
   static constexpr std::size_t kChunk = std::size_t{1} << 16;
   std::unique_ptr<char[]> buf(new char[kChunk]);
@@ -505,12 +506,34 @@ Trace read_trace(const std::string& path) {
     try {
       trace::gunzip(compressed, to_lines);
     } catch (const trace::gzip_error& e) {
-      throw trace_error(path, 0, std::string("corrupt gzip: ") + e.what());
+      std::string what = std::string("corrupt gzip: ") + e.what();
+      // The decoder hands on what it decoded before the data ran out: the lines parsed say how far.
+      if (!parse_error && what.find("truncated") != std::string::npos)
+        what += parser.line_no ? "; the last complete line is line " + std::to_string(parser.line_no) : "; not one complete line";
+      throw trace_error(path, 0, what);
     }
     if (parse_error) std::rethrow_exception(parse_error);
   }
   lines.finish();
   return parser.finish(std::filesystem::path(path).filename().string());
+}
+
+}  // namespace
+
+Trace read_trace(const std::string& path) {
+  bool gzip = false;
+  try {
+    return read_trace_bytes(path, gzip);
+  } catch (const trace_error& e) {
+    // A .gz that is not gzip was read as CSV (a browser may have unpacked it and kept the name);
+    // when that fails, the CSV parser's complaint alone hides the real problem.
+    if (gzip || !path.ends_with(".gz") || e.file() != path || std::string_view(e.what()).find(": cannot ") != std::string_view::npos) throw;
+    const std::string what = e.what();
+    const std::size_t prefix = path.size() + (e.line() != 0 ? 1 + std::to_string(e.line()).size() : 0) + 2;
+    throw trace_error(path, e.line(),
+                      "not gzip data, although the name ends in .gz (it does not start with gzip's bytes 1f 8b); read as a CSV trace, " +
+                          (what.size() >= prefix ? what.substr(prefix) : what));
+  }
 }
 
 void write_trace(std::ostream& out, const std::vector<TraceEvent>& events, bool rmm_strict) {

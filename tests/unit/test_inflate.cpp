@@ -585,3 +585,32 @@ TEST_CASE("inflate: gunzip to a sink still checks every member's CRC-32 and size
   CHECK(starts_with(message, "CRC-32 mismatch"));
   CHECK(seen == (6u << 20) + 4);  // the data came through; the error comes at the member's end
 }
+
+TEST_CASE("inflate: a truncated stream says how many bytes it decompressed, and hands exactly those on") {
+  // Was only "truncated gzip data: the compressed stream ends before its final block": nothing on how far it got.
+  // kTwoMembers cut inside its second member's header: the first member's 13 bytes.
+  const std::string_view two = bytes(kTwoMembers);
+  CHECK(gunzip_error(two.substr(0, 40)) == "truncated gzip data: input ends inside the header (13 bytes decompressed before it)");
+  // Every cut: the bytes handed on are a prefix of the text (none decoded from the padding past the
+  // end), and the message counts them.
+  const std::string text = trace_like_text(200000, 7);
+  const std::string gz = gzip_compress(text);
+  std::size_t largest = 0;
+  for (std::size_t cut = 20; cut + 8 < gz.size(); cut += 53) {
+    std::string got;
+    std::string m;
+    try {
+      gunzip(std::string_view(gz).substr(0, cut), [&got](std::string_view piece) { got.append(piece); });
+    } catch (const gzip_error& e) {
+      m = e.what();
+    }
+    INFO("cut at " << cut << ": " << m);
+    REQUIRE(starts_with(m, "truncated gzip data: the compressed stream ends before its final block ("));
+    CHECK(m == "truncated gzip data: the compressed stream ends before its final block (" + std::to_string(got.size()) +
+                   " bytes decompressed before the data ran out)");
+    CHECK(text.compare(0, got.size(), got) == 0);
+    CHECK(got.size() >= largest);
+    largest = got.size();
+  }
+  CHECK(largest > text.size() / 2);
+}

@@ -649,4 +649,35 @@ TEST_CASE("trace: a corrupt .gz is reported as corrupt even where its text also 
   CHECK(c.what.rfind(path + ": corrupt gzip: CRC-32 mismatch", 0) == 0);
 }
 
+TEST_CASE("trace: a .gz that is not gzip says so; a plain CSV named .gz still reads") {
+  // Was: "header is missing column(s) ... found \"garbage not gzip\"", as if it were a bad CSV.
+  TempDir dir;
+  const std::string bad = dir.file("notgz.rmm.csv.gz");
+  write_bytes(bad, "garbage not gzip\n");
+  const auto c = catch_trace_error([&] { expseg::read_trace(bad); });
+  CHECK(c.line == 1);
+  CHECK(c.what == bad + ":1: not gzip data, although the name ends in .gz (it does not start with gzip's bytes 1f 8b); read as a CSV "
+                         "trace, header is missing column(s) Thread, Time, Action, Pointer, Size, Stream: expected "
+                         "Thread,Time,Action,Pointer,Size,Stream (in any order), found \"garbage not gzip\"");
+  // (A browser may unpack a download and keep its .gz name.)
+  const std::string plain = dir.file("plain.csv.gz");
+  write_bytes(plain, kAllActions);
+  CHECK(expseg::read_trace(plain).events.size() == expseg::parse_trace(kAllActions, "x.csv").events.size());
+}
+
+TEST_CASE("trace: a truncated .gz says how far it got: the bytes decompressed and the last complete line") {
+  // Was only "truncated gzip data: the compressed stream ends before its final block".
+  TempDir dir;
+  std::string csv(kHeader);
+  for (int i = 0; i < 3000; ++i) csv += "1," + std::to_string(i) + ",allocate,0x" + std::to_string(100000 + i) + "," + std::to_string(4096 + 7 * i) + ",0x0\n";
+  const std::string gz = expseg::trace::gzip_compress(csv);
+  const std::string path = dir.file("trunc.rmm.csv.gz");
+  write_bytes(path, std::string_view(gz).substr(0, gz.size() / 2));
+  const auto c = catch_trace_error([&] { expseg::read_trace(path); });
+  CHECK(c.line == 0);
+  CHECK(c.what == path + ": corrupt gzip: truncated gzip data: the compressed stream ends before its final block (49949 bytes "
+                         "decompressed before the data ran out); the last complete line is line 1482");
+  CHECK(std::count(csv.begin(), csv.begin() + 49949, '\n') == 1482);
+}
+
 }  // TEST_SUITE
