@@ -192,9 +192,19 @@ std::string tried_text(const OomReport& rep) {
   return tried == requested ? tried : tried + " (requested " + requested + ")";
 }
 
+// "fragmentation: 17 at ≤ 98% of the limit", "none at ≤ 98% of the limit" (fill_known runs with OOMs).
+std::string below_98_words(const ReportRun& r) {
+  if (!r.fill_known || r.ooms == 0) return "";
+  return r.ooms_below_98 ? "fragmentation: " + std::to_string(r.ooms_below_98) + " at \xE2\x89\xA4 98% of the limit"
+                         : "none at \xE2\x89\xA4 98% of the limit";
+}
+
 // What the run's counts say of the verdict of an OOM other than the first (only the first one's
 // report is kept).
 std::string later_oom_verdict(const ReportRun& r) {
+  if (r.fill_known)
+    return " \xE2\x80\x94 " + std::to_string(r.ooms_below_98) + " of this run's " + std::to_string(r.ooms) +
+           " OOMs were at \xE2\x89\xA4 98% of the limit (fragmentation)";
   if (r.fragmentation_known && r.fragmentation_ooms == r.ooms) return " \xE2\x80\x94 verdict: fragmentation";
   if (r.fragmentation_known && r.fragmentation_ooms == 0)
     return " \xE2\x80\x94 verdict: not fragmentation (limit or capacity)";  // which one, only the first OOM's report says
@@ -243,14 +253,16 @@ std::string takeaway(const ReportGroup& g) {
   std::string s;
   if (!failed.empty() && !fine.empty()) {
     s = names(failed) + " runs out of memory";
-    if (failed.size() == 1 && failed[0]->first_oom) s += " (" + verdict_of(*failed[0]) + ")";
+    if (failed.size() == 1 && failed[0]->fill_known) s += " (" + outcome_of(*failed[0]) + ", " + below_98_words(*failed[0]) + ")";
+    else if (failed.size() == 1 && failed[0]->first_oom) s += " (" + verdict_of(*failed[0]) + ")";
     s += " where " + names(fine) + (fine.size() == 1 ? " succeeds." : " succeed.");
   } else if (!failed.empty()) {
     s = g.runs.size() == 1 ? "The run fails: " : "Every backend fails: ";
     for (std::size_t i = 0; i < failed.size(); ++i) {
       if (i) s += "; ";
       s += failed[i]->backend + " " + outcome_of(*failed[i]);
-      if (failed[i]->first_oom) s += " (first: " + verdict_of(*failed[i]) + ")";
+      if (failed[i]->fill_known) s += " (" + below_98_words(*failed[i]) + ")";
+      else if (failed[i]->first_oom) s += " (first: " + verdict_of(*failed[i]) + ")";
     }
     s += ".";
   } else {
@@ -774,8 +786,11 @@ void state_legend(std::string& o) {
 
 void summary_table(std::string& o, const ReportGroup& g) {
   const bool driver = std::any_of(g.runs.begin(), g.runs.end(), [](const ReportRun& r) { return r.driver_seconds > 0; });
-  o += "<table class=\"summary\">\n<thead><tr><th>backend</th><th class=\"l\">outcome</th><th class=\"l\">verdict of the first OOM</th><th>peak allocated</th>"
-       "<th>peak reserved</th><th>reserved / allocated</th><th>OOMs</th><th>time</th>";
+  const bool fill = std::any_of(g.runs.begin(), g.runs.end(), [](const ReportRun& r) { return r.fill_known; });
+  o += "<table class=\"summary\">\n<thead><tr><th>backend</th><th class=\"l\">outcome</th><th class=\"l\">first OOM report&#39;s verdict</th><th>peak allocated</th>"
+       "<th>peak reserved</th><th>reserved / allocated</th><th>OOMs</th>";
+  if (fill) o += "<th>OOMs at \xE2\x89\xA4 98% of the limit (fragmentation)</th>";
+  o += "<th>time</th>";
   o += driver ? "<th>in driver</th></tr></thead>\n<tbody>\n" : "</tr></thead>\n<tbody>\n";
   for (std::size_t i = 0; i < g.runs.size(); ++i) {
     const ReportRun& r = g.runs[i];
@@ -784,7 +799,9 @@ void summary_table(std::string& o, const ReportGroup& g) {
          "</td><td class=\"l\"><span class=\"badge " + (r.ooms ? "bad" : "ok") + "\">" + esc(outcome_of(r)) + "</span></td><td class=\"l\">" +
          esc(r.first_oom ? verdict_of(r) : std::string("\xE2\x80\x94")) + "</td><td>" + esc(bytes_text(r.peak_allocated_bytes)) + "</td><td>" +
          esc(bytes_text(r.peak_reserved_bytes)) + "</td><td>" + ratio_text(r) +
-         "</td><td>" + std::to_string(r.ooms) + "</td><td>" + esc(seconds_text(r.seconds)) + "</td>";
+         "</td><td>" + std::to_string(r.ooms) + "</td>";
+    if (fill) o += "<td>" + (r.fill_known ? std::to_string(r.ooms_below_98) : std::string("\xE2\x80\x94")) + "</td>";
+    o += "<td>" + esc(seconds_text(r.seconds)) + "</td>";
     if (driver) o += "<td>" + (r.driver_seconds > 0 ? esc(seconds_text(r.driver_seconds)) : std::string("\xE2\x80\x94")) + "</td>";
     o += "</tr>\n";
   }
@@ -825,7 +842,10 @@ void glance(std::string& o, std::span<const ReportGroup> groups) {
       }
       const BackendStyle st = backend_style(r->backend, idx);
       o += "<td class=\"l\"><span class=\"badge " + std::string(r->ooms ? "bad" : "ok") + "\">" + esc(outcome_of(*r)) + "</span>" +
-           (r->first_oom ? " <span class=\"small\">" + esc(verdict_of(*r)) + "</span>" : std::string()) + "</td>";
+           (r->fill_known && r->ooms ? " <span class=\"small\">" + esc(below_98_words(*r)) + "</span>"
+            : r->first_oom          ? " <span class=\"small\">first report: " + esc(verdict_of(*r)) + "</span>"
+                                    : std::string()) +
+           "</td>";
       o += "<td class=\"l bars\"><div class=\"bar\"><span style=\"width:" + fixed(100.0 * static_cast<double>(r->peak_reserved_bytes) / scale, 1) +
            "%;background:" + st.light + "\"></span><span style=\"width:" + fixed(100.0 * static_cast<double>(r->peak_allocated_bytes) / scale, 1) +
            "%;background:" + st.line + ";top:2px;bottom:2px\"></span></div><span class=\"small\">" +
@@ -859,7 +879,7 @@ void group_section(std::string& o, const ReportGroup& g, std::size_t index) {
     const ReportRun& r = g.runs[i];
     if (!r.first_oom) continue;
     o += "<div class=\"why\"><p><span class=\"dot\" style=\"background:" + std::string(backend_style(r.backend, i).line) + "\"></span><b>Why " + esc(r.backend) +
-         " failed</b> (" + esc(verdict_of(r)) + "): " + esc(verdict_sentence(*r.first_oom)) + "</p>\n";
+         " failed</b> (the first OOM report&#39;s verdict: " + esc(verdict_of(r)) + "): " + esc(verdict_sentence(*r.first_oom)) + "</p>\n";
     o += "<details><summary>the first OOM report, as the user saw it</summary><pre>" + esc(r.first_oom->message) + "</pre></details></div>\n";
   }
 
@@ -924,8 +944,17 @@ ReportGroup report_group(std::span<const ScenarioResult> runs) {
     // the card names a limit the run did not have.
     const ScenarioResult& s = runs.front();
     const bool other_sizes = s.max_size != 0 && (s.min_size != info->min_size || s.max_size != info->max_size);
-    if (other_sizes || s.limit_bytes != info->limit_bytes) {
+    // A random story's outcome sentences hold for its own seed only: another seed's card says so.
+    const bool other_seed = info->random && s.seed != 0 && s.seed != info->seed;
+    if (other_seed && !info->outcome.empty() && g.description.ends_with(info->outcome)) {
+      std::string outcome(info->outcome);
+      if (!outcome.empty() && outcome[0] >= 'A' && outcome[0] <= 'Z') outcome[0] = static_cast<char>(outcome[0] - 'A' + 'a');
+      g.description.resize(g.description.size() - info->outcome.size());
+      g.description += "With the story's own seed (" + std::to_string(info->seed) + "), " + outcome;
+    }
+    if (other_seed || other_sizes || s.limit_bytes != info->limit_bytes) {
       g.description += " This run: ";
+      if (other_seed) g.description += "seed " + std::to_string(s.seed) + ", ";
       if (s.max_size != 0) g.description += "sizes " + format_bytes(s.min_size) + "\xE2\x80\x93" + format_bytes(s.max_size) + ", ";
       g.description += (s.limit_bytes ? "limit " + format_bytes(s.limit_bytes) : std::string("no limit")) + " (the story's defaults overridden).";
     }
@@ -937,6 +966,8 @@ ReportGroup report_group(std::span<const ScenarioResult> runs) {
     r.ooms = s.ooms;
     r.fragmentation_ooms = s.fragmentation_ooms;
     r.fragmentation_known = true;
+    r.ooms_below_98 = s.ooms_below_98;
+    r.fill_known = s.limit_bytes != 0;
     r.first_oom = s.first_oom;
     r.peak_allocated_bytes = s.peak_allocated_bytes;
     r.peak_reserved_bytes = s.peak_reserved_bytes;

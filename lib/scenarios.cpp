@@ -283,6 +283,19 @@ struct Story {
   void (*run)(Runner&);
 };
 
+// How the random stories end with their own seed: the end of their descriptions (ScenarioInfo::outcome).
+#define CHURN_OUTCOME                                                                                        \
+  "A split pool fails while much of the limit is free but scattered; expandable segments should fail only " \
+  "when live bytes plus the request really approach the limit."
+#define KV_OUTCOME                                                                                          \
+  "In a split pool the many slightly different sizes fragment the cache until sequences are evicted for " \
+  "lack of memory at about half the 384 MiB limit; expandable segments keep serving them."
+#define MIXED_OUTCOME                                                                                         \
+  "Small survivors land in the room freed large blocks leave and split it, so under the 4 GiB limit a split " \
+  "pool fails a large request while much of the limit is free in pieces too small for it (fragmentation); "   \
+  "expandable segments give back the pages around the survivors, map them where the large block goes, and "   \
+  "serve every request."
+
 const Story kStories[] = {
     {{"split-800-500-300", "The split-pool OOM",
       "A 2000 MiB block is allocated and freed, then 800, 500 and 300 MiB are carved from the cached segment and "
@@ -290,7 +303,7 @@ const Story kStories[] = {
       "unallocated: no contiguous 800 MiB exists and the 2064 MiB limit forbids a new segment. This is "
       "PyTorch's 'reserved but unallocated' OOM (and CuPy's with set_limit). Expandable segments unmap the free "
       "pages and map them again where the request fits.",
-      2064 * MiB},
+      2064 * MiB, false, 0, 0, 0, {}},
      3, split_800_500_300},
     {{"cupy-limit", "CuPy's pool limit and arange().astype() temporaries",
       "A loop builds float32 arrays with arange(n).astype(float32), n = 16M: each step first allocates the 128 MiB "
@@ -298,40 +311,36 @@ const Story kStories[] = {
       "set_limit) counts everything the pool holds; with 14 results kept, the temporary plus the next result "
       "exceed the limit although the results alone are 896 MiB. The verdict is 'limit' on every backend: the "
       "fix is a higher limit or fewer live arrays, not a different allocator.",
-      1 * GiB},
+      1 * GiB, false, 0, 0, 0, {}},
      5, cupy_limit},
     {{"growing-buffer", "A buffer that grows each step",
       "A buffer grows by 3 MiB a step for 400 steps (64 MiB to 1.2 GiB, plus 12345 odd bytes): the new, larger "
       "copy is allocated before the old one is freed, as a KV cache or a growing batch does. A split pool cannot "
       "reuse the freed, slightly smaller blocks and must flush its cache again and again under the 3 GiB "
       "limit; expandable segments reuse the freed pages in place.",
-      3 * GiB},
+      3 * GiB, false, 0, 0, 0, {}},
      1, growing_buffer},
+    // (ScenarioInfo::seed: the Story's, filled in by infos().)
     {{"random-churn", "Random sizes and lifetimes under a limit",
       "6000 steps: 45% free a random live block, the rest allocate a log-uniform size between 4 KiB and 512 MiB, "
-      "under a 3 GiB limit; after an OOM a random half of the live blocks is freed. A split pool fails while "
-      "much of the limit is free but scattered; expandable segments should fail only when live bytes plus "
-      "the request really approach the limit.",
-      3 * GiB, true, std::size_t{1} << kChurnMinLog2, std::size_t{1} << kChurnMaxLog2},
+      "under a 3 GiB limit; after an OOM a random half of the live blocks is freed. " CHURN_OUTCOME,
+      3 * GiB, true, std::size_t{1} << kChurnMinLog2, std::size_t{1} << kChurnMaxLog2, 0, CHURN_OUTCOME},
      1, random_churn},
     {{"kv-cache-decode", "LLM decoding with growing KV caches",
       "Six sequences decode at once; each holds four KV caches (2 layers x K,V, 32 KiB per token) that grow by "
       "one token per step through torch.cat (a new, larger block, then the old one freed), and sequences "
-      "start and finish at different times (24 in all, prompts of 16-256 tokens, 32-512 new tokens). In a "
-      "split pool the many slightly different sizes fragment the cache until sequences are evicted for lack "
-      "of memory at about half the 384 MiB limit; expandable segments keep serving them.",
-      384 * MiB, true},
+      "start and finish at different times (24 in all, prompts of 16-256 tokens, 32-512 new tokens). " KV_OUTCOME,
+      384 * MiB, true, 0, 0, 0, KV_OUTCOME},
      7, kv_cache_decode},
     {{"mixed-lifetimes", "Long-lived large blocks among short-lived small ones",
       "Each round allocates a large block (32-128 MiB) that lives for 40 rounds, and twenty small ones "
-      "(1-8 MiB), about four in five freed at once and the others kept for three rounds. Small survivors land "
-      "in the room freed large blocks leave and split it, so under the 4 GiB limit a split pool fails a large "
-      "request while much of the limit is free in pieces too small for it (fragmentation); expandable "
-      "segments give back the pages around the survivors, map them where the large block goes, and serve "
-      "every request.",
-      4 * GiB, true},
+      "(1-8 MiB), about four in five freed at once and the others kept for three rounds. " MIXED_OUTCOME,
+      4 * GiB, true, 0, 0, 0, MIXED_OUTCOME},
      11, mixed_lifetimes},
 };
+#undef CHURN_OUTCOME
+#undef KV_OUTCOME
+#undef MIXED_OUTCOME
 
 std::string unknown_scenario(std::string_view name) {
   std::string s = "expseg: unknown scenario '" + std::string(name) + "'; valid scenarios:";
@@ -341,7 +350,10 @@ std::string unknown_scenario(std::string_view name) {
 
 std::vector<ScenarioInfo> infos() {
   std::vector<ScenarioInfo> v;
-  for (const Story& s : kStories) v.push_back(s.info);
+  for (const Story& s : kStories) {
+    v.push_back(s.info);
+    v.back().seed = s.seed;
+  }
   return v;
 }
 
@@ -390,17 +402,18 @@ ScenarioResult run_scenario(std::string_view name, const Config& config, const S
   if (!c.limit.is_set()) c.limit = Limit{story->info.limit_bytes, 0.0};
   const std::uint64_t seed = options.seed ? options.seed : story->seed;
 
-  auto run_once = [&](std::int64_t stop_at, ScenarioResult& r, std::vector<SeriesPoint>* samples) {
+  auto run_once = [&](std::int64_t stop_at, ScenarioResult& r, std::vector<SeriesPoint>* samples, const ScenarioOptions& opts) {
     Allocator a(c, device);
     r.scenario = std::string(name);
     r.backend = to_string(c.backend);
     r.device = device_label(c, device);
     r.limit_bytes = a.limit();
+    r.seed = seed;
     if (story->info.max_size != 0) {
       r.min_size = options.min_size ? options.min_size : story->info.min_size;
       r.max_size = options.max_size ? options.max_size : story->info.max_size;
     }
-    Runner runner(a, r, options, seed, stop_at);
+    Runner runner(a, r, opts, seed, stop_at);
     const driver::Driver& drv = detail::AllocatorAccess::driver(a);
     const driver::CallStats calls_before = drv.call_stats();
     const auto t0 = std::chrono::steady_clock::now();
@@ -422,7 +435,22 @@ ScenarioResult run_scenario(std::string_view name, const Config& config, const S
 
   ScenarioResult result;
   std::vector<SeriesPoint> samples;
-  run_once(-1, result, &samples);
+  run_once(-1, result, &samples, options);
+  if (options.series_points || options.snapshot_at_peak) {
+    // A stats() sample after every step tripled the time: the time is of a run of its own without
+    // samples (the same story; no dump written again).
+    ScenarioOptions timed = options;
+    timed.series_points = 0;
+    timed.snapshot_at_peak = false;
+    const Config keep = c;
+    c.oom_dump.clear();
+    ScenarioResult t;
+    run_once(-1, t, nullptr, timed);
+    c = keep;
+    result.seconds = t.seconds;
+    result.driver_seconds = t.driver_seconds;
+    result.driver_calls = std::move(t.driver_calls);
+  }
   if (options.series_points) result.series = downsample(samples, options.series_points);
   if (options.snapshot_at_peak && !samples.empty()) {
     // A state after a step, not a peak inside one (the sample before its step's own): the
@@ -466,6 +494,7 @@ std::string ScenarioResult::to_json() const {
   w.key("verdict");
   if (verdict) w.value(to_string(*verdict));
   else w.null();
+  w.field("seed", seed);
   w.field("ooms", static_cast<std::uint64_t>(ooms));
   w.field("fragmentation_ooms", static_cast<std::uint64_t>(fragmentation_ooms));
   w.field("ooms_below_98pct", static_cast<std::uint64_t>(ooms_below_98));

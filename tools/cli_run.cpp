@@ -120,15 +120,30 @@ std::vector<ScenarioGroup> run_scenarios(const std::vector<std::string>& names, 
 
 std::string verdict_text(const std::optional<OomVerdict>& v) { return v ? to_string(*v) : "-"; }
 
+// expseg's own test of a fragmentation OOM (live requested bytes + the request <= 98% of the limit);
+// the OOM report's verdict counts whole pages and can say "limit" at 96% full, or the reverse.
+std::string below_98_text(const ScenarioResult& r) { return r.limit_bytes ? std::to_string(r.ooms_below_98) : std::string("-"); }
+
+// "fragmentation: 17 at <= 98% of limit", "none at <= 98% of limit"; empty without a limit or an OOM.
+std::string below_98_words(const ScenarioResult& r) {
+  if (r.limit_bytes == 0 || r.ooms == 0) return "";
+  return r.ooms_below_98 ? "fragmentation: " + std::to_string(r.ooms_below_98) + " at <= 98% of limit" : "none at <= 98% of limit";
+}
+
+constexpr const char* kBelow98Note =
+    "OOMs at <= 98% of limit: the failed request plus the live requested bytes were at most 98% of the limit, expseg's test of a "
+    "fragmentation OOM. The first OOM report's verdict weighs whole pages and held memory instead, so the two can differ.";
+
 void print_scenario_table(const std::vector<ScenarioGroup>& groups) {
   Table t({{"scenario", false},
            {"backend", false},
            {"outcome", false},
-           {"verdict", false},
+           {"first OOM report's verdict", false},
            {"peak allocated", true},
            {"peak reserved", true},
            {"limit", true},
            {"OOMs", true},
+           {"OOMs at <= 98% of limit", true},
            {"lowest fill", true},
            {"time", true},
            {"in driver", true}});
@@ -145,8 +160,15 @@ void print_scenario_table(const std::vector<ScenarioGroup>& groups) {
     for (const ScenarioResult& r : g)
       t.add({r.scenario, r.backend, r.ok ? "ok" : std::to_string(r.ooms) + (r.ooms == 1 ? " OOM" : " OOMs"), verdict_text(r.verdict),
              size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes), r.limit_bytes ? format_bytes(r.limit_bytes) : "-",
-             std::to_string(r.ooms), fill_text(r), seconds_text(r.seconds), r.driver_seconds > 0 ? seconds_text(r.driver_seconds) : "-"});
+             std::to_string(r.ooms), below_98_text(r), fill_text(r), seconds_text(r.seconds), r.driver_seconds > 0 ? seconds_text(r.driver_seconds) : "-"});
   t.print(stdout);
+  bool any_oom = false;
+  for (const ScenarioGroup& g : groups)
+    for (const ScenarioResult& r : g) any_oom = any_oom || (r.ooms != 0 && r.limit_bytes != 0);
+  if (any_oom) {
+    std::printf("\n");
+    print_indented(stdout, kBelow98Note, 0, terminal_width(1));
+  }
 }
 
 // After the table: why each failing backend failed, in the words of its first OOM report.
@@ -157,8 +179,9 @@ void print_scenario_failures(const std::vector<ScenarioGroup>& groups) {
       if (!r.first_oom) continue;
       if (!header) std::printf("\nWhy the failures happened (the first OOM report of each failing run):\n");
       header = true;
-      std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", r.scenario.c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
-                  to_string(r.first_oom->verdict));
+      const std::string below = below_98_words(r);
+      std::printf("\n  %s on %s: %zu OOM%s%s, the first OOM report's verdict: %s\n", r.scenario.c_str(), r.backend.c_str(), r.ooms,
+                  r.ooms == 1 ? "" : "s", below.empty() ? "" : (" (" + below + ")").c_str(), to_string(r.first_oom->verdict));
       print_indented(stdout, r.first_oom->message, 4, terminal_width(1));
     }
 }
@@ -221,15 +244,25 @@ void print_replay_table(const std::vector<ReplayGroup>& groups) {
            {"peak reserved", true},
            {"reserved/allocated", true},
            {"OOMs", true},
-           {"seconds", true},
-           {"in driver", true},
-           {"events/s", true}});
+           {"time (ms)", true},
+           {"in driver (ms)", true},
+           {"replayed/s", true}});
+  // Three significant digits or more: whole seconds with 3 decimals showed 0.004 against 0.010.
+  auto ms = [](double s) {
+    const double v = s * 1e3;
+    return fixed(v, v < 1 ? 3 : v < 100 ? 2 : 1);
+  };
+  bool skipped = false;
   for (const ReplayGroup& g : groups)
-    for (const ReplayResult& r : g)
+    for (const ReplayResult& r : g) {
+      skipped = skipped || r.operations != r.events;
       t.add({r.trace, r.backend, r.device, with_commas(r.events), size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes),
-             ratio_text(r.peak_reserved_bytes, r.peak_allocated_bytes), std::to_string(r.ooms), fixed(r.seconds, 3),
-             r.driver_seconds > 0 ? fixed(r.driver_seconds, 3) : "-", rate_text(r.seconds > 0 ? static_cast<double>(r.events) / r.seconds : 0.0)});
+             ratio_text(r.peak_reserved_bytes, r.peak_allocated_bytes), std::to_string(r.ooms), ms(r.seconds),
+             r.driver_seconds > 0 ? ms(r.driver_seconds) : "-", rate_text(r.seconds > 0 ? static_cast<double>(r.operations) / r.seconds : 0.0)});
+    }
   t.print(stdout);
+  std::printf("\nreplayed/s: the trace's allocations, frees and pool events replayed per second of \"time\"%s.\n",
+              skipped ? " (its map/unmap events are not replayed: a backend maps its own memory)" : "");
 }
 
 void print_replay_failures(const std::vector<ReplayGroup>& groups) {
@@ -273,7 +306,8 @@ void print_replay_failures(const std::vector<ReplayGroup>& groups) {
 std::string sim_time_note(const Config& config, bool study) {
   if (config.device != DeviceKind::sim) return "";
   std::string s =
-      "Times on the simulated device: the time columns are the host's time in the allocator alone; the simulated driver calls "
+      "Times on the simulated device: the time columns are the host's time in the allocator alone (from a run of their own: the "
+      "picture's samples of every step are taken in another); the simulated driver calls "
       "take none, so they leave out what each backend's driver calls (cuMemCreate, cuMemMap, cuMemSetAccess, cuMemAlloc, ...) "
       "cost on a GPU. ";
   if (config.sim_latency)
@@ -545,16 +579,19 @@ int cmd::study(int argc, char** argv) {
       cols.push_back({"", false});
     }
     Table t(std::move(cols));
-    auto cell = [](const std::string& backend, std::size_t ooms, const std::optional<OomReport>& first, std::int64_t res, std::int64_t alloc) {
+    // kind: what the OOMs were, "" when none.
+    auto cell = [](const std::string& backend, std::size_t ooms, const std::string& kind, std::int64_t res, std::int64_t alloc) {
       std::string s = backend + ": " + (ooms ? std::to_string(ooms) + (ooms == 1 ? " OOM" : " OOMs") : std::string("ok"));
-      if (first) s += " (" + std::string(to_string(first->verdict)) + ")";
+      if (!kind.empty()) s += " (" + kind + ")";
       // Nothing allocated: no ratio (the tables' "-"), said in words here.
       return std::make_pair(s, alloc > 0 ? "reserved " + ratio_text(res, alloc) + " allocated" : std::string("reserved/allocated n/a"));
     };
     for (const ScenarioGroup& g : scenarios) {
       std::vector<std::string> row{g.empty() ? "" : g.front().scenario};
       for (const ScenarioResult& r : g) {
-        auto [a, b] = cell(r.backend, r.ooms, r.first_oom, r.peak_reserved_bytes, r.peak_allocated_bytes);
+        std::string kind = below_98_words(r);
+        if (kind.empty() && r.first_oom) kind = "first report: " + std::string(to_string(r.first_oom->verdict));
+        auto [a, b] = cell(r.backend, r.ooms, kind, r.peak_reserved_bytes, r.peak_allocated_bytes);
         row.push_back(a);
         row.push_back(b);
       }
@@ -563,7 +600,8 @@ int cmd::study(int argc, char** argv) {
     for (const ReplayGroup& g : replays) {
       std::vector<std::string> row{g.empty() ? "" : g.front().trace};
       for (const ReplayResult& r : g) {
-        auto [a, b] = cell(r.backend, r.ooms, r.first_oom, r.peak_reserved_bytes, r.peak_allocated_bytes);
+        auto [a, b] = cell(r.backend, r.ooms, r.first_oom ? "first report: " + std::string(to_string(r.first_oom->verdict)) : std::string(),
+                           r.peak_reserved_bytes, r.peak_allocated_bytes);
         row.push_back(a);
         row.push_back(b);
       }

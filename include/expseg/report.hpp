@@ -46,8 +46,12 @@ struct ReportRun {
   std::string backend;                 // "split_merge", "expandable"
   std::string device;                  // "sim:80GiB", "cuda:0"
   std::size_t ooms = 0;
-  std::size_t fragmentation_ooms = 0;  // when known (scenarios); see fragmentation_known
+  std::size_t fragmentation_ooms = 0;  // OOMs whose report's verdict was fragmentation, when known
   bool fragmentation_known = false;
+  // expseg's test of a fragmentation OOM: live requested bytes + the request <= 98% of the limit
+  // (scenarios under a limit; see fill_known). The report's verdict weighs whole pages instead.
+  std::size_t ooms_below_98 = 0;
+  bool fill_known = false;
   std::optional<OomReport> first_oom;  // its snapshot, if any, is drawn as a second segment map
   std::int64_t peak_allocated_bytes = 0;
   std::int64_t peak_reserved_bytes = 0;

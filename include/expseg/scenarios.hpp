@@ -29,6 +29,10 @@ struct ScenarioInfo {
   // The size range the story draws from when ScenarioOptions gives none (random-churn; 0: fixed sizes).
   std::size_t min_size = 0;
   std::size_t max_size = 0;
+  std::uint64_t seed = 0;         // the seed the story runs with when ScenarioOptions gives none
+  // The end of the description that tells how the runs end with that seed (random stories; empty
+  // for the others): another seed may end otherwise.
+  std::string_view outcome;
 };
 
 // Every scenario, in the order `expseg scenario --list` prints them.
@@ -62,6 +66,7 @@ struct ScenarioResult {
   // The page_slack_bytes of that lowest-fill OOM's report: expandable's free bytes inside pages that
   // live blocks use partly, most of what keeps its fill below 100% (0 for split_merge).
   std::size_t lowest_oom_page_slack = 0;
+  std::uint64_t seed = 0;              // the seed the story ran with (ScenarioOptions::seed or its own)
   std::size_t min_size = 0;            // random-churn: the size range drawn from (ScenarioOptions)
   std::size_t max_size = 0;
   std::optional<OomReport> first_oom;
@@ -71,7 +76,7 @@ struct ScenarioResult {
   std::size_t limit_bytes = 0;
   std::int64_t device_allocs = 0;      // num_device_alloc at the end
   std::int64_t alloc_retries = 0;      // num_alloc_retries at the end
-  double seconds = 0.0;                // wall time of the story
+  double seconds = 0.0;                // wall time of the story (a run of its own when series or snapshot are asked for)
   double driver_seconds = 0.0;  // in driver calls during the run: measured on a GPU, modelled on the
                                 // simulated device with sim_latency:true (0 without)
   std::vector<DriverCallTime> driver_calls;  // the same, per kind of call

@@ -109,6 +109,7 @@ struct ReplayResult {
   std::string backend;            // "split_merge" or "expandable"
   std::string device;             // "sim:80GiB" or "cuda:0"
   std::size_t events = 0;         // events in the trace
+  std::size_t operations = 0;     // of them replayed: allocations, frees, pool events (not map/unmap)
   std::size_t allocations = 0;    // allocations attempted
   std::size_t frees = 0;          // frees performed
   std::size_t ooms = 0;           // allocations that failed
@@ -116,7 +117,8 @@ struct ReplayResult {
   std::int64_t peak_allocated_bytes = 0;
   std::int64_t peak_reserved_bytes = 0;
   std::int64_t peak_requested_bytes = 0;  // peak of live requested bytes
-  double seconds = 0.0;           // wall time of the replay loop (parsing excluded)
+  double seconds = 0.0;           // wall time of the replay loop (parsing excluded; a run of its own
+                                  // when series or snapshot are asked for)
   double driver_seconds = 0.0;  // in driver calls during the run: measured on a GPU, modelled on the
                                 // simulated device with sim_latency:true (0 without)
   std::vector<DriverCallTime> driver_calls;  // the same, per kind of call

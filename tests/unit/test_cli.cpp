@@ -221,7 +221,7 @@ TEST_CASE("cli: replay defaults to an A/B table with human sizes") {
   const Run r = run_cli("replay '" + kTrace + "' --device sim:80GiB");
   INFO(r.err);
   REQUIRE(r.status == 0);
-  for (const char* col : {"trace", "backend", "device", "events", "peak allocated", "peak reserved", "reserved/allocated", "OOMs", "seconds", "events/s"})
+  for (const char* col : {"trace", "backend", "device", "events", "peak allocated", "peak reserved", "reserved/allocated", "OOMs", "time (ms)", "replayed/s"})
     CHECK(r.out.find(col) != std::string::npos);
   CHECK(count(r.out, "resnet50-train-varsize.rmm.csv.gz") == 2);
   CHECK(r.out.find("split_merge") != std::string::npos);
@@ -1038,5 +1038,36 @@ TEST_CASE("cli: study on the simulated device models the driver's time and says 
   REQUIRE(off.status == 0);
   CHECK(off.out.find("--conf sim_latency:true adds the H200 latency model's estimate") != std::string::npos);
   CHECK(read_file(html).find("<th>in driver</th>") == std::string::npos);
+  fs::remove(html);
+}
+
+TEST_CASE("cli: study --seed 1 counts fragmentation OOMs by the 98% test, and times the replays in ms without the picture's samples") {
+  // Was: kv-cache-decode on expandable "1 OOM (limit)" at 96.2% of the limit, a fragmentation OOM by
+  // expseg's own test; "seconds" 0.004 against 0.010; events/s counting GPT-2's unreplayed map/unmap.
+  const fs::path html = temp_path("study-seed1.html");
+  const Run r = run_cli("study --device sim --seed 1 --html '" + html.string() + "'");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("first OOM report's verdict") != std::string::npos);
+  CHECK(r.out.find("OOMs at <= 98% of limit") != std::string::npos);
+  CHECK(r.out.find("\n  kv-cache-decode on expandable: 1 OOM (fragmentation: 1 at <= 98% of limit), the first OOM report's verdict: limit\n") !=
+        std::string::npos);
+  bool kv = false;
+  for (const std::string& l : lines(r.out))
+    if (l.rfind("  kv-cache-decode ", 0) == 0 && l.find("x allocated") != std::string::npos) {  // the Verdict row
+      kv = true;
+      CHECK(l.find("split_merge: 12 OOMs (fragmentation: 12 at <= 98% of limit)") != std::string::npos);
+      CHECK(l.find("expandable: 1 OOM (fragmentation: 1 at <= 98% of limit)") != std::string::npos);
+    }
+  CHECK(kv);
+  CHECK(r.out.find("OOMs at <= 98% of limit: the failed request plus the live requested bytes were at most 98% of the limit") != std::string::npos);
+  CHECK(r.out.find("the host's time in the allocator alone (from a run of their own: the picture's samples of every step are taken in another)") !=
+        std::string::npos);
+  for (const char* col : {"time (ms)", "in driver (ms)", "replayed/s"}) CHECK(r.out.find(col) != std::string::npos);
+  CHECK(r.out.find("replayed/s: the trace's allocations, frees and pool events replayed per second of \"time\" (its map/unmap events are not "
+                   "replayed: a backend maps its own memory).") != std::string::npos);
+  const std::string page = read_file(html);
+  CHECK(page.find("With the story&#39;s own seed (7), in a split pool") != std::string::npos);
+  CHECK(page.find("This run: seed 1, limit 384.00 MiB (the story&#39;s defaults overridden).") != std::string::npos);
   fs::remove(html);
 }

@@ -603,3 +603,43 @@ TEST_CASE("report: runs that allocated nothing show no reserved/allocated ratio,
   CHECK(page.find("Peak reserved / peak allocated: split_merge \xE2\x80\x94, expandable \xE2\x80\x94.") != std::string::npos);
   CHECK(page.find("0\xC2\xA0" "B reserved, nothing allocated") != std::string::npos);
 }
+
+TEST_CASE("report: another seed's card qualifies the story's outcome, and counts fragmentation OOMs by the 98% test") {
+  // With --seed 1 the kv-cache card said "expandable segments keep serving them" next to a takeaway
+  // of an expandable OOM, and every OOM count came from the first report's verdict ("limit", at 96.2%
+  // of the limit: a fragmentation OOM by the project's own test).
+  const expseg::ScenarioInfo* info = expseg::find_scenario("kv-cache-decode");
+  REQUIRE(info != nullptr);
+  const std::string story(info->description);
+  const std::string outcome(info->outcome);
+  REQUIRE(story.ends_with(outcome));
+  CHECK(info->seed == 7);
+  auto group = [](std::uint64_t seed) {
+    expseg::ScenarioOptions o;
+    o.seed = seed;
+    const std::vector<expseg::ScenarioResult> runs{expseg::run_scenario("kv-cache-decode", sim_config(expseg::BackendKind::split_merge), o),
+                                                   expseg::run_scenario("kv-cache-decode", sim_config(expseg::BackendKind::expandable), o)};
+    CHECK(runs[1].seed == (seed ? seed : 7));
+    return expseg::report_group(std::span<const expseg::ScenarioResult>(runs));
+  };
+  CHECK(group(0).description == story);
+  CHECK(group(7).description == story);  // the story's own, given
+  const expseg::ReportGroup g = group(1);
+  CHECK(g.description == story.substr(0, story.size() - outcome.size()) +
+                             "With the story's own seed (7), in a split pool the many slightly different sizes fragment the cache until "
+                             "sequences are evicted for lack of memory at about half the 384 MiB limit; expandable segments keep serving "
+                             "them. This run: seed 1, limit 384.00 MiB (the story's defaults overridden).");
+  REQUIRE(g.runs.size() == 2);
+  CHECK(g.runs[1].ooms == 1);
+  CHECK(g.runs[1].ooms_below_98 == 1);
+  CHECK(g.runs[1].first_oom->verdict == expseg::OomVerdict::limit);
+  const std::string page = expseg::render_html_report(std::span<const expseg::ReportGroup>(&g, 1));
+  CHECK(check_xml(page).ok);
+  CHECK(page.find("<p class=\"takeaway bad\">Every backend fails: split_merge 12 OOMs (fragmentation: 12 at \xE2\x89\xA4 98% of the limit); "
+                  "expandable 1 OOM (fragmentation: 1 at \xE2\x89\xA4 98% of the limit). Peak reserved / peak allocated: split_merge 1.35\xC3\x97, "
+                  "expandable 1.04\xC3\x97.</p>") != std::string::npos);
+  CHECK(page.find("<th class=\"l\">first OOM report&#39;s verdict</th>") != std::string::npos);
+  CHECK(page.find("<th>OOMs at \xE2\x89\xA4 98% of the limit (fragmentation)</th>") != std::string::npos);
+  CHECK(page.find("<td class=\"l\">limit</td><td>368.98 MiB</td><td>384.00 MiB</td><td>1.04\xC3\x97</td><td>1</td><td>1</td>") != std::string::npos);
+  CHECK(page.find("<b>Why expandable failed</b> (the first OOM report&#39;s verdict: limit)") != std::string::npos);
+}
