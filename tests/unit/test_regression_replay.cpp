@@ -240,40 +240,20 @@ TEST_CASE("replay regression: the chart's series reaches the replay's peak alloc
   }
 }
 
-TEST_CASE("replay regression: the time leaves out the picture's samples, and counts the operations replayed") {
-  // A stats() sample after every op inside the timed loop tripled the ResNet-50 time (2.75 ms to
-  // 8.1 ms) whenever a picture was drawn; events/s counted GPT-2's map/unmap events, never replayed.
-  const expseg::Trace t = expseg::read_trace(EXPSEG_SOURCE_DIR "/benchmarks/traces/resnet50-train-varsize.rmm.csv.gz");
-  expseg::ReplayOptions picture;
-  picture.series_points = 800;
-  picture.snapshot_at_peak = true;
-  double plain = 1e9, drawn = 1e9;  // the least of a few runs: the others' noise
-  for (int i = 0; i < 5; ++i) {
-    plain = std::min(plain, expseg::replay(t, sim_config(BackendKind::expandable)).seconds);
-    const auto r = expseg::replay(t, sim_config(BackendKind::expandable), picture);
-    CHECK(r.series.size() > 100);
-    CHECK(r.peak_snapshot);
-    drawn = std::min(drawn, r.seconds);
-  }
-  CAPTURE(plain);
-  CAPTURE(drawn);
-  CHECK(drawn < 1.6 * plain);
-  // The scenarios' time too (a sample after every step).
-  expseg::ScenarioOptions so;
-  so.series_points = 600;
-  so.snapshot_at_peak = true;
-  plain = drawn = 1e9;
-  for (int i = 0; i < 5; ++i) {
-    plain = std::min(plain, expseg::run_scenario("kv-cache-decode", sim_config(BackendKind::expandable)).seconds);
-    const auto r = expseg::run_scenario("kv-cache-decode", sim_config(BackendKind::expandable), so);
-    CHECK(r.series.size() > 100);
-    drawn = std::min(drawn, r.seconds);
-  }
-  CAPTURE(plain);
-  CAPTURE(drawn);
-  CHECK(drawn < 1.6 * plain);
+TEST_CASE("replay regression: a replay counts the operations it replayed, apart from the trace's events") {
+  // events/s counted GPT-2's map/unmap events, which a replay skips (the backend maps its own). (The
+  // picture's samples are also out of the timed run now: replay.cpp times a run of its own; a timing
+  // comparison would be a timed test, which the benchmarks are for.)
   const expseg::Trace gpt2 = expseg::read_trace(EXPSEG_SOURCE_DIR "/benchmarks/traces/gpt2-train-varlen.rmm.csv.gz");
   const auto g = expseg::replay(gpt2, sim_config(BackendKind::split_merge));
   CHECK(g.events == 67042);
   CHECK(g.operations == 67042 - 783);
+  expseg::ReplayOptions picture;
+  picture.series_points = 800;
+  picture.snapshot_at_peak = true;
+  const auto r = expseg::replay(gpt2, sim_config(BackendKind::split_merge), picture);
+  CHECK(r.series.size() > 100);
+  CHECK(r.peak_snapshot);
+  CHECK(r.operations == g.operations);
+  CHECK(r.peak_reserved_bytes == g.peak_reserved_bytes);  // the picture changes nothing it measures
 }
