@@ -234,7 +234,8 @@ struct FreeSummary {
   std::size_t free_blocks = 0;         // free blocks backed by memory
   std::size_t releasable_bytes = 0;    // cached bytes that release_cached() would give back
   // Free bytes cached for live graph pools: no request but their captures' can use them (those of
-  // the request's own key, a pool's while the request is routed there, are left out).
+  // the request's own key, a pool's while the request is routed there, are left out; expandable:
+  // so are those in frames live blocks touch, which live_footprint counts).
   std::size_t graph_pool_bytes = 0;
   // Device memory the live (allocated and pending) blocks occupy at the least: their bytes in a
   // split pool; the frames they touch in expandable segments.

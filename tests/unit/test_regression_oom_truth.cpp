@@ -430,3 +430,37 @@ TEST_CASE("oom truth: split_merge fragmentation: the reserved-but-unallocated by
   sa.sim->graph_destroy(sa.sim->capture_end(s2));
   sa->deallocate(a);
 }
+
+// Regressions from a third audit of the report: memory a capture on another stream keeps, a graph
+// pool's free bytes in partly used pages, split_merge's oversize blocks and its captures, frees
+// still pending in the live figure, and figures whose rounding hides the excess.
+
+TEST_CASE("oom truth: expandable: a graph pool's free bytes in a page a live block uses count once") {
+  // Was: the 1 MiB free beside the pool's live 1 MiB counted in the live pages and again as graph
+  // pool cache (5 MiB): 2 + 5 + 94 MiB "exceed the limit of 100.00 MiB", verdict limit, where a
+  // told capture keeping the legacy stream's idle 10 MiB was the reason.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "limit:100MiB"));
+  void* sc = sa.sim->stream_create();  // does not block: the legacy stream is not capturing
+  void* s2 = sa.sim->stream_create();
+  sa->deallocate(sa->allocate(10 * MiB, nullptr));  // idle on the legacy stream
+  sa.sim->capture_begin(sc);
+  sa->begin_graph_pool(7, sc);
+  void* live = sa->allocate(1 * MiB, sc);  // page 0 of the pool
+  void* f1 = sa->allocate(1 * MiB, sc);    // the rest of page 0
+  void* f2 = sa->allocate(4 * MiB, sc);    // pages 1-2
+  sa->deallocate(f1);
+  sa->deallocate(f2);
+  const auto r = oom_of([&] { (void)sa->allocate(94 * MiB, s2); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+  CHECK(r->message.find("exceed the limit") == std::string::npos);
+  CHECK(r->message.find("A CUDA graph capture is underway: idle memory of other streams goes back only where") != std::string::npos);
+  sa->deallocate(live);
+  sa.sim->graph_destroy(sa.sim->capture_end(sc));
+  sa->end_graph_pool(7);
+  sa->release_graph_pool(7);
+  void* again = sa->allocate(94 * MiB, s2);  // the capture over, the legacy stream's idle memory goes back
+  sa->deallocate(again);
+  sa->validate();
+}

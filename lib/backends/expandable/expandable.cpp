@@ -2587,13 +2587,24 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_
       close_frame();
     }
   }
+  // A mapped free block's bytes but those in frames a live neighbour shares: those are counted in
+  // live_footprint (as page slack) already.
+  auto outside_live_frames = [&](const Block& b) -> std::size_t {
+    const auto& seg = *static_cast<const ExpSegment*>(b.segment);
+    const std::size_t f0 = frame_of(seg, b.addr);
+    const std::size_t f1 = frame_of(seg, b.end() - 1);
+    const bool head = b.addr != frame_addr(seg, f0) && b.prev != nullptr && !b.prev->is_free();
+    const bool tail = b.end() != frame_addr(seg, f1 + 1) && b.next != nullptr && !b.next->is_free();
+    if (f0 == f1) return head || tail ? 0 : b.size;
+    return b.size - (head ? frame_addr(seg, f0 + 1) - b.addr : 0) - (tail ? b.end() - frame_addr(seg, f1) : 0);
+  };
   for (const ExpArena* arena : arena_pointers()) {
     const bool pool = is_graph_pool_key(arena->stream) && is_live_graph_pool_key(arena->stream);
     arena->mapped_free.for_each([&](const Block& b) {
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
       if (request != 0 && arena->stream == stream) s.largest_usable_block = std::max(s.largest_usable_block, b.size);
-      if (pool && arena->stream != stream) s.graph_pool_bytes += b.size;  // the request's own pool may serve it
+      if (pool && arena->stream != stream) s.graph_pool_bytes += outside_live_frames(b);  // the request's own pool may serve it
     });
   }
   for_each_idle([&](const ExpHandle& h) { s.releasable_bytes += h.bytes; });
