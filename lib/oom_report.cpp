@@ -133,7 +133,9 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   // Free memory of live graph pools is kept for their graphs' replays: no more use to the request
   // than live memory (not fragmentation, and no backend without those pools to compare with).
   const std::size_t pools = fs.graph_pool_bytes;
-  const std::size_t need = overflow ? SIZE_MAX : footprint + pools + std::max(fs.request_footprint, r->rounded_bytes);
+  // So is memory cached for other streams that capture a CUDA graph now, until the capture ends.
+  const std::size_t kept = fs.capture_kept_bytes;
+  const std::size_t need = overflow ? SIZE_MAX : footprint + pools + kept + std::max(fs.request_footprint, r->rounded_bytes);
   // What this process could hold at most (free memory unknown: at least what it holds).
   const std::size_t obtainable = mi.free + r->reserved_bytes;
   if (overflow || need > mi.total) {
@@ -184,7 +186,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   const std::size_t at_least = overflow ? SIZE_MAX : r->live_requested_bytes + requested;
   if (overflow || at_least > capacity || (ctx.limit != 0 && at_least > ctx.limit)) {
     r->counterfactual = Counterfactual::would_fail;
-  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable && pools == 0 && !capture_underway) {
+  } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable && pools == 0 && !capture_underway &&
+             kept == 0) {
     // (A device that refused what its figures leave room for is no device the figures can simulate.)
     // A copy of what the simulation needs, so that it can run without the lock.
     std::vector<LiveAllocation>& live_set = check.live;
@@ -251,7 +254,12 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       os << ") plus the request (" << format_bytes(r->rounded_bytes);
       if (!overflow && fs.request_footprint > r->rounded_bytes)
         os << ", needing " << format_bytes(fs.request_footprint) << (pages ? " of whole pages" : " as a new segment");
-      if (pools != 0) os << ") and " << format_bytes(pools) << " cached for CUDA graph pools (kept for their graphs until release_graph_pool";
+      if (pools != 0)
+        os << ")" << (kept != 0 ? ", " : " and ") << format_bytes(pools)
+           << " cached for CUDA graph pools (kept for their graphs until release_graph_pool";
+      if (kept != 0)
+        os << ") and " << format_bytes(kept) << " cached for streams that are capturing a CUDA graph (which cannot be given back until "
+           << "the capture ends";
       if (r->verdict == OomVerdict::capacity && !free_known)
         os << ") exceed the device's memory (" << format_bytes(mi.total) << ").";
       else if (r->verdict == OomVerdict::capacity)
@@ -274,7 +282,13 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       const std::size_t still_held = active > r->allocated_bytes ? active - r->allocated_bytes : 0;
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
          << " is reserved but unallocated";
-      if (still_held != 0) os << " (" << format_bytes(still_held) << " of it in frees that still wait for other streams' work or a capture's end)";
+      if (still_held != 0 || kept != 0) {
+        os << " (";
+        if (still_held != 0) os << format_bytes(still_held) << " of it in frees that still wait for other streams' work or a capture's end";
+        if (still_held != 0 && kept != 0) os << "; ";
+        if (kept != 0) os << format_bytes(kept) << " of it cached for streams that are capturing a CUDA graph, kept until the capture ends";
+        os << ")";
+      }
       os << " in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
          << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
          << (ctx.limit != 0 && ctx.limit <= std::min(mi.total, obtainable) ? "limit"  // whichever bound is the lower
@@ -330,7 +344,9 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
                           : pools != 0 ? ": its check does not model memory kept for CUDA graph pools."
                           : capture_underway
                               ? ": its check does not model a CUDA graph capture underway (which keeps memory a request could otherwise get back)."
-                              : kCheckFailed;
+                          : kept != 0 ? ": its check does not model memory cached for a stream that is capturing a CUDA graph, which cannot be "
+                                        "given back until the capture ends."
+                                      : kCheckFailed;
     os << counterfactual_sentence(*r, 0, why_not);
   }
   r->message = os.str();

@@ -237,6 +237,10 @@ struct FreeSummary {
   // the request's own key, a pool's while the request is routed there, are left out; expandable:
   // so are those in frames live blocks touch, which live_footprint counts).
   std::size_t graph_pool_bytes = 0;
+  // Free bytes cached for other streams that capture a CUDA graph now (the legacy stream while a
+  // blocking stream captures): no backend gives them back before the capture ends (expandable: but
+  // those in frames live blocks touch).
+  std::size_t capture_kept_bytes = 0;
   // Device memory the live (allocated and pending) blocks occupy at the least: their bytes in a
   // split pool; the frames they touch in expandable segments.
   std::size_t live_footprint = 0;

@@ -464,3 +464,33 @@ TEST_CASE("oom truth: expandable: a graph pool's free bytes in a page a live blo
   sa->deallocate(again);
   sa->validate();
 }
+
+TEST_CASE("oom truth: memory cached for a stream that captures untold counts as kept, and the other-backend check is not run") {
+  // Was: 150 MiB cached on s3, which captures a graph expseg was not told of, kept a 60 MiB request
+  // on s1 under a 200 MiB limit; each backend's report said "fragmentation", gave the stream rule
+  // as the reason, and said the other backend would have served the request (it fails it too).
+  for (const BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(kind));
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, "limit:200MiB"));
+    void* s1 = sa.sim->stream_create();
+    void* s3 = sa.sim->stream_create();
+    sa->deallocate(sa->allocate(512, s1));
+    sa->deallocate(sa->allocate(150 * MiB, s3));
+    sa.sim->capture_begin(s3);
+    const auto r = oom_of([&] { (void)sa->allocate(60 * MiB, s1); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::limit);
+    CHECK(r->message.find("The live allocations (0 bytes) plus the request (60.00 MiB) and 150.00 MiB cached for streams that are "
+                          "capturing a CUDA graph (which cannot be given back until the capture ends) exceed the limit of 200.00 MiB.") !=
+          std::string::npos);
+    CHECK(r->message.find("free blocks serve only requests on their own stream") == std::string::npos);
+    CHECK(r->counterfactual == expseg::Counterfactual::not_evaluated);
+    CHECK(r->message.find("backend was not asked: its check does not model memory cached for a stream that is capturing a CUDA graph, "
+                          "which cannot be given back until the capture ends.") != std::string::npos);
+    sa.sim->graph_destroy(sa.sim->capture_end(s3));
+    void* p = sa->allocate(60 * MiB, s1);  // the capture over, s3's memory goes back
+    sa->deallocate(p);
+    sa->validate();
+  }
+}

@@ -2600,11 +2600,14 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_
   };
   for (const ExpArena* arena : arena_pointers()) {
     const bool pool = is_graph_pool_key(arena->stream) && is_live_graph_pool_key(arena->stream);
+    // Idle memory of a stream that captures cannot be unmapped: its synchronization would break the capture.
+    const bool kept = arena->stream != stream && !arena->mapped_free.empty() && stream_captures(ctx_, arena->stream);
     arena->mapped_free.for_each([&](const Block& b) {
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
       if (request != 0 && arena->stream == stream) s.largest_usable_block = std::max(s.largest_usable_block, b.size);
       if (pool && arena->stream != stream) s.graph_pool_bytes += outside_live_frames(b);  // the request's own pool may serve it
+      if (kept) s.capture_kept_bytes += outside_live_frames(b);
     });
   }
   for_each_idle([&](const ExpHandle& h) { s.releasable_bytes += h.bytes; });

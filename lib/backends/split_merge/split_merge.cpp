@@ -743,6 +743,10 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
   // 2 MiB (PyTorch's get_allocation_size, which its OOM message reports as "Tried to allocate").
   s.request_footprint = request == 0 ? 0 : std::max(request, allocation_size(request));
   const Pool* request_pool = cupy() || request > kSmallSize ? &large_ : &small_;  // pool_for's choice
+  // Whether a block's stream captures, asked once per run of blocks of one stream.
+  driver::stream_t asked = nullptr;
+  bool asked_captures = false;
+  bool asked_any = false;
   for (const Pool* pool : {&small_, &large_}) {
     pool->blocks.for_each_block([&](const Block& b) {
       s.free_blocks += 1;
@@ -751,6 +755,13 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
       if (!b.is_split()) s.releasable_bytes += b.size;
       // (The request's own pool key's blocks may serve it: not kept from it.)
       if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream) && b.stream != stream) s.graph_pool_bytes += b.size;
+      if (b.stream == stream) return;
+      if (!asked_any || b.stream != asked) {
+        asked_any = true;
+        asked = b.stream;
+        asked_captures = stream_captures(ctx_, b.stream);
+      }
+      if (asked_captures) s.capture_kept_bytes += b.size;
     });
   }
   // get_free_block's choice for the request, without its clock.
