@@ -303,10 +303,23 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
         os << " A CUDA graph capture is underway: idle memory of other streams goes back only where the synchronization that must "
            << "come first leaves the capture valid (docs/CUDA_GRAPHS.md).";
       } else if (r->largest_free_block_bytes >= r->rounded_bytes && fs.largest_usable_block < r->largest_free_block_bytes) {
-        os << " The largest free block this request could use is " << format_bytes(fs.largest_usable_block)
-           << ": free blocks serve only requests on their own stream";
-        if (config.backend == BackendKind::split_merge && config.policy != PoolPolicy::cupy)
-          os << " (and small-pool blocks, from 2 MiB segments, only requests of at most 1 MiB; large-pool blocks only larger ones)";
+        os << " The largest free block this request could use is " << format_bytes(fs.largest_usable_block);
+        // The stream (and pool) rule only where a larger block lies elsewhere than an oversize one.
+        const bool elsewhere = r->largest_free_block_bytes > std::max(fs.largest_usable_block, fs.oversize_block);
+        if (elsewhere || fs.oversize_block == 0) {
+          os << ": free blocks serve only requests on their own stream";
+          if (config.backend == BackendKind::split_merge && config.policy != PoolPolicy::cupy)
+            os << " (and small-pool blocks, from 2 MiB segments, only requests of at most 1 MiB; large-pool blocks only larger ones)";
+        }
+        if (fs.oversize_block != 0) {
+          os << (elsewhere ? "; the" : ": the") << " free block of " << format_bytes(fs.oversize_block)
+             << " on its stream is oversize (max_split_size_mb: " << format_bytes(config.max_split_size)
+             << " or more), and oversize blocks serve only requests ";
+          if (r->rounded_bytes < config.max_split_size)
+            os << "of at least that size";
+          else
+            os << "they exceed by less than max_non_split_rounding_mb (" << format_bytes(config.max_non_split_rounding) << ")";
+        }
         os << ".";
       } else if (fs.cache_serves) {
         // The last retry completed frees that waited for other streams' work; merged with free

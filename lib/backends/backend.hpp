@@ -226,8 +226,13 @@ class CaptureScope {
 struct FreeSummary {
   std::size_t largest_free_block = 0;  // largest free block backed by memory
   // Of those, the largest the request could be served from: a free block serves only its own
-  // stream (split_merge: and only requests of its pool, small or large). 0 without a request.
+  // stream (split_merge: and only requests of its pool, small or large, and as oversize_block
+  // says). 0 without a request.
   std::size_t largest_usable_block = 0;
+  // split_merge: the largest free block of the request's stream and pool, large enough for it, that
+  // the oversize rules keep from it (one of max_split_size or more serves only requests of at least
+  // that size, and only those it exceeds by less than max_non_split_rounding). 0 if none.
+  std::size_t oversize_block = 0;
   // split_merge: a cached block would serve the request now, by the cached path's rules (stream,
   // pool, oversize blocks). The OOM path's last retry can make one (see the OOM report).
   bool cache_serves = false;

@@ -494,3 +494,37 @@ TEST_CASE("oom truth: memory cached for a stream that captures untold counts as 
     sa->validate();
   }
 }
+
+TEST_CASE("oom truth: split_merge: a free oversize block the request may not use is no usable block, and the report says why") {
+  // Was: a graph pool's free 150 MiB block under max_split_size_mb:100 counted as usable for a
+  // 60 MiB (or 110 MiB) request in the same pool: the report named it as the largest free block and
+  // gave no reason the request did not fit there.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB,max_split_size_mb:100"));
+  void* s1 = stream_id(0x100);
+  sa->begin_pool_allocations(7, s1);
+  sa->deallocate(sa->allocate(150 * MiB, s1));
+  struct Case {
+    std::size_t request;
+    const char* says;
+  };
+  for (const Case& c : {Case{60 * MiB, "The largest free block this request could use is 0 bytes: the free block of 150.00 MiB on its stream is "
+                                       "oversize (max_split_size_mb: 100.00 MiB or more), and oversize blocks serve only requests of at "
+                                       "least that size."},
+                        Case{110 * MiB, "The largest free block this request could use is 0 bytes: the free block of 150.00 MiB on its stream is "
+                                        "oversize (max_split_size_mb: 100.00 MiB or more), and oversize blocks serve only requests they "
+                                        "exceed by less than max_non_split_rounding_mb (20.00 MiB)."}}) {
+    CAPTURE(c.request);
+    const auto r = oom_of([&] { (void)sa->allocate(c.request, s1); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+    CHECK(r->largest_free_block_bytes == 150 * MiB);
+    CHECK(r->message.find(c.says) != std::string::npos);
+    CHECK(r->message.find("free blocks serve only requests on their own stream") == std::string::npos);
+  }
+  void* fits = sa->allocate(140 * MiB, s1);  // less than 20 MiB smaller: the block serves it
+  sa->deallocate(fits);
+  sa->end_pool_allocations(7, s1);
+  sa->release_graph_pool(7);
+  sa->validate();
+}

@@ -743,6 +743,13 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
   // 2 MiB (PyTorch's get_allocation_size, which its OOM message reports as "Tried to allocate").
   s.request_footprint = request == 0 ? 0 : std::max(request, allocation_size(request));
   const Pool* request_pool = cupy() || request > kSmallSize ? &large_ : &small_;  // pool_for's choice
+  // get_free_block's oversize rules: whether they keep `b` from the request.
+  const std::size_t max_split = ctx_.config.max_split_size;
+  auto oversize_refuses = [&](const Block& b) {
+    if (cupy()) return false;
+    if (request < max_split) return b.size >= max_split;
+    return b.size >= request && b.size - request >= ctx_.config.max_non_split_rounding;
+  };
   // Whether a block's stream captures, asked once per run of blocks of one stream.
   driver::stream_t asked = nullptr;
   bool asked_captures = false;
@@ -751,7 +758,12 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
     pool->blocks.for_each_block([&](const Block& b) {
       s.free_blocks += 1;
       if (b.size > s.largest_free_block) s.largest_free_block = b.size;
-      if (request != 0 && pool == request_pool && b.stream == stream && b.size > s.largest_usable_block) s.largest_usable_block = b.size;
+      if (request != 0 && pool == request_pool && b.stream == stream) {
+        if (!oversize_refuses(b))
+          s.largest_usable_block = std::max(s.largest_usable_block, b.size);
+        else if (b.size >= request)
+          s.oversize_block = std::max(s.oversize_block, b.size);
+      }
       if (!b.is_split()) s.releasable_bytes += b.size;
       // (The request's own pool key's blocks may serve it: not kept from it.)
       if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream) && b.stream != stream) s.graph_pool_bytes += b.size;
@@ -767,11 +779,7 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
   // get_free_block's choice for the request, without its clock.
   if (request != 0 && request <= std::numeric_limits<std::size_t>::max() / 2) {
     if (core::SizeIndex* index = const_cast<Pool*>(request_pool)->blocks.find(stream)) {
-      if (const Block* b = index->lower_bound(request)) {
-        const std::size_t max_split = ctx_.config.max_split_size;
-        s.cache_serves = cupy() || ((request >= max_split || b->size < max_split) &&
-                                    (request < max_split || b->size - request < ctx_.config.max_non_split_rounding));
-      }
+      if (const Block* b = index->lower_bound(request)) s.cache_serves = !oversize_refuses(*b);
     }
   }
   return s;
