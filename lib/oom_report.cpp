@@ -299,9 +299,13 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       // would read as a place for it when large enough: say what it could use.
       // Expandable takes other streams' idle memory back, except where a capture underway forbids
       // the synchronization that comes first: that, not the stream rule, is then the reason.
+      // split_merge gives nothing back then.
       if (capture_underway && config.backend == BackendKind::expandable) {
         os << " A CUDA graph capture is underway: idle memory of other streams goes back only where the synchronization that must "
            << "come first leaves the capture valid (docs/CUDA_GRAPHS.md).";
+      } else if (capture_underway) {
+        os << " A CUDA graph capture is underway: split_merge gives no cached memory back until it ends (each cuMemFree could "
+           << "invalidate the capture), so free blocks this request cannot use stay cached.";
       } else if (r->largest_free_block_bytes >= r->rounded_bytes && fs.largest_usable_block < r->largest_free_block_bytes) {
         os << " The largest free block this request could use is " << format_bytes(fs.largest_usable_block);
         // The stream (and pool) rule only where a larger block lies elsewhere than an oversize one.

@@ -528,3 +528,28 @@ TEST_CASE("oom truth: split_merge: a free oversize block the request may not use
   sa->release_graph_pool(7);
   sa->validate();
 }
+
+TEST_CASE("oom truth: split_merge during a capture: the report says cached memory is not given back, not the stream rule") {
+  // Was: 150 MiB cached on s2 while s1 captures into graph pool 7, a 60 MiB request under a 200 MiB
+  // limit: "free blocks serve only requests on their own stream", where the reason is that
+  // split_merge gives no cached memory back during a capture (after it, the request is served).
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB"));
+  void* s1 = sa.sim->stream_create();
+  void* s2 = sa.sim->stream_create();
+  sa->deallocate(sa->allocate(150 * MiB, s2));
+  sa.sim->capture_begin(s1);
+  sa->begin_graph_pool(7, s1);
+  const auto r = oom_of([&] { (void)sa->allocate(60 * MiB, s1); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+  CHECK(r->message.find("A CUDA graph capture is underway: split_merge gives no cached memory back until it ends (each cuMemFree could "
+                        "invalidate the capture), so free blocks this request cannot use stay cached.") != std::string::npos);
+  CHECK(r->message.find("free blocks serve only requests on their own stream") == std::string::npos);
+  sa.sim->graph_destroy(sa.sim->capture_end(s1));
+  sa->end_graph_pool(7);
+  sa->release_graph_pool(7);
+  void* p = sa->allocate(60 * MiB, s1);
+  sa->deallocate(p);
+  sa->validate();
+}
