@@ -231,6 +231,9 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       os << " If reserved but unallocated memory is large try setting EXPSEG_ALLOC_CONF=backend:expandable to avoid fragmentation.";
   }
   os << "\nexpseg verdict: " << to_string(r->verdict) << ". ";
+  // Live (active) bytes also count frees that still hold their memory (waiting for other streams'
+  // work or a capture's end): PyTorch's allocated bytes leave a block at its free.
+  const std::size_t still_held = active > r->allocated_bytes ? active - r->allocated_bytes : 0;
   switch (r->verdict) {
     case OomVerdict::capacity:
     case OomVerdict::limit: {
@@ -250,6 +253,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       // backend's units (whole pages; a new segment).
       const bool pages = config.backend == BackendKind::expandable;
       os << "The live allocations (" << format_bytes(active);
+      if (still_held != 0) os << ", " << format_bytes(still_held) << " of it in frees waiting for other streams' work or a capture's end";
       if (footprint > active) os << ", occupying " << format_bytes(footprint) << " of whole pages";
       os << ") plus the request (" << format_bytes(r->rounded_bytes);
       if (!overflow && fs.request_footprint > r->rounded_bytes)
@@ -277,9 +281,6 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       break;
     }
     case OomVerdict::fragmentation: {
-      // Reserved but unallocated also counts frees that still hold their memory (waiting for other
-      // streams' work or a capture's end): PyTorch's allocated bytes leave a block at its free.
-      const std::size_t still_held = active > r->allocated_bytes ? active - r->allocated_bytes : 0;
       os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
          << " is reserved but unallocated";
       if (still_held != 0 || kept != 0) {

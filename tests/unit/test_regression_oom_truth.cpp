@@ -553,3 +553,32 @@ TEST_CASE("oom truth: split_merge during a capture: the report says cached memor
   sa->deallocate(p);
   sa->validate();
 }
+
+TEST_CASE("oom truth: the limit sentence says how much of the live figure is frees still waiting") {
+  // Was: "The live allocations (160.00 MiB) plus the request (50.00 MiB) exceed the limit", where
+  // 100 MiB of it was a free waiting for another stream's work (which a capture on the request's
+  // stream keeps from completing): the caller had freed it.
+  for (const BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(kind));
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, "limit:200MiB"));
+    void* s1 = sa.sim->stream_create();
+    void* s2 = sa.sim->stream_create();
+    void* a = sa->allocate(60 * MiB, s1);
+    void* b = sa->allocate(100 * MiB, s1);
+    sa->record_stream(b, s2);
+    sa.sim->set_stream_busy(s2, true);
+    sa->deallocate(b);  // waits for s2's work
+    sa->deallocate(sa->allocate(512, s1));
+    sa.sim->capture_begin(s1);  // untold: the free is not completed for this request
+    const auto r = oom_of([&] { (void)sa->allocate(50 * MiB, s1); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::limit);
+    CHECK(r->message.find("The live allocations (160.00 MiB, 100.00 MiB of it in frees waiting for other streams' work or a capture's "
+                          "end) plus the request (50.00 MiB) exceed the limit of 200.00 MiB.") != std::string::npos);
+    sa.sim->graph_destroy(sa.sim->capture_end(s1));
+    sa.sim->set_stream_busy(s2, false);
+    sa->deallocate(a);
+    sa->validate();
+  }
+}
