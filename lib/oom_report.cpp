@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
+#include <string_view>
 
 #include "allocator_impl.hpp"
 #include "core/text.hpp"
@@ -23,6 +24,20 @@ std::string with_commas(std::size_t v) {
     if ((n - i - 1) % 3 == 0 && i + 1 < n) out += ',';
   }
   return out;
+}
+
+// What format_bytes shows for `v`, in hundredths of a byte: "150.00 MiB" is 15000 hundredths of a
+// MiB. The figures a reader adds up, exactly.
+__extension__ typedef unsigned __int128 Hundredths;  // past 64 bits: 100 x a byte count
+Hundredths shown_bytes(std::size_t v) {
+  const std::string text = format_bytes(v);
+  Hundredths n = 0;
+  std::size_t i = 0;
+  for (; i < text.size() && text[i] != ' '; ++i)
+    if (text[i] != '.') n = n * 10 + static_cast<unsigned>(text[i] - '0');
+  if (text.find('.') == std::string::npos) return n * 100;  // "N bytes"
+  const std::string_view unit = std::string_view(text).substr(i + 1);
+  return n * (unit == "KiB" ? std::size_t{1} << 10 : unit == "MiB" ? std::size_t{1} << 20 : std::size_t{1} << 30);
 }
 
 using LiveAllocation = detail::CounterfactualCheck::Live;
@@ -264,13 +279,20 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       if (kept != 0)
         os << ") and " << format_bytes(kept) << " cached for streams that are capturing a CUDA graph (which cannot be given back until "
            << "the capture ends";
-      if (r->verdict == OomVerdict::capacity && !free_known)
-        os << ") exceed the device's memory (" << format_bytes(mi.total) << ").";
-      else if (r->verdict == OomVerdict::capacity)
-        os << ") exceed what the device can give this process (" << format_bytes(std::min(obtainable, mi.total)) << " of "
-           << format_bytes(mi.total) << ").";
-      else
-        os << ") exceed the limit of " << format_bytes(ctx.limit) << ".";
+      std::size_t bound = ctx.limit;
+      if (r->verdict == OomVerdict::capacity && !free_known) {
+        bound = mi.total;
+        os << ") exceed the device's memory (" << format_bytes(mi.total) << ")";
+      } else if (r->verdict == OomVerdict::capacity) {
+        bound = std::min(obtainable, mi.total);
+        os << ") exceed what the device can give this process (" << format_bytes(bound) << " of " << format_bytes(mi.total) << ")";
+      } else {
+        os << ") exceed the limit of " << format_bytes(ctx.limit);
+      }
+      // Two decimals can hide the excess (150.00 + 50.00 against 200.00): then the exact bytes show it.
+      if (!overflow && shown_bytes(footprint) + shown_bytes(growth) + shown_bytes(pools) + shown_bytes(kept) <= shown_bytes(bound))
+        os << " (" << with_commas(need) << " bytes > " << with_commas(bound) << ")";
+      os << ".";
       // Against the device as against a limit: live bytes plus the request may fit where the pages
       // they occupy do not (and the other backend may then serve it); say what those pages hold.
       if (r->page_slack_bytes != 0)

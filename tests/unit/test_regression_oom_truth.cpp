@@ -582,3 +582,26 @@ TEST_CASE("oom truth: the limit sentence says how much of the live figure is fre
     sa->validate();
   }
 }
+
+TEST_CASE("oom truth: where two decimals hide the excess, the limit sentence gives the exact bytes") {
+  // Was: "The live allocations (150.00 MiB) plus the request (50.00 MiB) exceed the limit of
+  // 200.00 MiB.": the figures as shown add up to the limit, not past it (the live 1 KiB is lost to
+  // rounding).
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:200MiB"));
+  void* a = sa->allocate(150 * MiB);
+  void* b = sa->allocate(1024);
+  auto r = oom_of([&] { (void)sa->allocate(50 * MiB); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->verdict == expseg::OomVerdict::limit);
+  CHECK(r->message.find("The live allocations (150.00 MiB) plus the request (50.00 MiB) exceed the limit of 200.00 MiB "
+                        "(209,716,224 bytes > 209,715,200).") != std::string::npos);
+  // Where the shown figures do show it, no exact bytes.
+  r = oom_of([&] { (void)sa->allocate(51 * MiB); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->message.find("plus the request (51.00 MiB, needing 52.00 MiB as a new segment) exceed the limit of 200.00 MiB.") !=
+        std::string::npos);
+  sa->deallocate(a);
+  sa->deallocate(b);
+}
