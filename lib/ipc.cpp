@@ -52,7 +52,7 @@ std::string errno_text(int err) { return std::string(std::strerror(err)) + " (er
 
 constexpr char kMagic[8] = {'E', 'X', 'P', 'S', 'G', 'I', 'P', 'C'};
 // 2: the exporter's nonce after its pid; 3: then its PID namespace.
-constexpr std::uint32_t kVersion = 3;
+constexpr std::uint32_t kVersion = 4;  // 4: each piece carries its descriptor's file identity
 
 // --- which process exported a handle ------------------------------------------------------------------
 // A pid does not say: processes in different PID namespaces (containers) may have the same one. A
@@ -352,6 +352,8 @@ std::vector<std::uint8_t> IpcMemHandle::serialize() const {
     // The descriptor's number in the exporter, whose pid travels with it (pidfd_getfd takes it from
     // there): a handle received and passed on names the exporter's descriptor, not the one it got.
     w.put(static_cast<std::int32_t>(p.remote_fd >= 0 ? p.remote_fd : p.fd ? p.fd.get() : -1));
+    w.put(p.file_dev);  // the exporter's file (export_ipc), which a handle passed on keeps
+    w.put(p.file_ino);
   }
   w.str(fallback_reason);
   return w.take();
@@ -377,13 +379,15 @@ IpcMemHandle IpcMemHandle::deserialize(std::span<const std::uint8_t> bytes) {
   h.size = static_cast<std::size_t>(r.get<std::uint64_t>("size"));
   h.range_bytes = static_cast<std::size_t>(r.get<std::uint64_t>("range"));
   const auto n = r.get<std::uint32_t>("piece count");
-  constexpr std::size_t kPieceBytes = 8 + 64 + 4;
+  constexpr std::size_t kPieceBytes = 8 + 64 + 4 + 16;
   if (n > r.left() / kPieceBytes) Reader::bad("piece count " + std::to_string(n) + " larger than the bytes hold");
   h.pieces.resize(n);
   for (IpcPiece& p : h.pieces) {
     p.bytes = static_cast<std::size_t>(r.get<std::uint64_t>("piece size"));
     std::memcpy(p.handle.data(), r.take(p.handle.size(), "piece handle"), p.handle.size());
     p.remote_fd = r.get<std::int32_t>("piece descriptor");
+    p.file_dev = r.get<std::uint64_t>("piece file device");
+    p.file_ino = r.get<std::uint64_t>("piece file inode");
   }
   h.fallback_reason = r.str("fallback reason");
   if (r.left() != 0) Reader::bad(std::to_string(r.left()) + " trailing bytes");
@@ -400,6 +404,19 @@ void IpcMemHandle::adopt_fds(std::vector<OwnedFd> received) {
   if (received.size() != want)
     throw ipc_error("expseg: IpcMemHandle::adopt_fds: " + std::to_string(received.size()) + " descriptors for a " +
                     to_string(kind) + " handle that needs " + std::to_string(want));
+  for (std::size_t i = 0; i < want; ++i) {  // all checked before any is taken: a refusal changes nothing
+    const IpcPiece& p = pieces[i];
+    if (p.file_dev == 0 && p.file_ino == 0) continue;  // not known (a handle built by hand, a fake descriptor)
+    struct stat st {};
+    if (::fstat(received[i].get(), &st) != 0) sys_fail("IpcMemHandle::adopt_fds: fstat of descriptor " + std::to_string(received[i].get()), errno);
+    if (static_cast<std::uint64_t>(st.st_dev) != p.file_dev || static_cast<std::uint64_t>(st.st_ino) != p.file_ino)
+      throw ipc_error("expseg: IpcMemHandle::adopt_fds: descriptor " + std::to_string(received[i].get()) + " for piece " +
+                      std::to_string(i) + " names another file than the exporter's descriptor " +
+                      (p.remote_fd >= 0 ? std::to_string(p.remote_fd) + " " : std::string()) +
+                      "did: a descriptor of another handle, or one taken with pidfd_getfd after the exporter destroyed "
+                      "its IpcMemHandle (its descriptor's number then names whatever the exporter opened next). The "
+                      "exporter must keep the handle until the importer has its descriptors");
+  }
   for (std::size_t i = 0; i < want; ++i) pieces[i].fd = std::move(received[i]);
 }
 
@@ -662,6 +679,10 @@ IpcMemHandle Allocator::export_ipc(void* ptr) {
     IpcPiece piece;
     piece.fd.reset(ex.fd);  // owned from here on: closed if a later piece fails
     piece.remote_fd = ex.fd;
+    if (struct stat st {}; ::fstat(ex.fd, &st) == 0) {  // not for the simulator's numbers that name no file
+      piece.file_dev = static_cast<std::uint64_t>(st.st_dev);
+      piece.file_ino = static_cast<std::uint64_t>(st.st_ino);
+    }
     piece.bytes = p.bytes;
     piece.handle = ex.bytes;
     h.pieces.push_back(std::move(piece));  // capacity reserved: cannot throw

@@ -108,6 +108,11 @@ struct IpcPiece {
   std::array<std::uint8_t, 64> handle{};  // cuIpcMemHandle or fabric handle bytes (or the simulator's)
   OwnedFd fd;                             // posix_fd: the descriptor in this process, once here
   int remote_fd = -1;                     // posix_fd: its number in the exporting process
+  // posix_fd: the file the exporter's descriptor names (fstat's st_dev, st_ino; both 0: unknown). A
+  // descriptor fetched (pidfd_getfd) or received for this piece must name the same file: a number
+  // the exporter closed and reused, or another handle's descriptor, is refused.
+  std::uint64_t file_dev = 0;
+  std::uint64_t file_ino = 0;
 };
 
 // An exported allocation. Move-only: it owns the file descriptors of its pieces (closed when it is

@@ -516,6 +516,56 @@ TEST_CASE("ipc: descriptors taken with pidfd_getfd, or a clear error naming the 
   s->deallocate(p);
 }
 
+TEST_CASE("ipc: a descriptor that names another file than the exporter's is refused, changing nothing") {
+  // Was: only the exporter's descriptor numbers travelled. pidfd_getfd took whatever held such a
+  // number once the exporter had destroyed its handle (another handle's memory, or its stdout), and
+  // descriptors of another handle were taken as this one's: on CUDA, the import maps that memory.
+  auto s = sim_alloc(host_config(BackendKind::expandable, "ipc_handle:posix_fd,expandable_max_handle:2MiB"));
+  void* p = s->allocate(4 * MiB);
+  void* q = s->allocate(4 * MiB);
+  fill(p, 4 * MiB, 1);
+  fill(q, 4 * MiB, 2);
+  const std::vector<std::uint8_t> p_bytes = [&] {
+    IpcMemHandle hp = s->export_ipc(p);
+    return hp.serialize();
+  }();  // hp destroyed: its descriptors closed, their numbers free again
+  IpcMemHandle hq = s->export_ipc(q);
+  REQUIRE(hq.pieces.size() == 2);
+  IpcMemHandle got = IpcMemHandle::deserialize(p_bytes);
+  REQUIRE(got.pieces.size() == 2);
+  CHECK((got.pieces[0].file_dev != 0 || got.pieces[0].file_ino != 0));
+  // q's descriptors handed over as p's (SCM_RIGHTS of the wrong handle):
+  std::vector<OwnedFd> wrong;
+  for (const auto& piece : hq.pieces) wrong.emplace_back(::dup(piece.fd.get()));
+  const std::string msg = what_of<expseg::ipc_error>([&] { got.adopt_fds(std::move(wrong)); });
+  CHECK(contains(msg, "names another file than the exporter's descriptor"));
+  CHECK(contains(msg, "keep the handle until the importer has its descriptors"));
+  CHECK_FALSE(got.has_fds());  // nothing taken
+  // Taken from the exporter by number: the numbers p's handle named may now be q's.
+  try {
+    got.fetch_fds_from_exporter();
+    FAIL("pidfd_getfd took descriptors that name another file");
+  } catch (const expseg::ipc_error& e) {
+    const std::string what = e.what();
+    CAPTURE(what);
+    // pidfd_getfd refused here (EPERM/ENOSYS), a number nothing holds (EBADF), or the refusal above.
+    CHECK((contains(what, "names another file") || contains(what, "SCM_RIGHTS")));
+  }
+  CHECK_FALSE(got.has_fds());
+  // The right descriptors still import.
+  IpcMemHandle again = IpcMemHandle::deserialize(hq.serialize());
+  std::vector<OwnedFd> right;
+  for (const auto& piece : hq.pieces) right.emplace_back(::dup(piece.fd.get()));
+  again.adopt_fds(std::move(right));
+  {
+    ImportedMemory m = s->import_ipc(again);
+    CHECK(holds(m.get(), 4 * MiB, 2));
+  }
+  s->deallocate(p);
+  s->deallocate(q);
+  s->validate();
+}
+
 TEST_CASE("ipc: export errors: freed, unknown, interior pointers, expandable without ipc_handle") {
   for (BackendKind b : kBackends) {
     CAPTURE(std::string(name(b)));
