@@ -13,7 +13,8 @@
 // large_pool (a 4 KiB block too), where expandable still counts that block in small_pool; the all
 // figures agree.
 //
-// Identities (checked by tests after every step of randomized runs):
+// Identities of the `all` figures (checked by tests after every step of randomized runs; per pool
+// they hold on split_merge only, as expandable's small_pool reserves nothing, see above):
 //   allocated_bytes.current <= active_bytes.current (a block freed while a stream still uses it is
 //     no longer allocated but still active)
 //   active_bytes.current <= reserved_bytes.current <= limit (when a limit is set; after set_limit
@@ -65,7 +66,7 @@ const char* stat_pool_name(int pool) noexcept;  // "all", "small_pool", "large_p
 // OOM report give them (page_slack_bytes), so expandable leaves these two stats at 0.
 #define EXPSEG_POOL_STATS(X)                                                                        \
   X(allocation, "allocations requested by client code (count)")                                    \
-  X(segment, "segments held from the device: driver allocations, or expandable segments (count)")  \
+  X(segment, "segments held from the device: driver allocations, or expandable segments (count; PyTorch's expandable mode counts 0)") \
   X(active, "active blocks: allocated, or freed while a stream still uses them (count)")           \
   X(inactive_split, "split_merge: free blocks that cannot be given back to the device (count); expandable: 0, see below") \
   X(allocated_bytes, "bytes in allocated blocks (after rounding)")                                 \
