@@ -1062,6 +1062,7 @@ int expseg_ipc_import(const void* handle, size_t handle_size, const int* fds, si
       }
     } lent{h};
     if (nfds > 0) {
+      if (real_fds) h.check_fd_files(std::span<const int>(fds, nfds));
       lent.on = true;
       for (std::size_t i = 0; i < nfds; ++i) h.pieces[i].fd.reset(fds[i]);
     } else if (h.needs_fds()) {

@@ -404,20 +404,27 @@ void IpcMemHandle::adopt_fds(std::vector<OwnedFd> received) {
   if (received.size() != want)
     throw ipc_error("expseg: IpcMemHandle::adopt_fds: " + std::to_string(received.size()) + " descriptors for a " +
                     to_string(kind) + " handle that needs " + std::to_string(want));
-  for (std::size_t i = 0; i < want; ++i) {  // all checked before any is taken: a refusal changes nothing
+  std::vector<int> numbers;
+  numbers.reserve(want);
+  for (const OwnedFd& fd : received) numbers.push_back(fd.get());
+  check_fd_files(numbers);  // all checked before any is taken: a refusal changes nothing
+  for (std::size_t i = 0; i < want; ++i) pieces[i].fd = std::move(received[i]);
+}
+
+void IpcMemHandle::check_fd_files(std::span<const int> fds) const {
+  for (std::size_t i = 0; i < fds.size() && i < pieces.size(); ++i) {
     const IpcPiece& p = pieces[i];
-    if (p.file_dev == 0 && p.file_ino == 0) continue;  // not known (a handle built by hand, a fake descriptor)
+    if (p.file_dev == 0 && p.file_ino == 0) continue;  // not known (a handle built by hand, a placeholder descriptor)
     struct stat st {};
-    if (::fstat(received[i].get(), &st) != 0) sys_fail("IpcMemHandle::adopt_fds: fstat of descriptor " + std::to_string(received[i].get()), errno);
+    if (::fstat(fds[i], &st) != 0) sys_fail("IpcMemHandle: fstat of descriptor " + std::to_string(fds[i]), errno);
     if (static_cast<std::uint64_t>(st.st_dev) != p.file_dev || static_cast<std::uint64_t>(st.st_ino) != p.file_ino)
-      throw ipc_error("expseg: IpcMemHandle::adopt_fds: descriptor " + std::to_string(received[i].get()) + " for piece " +
-                      std::to_string(i) + " names another file than the exporter's descriptor " +
+      throw ipc_error("expseg: IpcMemHandle: descriptor " + std::to_string(fds[i]) + " for piece " + std::to_string(i) +
+                      " names another file than the exporter's descriptor " +
                       (p.remote_fd >= 0 ? std::to_string(p.remote_fd) + " " : std::string()) +
                       "did: a descriptor of another handle, or one taken with pidfd_getfd after the exporter destroyed "
                       "its IpcMemHandle (its descriptor's number then names whatever the exporter opened next). The "
                       "exporter must keep the handle until the importer has its descriptors");
   }
-  for (std::size_t i = 0; i < want; ++i) pieces[i].fd = std::move(received[i]);
 }
 
 void IpcMemHandle::fetch_fds_from_exporter() {

@@ -289,7 +289,11 @@ EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
  *   process with pidfd_getfd (Linux >= 5.6, needs ptrace access to it and both processes in one
  *   PID namespace: a handle from another container is refused, naming the fallback). A split_merge handle
  *   cannot be imported by the process that exported it (CUDA refuses); a simulated device's handle
- *   is imported only by the allocator that exported it (same process, same device). What can be
+ *   is imported only by the allocator that exported it (same process, same device), and without
+ *   sim_host_backed its descriptors are placeholder numbers that name no file (pass them back to
+ *   expseg_ipc_import as they are; closing or sending them fails with EBADF). A descriptor that
+ *   names another file than the exporter's (another handle's, or a number the exporter reused after
+ *   closing its own) is refused with EXPSEG_ERROR_IPC. What can be
  *   checked without the allocator is checked before it is created, so a refused import leaves the
  *   device as it was. EXPSEG_ERROR_IPC: malformed bytes, the wrong number of descriptors, a handle
  *   of another device kind, a handle the process or device cannot import as just said, pidfd_getfd

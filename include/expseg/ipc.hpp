@@ -153,8 +153,12 @@ struct IpcMemHandle {
   // The handle serialize() wrote, without descriptors: give them with adopt_fds() (received with
   // recv_fds) or take them with fetch_fds_from_exporter(). Throws ipc_error on malformed bytes.
   static IpcMemHandle deserialize(std::span<const std::uint8_t> bytes);
-  // Takes ownership of `fds`, one per piece in order (posix_fd); throws ipc_error if the count is wrong.
+  // Takes ownership of `fds`, one per piece in order (posix_fd); throws ipc_error, taking none, if
+  // the count is wrong or check_fd_files refuses them.
   void adopt_fds(std::vector<OwnedFd> fds);
+  // Throws ipc_error if a descriptor names another file than the exporter's for its piece (where
+  // the handle knows that file: IpcPiece::file_dev/file_ino). `fds`: one per piece, in order.
+  void check_fd_files(std::span<const int> fds) const;
   // pidfd_open(exporter_pid) + pidfd_getfd of each piece's remote_fd (Linux >= 5.6). Throws
   // ipc_error naming the restriction and the fallback when the platform refuses, and before any
   // system call when the exporter runs in another PID namespace than this process (another
