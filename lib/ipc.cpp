@@ -474,7 +474,9 @@ struct ImportedMemory::State {
         return false;
       }
     };
-    if (opened) attempt([&] { drv->ipc_close(base); });
+    // A failed close leaves the import open (the state says so): a later close() tries again, where
+    // dropping it lost the only way to unmap it.
+    if (opened && !attempt([&] { drv->ipc_close(base); })) return;
     opened = false;
     // cuIpcCloseMemHandle waits for the work queued on the memory (measured on the H200); cuMemUnmap
     // does not, and that work then faults (CUDA_ERROR_ILLEGAL_ADDRESS, the context lost): wait for
@@ -517,6 +519,10 @@ struct ImportedMemory::State {
   ~State() {
     std::exception_ptr ignored;
     release(ignored);
+    if (opened) {  // its close failed and nothing will retry it now: the rest is undone all the same
+      opened = false;
+      release(ignored);
+    }
     // A synchronization that failed leaves the mappings: kept (leaked) rather than unmapped under
     // work that may still use them.
   }
@@ -555,7 +561,7 @@ void ImportedMemory::close() {
   std::unique_ptr<State> s = std::move(s_);
   std::exception_ptr first;
   s->release(first);
-  if (!s->mapped.empty()) s_ = std::move(s);  // the synchronization failed: still open, close() again later
+  if (!s->mapped.empty() || s->opened) s_ = std::move(s);  // a synchronization or close failed: still open, close() again later
   if (first) std::rethrow_exception(first);
 }
 

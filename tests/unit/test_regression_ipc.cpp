@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "expseg/ipc.hpp"
+#include "forwarding_driver.hpp"
 #include "test_util.hpp"
 
 using namespace testutil;
@@ -442,3 +443,50 @@ TEST_CASE("regression: an import that fails midway during a told capture leaves 
   CHECK(sa.sim->live().reservations == 0);
   sa.sim->stream_destroy(s);
 }
+
+namespace {
+// cuIpcCloseMemHandle fails while `close_failures` lasts.
+class FailingIpcClose final : public testutil::ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  int close_failures = 0;
+  void ipc_close(dev_ptr p) override {
+    if (close_failures > 0) {
+      --close_failures;
+      throw expseg::driver_error("cuIpcCloseMemHandle", 999, "CUDA_ERROR_UNKNOWN", "injected by the test");
+    }
+    ForwardingDriver::ipc_close(p);
+  }
+};
+}  // namespace
+
+TEST_SUITE("multi_device") {
+TEST_CASE("regression: a cuda_ipc import whose close failed stays open, and a later close() closes it") {
+  // Was: the failed cuIpcCloseMemHandle was reported and the import forgotten, mapping and all: no
+  // call could close it any more.
+  const expseg::Config c = sim_config(BackendKind::split_merge, 1 * GiB, "sim_host_backed:true");
+  SimOptions o;
+  o.capacity = c.sim_capacity;
+  o.granularity = c.sim_granularity;
+  o.host_backed = true;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto drv = std::make_shared<FailingIpcClose>(sim);
+  auto a = expseg::detail::AllocatorAccess::make(c, drv);
+  void* p = a->allocate(3 * MiB);
+  ImportedMemory m = a->import_ipc(a->export_ipc(p));
+  REQUIRE(m);
+  drv->close_failures = 1;
+  CHECK_THROWS_AS(m.close(), expseg::driver_error);
+  CHECK(m);  // still open
+  CHECK_NOTHROW(m.close());
+  CHECK_FALSE(m);
+  // Dropped with its close failing: released all the same (nothing to retry with), no throw.
+  {
+    ImportedMemory n = a->import_ipc(a->export_ipc(p));
+    drv->close_failures = 1;
+  }
+  CHECK(drv->close_failures == 0);
+  a->deallocate(p);
+  a->validate();
+}
+}  // TEST_SUITE
