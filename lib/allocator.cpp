@@ -638,8 +638,11 @@ bool Allocator::Impl::front_event_usable(StreamEvents& se) {
   return true;
 }
 
-void Allocator::Impl::process_pending_frees() {
-  if (pending_count != 0 && !ctx.capturing && !stream_capturing(asking_stream)) process_events();
+bool Allocator::Impl::process_pending_frees() {
+  if (pending_count == 0 || ctx.capturing || stream_capturing(asking_stream)) return false;
+  const std::size_t before = pending_count;
+  process_events();
+  return pending_count != before;
 }
 
 void Allocator::Impl::process_events_of_next_queues() {

@@ -77,7 +77,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
 
   // Before a backend's slow path maps or gives back memory: completes every pending free whose
   // events have completed (process_events), unless the request's stream captures.
-  void process_pending_frees() override;
+  bool process_pending_frees() override;
   // Completes pending frees whose events have completed (PyTorch's process_events).
   void process_events();
   // The cached path's share of process_events where the backend asks process_pending_frees on its

@@ -141,9 +141,10 @@ class FrontendHooks {
   // Whether any cross-stream free is still waiting for its events.
   virtual bool has_pending_frees() const noexcept = 0;
   // Complete the cross-stream frees whose events have completed, without waiting (PyTorch's
-  // process_events). A backend that asks this before its slow path maps memory or gives any back
-  // (expandable) lets the cached path poll one stream's queue per request instead of every one.
-  virtual void process_pending_frees() = 0;
+  // process_events); true if any was. A backend that asks this before its slow path maps memory or
+  // gives any back (expandable) lets the cached path poll two streams' queues a request instead of
+  // every one.
+  virtual bool process_pending_frees() = 0;
 };
 
 // State shared between the frontend and its backend; guarded by the frontend's lock.

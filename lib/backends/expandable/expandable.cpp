@@ -1085,10 +1085,8 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
   // Cross-stream frees whose events have completed: the cached path completes two streams' a
   // request (process_events_of_next_queues), here all of them, before any memory is mapped or given
   // back (PyTorch's malloc completes them first). Their blocks may serve this request.
-  if (!retrying_pending_ && ctx_.hooks != nullptr && ctx_.hooks->has_pending_frees()) {
-    ctx_.hooks->process_pending_frees();
+  if (!retrying_pending_ && ctx_.hooks != nullptr && ctx_.hooks->process_pending_frees())
     if (Block* b = allocate_cached(arena, size, requested)) return b;
-  }
   ++slow_calls_;
   if (arena.legacy_unasked) recheck_legacy_waits(arena);
   // A late request on an exited thread's key: its growth may leave idle handles (reap_retired skips it now).
