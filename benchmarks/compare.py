@@ -392,6 +392,13 @@ def result_line(stdout):
     return None
 
 
+def is_bench_doc(doc):
+    """Whether `doc` has the shape of Google Benchmark's JSON: an object whose "benchmarks" is a list
+    of runs, each an object with a name."""
+    return (isinstance(doc, dict) and isinstance(doc.get("benchmarks"), list)
+            and all(isinstance(b, dict) and isinstance(b.get("name"), str) for b in doc["benchmarks"]))
+
+
 def load_bench_json(path):
     """(document, problem): Google Benchmark's JSON from `path`. A file cut short (the benchmark
     killed while writing it) keeps the benchmarks written completely, and `problem` says so; an
@@ -402,14 +409,20 @@ def load_bench_json(path):
     except OSError as e:
         return None, f"cannot read {path}: {e}"
     try:
-        return json.loads(text), None
+        doc = json.loads(text)
     except ValueError as e:
         err = e
+    else:
+        return (doc, None) if is_bench_doc(doc) else (None, f"{path} is not Google Benchmark's JSON output (no "
+                                                             f"\"benchmarks\" list of runs): was it written by expseg_bench "
+                                                             f"--benchmark_out=FILE --benchmark_out_format=json?")
     # The JSON reporter writes one benchmark object after the other, each closed by "\n    }".
     cut = text.rfind("\n    }")
     if '"benchmarks": [' in text and cut > text.find('"benchmarks": ['):
         try:
             doc = json.loads(text[:cut] + "\n    }\n  ]\n}\n")
+            if not is_bench_doc(doc):
+                raise ValueError("not Google Benchmark's shape")
             runs = [b for b in doc.get("benchmarks", []) if b.get("run_type") != "aggregate"]
             return doc, (f"{path} is not valid JSON ({err}): cut short? kept the "
                          f"{len(runs)} runs written completely")
@@ -708,6 +721,11 @@ def build_rows(runs, torch_res, growth_res, device):
             return b.get(field)
         return to_unit(b["real_time"], b.get("time_unit", "ns"), unit)
 
+    def cuda_bench(name, field=None, unit=None):
+        # The CUDA baselines (cuMemAlloc, cuMemAllocAsync, one VMM handle) stand beside expseg on the
+        # GPU only: beside the simulated device they would compare a model with a driver call.
+        return bench(name, field, unit) if device == "cuda" else None
+
     def tget(label, *path):
         v = torch_res.get(label)
         for p in path:
@@ -722,15 +740,15 @@ def build_rows(runs, torch_res, growth_res, device):
                 "expseg expandable": bench(f"pair/expandable:{device}/{lab}", "ns_per_pair"),
                 "expseg C API split_merge": bench(f"pair/capi_split_merge:{device}/{lab}", "ns_per_pair"),
                 "expseg C API expandable": bench(f"pair/capi_expandable:{device}/{lab}", "ns_per_pair"),
-                "cuMemAlloc": bench(f"pair/cuMemAlloc:cuda/{lab}", "ns_per_pair"),
-                "cuMemAllocAsync": bench(f"pair/cuMemAllocAsync:cuda/{lab}", "ns_per_pair")}
+                "cuMemAlloc": cuda_bench(f"pair/cuMemAlloc:cuda/{lab}", "ns_per_pair"),
+                "cuMemAllocAsync": cuda_bench(f"pair/cuMemAllocAsync:cuda/{lab}", "ns_per_pair")}
         for label, _ in TORCH_MODES + PLUGGABLE_MODES:
             vals[label] = tget(label, "pair_ns", str(sz))
         rows.append((f"pair {lab}", "ns/pair", False, vals, ("lt", 100)))
     vals = {"expseg split_merge": bench(f"churn64/split_merge:{device}", "ns_per_step"),
             "expseg expandable": bench(f"churn64/expandable:{device}", "ns_per_step"),
-            "cuMemAlloc": bench("churn64/cuMemAlloc:cuda", "ns_per_step"),
-            "cuMemAllocAsync": bench("churn64/cuMemAllocAsync:cuda", "ns_per_step")}
+            "cuMemAlloc": cuda_bench("churn64/cuMemAlloc:cuda", "ns_per_step"),
+            "cuMemAllocAsync": cuda_bench("churn64/cuMemAllocAsync:cuda", "ns_per_step")}
     for label, _ in TORCH_MODES + PLUGGABLE_MODES:
         vals[label] = tget(label, "churn64_ns")
     rows.append(("churn64", "ns/step", False, vals, ("lt", 250)))
@@ -739,8 +757,8 @@ def build_rows(runs, torch_res, growth_res, device):
             key = f"{streams}/t{n}"
             vals = {"expseg split_merge": bench(f"churn_mt/split_merge:{device}/{key}", "ns_per_step"),
                     "expseg expandable": bench(f"churn_mt/expandable:{device}/{key}", "ns_per_step"),
-                    "cuMemAlloc": bench(f"churn_mt/cuMemAlloc:cuda/{key}", "ns_per_step"),
-                    "cuMemAllocAsync": bench(f"churn_mt/cuMemAllocAsync:cuda/{key}", "ns_per_step")}
+                    "cuMemAlloc": cuda_bench(f"churn_mt/cuMemAlloc:cuda/{key}", "ns_per_step"),
+                    "cuMemAllocAsync": cuda_bench(f"churn_mt/cuMemAllocAsync:cuda/{key}", "ns_per_step")}
             for label, _ in TORCH_MODES:
                 vals[label] = tget(label, "churn_mt", key, "ns_per_step")
             target = ("mt", 0.25) if (n == 16 and streams == "own_streams") else None
@@ -749,11 +767,11 @@ def build_rows(runs, torch_res, growth_res, device):
         lab = size_label(sz)
         vals = {"expseg split_merge": bench(f"growth/split_merge:{device}/{lab}", unit="us"),
                 "expseg expandable": bench(f"growth/expandable:{device}/{lab}", unit="us"),
-                "cuMemAlloc": bench(f"growth/cuMemAlloc:cuda/{lab}", unit="us"),
-                "vmm 1 handle": bench(f"growth/vmm_1handle:cuda/{lab}", unit="us")}
+                "cuMemAlloc": cuda_bench(f"growth/cuMemAlloc:cuda/{lab}", unit="us"),
+                "vmm 1 handle": cuda_bench(f"growth/vmm_1handle:cuda/{lab}", unit="us")}
         for label, _ in TORCH_MODES:
             vals[label] = (growth_res.get(label) or {}).get(str(sz), {}).get("first_us")
-        rows.append((f"growth {lab} (first alloc)", "µs", False, vals, ("vmm", 2.0) if sz == GiB else None))
+        rows.append((f"growth {lab} (first alloc)", "µs", False, vals, ("vmm", 2.0) if sz == GiB and device == "cuda" else None))
     for sc in ("growing-buffer", "random-churn"):
         vals = {"expseg split_merge": bench(f"scenario/{sc}/split_merge:{device}", unit="ms"),
                 "expseg expandable": bench(f"scenario/{sc}/expandable:{device}", unit="ms")}

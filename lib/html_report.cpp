@@ -290,6 +290,15 @@ double nice_step(double raw) {
   return n * p;
 }
 
+// The decimals that show every multiple of `step` exactly: a step of 2.5 needs one ("7.5", not "8").
+int step_decimals(double step) {
+  for (int d = 0; d < 3; ++d) {
+    const double scaled = step * std::pow(10.0, d);
+    if (std::fabs(scaled - std::round(scaled)) < 1e-9 * std::max(1.0, scaled)) return d;
+  }
+  return 3;
+}
+
 // Byte ticks: a nice step in one unit that suits the whole range, so every label reads alike
 // ("0.5 GiB, 1 GiB, 1.5 GiB", not "512 MiB, 1 GiB").
 struct ByteTicks {
@@ -298,9 +307,7 @@ struct ByteTicks {
   const char* unit_name;
   std::string label(double v) const {
     const double x = v / unit;
-    const double frac = step / unit;
-    int decimals = frac >= 1 ? 0 : (frac >= 0.1 ? (std::fabs(frac * 10 - std::round(frac * 10)) < 1e-9 ? 1 : 2) : 2);
-    std::string s = fixed(x, decimals);
+    std::string s = fixed(x, step_decimals(step / unit));
     if (s.find('.') != std::string::npos) {
       while (s.back() == '0') s.pop_back();
       if (s.back() == '.') s.pop_back();
@@ -369,8 +376,10 @@ void chart(std::string& o, const ReportGroup& g) {
     o += "<line x1=\"" + co(kL) + "\" x2=\"" + co(kL + pw) + "\" y1=\"" + co(y) + "\" y2=\"" + co(y) + "\" stroke=\"#f1f3f5\"/>";
     o += "<text x=\"" + co(kL - 8) + "\" y=\"" + co(y + 4) + "\" text-anchor=\"end\">" + esc(yt.label(v)) + "</text>\n";
   }
-  // Whole steps: x counts steps or events (a run shorter than 8 would get 0.2, labels repeating).
-  const double xs = std::max(1.0, nice_step(static_cast<double>(xmax) / 8));
+  // Whole steps: x counts calls or events (a run shorter than 8 would get 0.2, labels repeating; a
+  // step of 2.5 would label "2, 5, 8" where the ticks stand at 2.5, 5, 7.5).
+  double xs = std::max(1.0, nice_step(static_cast<double>(xmax) / 8));
+  if (xs != std::floor(xs)) xs = std::floor(xs);
   for (double v = 0; v <= static_cast<double>(xmax) + 0.5; v += xs) {
     const double x = X(v);
     o += "<line x1=\"" + co(x) + "\" x2=\"" + co(x) + "\" y1=\"" + co(kT + ph) + "\" y2=\"" + co(kT + ph + 5) + "\" stroke=\"#adb5bd\"/>";
@@ -806,6 +815,12 @@ void summary_table(std::string& o, const ReportGroup& g) {
     o += "</tr>\n";
   }
   o += "</tbody>\n</table>\n";
+  // The two counts of fragmentation differ (a run's OOMs counted by fill, its first report's verdict
+  // by whole pages): the page says so, as the command line's tables do.
+  if (fill)
+    o += "<p class=\"desc\">OOMs at \xE2\x89\xA4 98% of the limit: the failed request plus the live requested bytes were at most 98% of the "
+         "limit, expseg's test of a fragmentation OOM. The first OOM report's verdict weighs whole pages and held memory instead, so "
+         "the two can differ.</p>\n";
 }
 
 std::string anchor(std::size_t index) {
@@ -934,7 +949,9 @@ std::string default_trace_description(const std::vector<ReportRun>& runs, const 
 
 ReportGroup report_group(std::span<const ScenarioResult> runs) {
   ReportGroup g;
-  g.x_label = "step";
+  // A story's "steps" (a growth, an alloc-or-free draw) are not its calls: the x axis counts the
+  // allocator's calls, each allocation and each free.
+  g.x_label = "call";
   if (runs.empty()) return g;
   g.name = runs.front().scenario;
   if (const ScenarioInfo* info = find_scenario(g.name)) {
@@ -952,13 +969,18 @@ ReportGroup report_group(std::span<const ScenarioResult> runs) {
       g.description.resize(g.description.size() - info->outcome.size());
       g.description += "With the story's own seed (" + std::to_string(info->seed) + "), " + outcome;
     }
-    if (other_seed || other_sizes || s.limit_bytes != info->limit_bytes) {
+    // Only what differs from the story's own.
+    std::vector<std::string> changed;
+    if (other_seed) changed.push_back("seed " + std::to_string(s.seed));
+    if (other_sizes) changed.push_back("sizes " + format_bytes(s.min_size) + "\xE2\x80\x93" + format_bytes(s.max_size));
+    if (s.limit_bytes != info->limit_bytes) changed.push_back(s.limit_bytes ? "limit " + format_bytes(s.limit_bytes) : std::string("no limit"));
+    if (!changed.empty()) {
       g.description += " This run: ";
-      if (other_seed) g.description += "seed " + std::to_string(s.seed) + ", ";
-      if (s.max_size != 0) g.description += "sizes " + format_bytes(s.min_size) + "\xE2\x80\x93" + format_bytes(s.max_size) + ", ";
-      g.description += (s.limit_bytes ? "limit " + format_bytes(s.limit_bytes) : std::string("no limit")) + " (the story's defaults overridden).";
+      for (std::size_t i = 0; i < changed.size(); ++i) g.description += (i ? ", " : "") + changed[i];
+      g.description += " (the story's " + std::string(changed.size() == 1 ? "default" : "defaults") + " overridden).";
     }
   }
+  g.description += " The chart's x axis counts the allocator's calls: each allocation and each free.";
   for (const ScenarioResult& s : runs) {
     ReportRun r;
     r.backend = s.backend;
@@ -1015,6 +1037,13 @@ ReportGroup report_group(std::span<const ReplayResult> runs, std::string descrip
     g.runs.push_back(std::move(r));
   }
   g.description = description.empty() ? default_trace_description(g.runs, g.name) : std::move(description);
+  // A trace's description speaks of a run without a limit (the shipped ones do): one under a limit says so.
+  std::size_t limit = 0;
+  for (const ReplayResult& s : runs) limit = std::max(limit, s.limit_bytes);
+  if (limit != 0) {
+    g.limit_bytes = std::max<std::size_t>(g.limit_bytes, limit);
+    g.description += " This run: limit " + format_bytes(limit) + ".";
+  }
   return g;
 }
 

@@ -433,6 +433,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
     if (first_pass) {
       if (sampled) r.series = sampler.finish();
       r.stats = a.stats();
+      r.limit_bytes = a.limit();
       r.peak_allocated_bytes = r.stats.allocated_bytes[kAllPools].peak;
       r.peak_reserved_bytes = r.stats.reserved_bytes[kAllPools].peak;
       if (progress) std::fprintf(stderr, "\r  replay %s on %s: done \n", trace.name.c_str(), r.backend.c_str());
@@ -480,7 +481,7 @@ std::string ReplayResult::to_json() const {
   core::JsonWriter w;
   w.begin_object();
   w.field("trace", trace).field("backend", backend).field("device", device);
-  w.field("events", static_cast<std::uint64_t>(events));
+  w.field("events", static_cast<std::uint64_t>(events)).field("limit_bytes", static_cast<std::uint64_t>(limit_bytes));
   w.field("allocations", static_cast<std::uint64_t>(allocations)).field("frees", static_cast<std::uint64_t>(frees));
   w.field("ooms", static_cast<std::uint64_t>(ooms)).field("skipped_frees", static_cast<std::uint64_t>(skipped_frees));
   w.field("peak_allocated_bytes", peak_allocated_bytes).field("peak_reserved_bytes", peak_reserved_bytes);

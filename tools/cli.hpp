@@ -64,6 +64,7 @@ struct Setup {
   int device = 0;
   std::string device_label;             // "sim:80GiB", "cuda:0"
   std::string device_note;              // why this device (e.g. "CUDA is not usable here: ...")
+  std::string env_conf;                 // EXPSEG_ALLOC_CONF as read ("" when unset): shown, as it changes the runs
 };
 
 // Reads EXPSEG_ALLOC_CONF, applies --conf, parses --backend and --device. Throws UsageError for a

@@ -79,9 +79,17 @@ std::string now_text() {
 std::string command_line(int argc, char** argv) {
   std::string s = "expseg";
   for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.find_first_of(" \t'\"") != std::string::npos) a = "'" + a + "'";
-    s += " " + a;
+    // Quoted for a POSIX shell wherever it holds more than plain characters, so that a copy of the
+    // line runs this command and nothing else ('a;b.html' stays one argument).
+    const std::string a = argv[i];
+    const bool plain = !a.empty() && a.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-+=.,:/@%") == std::string::npos;
+    if (plain) {
+      s += " " + a;
+      continue;
+    }
+    s += " '";
+    for (const char c : a) s += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    s += "'";
   }
   return s;
 }
@@ -256,7 +264,7 @@ void print_replay_table(const std::vector<ReplayGroup>& groups) {
   for (const ReplayGroup& g : groups)
     for (const ReplayResult& r : g) {
       skipped = skipped || r.operations != r.events;
-      t.add({r.trace, r.backend, r.device, with_commas(r.events), size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes),
+      t.add({terminal_text(r.trace), r.backend, r.device, with_commas(r.events), size_text(r.peak_allocated_bytes), size_text(r.peak_reserved_bytes),
              ratio_text(r.peak_reserved_bytes, r.peak_allocated_bytes), std::to_string(r.ooms), ms(r.seconds),
              r.driver_seconds > 0 ? ms(r.driver_seconds) : "-", rate_text(r.seconds > 0 ? static_cast<double>(r.operations) / r.seconds : 0.0)});
     }
@@ -283,11 +291,11 @@ void print_replay_failures(const std::vector<ReplayGroup>& groups) {
       if (!header) std::printf("\n%s\n", heading);
       header = true;
       if (r.first_oom) {
-        std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", r.trace.c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
+        std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", terminal_text(r.trace).c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
                     to_string(r.first_oom->verdict));
         print_indented(stdout, r.first_oom->message, 4, terminal_width(1));
       } else {
-        std::printf("\n  %s on %s:\n", r.trace.c_str(), r.backend.c_str());
+        std::printf("\n  %s on %s:\n", terminal_text(r.trace).c_str(), r.backend.c_str());
       }
       // skipped_frees also counts, under --lenient, the frees missing before a pointer was allocated again,
       // which the replay supplies: the note names both.
@@ -328,7 +336,7 @@ void write_picture(const std::string& path, const std::vector<ScenarioGroup>& sc
   ReportOptions o;
   o.title = title;
   o.subtitle = backend_list(setup.backends) + " on " + setup.device_label + " \xC2\xB7 expseg " + EXPSEG_VERSION + " \xC2\xB7 " + now_text() +
-               " \xC2\xB7 " + command;
+               " \xC2\xB7 " + command + (setup.env_conf.empty() ? std::string() : " \xC2\xB7 EXPSEG_ALLOC_CONF=" + setup.env_conf);
   o.note = sim_time_note(setup.config, study);
   write_html_report(path, groups, o);  // expseg::error when it cannot be written: exit 1
 }
@@ -348,7 +356,7 @@ void check_picture_path(const std::string& path, const std::vector<std::string>&
   // The picture must not replace a trace it is drawn from (--html given the trace's own name).
   for (const std::string& in : inputs)
     if (std::filesystem::equivalent(path, in, ec))
-      throw UsageError("--html " + path + " is the trace " + in + " itself: writing the picture would overwrite it; give --html another file");
+      throw UsageError("--html " + path + " is the input " + in + " itself: writing the picture would overwrite it; give --html another file");
   const bool existed = std::filesystem::exists(std::filesystem::symlink_status(path, ec));
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666);  // no O_TRUNC: a kept file stays as it is
   if (fd < 0) throw error("cannot write the report to '" + path + "': " + std::strerror(errno));
@@ -365,7 +373,13 @@ std::uint64_t parse_seed(const std::string& text) {
 }
 
 // "sim:80GiB (the simulated device: CUDA is not usable here (...))"
-void print_device_line(const Setup& setup) { std::printf("Device: %s, %s\n\n", setup.device_label.c_str(), setup.device_note.c_str()); }
+// The environment's configuration too: it changes every run (a limit, a rounding) where the command
+// line does not show it.
+void print_device_line(const Setup& setup) {
+  std::printf("Device: %s, %s\n", setup.device_label.c_str(), setup.device_note.c_str());
+  if (!setup.env_conf.empty()) std::printf("Configuration from the environment: EXPSEG_ALLOC_CONF=%s\n", terminal_text(setup.env_conf).c_str());
+  std::printf("\n");
+}
 
 
 }  // namespace
@@ -598,7 +612,7 @@ int cmd::study(int argc, char** argv) {
       t.add(row);
     }
     for (const ReplayGroup& g : replays) {
-      std::vector<std::string> row{g.empty() ? "" : g.front().trace};
+      std::vector<std::string> row{g.empty() ? "" : terminal_text(g.front().trace)};
       for (const ReplayResult& r : g) {
         auto [a, b] = cell(r.backend, r.ooms, r.first_oom ? "first report: " + std::string(to_string(r.first_oom->verdict)) : std::string(),
                            r.peak_reserved_bytes, r.peak_allocated_bytes);
@@ -707,7 +721,7 @@ int cmd::explain(int argc, char** argv) {
   } catch (const expseg::error& e) {
     throw InputError(e.what());
   }
-  if (html) check_picture_path(*html);
+  if (html) check_picture_path(*html, {path});  // the dump; its trace is checked once found
   print_dump_summary(path, d);
 
   std::printf("\n");
@@ -735,6 +749,7 @@ int cmd::explain(int argc, char** argv) {
     std::printf("The trace %s (%zu events) is not there any more.\n", terminal_text(d.trace).c_str(), d.trace_events);
     return kExitOk;
   }
+  if (html) check_picture_path(*html, {path, d.trace});
   if (args.has("--no-replay")) {
     std::printf("The events that led here: %s (%zu events%s).\n", terminal_text(d.trace).c_str(), d.trace_events,
                 d.trace_complete ? "" : "; it does not start from an empty allocator");

@@ -190,6 +190,7 @@ bool conf_sets(const Args& args, std::string_view key) {
 Setup make_setup(const Args& args) {
   Setup s;
   s.config = base_config(args);
+  if (const char* env = std::getenv("EXPSEG_ALLOC_CONF")) s.env_conf = env;
   const bool conf_backend = conf_names(args, {"backend", "expandable_segments"});
   if (args.get("--backend")) {
     // Both would pick the backend, one of them silently ignored: the caller must choose.
@@ -206,6 +207,8 @@ Setup make_setup(const Args& args) {
     const std::string& d = *dev;
     if (d == "sim:" || d == "cuda:")  // an empty shell variable, most likely: say so, do not guess
       throw UsageError("bad --device value '" + d + "': nothing after the ':' (expected sim:CAPACITY, e.g. sim:80GiB, or cuda:N)");
+    if (conf_names(args, {"device"}))  // one of them would be ignored: the caller chooses
+      throw UsageError("--device " + d + " and a --conf device: both pick the device; give one");
     if (d == "sim" || d.rfind("sim:", 0) == 0) {
       s.config.device = DeviceKind::sim;
       if (d.size() > 4) {
@@ -419,12 +422,12 @@ std::vector<ShippedTrace> shipped_traces() {
       {"resnet50-train-varsize.rmm.csv.gz",
        "A ResNet-50 training run with variable batch sizes, recorded from PyTorch's caching allocator as an RMM "
        "allocation log on an H200 (benchmarks/traces): activations and workspaces of changing sizes come and go every "
-       "iteration, so a split pool caches blocks of many sizes that later requests cannot reuse exactly. No limit is "
-       "set: the question is how much more than the live bytes each backend holds, and how fast it serves the requests."},
+       "iteration, so a split pool caches blocks of many sizes that later requests cannot reuse exactly. Without a "
+       "limit, the question is how much more than the live bytes each backend holds, and how fast it serves the requests."},
       {"gpt2-train-varlen.rmm.csv.gz",
        "GPT-2 small training with random batch sizes and sequence lengths, recorded by expseg's own event recorder "
        "under PyTorch on an H200 (benchmarks/workloads.py --record): 13.1 GiB of activations at the peak, whose sizes change "
-       "with every batch. No limit is set: PyTorch's classic allocator held 17.96 GiB for it, its expandable segments 14.10 GiB."},
+       "with every batch. Without a limit, PyTorch's classic allocator held 17.96 GiB for it, its expandable segments 14.10 GiB."},
   };
   for (const ShippedTrace& t : kTraces) {
     const std::string path = std::string(EXPSEG_SHIPPED_TRACES_DIR) + "/" + t.path;

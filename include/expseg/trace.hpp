@@ -114,6 +114,7 @@ struct ReplayResult {
   std::size_t frees = 0;          // frees performed
   std::size_t ooms = 0;           // allocations that failed
   std::size_t skipped_frees = 0;  // frees of allocations that had failed (or unknown, lenient)
+  std::size_t limit_bytes = 0;    // the limit the replay ran under (0: none)
   std::int64_t peak_allocated_bytes = 0;
   std::int64_t peak_reserved_bytes = 0;
   std::int64_t peak_requested_bytes = 0;  // peak of live requested bytes

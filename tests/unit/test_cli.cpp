@@ -555,6 +555,30 @@ TEST_CASE("cli: study --trace with bad pool lines fails before running the scena
   fs::remove(html);
 }
 
+TEST_CASE("cli: a configuration from EXPSEG_ALLOC_CONF is shown, and a trace card says the run's limit") {
+  // EXPSEG_ALLOC_CONF changed every run (here: a limit) while neither the table's header nor the
+  // page said so; the trace card read "No limit is set" beside a chart drawn under one.
+  const fs::path trace = temp_path("limited.csv");
+  {
+    std::ofstream f(trace);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n1,1,free,0x1000,4096,0x0\n";
+  }
+  const fs::path html = temp_path("limited.html");
+  const Run r = run_cli("replay --device sim '" + trace.string() + "' --html '" + html.string() + "'", "EXPSEG_ALLOC_CONF=limit:1GiB");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("Configuration from the environment: EXPSEG_ALLOC_CONF=limit:1GiB\n") != std::string::npos);
+  const std::string page = read_file(html);
+  CHECK(page.find("\xC2\xB7 EXPSEG_ALLOC_CONF=limit:1GiB</p>") != std::string::npos);
+  CHECK(page.find("This run: limit 1024.00 MiB.") != std::string::npos);
+  const Run plain = run_cli("replay --device sim '" + trace.string() + "' --html '" + html.string() + "'");
+  REQUIRE(plain.status == 0);
+  CHECK(plain.out.find("EXPSEG_ALLOC_CONF") == std::string::npos);
+  CHECK(read_file(html).find("This run: limit") == std::string::npos);
+  fs::remove(trace);
+  fs::remove(html);
+}
+
 TEST_CASE("cli: --html naming an input trace is refused, and the trace is left as it was") {
   const fs::path trace = temp_path("victim.csv");
   const std::string text = "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n1,1,free,0x1000,4096,0x0\n";
@@ -690,7 +714,29 @@ TEST_CASE("cli: a scenario's OOM written by oom_dump, then explain: the dump and
   CHECK(rel.status == 0);
   CHECK(rel.out.find("The events that led here: " + (sub / "rel.trace.csv").string() + " (8 events), replayed on") != std::string::npos);
   CHECK(run_cli("explain '" + dump + "' --html x.html --no-replay").status == 2);
+  // --html naming the dump or its trace is refused, both left as they were (was: exit 0, the file
+  // replaced by the picture, and the next explain failed on it).
+  const std::string trace_file = (dir / "oom-1.trace.csv").string();
+  const std::string dump_text = read_file(dump);
+  const std::string trace_text = read_file(trace_file);
+  for (const std::string& victim : {dump, trace_file}) {
+    CAPTURE(victim);
+    const Run r = run_cli("explain '" + dump + "' --html '" + victim + "'");
+    CHECK(r.status == 2);
+    CHECK(r.err.find("is the input " + victim + " itself: writing the picture would overwrite it") != std::string::npos);
+  }
+  CHECK(read_file(dump) == dump_text);
+  CHECK(read_file(trace_file) == trace_text);
   fs::remove_all(dir);
+}
+
+TEST_CASE("cli: --device beside a --conf device: is refused, not one of them ignored") {
+  // Was: --device won without a word (exit 0 on the simulated device for --conf device:cuda).
+  const Run r = run_cli("scenario split-800-500-300 --backend split_merge --device sim:1GiB --conf device:cuda");
+  CHECK(r.status == 2);
+  CHECK(r.err.find("--device sim:1GiB and a --conf device: both pick the device; give one") != std::string::npos);
+  CHECK(r.out.empty());
+  CHECK(run_cli("scenario split-800-500-300 --backend split_merge --conf device:sim").status == 0);
 }
 
 TEST_CASE("cli: --device sim: or cuda: with nothing after the colon is refused, not read as the default") {
@@ -1068,6 +1114,6 @@ TEST_CASE("cli: study --seed 1 counts fragmentation OOMs by the 98% test, and ti
                    "replayed: a backend maps its own memory).") != std::string::npos);
   const std::string page = read_file(html);
   CHECK(page.find("With the story&#39;s own seed (7), in a split pool") != std::string::npos);
-  CHECK(page.find("This run: seed 1, limit 384.00 MiB (the story&#39;s defaults overridden).") != std::string::npos);
+  CHECK(page.find("This run: seed 1 (the story&#39;s default overridden).") != std::string::npos);
   fs::remove(html);
 }

@@ -279,7 +279,7 @@ TEST_CASE("report: scenario groups — structure, series, OOM markers, segment m
     // A limit line (every scenario runs under one).
     CHECK(s.find("class=\"limit\"") != std::string::npos);
     // OOM markers carry their verdict in a tooltip.
-    if (ooms_per_group[gi]) CHECK(s.find("<g class=\"oom\" data-backend=\"split_merge\"><title>split_merge: out of memory at step") != std::string::npos);
+    if (ooms_per_group[gi]) CHECK(s.find("<g class=\"oom\" data-backend=\"split_merge\"><title>split_merge: out of memory at call") != std::string::npos);
   }
   // The first OOM of split_merge in the split-800-500-300 story: fragmentation, with its map.
   CHECK(secs[0].find("verdict: fragmentation") != std::string::npos);
@@ -417,6 +417,36 @@ TEST_CASE("report regression: a run of one event labels the x axis with distinct
   }
 }
 
+TEST_CASE("report regression: a tick step of 2.5 labels 2.5 and 7.5, and the x axis takes whole steps") {
+  // A 10 GiB limit gave y ticks every 2.5 GiB labelled "0, 2, 5, 8, 10, 12 GiB" (no decimals for a
+  // step of at least one unit), and 18 events x ticks every 2.5 labelled "0 2 5 8 10 12 15 18".
+  expseg::ReportGroup g;
+  g.name = "ticks";
+  g.x_label = "event";
+  g.limit_bytes = std::size_t{10} << 30;
+  g.runs.resize(1);
+  g.runs[0].backend = "split_merge";
+  g.runs[0].length = 18;
+  for (std::uint64_t e = 0; e < 18; ++e) g.runs[0].series.push_back({e, std::int64_t{9} << 30, std::int64_t{9} << 30});
+  g.runs[0].peak_allocated_bytes = std::int64_t{9} << 30;
+  g.runs[0].peak_reserved_bytes = std::int64_t{9} << 30;
+  const expseg::ReportGroup groups[] = {g};
+  const std::string page = expseg::render_html_report(groups);
+  REQUIRE(check_xml(page).ok);
+  for (const char* y : {">0\xC2\xA0GiB</text>", ">2.5\xC2\xA0GiB</text>", ">5\xC2\xA0GiB</text>", ">7.5\xC2\xA0GiB</text>", ">10\xC2\xA0GiB</text>"}) {
+    CAPTURE(y);
+    CHECK(page.find(y) != std::string::npos);
+  }
+  CHECK(page.find(">8\xC2\xA0GiB</text>") == std::string::npos);
+  std::vector<std::string> labels;
+  const std::string at = "y=\"315\" text-anchor=\"middle\">";
+  for (std::size_t p = page.find(at); p != std::string::npos; p = page.find(at, p + 1)) {
+    const std::size_t b = p + at.size();
+    labels.push_back(page.substr(b, page.find('<', b) - b));
+  }
+  CHECK(labels == std::vector<std::string>{"0", "2", "4", "6", "8", "10", "12", "14", "16", "18"});
+}
+
 TEST_CASE("report regression: U+FFFE and U+FFFF in a name become U+FFFD (they are no XML characters)") {
   // Well-formed UTF-8, so they passed through esc(), but XML 1.0 forbids them: an XML parser
   // rejected the page of a trace whose file name held one.
@@ -534,26 +564,30 @@ TEST_CASE("report: past 200 OOMs a run's markers merge by pixel column, each say
 }
 
 TEST_CASE("report: a scenario card says when the run's limit or sizes are not the story's") {
-  // The card told the story's 2064 MiB limit for a run under --conf limit:1GiB.
-  auto description = [](const char* name, const char* extra, std::size_t min_size = 0, std::size_t max_size = 0) {
+  // The card told the story's 2064 MiB limit for a run under --conf limit:1GiB; then it listed the
+  // story's own sizes and limit as "overridden" beside a seed that was.
+  auto description = [](const char* name, const char* extra, std::size_t min_size = 0, std::size_t max_size = 0, std::uint64_t seed = 0) {
     expseg::ScenarioOptions o;
     o.min_size = min_size;
     o.max_size = max_size;
+    o.seed = seed;
     const std::vector<expseg::ScenarioResult> runs{expseg::run_scenario(name, sim_config(expseg::BackendKind::split_merge, extra), o),
                                                    expseg::run_scenario(name, sim_config(expseg::BackendKind::expandable, extra), o)};
     return expseg::report_group(std::span<const expseg::ScenarioResult>(runs)).description;
   };
+  const std::string axis = " The chart's x axis counts the allocator's calls: each allocation and each free.";
   const std::string story(expseg::find_scenario("split-800-500-300")->description);
-  CHECK(description("split-800-500-300", "") == story);
-  CHECK(description("split-800-500-300", "limit:2064MiB") == story);  // the story's own, given
-  CHECK(description("split-800-500-300", "limit:1GiB") == story + " This run: limit 1024.00 MiB (the story's defaults overridden).");
+  CHECK(description("split-800-500-300", "") == story + axis);
+  CHECK(description("split-800-500-300", "limit:2064MiB") == story + axis);  // the story's own, given
+  CHECK(description("split-800-500-300", "limit:1GiB") == story + " This run: limit 1024.00 MiB (the story's default overridden)." + axis);
   const std::string churn(expseg::find_scenario("random-churn")->description);
-  CHECK(description("random-churn", "") == churn);
-  CHECK(description("random-churn", "", 4096, std::size_t{512} << 20) == churn);
+  CHECK(description("random-churn", "") == churn + axis);
+  CHECK(description("random-churn", "", 4096, std::size_t{512} << 20) == churn + axis);
   CHECK(description("random-churn", "", std::size_t{1} << 20, std::size_t{64} << 20) ==
-        churn + " This run: sizes 1024.00 KiB\xE2\x80\x93" "64.00 MiB, limit 3.00 GiB (the story's defaults overridden).");
-  CHECK(description("random-churn", "limit:2GiB") ==
-        churn + " This run: sizes 4.00 KiB\xE2\x80\x93" "512.00 MiB, limit 2.00 GiB (the story's defaults overridden).");
+        churn + " This run: sizes 1024.00 KiB\xE2\x80\x93" "64.00 MiB (the story's default overridden)." + axis);
+  CHECK(description("random-churn", "limit:2GiB") == churn + " This run: limit 2.00 GiB (the story's default overridden)." + axis);
+  CHECK(description("random-churn", "limit:2GiB", std::size_t{1} << 20, std::size_t{64} << 20, 5).ends_with(
+      " This run: seed 5, sizes 1024.00 KiB\xE2\x80\x93" "64.00 MiB, limit 2.00 GiB (the story's defaults overridden)." + axis));
 }
 
 TEST_CASE("report: the page names the size an OOM tried to allocate as its report does, and the request beside it") {
@@ -622,13 +656,15 @@ TEST_CASE("report: another seed's card qualifies the story's outcome, and counts
     CHECK(runs[1].seed == (seed ? seed : 7));
     return expseg::report_group(std::span<const expseg::ScenarioResult>(runs));
   };
-  CHECK(group(0).description == story);
-  CHECK(group(7).description == story);  // the story's own, given
+  const std::string axis = " The chart's x axis counts the allocator's calls: each allocation and each free.";
+  CHECK(group(0).description == story + axis);
+  CHECK(group(7).description == story + axis);  // the story's own, given
   const expseg::ReportGroup g = group(1);
   CHECK(g.description == story.substr(0, story.size() - outcome.size()) +
                              "With the story's own seed (7), in a split pool the many slightly different sizes fragment the cache until "
                              "sequences are evicted for lack of memory at about half the 384 MiB limit; expandable segments keep serving "
-                             "them. This run: seed 1, limit 384.00 MiB (the story's defaults overridden).");
+                             "them. This run: seed 1 (the story's default overridden). The chart's x axis counts the allocator's calls: each "
+                             "allocation and each free.");
   REQUIRE(g.runs.size() == 2);
   CHECK(g.runs[1].ooms == 1);
   CHECK(g.runs[1].ooms_below_98 == 1);
