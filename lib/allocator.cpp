@@ -98,6 +98,42 @@ void check_config(const Config& c) {
                                                            : "max_non_split_rounding_mb (" + size_value(c.max_non_split_rounding)) +
                                                     "); expected both to be at least large_segment_size_mb");
   }
+  // The other keys as their parsers bound them, for a Config built in code: else to_string() prints
+  // what does not read back (an oom_dump's configuration, replayed by `expseg explain`, lost).
+  const double gc = c.garbage_collection_threshold;
+  if (!(gc == 0.0 || (gc > 0.0 && gc < 1.0)))
+    throw config_error("garbage_collection_threshold", "garbage_collection_threshold: " + std::to_string(gc) +
+                                                           " is out of range; expected 0 (off) or a number in (0, 1), e.g. 0.8");
+  for (const std::size_t d : c.roundup_power2_divisions)
+    if (d != 0 && !std::has_single_bit(d))
+      throw config_error("roundup_power2_divisions", "roundup_power2_divisions: " + std::to_string(d) +
+                                                         " divisions in an interval; expected a power of two, or 0 (off)");
+  if (c.max_handle_size % (std::size_t{2} << 20) != 0)
+    throw config_error("expandable_max_handle", "expandable_max_handle: " + size_value(c.max_handle_size) +
+                                                    " is not a multiple of 2MiB; expected 0 (the policy default) or a multiple of 2MiB, e.g. 64MiB");
+  const auto whole_mib = [](const char* key, std::size_t bytes) {
+    if (bytes != SIZE_MAX && bytes % (std::size_t{1} << 20) != 0)
+      throw config_error(key, std::string(key) + ": " + size_value(bytes) + " is not a whole number of MiB, as the key is written");
+  };
+  whole_mib("max_split_size_mb", c.max_split_size);
+  whole_mib("max_non_split_rounding_mb", c.max_non_split_rounding);
+  whole_mib("large_segment_size_mb", c.large_segment_size);
+  // CuPy's pool has none of PyTorch's rules: split_merge under policy:cupy would drop them without a word.
+  if (c.backend == BackendKind::split_merge && c.policy == PoolPolicy::cupy) {
+    const Config defaults;
+    std::vector<const char*> keys;
+    if (c.max_split_size != defaults.max_split_size) keys.push_back("max_split_size_mb");
+    if (c.max_non_split_rounding != defaults.max_non_split_rounding) keys.push_back("max_non_split_rounding_mb");
+    if (c.large_segment_size != defaults.large_segment_size) keys.push_back("large_segment_size_mb");
+    if (c.roundup_power2_divisions != defaults.roundup_power2_divisions) keys.push_back("roundup_power2_divisions");
+    if (c.garbage_collection_threshold != 0.0) keys.push_back("garbage_collection_threshold");
+    if (!keys.empty()) {
+      std::string names;
+      for (const char* k : keys) names += (names.empty() ? "" : ", ") + std::string(k);
+      throw config_error("policy", "policy:cupy: CuPy's memory pool has none of PyTorch's rules (" + names +
+                                       "), which split_merge under policy:cupy would ignore; drop them, or use policy:pytorch");
+    }
+  }
   // A limit is bytes or a share in (0, 1], as limit:N% and per_process_memory_fraction parse it.
   if (c.limit.fraction != 0.0 && (c.limit.bytes != 0 || !(c.limit.fraction > 0.0 && c.limit.fraction <= 1.0)))
     throw config_error("limit", "limit: a share of device memory (fraction " + std::to_string(c.limit.fraction) + ") " +

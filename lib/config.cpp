@@ -120,13 +120,16 @@ bool all_digits(std::string_view s) {
 }
 
 // Unsigned decimal integer; `what` describes the expected value for messages.
+// A leading '+', as PyTorch's std::stoul/stoull take ("max_split_size_mb:+128"), but not "+-".
 std::uint64_t parse_uint(std::string_view key, std::string_view v, const std::string& what) {
   if (!v.empty() && v.front() == '-') bad_value(key, v, what + " (negative numbers are not allowed)");
-  if (!all_digits(v)) bad_value(key, v, what);
+  std::string_view digits = v;
+  if (digits.size() > 1 && digits.front() == '+') digits.remove_prefix(1);
+  if (!all_digits(digits)) bad_value(key, v, what);
   std::uint64_t n = 0;
-  auto r = std::from_chars(v.data(), v.data() + v.size(), n);
+  auto r = std::from_chars(digits.data(), digits.data() + digits.size(), n);
   if (r.ec == std::errc::result_out_of_range) bad_value(key, v, what + " (the number is too large)");
-  if (r.ec != std::errc() || r.ptr != v.data() + v.size()) bad_value(key, v, what);
+  if (r.ec != std::errc() || r.ptr != digits.data() + digits.size()) bad_value(key, v, what);
   return n;
 }
 
@@ -548,7 +551,11 @@ void parse_roundup(Config& c, Key key, std::string_view v) {
     c.roundup_power2_divisions = out;
     return;
   }
-  if (v.back() != ']' || v.size() < 2) bad_value(key, v, std::string(kRoundupExpected) + " (missing ']')");
+  if (v.back() != ']' || v.size() < 2) {
+    const std::size_t close = v.find(']');
+    bad_value(key, v, std::string(kRoundupExpected) + (close == std::string_view::npos ? std::string(" (missing ']')")
+                                                                                      : " (unexpected text '" + clip(v.substr(close + 1)) + "' after ']')"));
+  }
   const std::string_view inner = trim(v.substr(1, v.size() - 2));
   if (inner.find_first_of("[]") != std::string_view::npos) bad_value(key, v, std::string(kRoundupExpected) + " (nested brackets)");
   bool first = true;
@@ -656,6 +663,7 @@ void parse_oom_dump(Config& c, Key key, std::string_view v) {
 // Host-side PyTorch options: the value is checked as PyTorch checks it (to catch typos) and dropped.
 void ignore_bool(Config&, Key key, std::string_view v) { (void)parse_bool(key, v); }
 void ignore_count(Config&, Key key, std::string_view v) { (void)parse_uint(key, v, "a non-negative integer"); }
+
 void ignore_register_threads(Config&, Key key, std::string_view v) {
   const std::uint64_t n = parse_uint(key, v, "an integer, a power of two from 1 to 128");
   if (!std::has_single_bit(n) || n > 128) bad_value(key, v, "an integer, a power of two from 1 to 128");
@@ -883,6 +891,11 @@ void Config::apply(std::string_view text) {
     if (!e && previous_key != "oom_dump" && equals) {
       // backend=expandable: the shell's or another tool's syntax; PyTorch's (and expseg's) is key:value.
       const std::string_view name = trim(key.substr(0, key.find('=')));
+      // PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True pasted whole: the variable's name came along.
+      if (name.ends_with("_ALLOC_CONF") || name.ends_with("_alloc_conf"))
+        throw config_error(std::string(name), "'" + clip(name) + "=' is the name of a variable, not an item: the value is the list of "
+                                                                 "key:value items alone, e.g. EXPSEG_ALLOC_CONF=" + clip(trim(trim(item).substr(trim(item).find('=') + 1))) +
+                                                                 " (not EXPSEG_ALLOC_CONF=" + clip(name) + "=...)");
       const std::string_view rest = trim(trim(item).substr(trim(item).find('=') + 1));
       if (find_entry(name))
         throw config_error(std::string(name), "'" + clip(trim(item)) + "': use key:value, with ':' between key and value, "

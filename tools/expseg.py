@@ -735,8 +735,15 @@ def _patch_torch(torch):
         trees = getattr(torch.cuda.CUDAGraph, "_expseg_trees", None)
         if trees is not None:
             trees.sweep()
+        lib = load()
         for d in initialized_devices():
-            release_cached(d)
+            rc = lib.expseg_release_cached(d)
+            if rc == INVALID_ARGUMENT:
+                # A capture allocates into a graph pool on d, where giving memory back would synchronize and
+                # invalidate it: as PyTorch's empty_cache() while a capture is underway, nothing is given back.
+                lib.expseg_clear_error()
+                continue
+            _check(rc, "expseg_release_cached")
 
     fractions = {}  # device -> (fraction set, the limit it became): read back as set while the limit stands
 
@@ -796,6 +803,30 @@ def _patch_torch(torch):
     for name, fn in replacements.items():
         if hasattr(C, name):
             setattr(C, name, fn)
+
+    # torch.cuda.memory._set_allocator_settings (PyTorch <= 2.8: _cuda_cudaCachingAllocator_set_allocator_settings,
+    # later _accelerator_setAllocatorSettings): PyTorch's call goes on (its pinned host memory keys apply), but
+    # the device keys would change nothing of expseg's, whose configuration is fixed once an allocator exists: a
+    # program that turns expandable_segments off for a while (to share memory by IPC, say) is told, not ignored.
+    def settings_warning(torch_set_settings):
+        def set_allocator_settings(env, *args, **kwargs):
+            result = torch_set_settings(env, *args, **kwargs)
+            keys = [item.split(":", 1)[0].strip() for item in str(env).split(",") if item.strip()]
+            device_keys = [k for k in keys if not k.startswith("pinned_")]
+            if device_keys:
+                import warnings
+                warnings.warn("expseg serves this process's CUDA memory: torch.cuda.memory._set_allocator_settings(%r) "
+                              "does not change its allocators (%s; set expseg's configuration with EXPSEG_ALLOC_CONF "
+                              "or install_torch(conf) before the first allocation)" % (str(env), ", ".join(device_keys)),
+                              RuntimeWarning, stacklevel=3)
+            return result
+        return set_allocator_settings
+
+    for name in ("_cuda_cudaCachingAllocator_set_allocator_settings", "_accelerator_setAllocatorSettings"):
+        if hasattr(C, name) and not getattr(getattr(C, name), "_expseg_patched", False):
+            patched = settings_warning(getattr(C, name))
+            patched._expseg_patched = True
+            setattr(C, name, patched)
 
     # Tensor.record_stream: PyTorch's call (its checks; a no-op under a pluggable allocator), then expseg's, so
     # that memory freed on its stream is not handed out again before the other stream's work is done.
@@ -1155,8 +1186,15 @@ def _configure_for(who, conf):
     other framework was installed with it (PyTorch and CuPy share expseg's allocators)."""
     if not conf:
         return
-    if conf == (_torch_conf[0] if _torch_conf else None) or conf == _cupy_conf:
+    other_conf = _cupy_conf if who == "install_torch" else (_torch_conf[0] if _torch_conf else None)
+    if conf == other_conf:
         return
+    if other_conf:
+        # configure() replaces the configuration: the other framework's string would be dropped without a word.
+        other = "install_cupy" if who == "install_torch" else "install_torch"
+        raise ExpsegError("expseg.%s(%r): expseg.%s(%r) configured the allocators PyTorch and CuPy share; install "
+                          "both with the same configuration, or pass none to this one to keep it" % (who, conf, other, other_conf),
+                          ALREADY_INITIALIZED)
     try:
         configure(conf)
     except ExpsegError as e:

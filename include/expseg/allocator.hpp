@@ -26,7 +26,9 @@
 // Errors: allocate() throws expseg::out_of_memory (a std::bad_alloc) with a report saying why;
 // deallocate()/record_stream() of a pointer that is not a live allocation throw
 // expseg::invalid_pointer; failing driver calls throw expseg::driver_error. After any throw the
-// allocator is unchanged and keeps serving.
+// allocator is unchanged and keeps serving, except that release_cached(), set_limit(),
+// release_stream() and end_graph_pool() may have done part of their work before a driver error
+// (memory given back stays given back; each says what); the allocator stays consistent.
 //
 // Size 0: allocate(0) returns nullptr and deallocate(nullptr) does nothing (PyTorch's behaviour).
 #pragma once
@@ -89,7 +91,9 @@ class Allocator {
   void deallocate(void* ptr);
   void record_stream(void* ptr, stream_t stream);
   // Gives back to the device every cached byte that can be given back (empty_cache()). Throws
-  // expseg::error while a graph capture allocates into a pool (it would have to synchronize).
+  // expseg::error while a graph capture allocates into a pool (it would have to synchronize);
+  // expseg::driver_error when a give-back fails (what went back before stays given back, the
+  // allocator stays consistent; a later call gives back the rest).
   void release_cached();
   // Before destroying a stream the program created (a stream per request, say): synchronizes it,
   // completes the frees that waited for it, gives back everything cached for it and forgets it
@@ -189,7 +193,9 @@ class Allocator {
   // under a limit (a request fails only when the pages live blocks touch, plus the request, exceed
   // it) covers memory mapped while a limit is set: a block placed without one in part of a larger
   // handle keeps that handle mapped whole until the block is freed (README: "How the expandable
-  // backend decides"); `limit:` in the configuration gives the guarantee from the start.
+  // backend decides"); `limit:` in the configuration gives the guarantee from the start. A
+  // driver_error while giving back cached memory for a lower limit leaves the old limit, and what
+  // went back before stays given back (the allocator stays consistent).
   void set_limit(std::size_t bytes);
   std::size_t limit() const;
 

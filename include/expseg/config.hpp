@@ -100,7 +100,8 @@ struct Config {
   bool oom_counterfactual = true;   // oom_counterfactual:false -> skip the other-backend check
   // oom_dump:PATH -> at every OOM, write the report, a snapshot, the config and (when recording)
   // the recorded trace to PATH (%p: process id, %d: device, %n: the OOM's number, %%: '%').
-  // "" (printed and parsed as none) = off. A path cannot contain ','; see expand_oom_dump_path().
+  // "" (printed and parsed as none) = off. A ',' in the path only inside balanced [...] (items are
+  // split at commas); see expand_oom_dump_path().
   std::string oom_dump;
 
   // Parse `text` over the defaults. Empty text gives the defaults. EXPSEG_ALLOC_CONF is not read:

@@ -6,7 +6,8 @@
 // std::invalid_argument (negative size) or std::runtime_error (any other failure) otherwise, which
 // PyTorch turns into a Python RuntimeError carrying the message. The rule for all of them: when an
 // operation throws, the allocator is left as it was before the call (no leaked driver resources,
-// invariants hold), and it keeps serving.
+// invariants hold), and it keeps serving; the give-backs (release_cached, set_limit, release_stream,
+// end_graph_pool) keep what they gave back before a driver error, consistent all the same.
 #pragma once
 
 #include <cstddef>
@@ -105,7 +106,8 @@ enum class Counterfactual : std::uint8_t { not_evaluated, would_succeed, would_f
 const char* to_string(Counterfactual) noexcept;
 
 // Everything expseg knows about one failed allocation. `message` is the full text; its first
-// sentence reads like PyTorch's "CUDA out of memory. Tried to allocate ..." so users recognise it.
+// sentence reads like PyTorch's "CUDA out of memory. Tried to allocate ..." (CuPy's "Out of memory
+// allocating ..." under policy:cupy) so users recognise it.
 struct OomReport {
   std::string backend;               // "split_merge" or "expandable"
   int device = 0;

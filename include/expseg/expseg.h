@@ -90,10 +90,10 @@ enum expseg_status {
  * expseg_free: `size` and `stream` are ignored (expseg keeps its own record); free(NULL) does
  * nothing; freeing a pointer that is not a live allocation of `device` records
  * EXPSEG_ERROR_INVALID_POINTER and changes nothing. Where the events that make a block used on
- * other streams (expseg_record_stream) wait for their work cannot be made or recorded, the device
- * is synchronized and the block freed at once (no caller retries a free; C++'s deallocate throws
- * and leaves the block live instead); only if that synchronization fails too is the error recorded
- * and the block left live. */
+ * other streams (expseg_record_stream) wait for their work cannot be made or recorded, each stream
+ * that used the block is synchronized (the device only if that fails) and the block freed at once
+ * (no caller retries a free; C++'s deallocate throws and leaves the block live instead); only if
+ * the synchronization fails too is the error recorded and the block left live. */
 EXPSEG_API void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 EXPSEG_API void expseg_free(void* ptr, ssize_t size, int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 
@@ -225,7 +225,7 @@ EXPSEG_API int expseg_reset_accumulated_stats(int device) EXPSEG_NOEXCEPT;
  *   "num_alloc_retries", ...) plus a "cupy" object {used_bytes, total_bytes, free_bytes, n_free_blocks}.
  * snapshot: {backend, device, limit_bytes, device_total_bytes, segments: [{address, size, blocks: [...]}], stats}.
  * last OOM report: the text (its first sentence reads like PyTorch's "CUDA out of memory. Tried to
- *   allocate ...") or JSON; "" (text) / "null" (JSON) when `device` has had no OOM. */
+ *   allocate ...", or CuPy's "Out of memory allocating ..." under policy:cupy) or JSON; "" (text) / "null" (JSON) when `device` has had no OOM. */
 EXPSEG_API const char* expseg_stats_json(int device) EXPSEG_NOEXCEPT;
 EXPSEG_API const char* expseg_snapshot_json(int device) EXPSEG_NOEXCEPT;
 EXPSEG_API const char* expseg_last_oom_report(int device) EXPSEG_NOEXCEPT;

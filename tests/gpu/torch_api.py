@@ -8,7 +8,7 @@ For each backend, in a fresh process under install_torch("backend:<b>"), on the 
   - torch.cuda.memory_allocated/max_memory_allocated/memory_reserved/memory_stats/memory_summary give expseg's
     figures, and follow tensors being made and freed; reset_peak_memory_stats and
     reset_accumulated_memory_stats reset them;
-  - torch.cuda.empty_cache() gives expseg's cached memory back;
+  - torch.cuda.empty_cache() gives expseg's cached memory back (and, during a capture, nothing, without an error);
   - set_per_process_memory_fraction(f) is expseg's limit (an allocation over it raises with verdict limit),
     get_per_process_memory_fraction reads it, 1.0 removes it;
   - Tensor.record_stream(s): a tensor freed while a kernel on s may still use it is not handed out again
@@ -168,6 +168,9 @@ def child(backend, tmp):
     graph3 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph3, stream=cap):
         static_w = static_x - 5
+        # As PyTorch's empty_cache() while a capture is underway: nothing given back, no error, the capture
+        # intact (was: RuntimeError, expseg refusing to synchronize during the capture).
+        torch.cuda.empty_cache()
     eager = []
     for stream in (cap, fork):  # eager tensors after the captures, on the streams the captures used
         with torch.cuda.stream(stream):

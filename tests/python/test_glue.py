@@ -654,6 +654,8 @@ class FakeTorch:
             return fn
         self._C = types.SimpleNamespace(**{n: unsupported(n) for n in self.NAMES})
         self._C._cuda_emptyCache = lambda: None  # PyTorch: no reset function set, nothing happens
+        self.settings = []  # PyTorch's own allocator settings (its pinned host memory keys still apply)
+        self._C._accelerator_setAllocatorSettings = self.settings.append
         self.raw_deleted = []
         self._C._cuda_cudaCachingAllocator_raw_delete = self.raw_deleted.append
         self._C._has_Standard_Deleter = lambda storage_ptr: False  # a storage made from a data pointer
@@ -766,6 +768,27 @@ class TorchApiTest(unittest.TestCase):
         self.assertEqual(expseg.initialized_devices(), [0, 3])
         self.torch._C._cuda_emptyCache()
         self.assertEqual([expseg.stats(d)["reserved_bytes.all.current"] for d in (0, 3)], [0, 0])
+
+    def test_allocator_settings_at_run_time_say_they_do_not_change_expseg(self):
+        # torch.cuda.memory._set_allocator_settings("expandable_segments:False") reached PyTorch's own allocator
+        # only and changed nothing of expseg's, without a word.
+        import warnings
+        C = self.torch._C
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            C._accelerator_setAllocatorSettings("expandable_segments:False,pinned_use_cuda_host_register:True")
+            C._accelerator_setAllocatorSettings("pinned_num_register_threads:8")  # host memory only: PyTorch's
+        self.assertEqual(self.torch.settings, ["expandable_segments:False,pinned_use_cuda_host_register:True",
+                                               "pinned_num_register_threads:8"])
+        self.assertEqual(len(caught), 1)
+        self.assertIs(caught[0].category, RuntimeWarning)
+        self.assertIn("_set_allocator_settings('expandable_segments:False,pinned_use_cuda_host_register:True') does "
+                      "not change its allocators (expandable_segments;", str(caught[0].message))
+        expseg._patch_torch(self.torch)  # patched once
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            C._accelerator_setAllocatorSettings("max_split_size_mb:64")
+        self.assertEqual(len(caught), 1)
 
     def test_memory_fraction_is_the_limit(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable")
@@ -1102,6 +1125,22 @@ class InstallTest(unittest.TestCase):
         expseg.install_torch()
         self.assertIn("backend:expandable", expseg.config())
 
+    def test_the_second_framework_with_another_conf_is_refused(self):
+        # PyTorch with one string, then CuPy with another: was the second replacing the first's configuration
+        # without a word (max_split_size_mb gone, the backend switched).
+        install_fakes()
+        expseg.install_torch("backend:expandable,max_split_size_mb:128")
+        with self.assertRaises(expseg.ExpsegError) as cm:
+            expseg.install_cupy("limit:2GiB")
+        self.assertEqual(cm.exception.code, expseg.ALREADY_INITIALIZED)
+        self.assertIn("expseg.install_cupy('limit:2GiB'): expseg.install_torch('backend:expandable,max_split_size_mb:128') "
+                      "configured the allocators PyTorch and CuPy share", str(cm.exception))
+        self.assertIsNone(expseg._cupy_allocator)
+        self.assertIn("backend:expandable", expseg.config())
+        self.assertIn("max_split_size_mb:128", expseg.config())
+        expseg.install_cupy("backend:expandable,max_split_size_mb:128")  # the same string: shared
+        self.assertIsNotNone(expseg._cupy_allocator)
+
     def test_a_conf_that_can_no_longer_apply_says_so(self):
         install_fakes()
         expseg.set_limit(0)  # creates device 0's allocator (no limit); get_limit() is a query
@@ -1293,6 +1332,53 @@ class ConverterTest(unittest.TestCase):
             self.assertEqual(p.returncode, 1)
             self.assertIn("torch_snapshot_to_rmm: error: device 0 trace entry 1 (alloc): 'addr' is missing", p.stderr)
             self.assertNotIn("Traceback", p.stderr)
+
+
+class CompareTest(unittest.TestCase):
+    """benchmarks/compare.py, the A/B table of the benchmarks against PyTorch and the driver."""
+
+    @classmethod
+    def setUpClass(cls):
+        sys.path.insert(0, os.path.join(os.path.dirname(TOOLS), "benchmarks"))
+        import compare  # noqa: E402
+        cls.compare = compare
+
+    def test_a_file_that_is_not_benchmark_output_is_refused(self):
+        # Was: a table of dashes, "errors: 0" and exit 0 for any JSON object; a list, or "benchmarks": null,
+        # a traceback.
+        with tempfile.TemporaryDirectory() as d:
+            for text in ('{"errors": {}, "notes": []}', '[1, 2]', '{"benchmarks": null}', '{"benchmarks": [3]}'):
+                path = os.path.join(d, "x.json")
+                with open(path, "w") as f:
+                    f.write(text)
+                doc, problem = self.compare.load_bench_json(path)
+                self.assertIsNone(doc, text)
+                self.assertIn("is not Google Benchmark's JSON output", problem)
+                p = subprocess.run([sys.executable, self.compare.__file__, "--check-bench", path], capture_output=True, text=True)
+                self.assertEqual(p.returncode, 1, text)
+                self.assertNotIn("Traceback", p.stderr)
+            path = os.path.join(d, "ok.json")
+            with open(path, "w") as f:
+                json.dump({"benchmarks": [{"name": "pair/expandable:sim/512B", "run_type": "iteration", "real_time": 1.0,
+                                           "time_unit": "ns", "ns_per_pair": 9.0}]}, f)
+            doc, problem = self.compare.load_bench_json(path)
+            self.assertIsNone(problem)
+            self.assertEqual(len(doc["benchmarks"]), 1)
+
+    def test_the_simulated_table_leaves_the_cuda_baselines_out(self):
+        # Was: the table "expseg on the simulated device" had cuMemAlloc/cuMemAllocAsync/vmm columns from the GPU
+        # run and met "exp <= 2x vmm1" with a simulated allocation against a real driver call.
+        runs = {"pair/expandable:sim/512B": {"ns_per_pair": 50.0}, "pair/cuMemAlloc:cuda/512B": {"ns_per_pair": 9000.0},
+                "growth/expandable:sim/1GiB": {"real_time": 5.0, "time_unit": "us"},
+                "growth/vmm_1handle:cuda/1GiB": {"real_time": 270.0, "time_unit": "us"}}
+        rows = {r[0]: r for r in self.compare.build_rows(runs, {}, {}, "sim")}
+        self.assertEqual(rows["pair 512B"][3]["expseg expandable"], 50.0)
+        self.assertIsNone(rows["pair 512B"][3]["cuMemAlloc"])
+        self.assertIsNone(rows["growth 1GiB (first alloc)"][3]["vmm 1 handle"])
+        self.assertIsNone(rows["growth 1GiB (first alloc)"][4])  # no target against the driver
+        rows = {r[0]: r for r in self.compare.build_rows(dict(runs, **{"pair/expandable:cuda/512B": {"ns_per_pair": 80.0}}), {}, {}, "cuda")}
+        self.assertEqual(rows["pair 512B"][3]["cuMemAlloc"], 9000.0)
+        self.assertEqual(rows["growth 1GiB (first alloc)"][4], ("vmm", 2.0))
 
 
 if __name__ == "__main__":

@@ -377,7 +377,7 @@ TEST_CASE("c api: a free whose event for another stream's use cannot be recorded
     expseg_free(p, 64 * MiB, 0, nullptr);
     CHECK(a->stats().allocation[expseg::kAllPools].current == 0);
     CHECK(a->stats().allocated_bytes[expseg::kAllPools].current == 0);
-    CHECK(sim.call_stats().calls[sync_op] > syncs);  // the device synchronization stands for the event
+    CHECK(sim.call_stats().calls[sync_op] > syncs);  // the streams' synchronization stands for the event
     a->validate();
     // The memory is reused, and freeing it again is a double free.
     void* q = expseg_malloc(64 * MiB, 0, nullptr);
