@@ -72,7 +72,7 @@ enum expseg_status {
   EXPSEG_ERROR_INVALID_DEVICE = 2,      /* device index outside 0 .. EXPSEG_MAX_DEVICES-1 */
   EXPSEG_ERROR_CONFIG = 3,              /* a bad configuration string: the message names the key */
   EXPSEG_ERROR_ALREADY_INITIALIZED = 4, /* expseg_configure after an allocator was created */
-  EXPSEG_ERROR_OUT_OF_MEMORY = 5,       /* see expseg_last_oom_report() */
+  EXPSEG_ERROR_OUT_OF_MEMORY = 5,       /* see expseg_last_oom_report(); also a driver call out of memory outside an allocation (an IPC import, a peer mapping), which has no report */
   EXPSEG_ERROR_INVALID_POINTER = 6,     /* free/record_stream/ipc_export of a pointer that is not a live
                                            allocation, ipc_close of one that is not an open import */
   EXPSEG_ERROR_DRIVER = 7,              /* a CUDA driver call failed (or no usable driver/device) */
