@@ -144,9 +144,10 @@ std::size_t divisions_for(const Config& c, std::size_t size) noexcept {
 std::size_t roundup_power2_divisions_size(const Config& c, std::size_t size, std::size_t min_block) noexcept {
   const std::size_t divisions = divisions_for(c, size);
   if (divisions <= 1) return 0;
-  // PyTorch's size > min_block * divisions; the division first keeps the product from overflowing
-  // (the config accepts any power of two up to 2^63, as PyTorch does).
-  if (size / divisions >= min_block && size > min_block * divisions) return roundup_power2_next_division(size, divisions);
+  // PyTorch's test, its wrap included: the config accepts any power of two up to 2^63, as PyTorch
+  // does, and from 2^55 divisions the product wraps to 0, so that PyTorch rounds every size up to
+  // the next power of two (roundup_power2_next_division's power2_division is 0 then).
+  if (size > min_block * divisions) return roundup_power2_next_division(size, divisions);
   return 0;
 }
 

@@ -565,17 +565,23 @@ TEST_CASE("allocator: a fraction limit too small for a byte still limits (was: n
   }
 }
 
-TEST_CASE("allocator: roundup_power2_divisions up to 2^63 round as PyTorch does, without overflow") {
-  // min_block (512) * divisions wrapped to 0 from 2^55 on, so 3 MiB + 4 KiB was rounded to 4 MiB;
-  // with that many divisions the size is too small to divide, as with 2^40: only 512 B rounding.
+TEST_CASE("allocator: roundup_power2_divisions up to 2^63 round as PyTorch does, its wrap included") {
+  // PyTorch's round_size: divisions > 1 && size > kMinBlockSize * divisions, in size_t. With 2^40
+  // divisions the size is too small to divide (512 B rounding); from 2^55 on the product wraps to 0
+  // and roundup_power2_next_division, its step 0, gives the next power of two. (A session had made
+  // the product not wrap, claiming PyTorch's behaviour: it kept 3 MiB + 4 KiB where PyTorch holds 4 MiB.)
   for (BackendKind b : kBackends) {
-    for (const char* d : {"1099511627776", "36028797018963968", "9223372036854775808"}) {
+    for (const auto& [d, held] : {std::pair{"1099511627776", 3 * MiB + 4 * KiB}, std::pair{"36028797018963968", 4 * MiB},
+                                  std::pair{"9223372036854775808", 4 * MiB}}) {
       CAPTURE(std::string(name(b)));
       CAPTURE(d);
       Allocator a(sim_config(b, 80 * GiB, std::string("roundup_power2_divisions:") + d));
       void* p = a.allocate(3 * MiB + 4 * KiB);
-      CHECK(a.stats().allocated_bytes[kAllPools].current == static_cast<std::int64_t>(3 * MiB + 4 * KiB));
+      CHECK(a.stats().allocated_bytes[kAllPools].current == static_cast<std::int64_t>(held));
+      void* q = a.allocate(5000);
+      CHECK(a.stats().allocated_bytes[kAllPools].current == static_cast<std::int64_t>(held + (held == 4 * MiB ? 8192 : 5120)));
       a.deallocate(p);
+      a.deallocate(q);
       a.validate();
     }
   }
