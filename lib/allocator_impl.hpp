@@ -411,6 +411,12 @@ struct AllocatorAccess {
   static driver::Driver& driver(Allocator& a) { return *a.impl_->driver; }
   static void deallocate_for_good(Allocator& a, void* ptr) { a.impl_->deallocate_for_good(ptr); }
   static backends::Backend& backend(Allocator& a) { return *a.impl_->backend; }
+  // The other-backend check of later OOM reports on or off (replay and scenarios keep only the first
+  // report: the check replays the whole live set, so checking every OOM of a long run was quadratic).
+  static void set_oom_counterfactual(Allocator& a, bool on) {
+    std::lock_guard<core::Mutex> lock(a.impl_->mu);
+    a.impl_->config.oom_counterfactual = on;
+  }
   // expseg_release_stream: Allocator::release_stream, and what expseg_cupy_malloc cached under the
   // stream's foreign key (backends::foreign_stream_key), which Allocator::release_stream refuses.
   static void release_stream_with_foreign_key(Allocator& a, driver::stream_t stream) {

@@ -679,6 +679,7 @@ int expseg_reset_peak_stats(int device) noexcept {
   }
 }
 
+extern "C++" {  // inside the extern "C" block: a C++ helper, not a C function (clang refuses its pair)
 namespace {
 
 // expseg_get_limit's answer (device valid; throws): the allocator's, or, without one, what the
@@ -714,6 +715,7 @@ std::pair<std::size_t, std::size_t> limit_and_total(int device, bool want_total)
 }
 
 }  // namespace
+}  // extern "C++"
 
 int expseg_get_limit(int device, size_t* limit_bytes, size_t* device_total_bytes) noexcept {
   constexpr const char* fn = "expseg_get_limit";

@@ -594,6 +594,13 @@ ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> dr
     ex.bytes = h.pieces[0].handle;
     s->base = drv->ipc_open(ex);
     s->opened = true;
+    // The handle's sizes are the exporter's word: a damaged or edited one that names more than the
+    // allocation it opens would hand out memory past its end (on a GPU: faults, a lost context).
+    const auto [alloc_base, alloc_bytes] = drv->address_range(s->base);
+    if (alloc_base != s->base || h.range_bytes > alloc_bytes)
+      throw ipc_error("expseg: import_ipc: the handle names a range of " + std::to_string(h.range_bytes) + " bytes, but the "
+                      "allocation it opens holds " + std::to_string(alloc_bytes) + " bytes from " + hex(alloc_base) +
+                      ": a damaged or edited handle (it must be exactly what IpcMemHandle::serialize() wrote)");
     s->registry = std::move(registry);  // for its captures only: nothing mapped here to grant peers
   } else {
     if (!h.has_fds())

@@ -410,7 +410,10 @@ OomDump read_oom_dump(const std::string& path) {
   if (!in) throw error(path + ": cannot open the OOM dump: " + std::strerror(errno));
   // Read in chunks, up to a bound: a dump of 100,000 blocks is ~9.4 MB, and a device or a large
   // file named by mistake (/dev/zero, a core file) must end in an error, not in all host memory.
-  constexpr std::size_t kMaxDumpBytes = std::size_t{1} << 30;
+  // The parsed tree takes up to ~60 bytes per byte of text ("0,0,0,..."): the values are bounded
+  // too (a dump of 100,000 blocks holds ~1.5 million), so that a damaged file costs ~2 GB at most.
+  constexpr std::size_t kMaxDumpBytes = std::size_t{256} << 20;
+  constexpr std::size_t kMaxDumpValues = std::size_t{16} << 20;
   std::string text;
   errno = 0;
   try {
@@ -435,7 +438,7 @@ OomDump read_oom_dump(const std::string& path) {
   }
   if (in.bad()) throw error(path + ": cannot read the OOM dump: " + std::strerror(errno ? errno : EIO));
   try {
-    const JsonValue doc = core::parse_json(text);
+    const JsonValue doc = core::parse_json(text, kMaxDumpValues);
     const Reader r;
     OomDump d;
     d.format = r.str(doc, "format");
@@ -459,6 +462,10 @@ OomDump read_oom_dump(const std::string& path) {
     // replays to OOMs that say nothing about it (an edited or damaged dump).
     const std::size_t total = d.report.device_total_bytes;
     if (total == 0) throw std::runtime_error("member 'report.device_total_bytes' is 0: no device size to replay on");
+    // No device is larger than the simulated one explain replays on can be (64 PiB of address span).
+    if (total > (std::size_t{1} << 56))
+      throw std::runtime_error("member 'report.device_total_bytes' (" + std::to_string(total) +
+                               ") is more than any device's memory (64 PiB at most): an edited or damaged dump");
     if (d.report.reserved_bytes > total)
       throw std::runtime_error("member 'report.reserved_bytes' (" + std::to_string(d.report.reserved_bytes) +
                                ") is more than the device's memory, 'report.device_total_bytes' (" + std::to_string(total) + ")");

@@ -360,7 +360,10 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
             if (first_pass) {
               ++r.ooms;
               r.oom_events.push_back(prog.event_of[i]);
-              if (!r.first_oom) r.first_oom = e.report();
+              if (!r.first_oom) {
+                r.first_oom = e.report();
+                detail::AllocatorAccess::set_oom_counterfactual(a, false);  // only the first report is kept
+              }
             }
           }
           if (restore) {
@@ -397,7 +400,10 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
             if (first_pass) {
               ++r.ooms;
               r.oom_events.push_back(prog.event_of[i]);
-              if (!r.first_oom) r.first_oom = e.report();
+              if (!r.first_oom) {
+                r.first_oom = e.report();
+                detail::AllocatorAccess::set_oom_counterfactual(a, false);  // only the first report is kept
+              }
             }
           }
           break;

@@ -84,6 +84,9 @@ class Runner {
     if (!r_.verdict) {
       r_.verdict = rep.verdict;
       r_.first_oom = rep;
+      // Only the first report is kept: the other-backend check, a replay of the live set, is not
+      // repeated at every OOM of a long run.
+      detail::AllocatorAccess::set_oom_counterfactual(a_, false);
       r_.first_oom_fill = fill;
       r_.lowest_oom_fill = fill;
       r_.lowest_oom_page_slack = rep.page_slack_bytes;

@@ -749,6 +749,10 @@ int cmd::explain(int argc, char** argv) {
     std::printf("The trace %s (%zu events) is not there any more.\n", terminal_text(d.trace).c_str(), d.trace_events);
     return kExitOk;
   }
+  // Only a file: a dump names its trace by the path its program saw, and a FIFO or a device there
+  // (/dev/stdin) would block the reading, or feed it what is not a trace.
+  if (!std::filesystem::is_regular_file(d.trace, ec))
+    throw InputError(terminal_text(path) + ": the trace it names, " + terminal_text(d.trace) + ", is not a regular file (the recorder writes one): not read");
   if (html) check_picture_path(*html, {path, d.trace});
   if (args.has("--no-replay")) {
     std::printf("The events that led here: %s (%zu events%s).\n", terminal_text(d.trace).c_str(), d.trace_events,

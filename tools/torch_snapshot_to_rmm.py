@@ -21,6 +21,7 @@ import gzip
 import json
 import os
 import pickle
+import reprlib
 import subprocess
 import sys
 import tempfile
@@ -34,10 +35,26 @@ class ConvertError(Exception):
     pass
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """A PyTorch memory snapshot holds dicts, lists, strings and numbers only: a pickle that names a class or a
+    function (which pickle.load would import and call, running whatever the file says) is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError("it names %s.%s, and a PyTorch memory snapshot holds only dicts, lists, strings "
+                                     "and numbers (refused: loading it would run code)" % (module, name))
+
+
+def _short(v):
+    """repr of v for a message, cut short (a deeply nested or huge value must not make the message fail)."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 3, 80, 80
+    return r.repr(v)
+
+
 def load_snapshot(path):
     with open(path, "rb") as f:
         try:
-            snap = pickle.load(f)
+            snap = _PlainUnpickler(f).load()
         except Exception as e:  # a truncated or foreign file
             raise ConvertError("%s: not a readable pickle (%s: %s)" % (path, type(e).__name__, e)) from e
     if not isinstance(snap, dict) or "device_traces" not in snap:
@@ -66,18 +83,20 @@ def _int(obj, key, where, default=None):
     """obj[key] as an int, or a ConvertError that says where (a malformed snapshot must not end in a traceback)."""
     v = obj.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ConvertError("%s: %r is %s, expected an integer" % (where, key, "missing" if v is None else repr(v)))
+        raise ConvertError("%s: %r is %s, expected an integer" % (where, key, "missing" if v is None else _short(v)))
     if v < 0 and "size" in key:  # addresses and streams may come as signed 64-bit values; sizes may not
         raise ConvertError("%s: %r is %d, expected a size (>= 0)" % (where, key, v))
+    if v > U64 or v < -(1 << 63):  # a 64-bit value, as the device's
+        raise ConvertError("%s: %r is %d, which does not fit in 64 bits" % (where, key, v))
     return v
 
 
 def _trace_entries(snap, device):
     """The device's trace entries, each checked to be a dict with an action."""
     for i, e in enumerate(snap["device_traces"][device]):
-        if not isinstance(e, dict) or "action" not in e:
-            raise ConvertError("device %d trace entry %d is not a trace entry (a dict with an 'action'): %r"
-                               % (device, i, e))
+        if not isinstance(e, dict) or not isinstance(e.get("action"), str):
+            raise ConvertError("device %d trace entry %d is not a trace entry (a dict with an 'action' string): %s"
+                               % (device, i, _short(e)))
         yield i, e
 
 

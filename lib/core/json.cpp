@@ -274,7 +274,7 @@ constexpr int kMaxDepth = 256;
 
 class Parser {
  public:
-  explicit Parser(std::string_view text) : s_(text) {}
+  Parser(std::string_view text, std::size_t max_values) : s_(text), values_left_(max_values) {}
 
   JsonValue document() {
     skip_ws();
@@ -308,6 +308,7 @@ class Parser {
 
   JsonValue value(int depth) {
     if (at_end()) fail("unexpected end of input, expected a value");
+    if (values_left_-- == 0) fail("more values than this document may hold");
     JsonValue out;
     switch (peek()) {
       case '{': out.v = object(depth + 1); break;
@@ -543,10 +544,11 @@ class Parser {
 
   std::string_view s_;
   std::size_t pos_ = 0;
+  std::size_t values_left_;
 };
 
 }  // namespace
 
-JsonValue parse_json(std::string_view text) { return Parser(text).document(); }
+JsonValue parse_json(std::string_view text, std::size_t max_values) { return Parser(text, max_values).document(); }
 
 }  // namespace expseg::core

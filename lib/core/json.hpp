@@ -84,7 +84,8 @@ struct JsonValue {
 };
 
 // Parses one JSON document (surrounding whitespace allowed). Throws std::runtime_error with the
-// byte offset on malformed input.
-JsonValue parse_json(std::string_view text);
+// byte offset on malformed input, and on a document of more than `max_values` values (a bound on
+// the memory the tree takes: about a hundred bytes a value, where "0," is two bytes of text).
+JsonValue parse_json(std::string_view text, std::size_t max_values = SIZE_MAX);
 
 }  // namespace expseg::core

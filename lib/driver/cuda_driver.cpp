@@ -54,6 +54,7 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
   X(cuMemAddressReserve, 10020) X(cuMemAddressFree, 10020) X(cuMemCreate, 10020)                      \
   X(cuMemRelease, 10020) X(cuMemMap, 10020) X(cuMemUnmap, 10020) X(cuMemSetAccess, 10020)             \
   X(cuMemAlloc, 3020) X(cuMemFree, 3020) X(cuMemAllocAsync, 11020) X(cuMemFreeAsync, 11020)        \
+  X(cuMemGetAddressRange, 3020)                                                                         \
   X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000) X(cuStreamGetFlags, 5050)                          \
   X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000) \
   X(cuStreamWaitEvent, 3020)                                                                            \
@@ -647,6 +648,13 @@ class CudaDriver final : public Driver {
   void ipc_close(dev_ptr ptr) override {
     CtxScope scope(*this);
     check(api_, api_.cuIpcCloseMemHandle(to_cu(ptr)), "cuIpcCloseMemHandle");
+  }
+  std::pair<dev_ptr, std::size_t> address_range(dev_ptr ptr) override {
+    CtxScope scope(*this);
+    CUdeviceptr base = 0;
+    std::size_t bytes = 0;
+    check(api_, api_.cuMemGetAddressRange(&base, &bytes, to_cu(ptr)), "cuMemGetAddressRange");
+    return {base, bytes};
   }
 
  public:

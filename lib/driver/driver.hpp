@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "expseg/errors.hpp"
@@ -221,6 +222,9 @@ class Driver {
   virtual phys_handle import_handle(const ExportedHandle& exported) = 0;
   virtual ExportedHandle ipc_export(dev_ptr mem_alloc_ptr) = 0;  // cuIpcGetMemHandle
   virtual dev_ptr ipc_open(const ExportedHandle& exported) = 0;  // cuIpcOpenMemHandle
+  // cuMemGetAddressRange: the base and size of the allocation (cuMemAlloc'd, or opened by ipc_open)
+  // that `ptr` lies in. An import checks with it that a handle names no more than the memory it opens.
+  virtual std::pair<dev_ptr, std::size_t> address_range(dev_ptr ptr) = 0;
   virtual void ipc_close(dev_ptr ptr) = 0;                       // cuIpcCloseMemHandle
 };
 

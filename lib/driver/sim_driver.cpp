@@ -1485,6 +1485,18 @@ dev_ptr SimDriver::ipc_open(const ExportedHandle& exported) {
   return p;
 }
 
+// cuMemGetAddressRange of cuMemAlloc'd memory (what expseg asks it of): the allocation `ptr` lies in.
+std::pair<dev_ptr, std::size_t> SimDriver::address_range(dev_ptr ptr) {
+  static constexpr const char* call = "cuMemGetAddressRange";
+  std::lock_guard lock(impl_->mutex);
+  const auto& allocs = impl_->allocs;
+  auto it = allocs.upper_bound(ptr);
+  if (it == allocs.begin() || ptr - std::prev(it)->first >= std::prev(it)->second.size)
+    invalid(call, hex(ptr) + " lies in no allocation of this device");
+  --it;
+  return {it->first, it->second.size};
+}
+
 void SimDriver::ipc_close(dev_ptr ptr) {
   static constexpr const char* call = "cuIpcCloseMemHandle";
   std::lock_guard lock(impl_->mutex);

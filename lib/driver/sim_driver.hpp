@@ -167,6 +167,7 @@ class SimDriver final : public Driver {
   ExportedHandle ipc_export(dev_ptr mem_alloc_ptr) override;
   dev_ptr ipc_open(const ExportedHandle& exported) override;
   void ipc_close(dev_ptr ptr) override;
+  std::pair<dev_ptr, std::size_t> address_range(dev_ptr ptr) override;
 
   // --- simulation controls (tests) ---
   const SimOptions& options() const noexcept { return options_; }

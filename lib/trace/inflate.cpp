@@ -505,8 +505,6 @@ class BitWriter {
 
  private:
   std::string& out_;
-  const ChunkSink* sink_;
-  std::size_t emitted_ = 0;  // with a sink: out_[0, emitted_) has been handed on
   std::uint64_t buf_ = 0;
   unsigned cnt_ = 0;
 };

@@ -537,6 +537,14 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     const dev_ptr p = d.mem_alloc(bytes);
     REQUIRE(p != 0);
     CHECK(p % 256 == 0);
+    // cuMemGetAddressRange: the allocation a pointer lies in (an IPC import checks a handle's size
+    // with it), from its start or its inside.
+    for (const dev_ptr inside : {p, p + bytes / 2, p + bytes - 1}) {
+      const auto [range_base, range_bytes] = d.address_range(inside);
+      CHECK(range_base == p);
+      CHECK(range_bytes >= bytes);
+      CHECK(range_bytes < bytes + g);
+    }
     if (data_checks) {
       d.memset_d32(p, 0xC0FFEE11u, bytes / 4, nullptr);
       d.stream_synchronize(nullptr);
@@ -555,6 +563,9 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     auto err = catch_driver_error([&] { d.mem_free(p); });  // double free
     REQUIRE(err.has_value());
     CHECK(err->call() == "cuMemFree");
+    err = catch_driver_error([&] { (void)d.address_range(p); });  // in no allocation any more
+    REQUIRE(err.has_value());
+    CHECK(err->call() == "cuMemGetAddressRange");
   }
 
   // --- streams and events ---

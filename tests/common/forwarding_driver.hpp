@@ -73,6 +73,7 @@ class ForwardingDriver : public expseg::driver::Driver {
   expseg::driver::ExportedHandle ipc_export(dev_ptr p) override { return sim_->ipc_export(p); }
   dev_ptr ipc_open(const expseg::driver::ExportedHandle& e) override { return sim_->ipc_open(e); }
   void ipc_close(dev_ptr p) override { sim_->ipc_close(p); }
+  std::pair<dev_ptr, std::size_t> address_range(dev_ptr p) override { return sim_->address_range(p); }
 
  private:
   std::shared_ptr<expseg::driver::SimDriver> sim_;

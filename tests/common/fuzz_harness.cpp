@@ -50,8 +50,11 @@ bool contains(const std::string& s, const char* part) { return s.find(part) != s
 
 // The word offsets (in 8-byte words) of a block of `words` words that carry the pattern: all of a
 // small block (up to 16 KiB); the first and last 2 KiB of a large one plus one word in every 4 KiB
-// (blocks up to 4 MiB) or every `stride_words` (larger), at an offset that varies with the tag.
-// Every frame of a large block is sampled, so a frame mapped at the wrong place or lost shows up.
+// (blocks up to 4 MiB) or every half frame (`stride_words` is a frame; larger blocks), at an offset
+// that varies with the tag. Every frame of a large block is sampled, so a frame mapped at the wrong
+// place or lost shows up: the windows start at the block's start, not at a frame's, and a frame
+// (at least two windows long) holds one of them whole wherever it begins. (Windows of a whole
+// frame left 14-16% of the frames without a sample.)
 // Writes and the check at free use the full set; periodic checks of every live block a light
 // subset (every 7th word of a small block; 128 bytes at each end of a large one, and the same
 // samples in between), which still covers every 4 KiB and every frame.
@@ -66,7 +69,7 @@ void for_each_sample(std::size_t words, std::uint64_t tag, std::size_t stride_wo
   const std::size_t edge = light ? 16 : 256;
   for (std::size_t i = 0; i < edge; ++i) f(i);
   // The same grid for writes and both kinds of checks: light samples are a subset of the written.
-  const std::size_t stride = words * 8 <= 4 * MiB ? 512 : std::max<std::size_t>(stride_words, 512);
+  const std::size_t stride = words * 8 <= 4 * MiB ? 512 : std::max<std::size_t>(stride_words / 2, 512);
   for (std::size_t c = 256; c < words - 256; c += stride) {
     const std::size_t i = c + mix(tag ^ c) % stride;
     if (i < words - 256) f(i);
@@ -331,6 +334,7 @@ class Spy final : public expseg::driver::Driver {
   expseg::driver::ExportedHandle ipc_export(dev_ptr p) override { return sim_->ipc_export(p); }
   dev_ptr ipc_open(const expseg::driver::ExportedHandle& e) override { return sim_->ipc_open(e); }
   void ipc_close(dev_ptr p) override { sim_->ipc_close(p); }
+  std::pair<dev_ptr, std::size_t> address_range(dev_ptr p) override { return sim_->address_range(p); }
 
   std::uint64_t all_complete() const noexcept { return all_complete_; }
 
@@ -823,10 +827,22 @@ void Harness::op_allocate(Source& src, bool on_capture) {
   }
   note("allocate " + std::to_string(size) + " on " + stream_name(stream));
   const std::int64_t allocations_before = alloc_->stats().allocation[kAllPools].allocated;
+  // A failed allocate gives back whatever it reserved or mapped (a growth that fails midway), unless
+  // an injected fault hit the cleanup itself (single faults: only after an OOM).
+  const std::int64_t reserved_at_call = alloc_->stats().reserved_bytes[kAllPools].current;
+  const auto device_at_call = sim_->live();
+  auto kept_nothing = [&](const char* how) {
+    if (options_.multi_faults) return;
+    const auto l = sim_->live();
+    if (alloc_->stats().reserved_bytes[kAllPools].current > reserved_at_call || l.reservations > device_at_call.reservations ||
+        l.handles > device_at_call.handles || l.mappings > device_at_call.mappings)
+      fail(std::string("a failed allocate (") + how + ") kept memory or address space it took");
+  };
   void* p = nullptr;
   try {
     p = alloc_->allocate(size, stream);
   } catch (const expseg::out_of_memory& e) {
+    if (!driver_threw_) kept_nothing("out_of_memory");
     // 1 EiB and more is refused up front, as PyTorch's allocate() refuses it: not in num_ooms.
     if (size < (std::size_t{1} << 60)) ++ooms_seen_;
     ++counters_.ooms;
@@ -846,6 +862,7 @@ void Harness::op_allocate(Source& src, bool on_capture) {
     return;
   } catch (const expseg::driver_error& e) {
     on_driver_exception("allocate", e);
+    kept_nothing("driver_error");
     return;
   } catch (const Failure&) {
     throw;
@@ -1100,6 +1117,7 @@ void Harness::op_set_limit(Source& src) {
   } catch (const std::exception& e) {
     fail(std::string("set_limit threw ") + e.what());
   }
+  if (threw && alloc_->limit() != limit_) fail("a set_limit that threw changed the limit (the old one must stay in force)");
   limit_ = alloc_->limit();
   if (!threw && limit_ != v) fail("limit() is " + std::to_string(limit_) + " after set_limit(" + std::to_string(v) + ")");
   // Lowering the limit gives back cached memory above it at once (when no fault interfered): held
@@ -1122,9 +1140,10 @@ void Harness::op_fault(Source& src) {
   if (r < 3) op = kCommon[src.below(std::size(kCommon))];
   else if (r < 9) op = options_.backend == BackendKind::expandable ? kVmm[src.below(std::size(kVmm))] : kPlain[src.below(std::size(kPlain))];
   else op = static_cast<Op>(src.below(expseg::driver::kOpCount));
-  // Not a stream query: cuStreamGetCaptureInfo fails only for a stream that does not exist, and
-  // what expseg assumes then (no capture) is not what this model expects of a capture it began.
-  if (op == Op::stream_query) op = Op::event_query;
+  // With graphs, not a stream query: cuStreamGetCaptureInfo fails only for a stream that does not
+  // exist, and what expseg assumes then (no capture) is not what this model expects of a capture it
+  // began. Without graphs no capture is expected: a failed query must leave the allocator consistent.
+  if (op == Op::stream_query && options_.graphs) op = Op::event_query;
   const std::uint64_t nth = 1 + src.below(4);
   const Fault fault = src.chance(50) ? Fault::out_of_memory : Fault::error;
   std::erase_if(armed_, [&](const auto& a) { return sim_->calls(a.first) >= a.second; });

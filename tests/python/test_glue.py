@@ -4,6 +4,7 @@ meson), drives the C API on the simulated device through ctypes, and tools/torch
 a synthetic PyTorch snapshot and replays it. Run: EXPSEG_LIBRARY=build/lib/libexpseg.so python3 tests/python/test_glue.py
 """
 import ctypes
+import functools
 import gzip
 import json
 import os
@@ -1318,6 +1319,11 @@ class ConverterTest(unittest.TestCase):
             ({"device_traces": [[ok]], "segments": [{"device": 0, "blocks": []}]}, "segment 0: 'address' is missing"),
             ({"device_traces": [[ok]], "segments": [{"device": 0, "address": 0, "blocks": [{"state": "x"}]}]},
              "segment 0 block 0: 'size' is missing"),
+            # Were a TypeError traceback (a list as the action), a RecursionError from the message's repr, and a
+            # size of 2^70 written out for the replay to refuse.
+            ({"device_traces": [[dict(ok, action=["alloc"])]]}, "trace entry 0 is not a trace entry (a dict with an 'action' string)"),
+            ({"device_traces": [[dict(ok, size=functools.reduce(lambda a, _: [a], range(5000), 1))]]}, "'size' is [[[[...]]]], expected an integer"),
+            ({"device_traces": [[dict(ok, size=1 << 70)]]}, "'size' is %d, which does not fit in 64 bits" % (1 << 70)),
         ]
         for snap, why in cases:
             with self.assertRaises(conv.ConvertError, msg=why) as cm:
@@ -1332,6 +1338,28 @@ class ConverterTest(unittest.TestCase):
             self.assertEqual(p.returncode, 1)
             self.assertIn("torch_snapshot_to_rmm: error: device 0 trace entry 1 (alloc): 'addr' is missing", p.stderr)
             self.assertNotIn("Traceback", p.stderr)
+
+    def test_a_pickle_that_would_run_code_is_refused(self):
+        # pickle.load imported and called whatever the file named: a "snapshot" from someone else ran their code.
+        with tempfile.TemporaryDirectory() as d:
+            marker = os.path.join(d, "ran")
+
+            class Payload:
+                def __reduce__(self):
+                    return (open, (marker, "w"))
+
+            bad = os.path.join(d, "evil.pickle")
+            with open(bad, "wb") as f:
+                pickle.dump({"device_traces": [[]], "x": Payload()}, f)
+            with self.assertRaises(conv.ConvertError) as cm:
+                conv.load_snapshot(bad)
+            self.assertIn("names io.open, and a PyTorch memory snapshot holds only dicts, lists, strings and numbers", str(cm.exception))
+            self.assertFalse(os.path.exists(marker))
+            p = subprocess.run([sys.executable, os.path.join(TOOLS, "torch_snapshot_to_rmm.py"), bad, "--check"],
+                               capture_output=True, text=True)
+            self.assertEqual(p.returncode, 1)
+            self.assertNotIn("Traceback", p.stderr)
+            self.assertFalse(os.path.exists(marker))
 
 
 class CompareTest(unittest.TestCase):

@@ -714,6 +714,20 @@ TEST_CASE("cli: a scenario's OOM written by oom_dump, then explain: the dump and
   CHECK(rel.status == 0);
   CHECK(rel.out.find("The events that led here: " + (sub / "rel.trace.csv").string() + " (8 events), replayed on") != std::string::npos);
   CHECK(run_cli("explain '" + dump + "' --html x.html --no-replay").status == 2);
+  // A dump whose trace is not a file (a FIFO, /dev/stdin): was read, and blocked, or fed what is no
+  // trace. Now refused, the dump's text otherwise as it was.
+  {
+    std::string text = read_file(dump);
+    const std::string from = "\"trace\":\"";
+    const std::size_t at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    text.replace(at + from.size(), text.find('"', at + from.size()) - (at + from.size()), "/dev/null");
+    std::ofstream(dir / "devnull.json", std::ios::binary) << text;
+    const Run r = run_cli("explain '" + (dir / "devnull.json").string() + "'");
+    CHECK(r.status == 2);
+    CHECK(r.err.find("devnull.json: the trace it names, /dev/null, is not a regular file (the recorder writes one): not read") !=
+          std::string::npos);
+  }
   // --html naming the dump or its trace is refused, both left as they were (was: exit 0, the file
   // replaced by the picture, and the next explain failed on it).
   const std::string trace_file = (dir / "oom-1.trace.csv").string();

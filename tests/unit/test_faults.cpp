@@ -31,12 +31,14 @@ using expseg::driver::Op;
 
 namespace {
 
-constexpr Op kOps[] = {Op::reserve,  Op::free_reserve, Op::create,    Op::release,      Op::map,         Op::unmap,
-                       Op::set_access, Op::mem_alloc,  Op::mem_free, Op::event_record, Op::event_query, Op::stream_sync};
+constexpr Op kOps[] = {Op::reserve,     Op::free_reserve, Op::create,       Op::release,     Op::map,
+                       Op::unmap,       Op::set_access,   Op::mem_alloc,    Op::mem_free,    Op::event_record,
+                       Op::event_query, Op::stream_sync,  Op::stream_query};
 
 // The CUDA calls an Op stands for (stream_sync covers the three synchronizations).
 bool names_op(Op op, const std::string& call) {
   if (op == Op::stream_sync) return call == "cuStreamSynchronize" || call == "cuEventSynchronize" || call == "cuCtxSynchronize";
+  if (op == Op::stream_query) return call == "cuStreamGetCaptureInfo" || call == "cuStreamGetFlags";
   return call == expseg::driver::op_name(op);
 }
 
@@ -85,6 +87,7 @@ class Runner {
         p = sa_->allocate(bytes, stream);
       } catch (const expseg::out_of_memory& e) {
         ++ooms_;
+        step_oom_ = true;
         CHECK(e.report().requested_bytes == bytes);
         return;
       }
@@ -115,8 +118,19 @@ class Runner {
     step("release_cached", [&] { sa_->release_cached(); });
   }
   void limit(std::size_t bytes) {
-    step("set_limit " + std::to_string(bytes), [&] { sa_->set_limit(bytes); });
+    const std::size_t old = sa_->limit();
+    step("set_limit " + std::to_string(bytes), [&] {
+      try {
+        sa_->set_limit(bytes);
+      } catch (const expseg::driver_error&) {
+        CHECK_MESSAGE(sa_->limit() == old, "a failed set_limit must leave the old limit in force");
+        throw;
+      }
+    });
   }
+  // Per step: 'M' when it ended in out_of_memory, else 'o'; and the step where the fault fired.
+  std::string outcomes;
+  int fired_step = -1;
 
   // Ends the run: no more faults, everything freed, the allocator serves again, nothing leaks.
   void finish() {
@@ -181,6 +195,15 @@ class Runner {
 
   template <class F>
   void step(const std::string& what, F&& f) {
+    step_oom_ = false;
+    struct Outcome {
+      Runner& r;
+      bool fired_before;
+      ~Outcome() {
+        r.outcomes.push_back(r.step_oom_ ? 'M' : 'o');
+        if (!fired_before && r.fired()) r.fired_step = static_cast<int>(r.outcomes.size()) - 1;
+      }
+    } outcome{*this, fired()};
     log_ << what;
     const auto before = sa_->stats();
     const bool fired_before = fired();
@@ -232,6 +255,7 @@ class Runner {
   std::uint32_t next_tag_ = 1;
   std::size_t surfaced_ = 0;
   std::size_t ooms_ = 0;
+  bool step_oom_ = false;
   std::ostringstream log_;
 };
 
@@ -346,11 +370,13 @@ TEST_CASE("faults: every call of every driver operation fails once, on both back
       INFO("scenario: " << std::string(sc.name));
       // A clean run first: it must pass, and it says how often each operation is called.
       std::map<Op, std::uint64_t> counts;
+      std::string clean_outcomes;
       {
         Runner clean(v, sc.config, Op::create, 1, std::nullopt);
         sc.run(clean);
         for (Op op : kOps) counts[op] = clean.calls(op);
         CHECK(clean.surfaced() == 0);
+        clean_outcomes = clean.outcomes;
         clean.finish();
       }
       for (Op op : kOps) {
@@ -368,6 +394,11 @@ TEST_CASE("faults: every call of every driver operation fails once, on both back
             sc.run(r);
             INFO("steps:\n" << r.log());
             CHECK(r.fired());
+            // A CUDA_ERROR_UNKNOWN is not an out-of-memory: the step it fired in may end in
+            // out_of_memory only where the clean run's did too.
+            if (fault == Fault::error && r.fired_step >= 0 && r.outcomes[static_cast<std::size_t>(r.fired_step)] == 'M')
+              CHECK_MESSAGE(clean_outcomes[static_cast<std::size_t>(r.fired_step)] == 'M',
+                            "an injected CUDA_ERROR_UNKNOWN reached the caller as out_of_memory");
             ++total.runs;
             total.fired += r.fired();
             total.surfaced += r.surfaced();

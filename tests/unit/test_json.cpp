@@ -282,3 +282,13 @@ TEST_CASE("json: integers read back exactly, uint64 ones above int64 and 2^53 in
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("json regression: a document of more values than its reader allows is refused while parsing") {
+  // An OOM dump of 64 MB of "0," took 4 GB to parse before its members were looked at.
+  CHECK(expseg::core::parse_json("[0,0,0]", 4).as_array().size() == 3);
+  CHECK_THROWS_WITH_AS((void)expseg::core::parse_json("[0,0,0]", 3), "JSON parse error at byte 5: more values than this document may hold",
+                       std::runtime_error);
+  CHECK_THROWS_WITH_AS((void)expseg::core::parse_json(R"({"a":{"b":[1,2]}})", 4), doctest::Contains("more values than this document may hold"),
+                       std::runtime_error);
+  CHECK(expseg::core::parse_json(R"({"a":{"b":[1,2]}})", 5)["a"]["b"][1].as_int() == 2);
+}

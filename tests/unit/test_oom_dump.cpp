@@ -20,6 +20,7 @@
 #include "core/json.hpp"
 #include "expseg/expseg.h"
 #include "expseg/oom_dump.hpp"
+#include "expseg/scenarios.hpp"
 #include "expseg/trace.hpp"
 #include "test_util.hpp"
 
@@ -553,6 +554,9 @@ TEST_CASE("read_oom_dump: a snapshot whose segments and blocks contradict each o
       {replace(R"("device_total_bytes":85899345920)", R"("device_total_bytes":0)"), "member 'report.device_total_bytes' is 0"},
       {replace(R"("device_total_bytes":85899345920)", R"("device_total_bytes":1048576)"),
        "member 'report.reserved_bytes' (2097152000) is more than the device's memory, 'report.device_total_bytes' (1048576)"},
+      // Was read, and explain then blamed a sim_capacity the user never gave for a 16-EiB device.
+      {replace(R"("device_total_bytes":85899345920)", R"("device_total_bytes":18446744073709551615)"),
+       "member 'report.device_total_bytes' (18446744073709551615) is more than any device's memory (64 PiB at most)"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.expected);
@@ -749,4 +753,38 @@ TEST_CASE("oom_dump: two allocators dumping to one path at once leave a dump and
     mismatched += dump.report.requested_bytes != trace.events.back().size;
   }
   CHECK(mismatched == 0);
+}
+
+TEST_CASE("oom regression: a replay or a scenario checks the other backend at its first OOM only") {
+  // Every OOM replayed the whole live set on the other backend, and replay and scenarios keep only
+  // the first report: a 32,000-line trace with an OOM at most steps ran for minutes (1.2 s without
+  // the check). The dumps show which OOMs were checked.
+  TempDir dir("counterfactual");
+  const std::string pattern = (dir.path / "oom-%n.json").string();
+  // The 800/500/300 story, then its failing 800 MiB request twice more: fragmentation, which the
+  // expandable backend would have served (a simulation of the live set tells).
+  const std::string csv = "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,2097152000,0x0\n"
+                          "1,1,free,0x1000,2097152000,0x0\n1,2,allocate,0x2000,838860800,0x0\n"
+                          "1,3,allocate,0x3000,524288000,0x0\n1,4,allocate,0x4000,314572800,0x0\n"
+                          "1,5,free,0x3000,524288000,0x0\n1,6,allocate,0x5000,838860800,0x0\n"
+                          "1,7,allocate,0x6000,838860800,0x0\n1,8,allocate,0x7000,838860800,0x0\n";
+  const expseg::Trace t = expseg::parse_trace(csv, "three-ooms.csv");
+  const auto r = expseg::replay(t, sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_dump:" + pattern));
+  REQUIRE(r.ooms == 3);
+  REQUIRE(r.first_oom);
+  CHECK(r.first_oom->verdict == expseg::OomVerdict::fragmentation);
+  CHECK(r.first_oom->counterfactual == expseg::Counterfactual::would_succeed);
+  CHECK(parse_json(read_file((dir.path / "oom-1.json").string()))["report"]["counterfactual"].as_string() == "would_succeed");
+  for (const char* later : {"oom-2.json", "oom-3.json"}) {
+    CAPTURE(later);
+    const JsonValue d = parse_json(read_file((dir.path / later).string()));
+    CHECK(d["report"]["verdict"].as_string() == "fragmentation");
+    CHECK(d["report"]["counterfactual"].as_string() == "not_evaluated");  // was would_succeed: simulated again
+  }
+  // A scenario likewise: its first report is checked, the rest are not (its OOM count unchanged).
+  expseg::ScenarioOptions o;
+  const auto s = expseg::run_scenario("split-800-500-300", sim_config(BackendKind::split_merge), o);
+  REQUIRE(s.ooms == 1);
+  REQUIRE(s.first_oom);
+  CHECK(s.first_oom->counterfactual == expseg::Counterfactual::would_succeed);
 }

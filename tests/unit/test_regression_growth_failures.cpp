@@ -179,3 +179,26 @@ TEST_CASE("regression: expandable waits for pending cross-stream frees before it
     sa.sim->stream_destroy(other);
   }
 }
+
+TEST_CASE("regression: a cuMemCreate refused for memory is retried once idle memory has been given back, and the request served") {
+  // The device itself is short (another process holds memory; the simulator says so with an injected
+  // OOM): map_one gives back idle handles and creates again. A test that required the retry was
+  // missing: without it the request failed with an OOM while idle memory could have served it.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, ""));
+  void* s1 = sa.sim->stream_create();
+  void* s2 = sa.sim->stream_create();
+  sa->deallocate(sa->allocate(64 * MiB, s1));  // 64 MiB idle, cached for s1
+  const std::int64_t idle = reserved(sa);
+  REQUIRE(idle >= static_cast<std::int64_t>(64 * MiB));
+  const auto frees_before = sa->stats().num_device_free;
+  sa.sim->inject_fault(Op::create, 1, Fault::out_of_memory);  // the next cuMemCreate: the device is short
+  void* p = nullptr;
+  CHECK_NOTHROW(p = sa->allocate(64 * MiB, s2));  // s1's idle memory cannot serve s2's request as it is
+  REQUIRE(p != nullptr);
+  CHECK(sa.sim->calls(Op::create) >= 2);                 // the refused create, then the retry
+  CHECK(sa->stats().num_device_free > frees_before);     // after giving back s1's idle handle
+  CHECK(reserved(sa) == idle);                           // the idle memory was given back for the new
+  sa->validate();
+  sa->deallocate(p);
+  check_nothing_left(sa);
+}

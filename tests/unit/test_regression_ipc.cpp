@@ -458,9 +458,62 @@ class FailingIpcClose final : public testutil::ForwardingDriver {
     ForwardingDriver::ipc_close(p);
   }
 };
+// Counts the cuda_ipc opens and closes that go through it.
+class CountingIpc final : public testutil::ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  int opens = 0;
+  int closes = 0;
+  dev_ptr ipc_open(const expseg::driver::ExportedHandle& e) override {
+    const dev_ptr p = ForwardingDriver::ipc_open(e);
+    ++opens;
+    return p;
+  }
+  void ipc_close(dev_ptr p) override {
+    ForwardingDriver::ipc_close(p);
+    ++closes;
+  }
+};
 }  // namespace
 
 TEST_SUITE("multi_device") {
+TEST_CASE("regression: a cuda_ipc handle that names more than the allocation it opens is refused, and the open undone") {
+  // Was: a handle whose range, piece and size said 1 TiB imported a 20 MiB segment as a 1 TiB
+  // allocation (ASan: a memset past the segment's end; on a GPU, faults). Its sizes are checked
+  // against the opened allocation (cuMemGetAddressRange).
+  const expseg::Config c = sim_config(BackendKind::split_merge, 4 * GiB);
+  SimOptions o;
+  o.capacity = c.sim_capacity;
+  o.granularity = c.sim_granularity;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto drv = std::make_shared<CountingIpc>(sim);
+  auto a = expseg::detail::AllocatorAccess::make(c, drv);
+  void* p = a->allocate(3 * MiB);
+  const IpcMemHandle good = a->export_ipc(p);
+  REQUIRE(good.range_bytes == 20 * MiB);  // the 3 MiB block's segment
+  const std::vector<std::uint8_t> bytes = good.serialize();  // a cuda_ipc handle holds no descriptor
+  IpcMemHandle bad = IpcMemHandle::deserialize(bytes);
+  bad.range_bytes = bad.pieces[0].bytes = std::size_t{1} << 40;
+  bad.size = bad.range_bytes - bad.offset;
+  CHECK_THROWS_WITH_AS(a->import_ipc(bad), doctest::Contains("the handle names a range of 1099511627776 bytes, but the allocation it "
+                                                              "opens holds 20971520 bytes from 0x"),
+                       expseg::ipc_error);
+  CHECK(drv->opens == 1);
+  CHECK(drv->closes == 1);  // opened, then closed again
+  // One byte more than the segment: refused as well; the handle as exported imports.
+  bad = IpcMemHandle::deserialize(bytes);
+  bad.range_bytes = bad.pieces[0].bytes = good.range_bytes + 2 * MiB;
+  CHECK_THROWS_AS(a->import_ipc(bad), expseg::ipc_error);
+  {
+    ImportedMemory m = a->import_ipc(good);
+    CHECK(m.size() == 3 * MiB);
+  }
+  CHECK(drv->opens == 3);
+  CHECK(drv->closes == 3);
+  a->deallocate(p);
+  a->validate();
+}
+
 TEST_CASE("regression: a cuda_ipc import whose close failed stays open, and a later close() closes it") {
   // Was: the failed cuIpcCloseMemHandle was reported and the import forgotten, mapping and all: no
   // call could close it any more.
