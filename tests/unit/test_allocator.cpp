@@ -625,7 +625,8 @@ TEST_CASE("allocator: simulated-device settings that cannot work together are co
   }
   // 40000 TiB: the default VA of the expandable backend (2x) passes the 64 PiB address span, where a
   // 512 B request failed as "fragmentation"; split_merge, which reserves no VA, serves it.
-  auto [key, msg] = failure(sim_config(BackendKind::expandable, 40000 * (std::size_t{1} << 40)));
+  const auto [key, msg_] = failure(sim_config(BackendKind::expandable, 40000 * (std::size_t{1} << 40)));
+  const std::string& msg = msg_;  // a reference CAPTURE can take (clang 14 cannot capture a binding)
   CAPTURE(msg);
   CHECK(key == "expandable_va_size");
   CHECK(contains(msg, "the default, 2x sim_capacity = 80000TiB,"));

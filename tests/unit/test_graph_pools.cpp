@@ -1699,7 +1699,9 @@ TEST_CASE("graph pool: random checkpoints and restores keep every block's data a
             }
           }
           pool = kept;
-          for (const auto& [a, n] : checkpoint) {
+          for (const auto& entry : checkpoint) {
+            const auto a = entry.first;  // not a structured binding: clang 14 cannot capture one
+            const auto n = entry.second;
             if (std::any_of(pool.begin(), pool.end(), [&](const Live& l) { return addr(l.p) == a; })) continue;
             void* p = reinterpret_cast<void*>(a);
             sa->restore_graph_pool_block(9, p, n);

@@ -174,9 +174,11 @@ TEST_CASE("fidelity regression: large_segment_size_mb is parsed first and bounds
 TEST_CASE("fidelity regression: split_merge gives a 1-10 MiB request a segment of large_segment_size_mb") {
   // get_allocation_size: size <= kSmallSize -> kSmallBuffer; size < kMinLargeAlloc ->
   // large_segment_size(); otherwise rounded up to kRoundLarge.
-  for (const auto& [conf, segment] : {std::pair<const char*, std::size_t>{"", 20 * MiB},
-                                      std::pair<const char*, std::size_t>{"large_segment_size_mb:12", 12 * MiB},
-                                      std::pair<const char*, std::size_t>{"large_segment_size_mb:64", 64 * MiB}}) {
+  for (const auto& row : {std::pair<const char*, std::size_t>{"", 20 * MiB},
+                          std::pair<const char*, std::size_t>{"large_segment_size_mb:12", 12 * MiB},
+                          std::pair<const char*, std::size_t>{"large_segment_size_mb:64", 64 * MiB}}) {
+    const char* const conf = row.first;  // not a structured binding: clang 14 cannot capture one (CAPTURE)
+    const std::size_t segment = row.second;
     CAPTURE(conf);
     Allocator a(sim_config(BackendKind::split_merge, 8 * GiB, conf));
     void* p = a.allocate(5 * MiB);
