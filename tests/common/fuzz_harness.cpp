@@ -95,7 +95,7 @@ std::uint64_t RngSource::next64() {
 }
 
 std::uint64_t ByteSource::next64() {
-  // One byte per decision keeps fuzzer inputs short and mutations local; spread it over 64 bits so
+  // Two bytes per decision keep fuzzer inputs short and mutations local; spread over 64 bits so
   // that `below(n)` for small n still sees every value.
   const std::uint8_t b = byte();
   const std::uint8_t c = byte();

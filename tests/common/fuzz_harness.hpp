@@ -89,8 +89,8 @@ class RngSource final : public Source {
   std::uint64_t state_;
 };
 
-// Reads decisions from fuzzer bytes: each decision takes the next byte (or 8 bytes for next64);
-// past the end everything reads as 0 and exhausted() is true.
+// Reads decisions from fuzzer bytes: each decision takes the next two bytes; past the end
+// everything reads as 0 and exhausted() is true.
 class ByteSource final : public Source {
  public:
   ByteSource(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
@@ -267,7 +267,6 @@ class Harness {
   void write_pattern(const Live& l);
   void check_new_block(std::uint64_t addr, std::size_t size, void* stream);
   void on_driver_exception(const char* op, const std::exception& e);
-  void expect_unchanged_live(const char* op);
   bool known_complete(void* stream, std::uint64_t tick) const;
   void queue_use(void* stream, const Live& l);
   void prune_hazards();

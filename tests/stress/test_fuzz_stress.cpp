@@ -14,6 +14,7 @@
 //   EXPSEG_FUZZ_VERBOSE=1    with EXPSEG_FUZZ_REPLAY: print every operation
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -75,7 +76,9 @@ TEST_CASE("fuzz: millions of randomized operations on both backends") {
   const auto clock_seed = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   const std::uint64_t base = env_u64("EXPSEG_STRESS_SEED", clock_seed % 1000000007ULL);
   const std::uint64_t total_ops = env_u64("EXPSEG_STRESS_OPS", 2000000);
-  constexpr std::size_t kOpsPerRun = 20000;
+  // Runs of 20,000 operations, shorter when the total is small, so that every preset (both
+  // backends, graphs, multiple faults) runs: 20,000 operations in all ran preset 0 alone.
+  const std::uint64_t ops_per_run = std::clamp<std::uint64_t>(total_ops / fuzz::preset_count(), 1, 20000);
   std::printf("fuzz stress: base seed %llu (EXPSEG_STRESS_SEED=%llu reproduces), %llu operations\n",
               static_cast<unsigned long long>(base), static_cast<unsigned long long>(base), static_cast<unsigned long long>(total_ops));
   std::fflush(stdout);
@@ -91,12 +94,12 @@ TEST_CASE("fuzz: millions of randomized operations on both backends") {
   for (unsigned t = 0; t < threads; ++t) {
     workers.emplace_back([&] {
       while (!stop.load()) {
-        const std::uint64_t started = ops_started.fetch_add(kOpsPerRun);
+        const std::uint64_t started = ops_started.fetch_add(ops_per_run);
         if (started >= total_ops) break;
         const std::uint64_t run = next_run.fetch_add(1);
         const std::size_t preset = run % fuzz::preset_count();
         const std::uint64_t seed = base * 1000 + run;
-        const auto ops = static_cast<std::size_t>(std::min<std::uint64_t>(kOpsPerRun, total_ops - started));
+        const auto ops = static_cast<std::size_t>(std::min<std::uint64_t>(ops_per_run, total_ops - started));
         try {
           const bool multi = run_multi_faults(run);
           const bool with_graphs = run_graphs(run);
