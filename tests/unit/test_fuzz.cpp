@@ -209,6 +209,22 @@ TEST_CASE("fuzz: 16 threads allocate, free, record streams and read stats and sn
     CHECK_MESSAGE(r.failure.empty(), r.failure);
     CHECK(r.allocs > 500);
   }
+  // The same under a limit this short run reaches (the cases' own limits bind only in the longer
+  // stress runs): OOMs in the middle of the other threads' traffic, the allocator consistent after.
+  for (const fuzz::ThreadStressCase& c : fuzz::kThreadStressCases) {
+    fuzz::ThreadStressOptions o;
+    o.backend = c.backend;
+    o.extra_config = std::string(c.config) + (std::string_view(c.config).empty() ? "" : ",") + "limit:24MiB";
+    o.threads = 16;
+    o.ops_per_thread = 200;
+    o.seed = 6;
+    INFO("backend: " << std::string(expseg::to_string(c.backend)));
+    INFO("config: " << o.extra_config);
+    const fuzz::ThreadStressResult r = fuzz::run_thread_stress(o);
+    CHECK_MESSAGE(r.failure.empty(), r.failure);
+    CHECK(r.ooms > 0);
+    CHECK(r.allocs > 500);
+  }
 }
 
 }  // TEST_SUITE
