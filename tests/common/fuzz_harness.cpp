@@ -84,6 +84,24 @@ bool of_live_graph_pool(std::uint64_t stream) noexcept {
   return expseg::backends::is_live_graph_pool_key(reinterpret_cast<expseg::driver::stream_t>(static_cast<std::uintptr_t>(stream)));
 }
 
+// expandable: a mapped run that no allocated or pending block touches holds only idle handles, which
+// release_cached gives back (and set_limit, while over the limit). Outside live graph pools, whose
+// memory stays with the graph. Empty when there is none.
+std::string idle_mapped_run(const expseg::Snapshot& snap) {
+  for (const auto& seg : snap.segments) {
+    if (of_live_graph_pool(seg.stream)) continue;
+    for (const auto& run : seg.mapped_ranges) {
+      bool used = false;
+      for (const auto& b : seg.blocks)
+        if (b.state != expseg::BlockState::free_mapped && b.state != expseg::BlockState::free_unmapped && b.address < run.address + run.size &&
+            run.address < b.address + b.size)
+          used = true;
+      if (!used) return "the idle mapped run " + hex(run.address) + "+" + std::to_string(run.size) + " of segment " + hex(seg.address);
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -1085,6 +1103,8 @@ void Harness::op_release_cached() {
     for (const auto& seg : snap.segments)
       if (seg.blocks.size() == 1 && seg.blocks[0].state == expseg::BlockState::free_mapped && !of_live_graph_pool(seg.stream))
         fail("release_cached kept the unsplit free segment " + hex(seg.address));
+  } else if (const std::string idle = idle_mapped_run(alloc_->snapshot()); !idle.empty()) {
+    fail("release_cached kept " + idle);
   }
 }
 
@@ -1129,6 +1149,10 @@ void Harness::op_set_limit(Source& src) {
         if (seg.blocks.size() == 1 && seg.blocks[0].state == expseg::BlockState::free_mapped && !of_live_graph_pool(seg.stream))
           fail("set_limit below reserved kept the unsplit free segment " + hex(seg.address) + " while over the limit");
   }
+  // expandable gives back idle handles until under the limit: still over it, none is left.
+  if (!threw && !driver_threw_ && v != 0 && v < reserved && options_.backend == BackendKind::expandable &&
+      static_cast<std::size_t>(alloc_->stats().reserved_bytes[kAllPools].current) > v)
+    if (const std::string idle = idle_mapped_run(alloc_->snapshot()); !idle.empty()) fail("set_limit below reserved kept " + idle + " while over the limit");
 }
 
 void Harness::op_fault(Source& src) {
