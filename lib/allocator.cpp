@@ -45,6 +45,12 @@ using core::hex;
 // address below 2^48; keys carry 0xFFFF or 0xFFFE in their top 16 bits): a fork's entry in
 // GraphPool::keys.
 constexpr std::uintptr_t kForkAliasBit = std::uintptr_t{2} << 48;
+// Whether a GraphPool::keys entry is a fork's alias: its bit 49 differs from a stream's or key's
+// (0 below 2^48, 1 under the 0xFFFF/0xFFFE tags, whose bit 63 is set).
+constexpr bool is_fork_alias(driver::stream_t s) noexcept {
+  const auto v = reinterpret_cast<std::uintptr_t>(s);
+  return ((v >> 49) & 1) != (v >> 63);
+}
 
 // Exact size text that reads back as a config value ("128TiB", "3145728").
 std::string size_value(std::size_t n) {
@@ -377,7 +383,7 @@ void Allocator::Impl::deallocate(void* ptr) {
   Block* b = live_erase(addr);
   if (b == nullptr) throw_invalid_pointer("free", addr);
   if (b->stream_uses.empty()) [[likely]] {
-    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, traced_stream(b->stream));
     backend->free(b);
   } else if (!ctx.capturing) {
     free_after_uses(b, true);
@@ -388,7 +394,7 @@ void Allocator::Impl::deallocate(void* ptr) {
       live_insert(b);  // right after its erase: room for it
       throw;
     }
-    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, traced_stream(b->stream));
     // Freed for the caller now (stats, snapshot, validate's live count), as PyTorch's free counts it;
     // only its events wait for the capture's end.
     backend->begin_pending_free(b);
@@ -415,7 +421,7 @@ void Allocator::Impl::recover_failed_deallocate(void* ptr) {
     }
     drop_recorded_uses(*b);
     b->stream_uses.clear();
-    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+    if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, traced_stream(b->stream));
     backend->free(b);
     recent_frees[recent_next++ % recent_frees.size()] = addr;
   }
@@ -452,7 +458,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
       throw;
     }
     if (in_live) {
-      if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, b->stream);
+      if (recorder.enabled()) recorder.add(TraceAction::free, addr, b->requested, traced_stream(b->stream));
       backend->begin_pending_free(b);
     }
     return;
@@ -517,7 +523,7 @@ void Allocator::Impl::free_after_uses(Block* b, bool in_live) {
     if (in_live) live_insert(b);  // right after its erase: room for it
     throw;
   }
-  if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, b->stream);  // nothing can fail now
+  if (recorder.enabled() && in_live) recorder.add(TraceAction::free, addr, b->requested, traced_stream(b->stream));  // nothing can fail now
   pending_count += events.size();
   drop_recorded_uses(*b);  // its events stand for the uses now
   if (in_live) backend->begin_pending_free(b);  // a free held during a capture is pending already
@@ -611,6 +617,19 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool ma
   return stream;
 }
 
+driver::stream_t Allocator::Impl::traced_stream(driver::stream_t key) const noexcept {
+  if (!backends::is_graph_pool_key(key)) return key;
+  for (const CaptureRoute& r : capture_routes)
+    if (r.key == key) return r.stream;
+  for (const EagerRoute& e : eager_routes)
+    if (e.key == key) return e.stream;
+  if (const auto k = pool_keys.find(key); k != pool_keys.end())
+    if (const auto p = graph_pools.find(k->second.pool); p != graph_pools.end())
+      for (const auto& [s, pk] : p->second.keys)
+        if (pk == key) return is_fork_alias(s) ? key : s;
+  return key;  // a released pool's key (its blocks' frees), or a fork's
+}
+
 bool Allocator::Impl::held_free_ready() const noexcept {
   if (ctx.capturing) return false;  // a told capture's held frees wait for its end_graph_pool
   return std::any_of(frees_after_capture.begin(), frees_after_capture.end(), [&](const Block* b) {
@@ -661,7 +680,9 @@ void Allocator::Impl::drop_empty_queues() noexcept {
 
 // A block out of its queue must reach the backend: nothing from the pop to the free may throw.
 void Allocator::Impl::finish_pending(Block* b) noexcept {
-  if (--b->pending_events == 0) backend->free(b);
+  if (--b->pending_events != 0) return;
+  if (recorder.enabled()) recorder.add(TraceAction::free_completed, b->addr, b->requested, traced_stream(b->stream));
+  backend->free(b);
 }
 
 bool Allocator::Impl::front_event_usable(StreamEvents& se) {
@@ -749,11 +770,11 @@ void Allocator::Impl::synchronize_pending_frees() {
 }
 
 void Allocator::Impl::on_map(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) {
-  if (recorder.enabled()) recorder.add(TraceAction::map, addr, bytes, stream);
+  if (recorder.enabled()) recorder.add(TraceAction::map, addr, bytes, traced_stream(stream));
 }
 
 void Allocator::Impl::on_unmap(std::uint64_t addr, std::size_t bytes, driver::stream_t stream) {
-  if (recorder.enabled()) recorder.add(TraceAction::unmap, addr, bytes, stream);
+  if (recorder.enabled()) recorder.add(TraceAction::unmap, addr, bytes, traced_stream(stream));
 }
 
 Snapshot Allocator::Impl::snapshot_locked() const {
@@ -1041,6 +1062,7 @@ void Allocator::Impl::free_held_after_capture() {
       synchronize_uses(*b);
       drop_recorded_uses(*b);
       b->stream_uses.clear();
+      if (recorder.enabled()) recorder.add(TraceAction::free_completed, b->addr, b->requested, traced_stream(b->stream));
       backend->free(b);
     }
     held.pop_back();
@@ -1222,10 +1244,26 @@ std::optional<OomReport> Allocator::last_oom() const {
 
 void Allocator::start_recording(std::size_t ring) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
-  // Cached memory counts too: a replay starts without the run's segments, so its fragmentation differs.
-  impl_->recorder.start(ring, impl_->live.size() != 0 || impl_->pending_count != 0 ||
-                                  impl_->stats.reserved_bytes[kAllPools].current != 0);
-  impl_->limit_changed_while_recording = false;  // a fresh recording
+  Impl& m = *impl_;
+  // Cached memory counts too: a replay starts without the run's segments, so its fragmentation
+  // differs. So does a graph pool in use by more than the routes traced below (a graph captured
+  // earlier keeps its pool): the trace's releases of it find no begin.
+  std::uint64_t pool_uses = 0;
+  for (const auto& [id, p] : m.graph_pools) pool_uses += p.uses;
+  const bool partial = m.live.size() != 0 || m.pending_count != 0 || m.stats.reserved_bytes[kAllPools].current != 0 ||
+                       pool_uses != m.capture_routes.size() + m.eager_routes.size();
+  m.recorder.start(ring, partial);
+  m.limit_changed_while_recording = false;  // a fresh recording
+  // The routes into graph pools underway begin the trace, as if begun now: their requests go into
+  // the pools in a replay, and their pool end (and release) pair with these.
+  for (Impl::CaptureRoute& r : m.capture_routes) {
+    m.recorder.add(TraceAction::pool_begin, r.pool, 0, r.stream);
+    for (Impl::CaptureRoute::Fork& f : r.forks) {
+      m.recorder.add(TraceAction::pool_begin, r.pool, 0, f.key);
+      f.begin_traced = true;
+    }
+  }
+  for (const Impl::EagerRoute& e : m.eager_routes) m.recorder.add(TraceAction::pool_begin, e.pool, 0, e.stream);
 }
 
 void Allocator::stop_recording() {
@@ -1241,6 +1279,12 @@ bool Allocator::recording() const {
 std::vector<TraceEvent> Allocator::recorded() const {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   return impl_->recorder.events();
+}
+
+Snapshot Allocator::snapshot_with_recorded(std::vector<TraceEvent>& events) const {
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  events = impl_->recorder.events();
+  return impl_->snapshot_locked();
 }
 
 void Allocator::enable_peer_access(int peer) {

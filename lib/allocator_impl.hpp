@@ -348,17 +348,12 @@ struct Allocator::Impl final : backends::FrontendHooks {
   std::vector<core::Block*> held_scratch;
   // `pool`, when given, receives the id of the pool the stream allocates into now (0: none).
   driver::stream_t route_to_pool(driver::stream_t stream, bool make = true, std::uint64_t* pool = nullptr);
-  // The stream a trace names for an allocation on `key`: for a graph pool's key, the stream whose
-  // route into the pool made it (the trace's `pool begin` names that stream), else `key`. (A block
-  // restore_graph_pool_block puts back is traced on that stream too, after a `pool restore` line.)
-  driver::stream_t traced_stream(driver::stream_t key) const noexcept {
-    if (!backends::is_graph_pool_key(key)) return key;
-    for (const CaptureRoute& r : capture_routes)
-      if (r.key == key) return r.stream;  // a fork's key is traced as it is
-    for (const EagerRoute& e : eager_routes)
-      if (e.key == key) return e.stream;
-    return key;
-  }
+  // The stream a trace names for an allocation, free or mapping on `key`: for a graph pool's key, the
+  // stream whose route into the pool made it (the trace's `pool begin` names that stream; also after
+  // the route has ended, while the pool lists the key), else `key`; a fork's key is traced as it is.
+  // (A block restore_graph_pool_block puts back is traced on that stream too, after a `pool restore`
+  // line.) A pool's blocks so read as one stream's from allocate to free in the trace and the viewers.
+  driver::stream_t traced_stream(driver::stream_t key) const noexcept;
   bool stream_capturing(driver::stream_t stream) const noexcept;
   void free_held_after_capture();
   // Waits for the work that the streams which used `b` queued so far, where no event can stand for it

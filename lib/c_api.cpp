@@ -430,7 +430,7 @@ void expseg_reset_for_tests(void) noexcept { reset_for_tests(); }
 void* expseg_malloc(ssize_t size, int device, expseg_stream_t stream) noexcept {
   if (size < 0) {
     set_thread_oom(device, nullptr);  // a failed allocation without a report: no earlier OOM's stands for it
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, "expseg_malloc", "negative size");
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, "expseg_malloc", "negative size (2^63 bytes or more read as size_t)");
     return nullptr;
   }
   return allocate(static_cast<std::size_t>(size), device, stream, "expseg_malloc", true);
@@ -440,8 +440,8 @@ void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream) {
   constexpr const char* fn = "expseg_torch_malloc";
   if (size < 0) {
     set_thread_oom(device, nullptr);  // a failed allocation without a report: no earlier OOM's stands for it
-    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "negative size");
-    throw std::invalid_argument(std::string(fn) + ": negative size");
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "negative size (2^63 bytes or more read as size_t)");
+    throw std::invalid_argument(std::string(fn) + ": negative size (2^63 bytes or more read as size_t)");
   }
   if (size == 0) return nullptr;
   // The exceptions carry the thread's message itself, not expseg_last_error(): that would replace
@@ -762,24 +762,65 @@ const char* expseg_stats_json(int device) noexcept {
   }
 }
 
+namespace {
+// The device's snapshot and, when `events` is given, its recorded events of the same moment.
+Snapshot snapshot_of(int device, std::vector<TraceEvent>* events) {
+  auto take = [events](const Allocator& a) { return events ? a.snapshot_with_recorded(*events) : a.snapshot(); };
+  if (Allocator* a = existing(device)) return take(*a);
+  Snapshot s;  // no allocator yet: no segments, zero stats, no events
+  {
+    Shared& sh = shared();
+    std::lock_guard<std::mutex> lock(sh.mu);
+    if (Allocator* a = existing(device)) return take(*a);
+    s.backend = to_string(effective_config_locked().backend);
+    s.stats = unused_device_stats_locked();
+  }
+  s.device = device;
+  // The limit and the device's memory, as expseg_get_limit answers them (a limit of 0 would read
+  // as "no limit" where one is configured).
+  std::tie(s.limit_bytes, s.device_total_bytes) = limit_and_total(device, true);
+  return s;
+}
+
+// record_write's file: an I/O failure is EXPSEG_ERROR_IO (recorded), host memory EXPSEG_ERROR_OUT_OF_MEMORY (thrown).
+int write_recorded(const char* fn, const char* path, const std::vector<TraceEvent>& events) {
+  try {
+    write_trace_file(path, events);
+  } catch (const out_of_memory&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw;
+  } catch (const std::exception& e) {
+    set_error(EXPSEG_ERROR_IO, fn, e.what());
+    return EXPSEG_ERROR_IO;
+  }
+  return EXPSEG_SUCCESS;
+}
+}  // namespace
+
 const char* expseg_snapshot_json(int device) noexcept {
   constexpr const char* fn = "expseg_snapshot_json";
   if (!valid_device(device, fn)) return nullptr;
   try {
-    if (Allocator* a = existing(device)) return put(kSnapshotBuf, a->snapshot().to_json());
-    Snapshot s;  // no allocator yet: no segments, zero stats
-    {
-      Shared& sh = shared();
-      std::lock_guard<std::mutex> lock(sh.mu);
-      if (Allocator* a = existing(device)) return put(kSnapshotBuf, a->snapshot().to_json());
-      s.backend = to_string(effective_config_locked().backend);
-      s.stats = unused_device_stats_locked();
-    }
-    s.device = device;
-    // The limit and the device's memory, as expseg_get_limit answers them (a limit of 0 would read
-    // as "no limit" where one is configured).
-    std::tie(s.limit_bytes, s.device_total_bytes) = limit_and_total(device, true);
-    return put(kSnapshotBuf, s.to_json());
+    return put(kSnapshotBuf, snapshot_of(device, nullptr).to_json());
+  } catch (...) {
+    fail_current(fn);
+    return nullptr;
+  }
+}
+
+const char* expseg_snapshot_json_with_trace(int device, const char* trace_path) noexcept {
+  constexpr const char* fn = "expseg_snapshot_json_with_trace";
+  if (!valid_device(device, fn)) return nullptr;
+  if (trace_path == nullptr || *trace_path == '\0') {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "no trace path given");
+    return nullptr;
+  }
+  try {
+    std::vector<TraceEvent> events;
+    const Snapshot snap = snapshot_of(device, &events);
+    if (write_recorded(fn, trace_path, events) != EXPSEG_SUCCESS) return nullptr;
+    return put(kSnapshotBuf, snap.to_json());
   } catch (...) {
     fail_current(fn);
     return nullptr;
@@ -881,18 +922,7 @@ int expseg_record_write(int device, const char* path) noexcept {
   }
   try {
     Allocator* a = existing(device);
-    const std::vector<TraceEvent> events = a != nullptr ? a->recorded() : std::vector<TraceEvent>{};
-    try {
-      write_trace_file(path, events);
-    } catch (const out_of_memory&) {
-      throw;
-    } catch (const std::bad_alloc&) {
-      throw;
-    } catch (const std::exception& e) {
-      set_error(EXPSEG_ERROR_IO, fn, e.what());
-      return EXPSEG_ERROR_IO;
-    }
-    return EXPSEG_SUCCESS;
+    return write_recorded(fn, path, a != nullptr ? a->recorded() : std::vector<TraceEvent>{});
   } catch (...) {
     return fail_current(fn);
   }

@@ -15,11 +15,9 @@ std::uint64_t thread_id() noexcept {
   static thread_local const auto tid = static_cast<std::uint64_t>(::syscall(SYS_gettid));
   return tid;
 }
-// RMM logs the wall-clock time of day; keep microseconds.
-double time_of_day() noexcept {
+std::int64_t now_us() noexcept {
   using namespace std::chrono;
-  const auto us = duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
-  return static_cast<double>(us % (86400LL * 1000000LL)) / 1e6;
+  return duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
 }
 }  // namespace
 
@@ -35,13 +33,15 @@ void Recorder::start(std::size_t ring, bool live_before) {
   next_ = 0;
   dropped_ = 0;
   started_partial_ = live_before;
+  const std::int64_t now = now_us();
+  midnight_us_ = now - now % (86400LL * 1000000LL);
   enabled_ = true;
 }
 
 void Recorder::add(TraceAction action, std::uint64_t pointer, std::uint64_t size, driver::stream_t stream) noexcept {
   TraceEvent e;
   e.thread = thread_id();
-  e.time = time_of_day();
+  e.time = static_cast<double>(now_us() - midnight_us_) / 1e6;
   e.action = action;
   e.pointer = pointer;
   e.size = size;

@@ -1,4 +1,4 @@
-// Event recorder: allocate/free/map/unmap/allocate-failure events with timestamps, kept in memory
+// Event recorder: allocate/free/free-completed/map/unmap/allocate-failure events with timestamps, kept in memory
 // (all of them, or the last N in a ring) and written as RMM's CSV log by write_trace_file().
 // Used under the allocator's lock; costs one branch per operation when off.
 #pragma once
@@ -35,6 +35,9 @@ class Recorder {
   std::size_t next_ = 0;  // ring: where the next event goes once the buffer is full
   std::uint64_t dropped_ = 0;  // events a full ring overwrote, or that found no memory
   bool started_partial_ = false;
+  // RMM logs the time of day (UTC here); counted from the midnight before start(), so that a
+  // recording past midnight goes on at 24:00:00 instead of wrapping (times stay monotonic).
+  std::int64_t midnight_us_ = 0;
 };
 
 }  // namespace expseg

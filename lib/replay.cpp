@@ -197,6 +197,8 @@ Program compile(const Trace& trace, bool lenient) {
       case TraceAction::map:
       case TraceAction::unmap:
         break;  // driver events of the recorded run: the replayed allocator makes its own
+      case TraceAction::free_completed:
+        break;  // a deferred free's end: the replay has no stream work to wait for
       case TraceAction::pool_begin: {
         if (e.pointer == 0) {
           pool_misuse(line, "pool begin of pool 0 (not a pool id)");

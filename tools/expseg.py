@@ -121,6 +121,7 @@ def _declare(lib):
         "expseg_record_stop": (c_int, [c_int]),
         "expseg_set_record_default": (c_int, [c_int, c_size_t]),
         "expseg_record_write": (c_int, [c_int, c_char_p]),
+        "expseg_snapshot_json_with_trace": (c_char_p, [c_int, c_char_p]),
         "expseg_last_error": (c_char_p, []),
         "expseg_last_error_code": (c_int, []),
         "expseg_clear_error": (None, []),
@@ -213,7 +214,13 @@ def _device(device):
     if device is None or device == "cuda":
         torch = sys.modules.get("torch")
         started = torch is not None and getattr(torch.cuda, "is_initialized", lambda: False)()
-        device = torch.cuda.current_device() if started else 0
+        cupy = sys.modules.get("cupy")
+        if started:
+            device = torch.cuda.current_device()
+        elif cupy is not None and hasattr(cupy, "cuda"):  # CuPy's current device (Device(n).use())
+            device = cupy.cuda.runtime.getDevice()
+        else:
+            device = 0
     elif isinstance(device, str):
         if not device.startswith("cuda:") or not device[5:].isdigit():
             raise ExpsegError("device %r is not a CUDA device (expected an index, 'cuda' or 'cuda:N')" % (device,),
@@ -654,36 +661,54 @@ def _torch_segments(device, snap):
     return out
 
 
-def _torch_trace(device, expandable):
-    """The device's recorded events (record_start / record:true) as PyTorch trace entries."""
+def _snapshot_and_trace(device):
+    """The device's snapshot and its recorded events (record_start / record:true) of the same moment,
+    the events as PyTorch trace entries."""
     import csv
     import tempfile
-    seg_alloc, seg_free = ("segment_map", "segment_unmap") if expandable else ("segment_alloc", "segment_free")
-    actions = {"allocate": "alloc", "free": "free_completed", "map": seg_alloc, "unmap": seg_free,
-               "allocate failure": "oom"}
     fd, path = tempfile.mkstemp(prefix="expseg-trace-", suffix=".csv")
     os.close(fd)
     try:
-        record_write(path, device)
-        entries = []
+        # One call, one lock: events another thread adds between a snapshot and a separate record_write
+        # would not be in the snapshot, and memory_viz, which walks the events back from it, breaks.
+        snap = json.loads(_text(load().expseg_snapshot_json_with_trace(device, _cpath(path, "path")),
+                                "expseg_snapshot_json_with_trace"))
+        seg_alloc, seg_free = (("segment_map", "segment_unmap") if snap.get("backend") == "expandable"
+                               else ("segment_alloc", "segment_free"))
+        actions = {"allocate": "alloc", "free": "free_requested", "free completed": "free_completed",
+                   "map": seg_alloc, "unmap": seg_free, "allocate failure": "oom"}
         with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                action = actions.get(row["Action"])
-                if action is None:
-                    continue
-                h, m, sec = row["Time"].split(":")
-                entry = {"action": action, "addr": int(row["Pointer"], 16), "size": int(row["Size"]),
-                         "stream": int(row["Stream"], 16), "time_us": int((int(h) * 3600 + int(m) * 60 + float(sec)) * 1e6),
-                         "frames": []}
-                if action == "oom":
-                    del entry["addr"]
-                    entry["device_free"] = 0
-                entries.append(entry)
-                if action == "free_completed":  # PyTorch logs the request, then its completion
-                    entries.insert(len(entries) - 1, dict(entry, action="free_requested"))
-        return entries
+            rows = [r for r in csv.DictReader(f) if r["Action"] in actions]
     finally:
         os.unlink(path)
+    # A free that waited for other streams' work (record_stream) has its own "free completed" line
+    # later; any other free completes as it is requested. Walked backwards: a completion belongs to
+    # the latest free of its address before it (the address is not allocated again in between).
+    completes_later = [False] * len(rows)
+    waiting = set()
+    for i in range(len(rows) - 1, -1, -1):
+        action, addr = rows[i]["Action"], rows[i]["Pointer"]
+        if action == "free completed":
+            waiting.add(addr)
+        elif action == "free":
+            completes_later[i] = addr in waiting
+            waiting.discard(addr)
+        elif action == "allocate":
+            waiting.discard(addr)
+    entries = []
+    for i, row in enumerate(rows):
+        action = actions[row["Action"]]
+        h, m, sec = row["Time"].split(":")
+        entry = {"action": action, "addr": int(row["Pointer"], 16), "size": int(row["Size"]),
+                 "stream": int(row["Stream"], 16), "time_us": int((int(h) * 3600 + int(m) * 60 + float(sec)) * 1e6),
+                 "frames": []}
+        if action == "oom":
+            del entry["addr"]
+            entry["device_free"] = 0
+        entries.append(entry)
+        if action == "free_requested" and not completes_later[i]:  # PyTorch logs the request, then its completion
+            entries.append(dict(entry, action="free_completed"))
+    return snap, entries
 
 
 def graph_pool_blocks(pool, device=0):
@@ -715,9 +740,8 @@ def torch_snapshot(devices=None):
     segments = []
     traces = [[] for _ in range(max(devices, default=-1) + 1)]
     for d in devices:
-        snap = snapshot(d)
+        snap, trace = _snapshot_and_trace(d)
         segments.extend(_torch_segments(d, snap))
-        trace = _torch_trace(d, snap.get("backend") == "expandable")
         # expseg's ring counts a free once, PyTorch's twice (free_requested, free_completed): keep PyTorch's
         # bound on the entries returned, as its ring would have.
         traces[d] = trace[-_history_max_entries:] if _history_max_entries else trace
@@ -862,6 +886,7 @@ def _patch_torch(torch):
     torch_capture_begin, torch_capture_end = CUDAGraph.capture_begin, CUDAGraph.capture_end
     torch_reset = getattr(CUDAGraph, "reset", None)
     pool_numbers = {"next": 0}  # PyTorch's pool id (a, b) -> expseg's pool number; "next": the last one made
+    next_number = threading.Lock()  # two threads' captures never share a number (a pool)
 
     def pool_number(pool):
         a, b = (int(v) for v in pool)
@@ -883,8 +908,9 @@ def _patch_torch(torch):
         # PyTorch names a graph's own pool only once the capture has ended (CUDAGraph.pool()): a graph without
         # pool= gets a number of the glue's, which capture_end files under PyTorch's id for later pool= uses.
         if pool is None:
-            pool_numbers["next"] += 1
-            number = pool_numbers["next"]
+            with next_number:
+                pool_numbers["next"] += 1
+                number = pool_numbers["next"]
         else:
             number = pool_number(pool)
         device = torch.cuda.current_device()

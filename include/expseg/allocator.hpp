@@ -222,6 +222,9 @@ class Allocator {
   void stop_recording();
   bool recording() const;
   std::vector<TraceEvent> recorded() const;
+  // snapshot() and recorded() of one moment (one lock): the events end where the snapshot stands,
+  // as a viewer that walks the events back from the snapshot needs (PyTorch's memory_viz).
+  Snapshot snapshot_with_recorded(std::vector<TraceEvent>& events) const;
 
   // Grants device `peer` access to everything this allocator maps, now and later: expandable memory
   // through cuMemSetAccess alone (once per mapped range now, and on every later growth; any number

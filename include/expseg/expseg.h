@@ -84,7 +84,9 @@ enum expseg_status {
 
 /* ---------------------------------------------------------------------------------------------
  * Allocation: PyTorch's CUDAPluggableAllocator pair.
- * expseg_malloc: `size` bytes on `device` for use on `stream`. Size 0 returns NULL (no error).
+ * expseg_malloc: `size` bytes on `device` for use on `stream`. Size 0 returns NULL (no error). A
+ * negative size (PyTorch passes a size_t: 2^63 bytes or more) is EXPSEG_ERROR_INVALID_ARGUMENT,
+ * without an OOM report; 1 EiB up to that is refused as out of memory, with its report.
  * On out of memory returns NULL and also prints the OOM report on stderr, because PyTorch's
  * pluggable allocator does not check for NULL (the next kernel then fails with an illegal address).
  * expseg_free: `size` and `stream` are ignored (expseg keeps its own record); free(NULL) does
@@ -243,7 +245,8 @@ EXPSEG_API const char* expseg_thread_oom_report_json(int device) EXPSEG_NOEXCEPT
  * record_start creates the allocator when needed and starts afresh (earlier events are dropped);
  * ring > 0 keeps only the last `ring` events. record_write writes what was recorded so far (also
  * after record_stop) as RMM's CSV log, gzip-compressed when `path` ends in ".gz"; `expseg replay`
- * and read_trace() read it back. */
+ * and read_trace() read it back. A regular file (or none) at `path` is replaced whole (written
+ * beside it, then renamed): a failed write leaves the earlier file as it was. */
 EXPSEG_API int expseg_record_start(int device, size_t ring) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_record_stop(int device) EXPSEG_NOEXCEPT;
 /* Whether allocators created from now on start with the recorder on (ring as for record_start), as
@@ -252,6 +255,12 @@ EXPSEG_API int expseg_record_stop(int device) EXPSEG_NOEXCEPT;
  * so that devices first used later record too. */
 EXPSEG_API int expseg_set_record_default(int on, size_t ring) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_record_write(int device, const char* path) EXPSEG_NOEXCEPT;
+/* expseg_snapshot_json and expseg_record_write of one moment (one lock, taken once): the events
+ * written to `trace_path` end where the returned snapshot stands, which a viewer that walks the
+ * events back from the snapshot needs (tools/expseg.py's torch_snapshot() for PyTorch's memory_viz);
+ * separate calls may see other threads' allocations in between. NULL on failure (EXPSEG_ERROR_IO
+ * when the file cannot be written). The string is the one expseg_snapshot_json returns. */
+EXPSEG_API const char* expseg_snapshot_json_with_trace(int device, const char* trace_path) EXPSEG_NOEXCEPT;
 
 /* ---------------------------------------------------------------------------------------------
  * Several GPUs and several processes (C++: Allocator::enable_peer_access, expseg/ipc.hpp).

@@ -5,7 +5,7 @@
 //   Thread  decimal thread id
 //   Time    RMM's "HH:MM:SS.ffffff" (also "HH:MM:SS:ffffff"), or a plain number (seconds, or an index)
 //   Action  allocate | free | deallocate (= free) | allocate failure | map | unmap |
-//           pool begin | pool end | pool release | pool restore
+//           pool begin | pool end | pool release | pool restore | free completed
 //   Pointer hex (0x...) address; only an identity for replay, never dereferenced
 //   Size    decimal bytes as requested
 //   Stream  hex (0x...) or decimal stream id; 0 is the default stream
@@ -14,6 +14,10 @@
 // now, frees it at once; it counts in ReplayResult::allocations and, if it fails again, in ooms (with
 // its OOM report, as any failed allocation). map/unmap (driver events written by expseg's recorder)
 // are kept in the trace but ignored by replay: the replayed allocator makes its own driver calls.
+// free completed (expseg's recorder; Pointer, Size and Stream as the free's): a free that waited for
+// other streams' work (record_stream) has completed, its memory reusable from here; the `free` line
+// is written when the caller freed. Only such deferred frees get one (PyTorch's free_completed, which
+// tools/expseg.py's torch_snapshot() gives them). Replay ignores it: its frees complete at once.
 // pool begin/end/release (graph pool lifetimes written by expseg's recorder; Pointer is the pool id,
 // Size 0): from `pool begin` to `pool end`, the Stream's allocations go into that CUDA graph pool (a
 // capture's, or one a stream allocates into outside a capture, as CUDA graph trees do), and the pool's
@@ -27,7 +31,8 @@
 // graph trees restore a checkpoint). Replay puts it back where the replay placed the earlier block at
 // that recorded address (restore_graph_pool_block again); where that range is not free memory of the
 // pool in the replay, it allocates it in the pool (routing the stream into the pool for that one
-// allocation when it is not routed there already). RMM's strict format leaves the pool lines out;
+// allocation when it is not routed there already). RMM's strict format leaves the pool lines (and
+// free completed) out;
 // the allocations stay.
 #pragma once
 
@@ -49,7 +54,9 @@
 
 namespace expseg {
 
-enum class TraceAction : std::uint8_t { allocate, free, allocate_failure, map, unmap, pool_begin, pool_end, pool_release, pool_restore };
+enum class TraceAction : std::uint8_t {
+  allocate, free, allocate_failure, map, unmap, pool_begin, pool_end, pool_release, pool_restore, free_completed
+};
 const char* to_string(TraceAction) noexcept;  // the CSV spelling
 
 struct TraceEvent {

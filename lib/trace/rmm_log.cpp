@@ -6,8 +6,13 @@
 // no per-line allocation.
 #include "trace/rmm_log.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -36,6 +41,7 @@ const char* to_string(TraceAction a) noexcept {
     case TraceAction::pool_end: return "pool end";
     case TraceAction::pool_release: return "pool release";
     case TraceAction::pool_restore: return "pool restore";
+    case TraceAction::free_completed: return "free completed";
   }
   return "unknown";
 }
@@ -145,6 +151,7 @@ bool parse_action(std::string_view s, TraceAction& a) {
     case 8: if (s == "pool end") return a = TraceAction::pool_end, true; if (s == "allocate") return a = TraceAction::allocate, true; break;
     case 10: if (s == "pool begin") return a = TraceAction::pool_begin, true; if (s == "deallocate") return a = TraceAction::free, true; break;
     case 12: if (s == "pool release") return a = TraceAction::pool_release, true; if (s == "pool restore") return a = TraceAction::pool_restore, true; break;
+    case 14: if (s == "free completed") return a = TraceAction::free_completed, true; break;
     case 16: if (s == "allocate failure") return a = TraceAction::allocate_failure, true; break;
     default: break;
   }
@@ -541,8 +548,10 @@ void write_trace(std::ostream& out, const std::vector<TraceEvent>& events, bool 
   if (!out) throw error("write_trace: the output stream failed");
 }
 
-void write_trace_file(const std::string& path, const std::vector<TraceEvent>& events, bool rmm_strict) {
-  const bool gz = path.size() > 3 && path.ends_with(".gz");
+namespace {
+// Writes the trace to `path` as it is named (`gz` decides the compression). Throws on failure, which
+// may leave part of a file.
+void write_trace_in_place(const std::string& path, bool gz, const std::vector<TraceEvent>& events, bool rmm_strict) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "wb"), &std::fclose);
   if (!f) throw error("cannot write trace file " + path + ": " + std::strerror(errno));
   bool ok = true;
@@ -556,6 +565,36 @@ void write_trace_file(const std::string& path, const std::vector<TraceEvent>& ev
   const int err = ok ? 0 : errno;
   if (std::fclose(f.release()) != 0 && ok) ok = false;
   if (!ok) throw error("cannot write trace file " + path + ": " + std::strerror(err ? err : errno));
+}
+}  // namespace
+
+// A regular file (or none) at `path` is replaced whole: the trace goes to a temporary file beside
+// it, renamed over it once complete, so a failed write (a full disk) leaves the earlier trace, not
+// half of a new one that reads back without an error. A FIFO, a device (/dev/stdout) or a symbolic
+// link is written through, as named; so is a path whose directory takes no new file.
+void write_trace_file(const std::string& path, const std::vector<TraceEvent>& events, bool rmm_strict) {
+  const bool gz = path.size() > 3 && path.ends_with(".gz");
+  struct stat st {};
+  const bool absent = ::lstat(path.c_str(), &st) != 0 && errno == ENOENT;
+  if (!absent && !S_ISREG(st.st_mode)) return write_trace_in_place(path, gz, events, rmm_strict);
+  static std::atomic<std::uint64_t> counter{0};
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
+  {
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0) return write_trace_in_place(path, gz, events, rmm_strict);  // no new file there: as named
+    ::close(fd);
+  }
+  try {
+    write_trace_in_place(tmp, gz, events, rmm_strict);
+  } catch (...) {
+    std::remove(tmp.c_str());
+    throw;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    throw error("cannot write trace file " + path + ": cannot rename " + tmp + " to it: " + std::strerror(err));
+  }
 }
 
 void validate_trace(const Trace& trace) {

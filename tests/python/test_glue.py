@@ -981,6 +981,75 @@ class TorchApiTest(unittest.TestCase):
         self.lib.expseg_free(b, 0, 0, None)
         self.lib.expseg_free(c, 0, 0, None)
 
+    def test_torch_snapshot_trace_ends_where_its_segments_stand_under_threads(self):
+        # The segments and the trace came from two calls: another thread's allocations in between gave
+        # memory_viz events the segments do not hold (half of the snapshots of a busy program).
+        expseg.configure("device:sim,sim_capacity:8GiB,backend:split_merge")
+        expseg.record_start(ring=0)
+        stop = threading.Event()
+
+        def churn():
+            live, x = [], 1
+            while not stop.is_set():
+                x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+                if len(live) < 32 and (x >> 60) < 9:
+                    live.append(self.lib.expseg_malloc(((x >> 33) % 512 + 1) * 4096, 0, None))
+                elif live:
+                    self.lib.expseg_free(live.pop((x >> 20) % len(live)), 0, 0, None)
+            for p in live:
+                self.lib.expseg_free(p, 0, 0, None)
+
+        worker = threading.Thread(target=churn)
+        worker.start()
+        try:
+            mismatched = 0
+            for _ in range(30):
+                snap = expseg.torch_snapshot(0)
+                live = set()
+                for e in snap["device_traces"][0]:
+                    if e["action"] == "alloc":
+                        live.add(e["addr"])
+                    elif e["action"] == "free_completed":
+                        live.discard(e["addr"])
+                held = {blk["address"] for seg in snap["segments"] for blk in seg["blocks"]
+                        if blk["state"] == "active_allocated"}
+                mismatched += live != held
+        finally:
+            stop.set()
+            worker.join()
+        self.assertEqual(mismatched, 0)
+
+    def test_torch_snapshot_completes_a_deferred_free_at_its_completion(self):
+        # A free that waited for another stream (record_stream) completes later, on its own line;
+        # PyTorch's trace has free_requested then, free_completed when the stream's work is done.
+        csv_text = ("Thread,Time,Action,Pointer,Size,Stream\n"
+                    "1,00:00:01.000000,allocate,0x1000,512,0x0\n"
+                    "1,00:00:02.000000,free,0x1000,512,0x0\n"           # deferred: completed below
+                    "1,00:00:03.000000,allocate,0x2000,512,0x0\n"
+                    "1,00:00:04.000000,free,0x2000,512,0x0\n"           # at once
+                    "1,00:00:05.000000,free completed,0x1000,512,0x0\n"
+                    "1,00:00:06.000000,allocate,0x1000,512,0x0\n"
+                    "1,00:00:07.000000,free,0x1000,512,0x0\n")          # at once, same address again
+
+        class Lib:
+            def expseg_snapshot_json_with_trace(self, device, path):
+                with open(path.decode(), "w") as f:
+                    f.write(csv_text)
+                return json.dumps({"backend": "split_merge", "segments": []}).encode()
+
+        real = expseg.load
+        expseg.load = lambda: Lib()
+        try:
+            snap, trace = expseg._snapshot_and_trace(0)
+        finally:
+            expseg.load = real
+        self.assertEqual(snap["segments"], [])
+        got = [(e["action"], e["addr"], e["time_us"] // 1000000) for e in trace]
+        self.assertEqual(got, [("alloc", 0x1000, 1), ("free_requested", 0x1000, 2),
+                               ("alloc", 0x2000, 3), ("free_requested", 0x2000, 4), ("free_completed", 0x2000, 4),
+                               ("free_completed", 0x1000, 5),
+                               ("alloc", 0x1000, 6), ("free_requested", 0x1000, 7), ("free_completed", 0x1000, 7)])
+
 
 def install_fakes():
     """FakeTorch in sys.modules with what install_torch itself touches, and a CuPy stand-in whose

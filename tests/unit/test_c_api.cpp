@@ -331,7 +331,7 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_torch_malloc throws out_of_memory with th
   CHECK(what.find("expseg verdict: limit") != std::string::npos);
   CHECK(expseg_last_error_code() == EXPSEG_ERROR_OUT_OF_MEMORY);
   CHECK(std::string(expseg_last_oom_report(0)) == what);
-  CHECK_THROWS_WITH_AS(expseg_torch_malloc(-1, 0, nullptr), "expseg_torch_malloc: negative size", std::invalid_argument);
+  CHECK_THROWS_WITH_AS(expseg_torch_malloc(-1, 0, nullptr), "expseg_torch_malloc: negative size (2^63 bytes or more read as size_t)", std::invalid_argument);
   CHECK_THROWS_AS(expseg_torch_malloc(64, 99999, nullptr), std::runtime_error);
   void* small = expseg_torch_malloc(static_cast<ssize_t>(8 * MiB), 0, nullptr);
   CHECK(small != nullptr);
