@@ -339,13 +339,17 @@ void bm_growth_cu_mem_alloc(benchmark::State& st, const std::string& name, std::
 }
 
 // Baseline: the physical limit of growth, one cuMemCreate + cuMemMap + cuMemSetAccess of the whole
-// size into a reservation made beforehand (cuMemUnmap + cuMemRelease untimed).
+// size into a reservation made beforehand (cuMemUnmap + cuMemRelease untimed). The reservation is
+// as large as an expandable segment's by default (2x device memory), mapped at its start: the same
+// calls on the same kind of range as expseg's first growth makes (a range of exactly `bytes` was
+// aligned differently, and came out slower than expseg's superset of these calls).
 void bm_growth_vmm(benchmark::State& st, const std::string& name, std::size_t bytes) {
   guarded(st, name, [&] {
     driver::Driver& d = cuda_driver();
     const std::size_t g = d.granularity();
     const std::size_t sz = (bytes + g - 1) / g * g;
-    const driver::dev_ptr va = d.reserve(sz);
+    const std::size_t range = std::max(sz, (2 * d.mem_info().total + g - 1) / g * g);
+    const driver::dev_ptr va = d.reserve(range);
     try {
       for (auto _ : st) {
         const Clock::time_point t0 = Clock::now();
@@ -359,12 +363,12 @@ void bm_growth_vmm(benchmark::State& st, const std::string& name, std::size_t by
       }
     } catch (...) {
       try {
-        d.free_reserve(va, sz);
+        d.free_reserve(va, range);
       } catch (...) {
       }
       throw;
     }
-    d.free_reserve(va, sz);
+    d.free_reserve(va, range);
   });
 }
 
@@ -436,9 +440,9 @@ void bm_scenario(benchmark::State& st, const std::string& key, const std::string
     Config cfg = base;
     if (cfg.device == DeviceKind::sim) cfg.sim_latency = true;
     // The allocator, not its diagnostics: the other-backend check replays the live set on a
-    // simulated allocator at every OOM (random-churn has 13-18 of them), which took most of
-    // split_merge's time there and has no counterpart in PyTorch's OOM path that compare.py
-    // sets it against.
+    // simulated allocator (at a scenario's first OOM; it took most of split_merge's time when it
+    // ran at every one of random-churn's 13-18), which has no counterpart in PyTorch's OOM path
+    // that compare.py sets it against.
     cfg.oom_counterfactual = false;
     double ooms = 0.0, peak_reserved = 0.0, device_allocs = 0.0, modelled = 0.0, wall = 0.0;
     for (auto _ : st) {
@@ -530,6 +534,11 @@ void register_all() {
     }
   }
   if (!cuda) {
+    // A GPU session's run must not pass on simulator figures alone (gpu_session.sh sets it).
+    if (const char* need = std::getenv("EXPSEG_BENCH_REQUIRE_CUDA"); need && *need && std::string(need) != "0") {
+      std::fprintf(stderr, "expseg_bench: EXPSEG_BENCH_REQUIRE_CUDA is set but no CUDA device is usable (%s)\n", why.c_str());
+      std::exit(1);
+    }
     std::fprintf(stderr, "expseg_bench: no usable CUDA device (%s): GPU benchmarks are not registered\n", why.c_str());
     benchmark::AddCustomContext("expseg_cuda_device", "none (" + why + ")");
   }

@@ -28,7 +28,14 @@ inline std::map<std::string, std::string>& failures() {
 //  - it dereferences the first repetition's statistics, which a failed repetition has none of
 //    (google/benchmark#1406, fixed after 1.7.1): guarded() fails every later run of a benchmark
 //    that failed once, so a failed first repetition leaves no successful ones to aggregate.
+// Runs failed in this process (fail_run), for expseg_bench's exit status.
+inline std::size_t& failed_runs() {
+  static std::size_t n = 0;
+  return n;
+}
+
 inline void fail_run(benchmark::State& st, const std::string& why) {
+  ++failed_runs();
   st.SkipWithError(why.c_str());
   if (st.iterations() == 0)  // 0 only while the loop has not started
     for (auto _ : st) {

@@ -727,6 +727,10 @@ def build_rows(runs, torch_res, growth_res, device):
         return bench(name, field, unit) if device == "cuda" else None
 
     def tget(label, *path):
+        # PyTorch's figures are the GPU's: beside expseg on the simulated device they would compare a
+        # model with a GPU run (a --bench-json made elsewhere, a filter without :cuda rows, no libcuda).
+        if device != "cuda":
+            return None
         v = torch_res.get(label)
         for p in path:
             if not isinstance(v, dict):
@@ -770,7 +774,7 @@ def build_rows(runs, torch_res, growth_res, device):
                 "cuMemAlloc": cuda_bench(f"growth/cuMemAlloc:cuda/{lab}", unit="us"),
                 "vmm 1 handle": cuda_bench(f"growth/vmm_1handle:cuda/{lab}", unit="us")}
         for label, _ in TORCH_MODES:
-            vals[label] = (growth_res.get(label) or {}).get(str(sz), {}).get("first_us")
+            vals[label] = (growth_res.get(label) or {}).get(str(sz), {}).get("first_us") if device == "cuda" else None
         rows.append((f"growth {lab} (first alloc)", "µs", False, vals, ("vmm", 2.0) if sz == GiB and device == "cuda" else None))
     for sc in ("growing-buffer", "random-churn"):
         vals = {"expseg split_merge": bench(f"scenario/{sc}/split_merge:{device}", unit="ms"),
@@ -984,12 +988,26 @@ def main():
                                "leave a failed repetition out without a word")
     has_cuda = any(k.split("/")[1].endswith(":cuda") for k in runs if k.count("/") >= 1)
     device = "cuda" if has_cuda else "sim"
+    if not has_cuda and (torch_res or growth_res):
+        report["errors"]["mixed_devices"] = ("PyTorch ran on the GPU but expseg_bench has no :cuda runs (no usable "
+                                             "libcuda, EXPSEG_BENCH_NO_CUDA, a --bench-filter or a --bench-json "
+                                             "without them): PyTorch's columns are left out of the simulated table")
+    if bench_doc is not None and args.bench_json:
+        made_on = (bench_doc.get("context") or {}).get("host_name")
+        if made_on and made_on != platform.node():
+            report["errors"]["bench_json_host"] = (f"{args.bench_json} was made on {made_on!r}, this is "
+                                                   f"{platform.node()!r}: its figures and this machine's are "
+                                                   "not one comparison")
     rows = build_rows(runs, torch_res, growth_res, device)
     info = machine_info(bench_doc)
 
     gpu = info.get("gpu") or ("" if str(info.get("expseg_cuda_device", "none")).startswith("none") else info["expseg_cuda_device"])
+    when = info["date"]
+    if args.bench_json:  # its figures were taken then, perhaps elsewhere
+        ctx = (bench_doc or {}).get("context") or {}
+        when += f" (expseg_bench JSON of {ctx.get('date', '?')}, host {ctx.get('host_name', '?')})"
     text = [render(rows, f"expseg ({'GPU' if has_cuda else 'SIMULATED device: no GPU figures'}) vs the others — "
-                   f"{gpu or 'no GPU'}, {info.get('cpu', '')}, {info['date']}")]
+                   f"{gpu or 'no GPU'}, {info.get('cpu', '')}, {when}")]
     text.append("ratios are expseg / other: < 1 means expseg is faster (replay: Mevents/s, higher is better). "
                 "sm = expseg split_merge, exp = expseg expandable (C++ API: Allocator::allocate/deallocate), "
                 "capi = the same through the C API (expseg_malloc/expseg_free), plug = PyTorch with expseg as its "

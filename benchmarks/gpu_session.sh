@@ -112,14 +112,15 @@ for p in "${phases[@]}"; do
           echo "bench: ninja -C $B benchmarks/expseg_bench failed (bench-build.log)"
           exit 1
         fi
-        ${CPU:+taskset -c "$CPU"} "$B/benchmarks/expseg_bench" "$@"
+        # On the GPU machine: no silent fall-back to simulator figures when CUDA cannot be used.
+        EXPSEG_BENCH_REQUIRE_CUDA=1 ${CPU:+taskset -c "$CPU"} "$B/benchmarks/expseg_bench" "$@"
         rc=$?
         [ $rc -ne 0 ] && echo "bench: expseg_bench exited with $rc"
         python3 benchmarks/compare.py --check-bench "$OUT/bench.json" || rc=1
         exit $rc' bench "$B" "$OUT" "${BENCH_CPU:-}" "${bargs[@]}" ;;
     compare)
       bj=(); [ -f "$OUT/bench.json" ] && bj=(--bench-json "$OUT/bench.json")
-      run_phase compare 560 python3 benchmarks/compare.py --bench "$B/benchmarks/expseg_bench" "${bj[@]}" --cli "$B/tools/expseg" \
+      run_phase compare 560 env EXPSEG_BENCH_REQUIRE_CUDA=1 python3 benchmarks/compare.py --bench "$B/benchmarks/expseg_bench" "${bj[@]}" --cli "$B/tools/expseg" \
         --lib "$LIB" --growth-reps 3 --out "$OUT/compare" ;;
     workloads)
       run_phase workloads 560 env EXPSEG_LIBRARY="$LIB" PYTHONUNBUFFERED=1 python3 benchmarks/workloads.py --out "$OUT/workloads" ${WORKLOADS_ARGS:-} ;;

@@ -59,20 +59,27 @@ using expseg::bench::ExpsegSubject;
 }
 
 // The C API pairs: what PyTorch's CUDAPluggableAllocator and CuPy's CFunctionAllocator call.
-[[gnu::noinline]] void hot_loop_capi(std::size_t bytes, long iterations) {
+// Return the allocations that failed (NULL): a failed call is no pair, and the run says so.
+[[gnu::noinline]] long hot_loop_capi(std::size_t bytes, long iterations) {
+  long failed = 0;
   for (long i = 0; i < iterations; ++i) {
     void* p = expseg_malloc(static_cast<ssize_t>(bytes), 0, nullptr);
     asm volatile("" : : "r"(p) : "memory");
+    failed += p == nullptr;
     expseg_free(p, static_cast<ssize_t>(bytes), 0, nullptr);
   }
+  return failed;
 }
 
-[[gnu::noinline]] void hot_loop_cupy(std::size_t bytes, long iterations) {
+[[gnu::noinline]] long hot_loop_cupy(std::size_t bytes, long iterations) {
+  long failed = 0;
   for (long i = 0; i < iterations; ++i) {
     void* p = expseg_cupy_malloc(nullptr, bytes, 0);
     asm volatile("" : : "r"(p) : "memory");
+    failed += p == nullptr;
     expseg_cupy_free(nullptr, p, 0);
   }
+  return failed;
 }
 
 [[gnu::noinline]] void hot_loop_churn(Churn<ExpsegSubject>& c, long iterations) {
@@ -184,15 +191,23 @@ int main(int argc, char** argv) {
       return 1;
     }
     const bool cupy = workload == "cupy";
-    if (cupy) expseg_cupy_free(nullptr, expseg_cupy_malloc(nullptr, bytes, 0), 0);
-    else expseg_free(expseg_malloc(static_cast<ssize_t>(bytes), 0, nullptr), 0, 0, nullptr);
+    void* warm = cupy ? expseg_cupy_malloc(nullptr, bytes, 0) : expseg_malloc(static_cast<ssize_t>(bytes), 0, nullptr);
+    if (warm == nullptr) {
+      std::fprintf(stderr, "%s: the warm-up allocation of %zu B failed: %s\n", workload.c_str(), bytes, expseg_last_error());
+      return 1;
+    }
+    if (cupy) expseg_cupy_free(nullptr, warm, 0);
+    else expseg_free(warm, 0, 0, nullptr);
     Counters counters;
     const auto w = std::chrono::steady_clock::now();
     counters.start();
-    if (cupy) hot_loop_cupy(bytes, iterations);
-    else hot_loop_capi(bytes, iterations);
+    const long failed = cupy ? hot_loop_cupy(bytes, iterations) : hot_loop_capi(bytes, iterations);
     counters.stop();
     const auto t1 = std::chrono::steady_clock::now();
+    if (failed != 0) {
+      std::fprintf(stderr, "%s: %ld of %ld allocations failed (%s): no figure\n", workload.c_str(), failed, iterations, expseg_last_error());
+      return 1;
+    }
     counters.print(iterations);
     std::printf("%s %s %zu B: %.1f ns/pair over %ld\n", workload.c_str(), backend.c_str(), bytes,
                 std::chrono::duration<double, std::nano>(t1 - w).count() / static_cast<double>(iterations ? iterations : 1), iterations);

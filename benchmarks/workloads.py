@@ -347,6 +347,9 @@ def checks_for(workload, rows, out_dir):
     out = []
     failed = [r["variant"] for r in rows if r.get("status") != "ok"]
     out.append(("all variants ran", not failed, "failed: " + ", ".join(failed) if failed else "%d ok" % len(rows)))
+    # A run that reported its results and then failed (a crash at teardown, a freed pointer at exit) is not a pass.
+    exited = ["%s (exit %d)" % (r["variant"], r["exit_code"]) for r in rows if r.get("status") == "ok" and r.get("exit_code")]
+    out.append(("every variant exited cleanly", not exited, ", ".join(exited) or "exit 0"))
     classic = by.get("torch-classic")
     if classic is not None:
         others = [v for v in by if v != "torch-classic"]
@@ -367,7 +370,11 @@ def checks_for(workload, rows, out_dir):
                     bad.append("%s differs (token agreement %s)" % (v, "%.4f" % agree if agree is not None else "?"))
             out.append(("generated tokens equal torch-classic's", not bad, "; ".join(bad) or "checksum " + classic["checksum"]))
     ee, te = by.get("expseg-expandable"), by.get("torch-expandable")
-    if ee is not None and te is not None:
+    if te is not None:  # else the comparison below would be against classic PyTorch under another name
+        out.append(("torch-expandable ran with expandable segments", bool(te.get("torch_expandable_segments")),
+                    "PyTorch reports %s" % ("expandable segments" if te.get("torch_expandable_segments") else
+                                            "none: was expandable_segments:True applied?")))
+    if ee is not None and te is not None and te.get("torch_expandable_segments"):
         out.append(("expseg-expandable peak reserved <= torch-expandable's", ee["peak_reserved"] <= te["peak_reserved"],
                     "%s GB vs %s GB" % (gb(ee["peak_reserved"]), gb(te["peak_reserved"]))))
     if ee is not None:

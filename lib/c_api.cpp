@@ -282,6 +282,17 @@ Config new_allocator_config_locked() {
 }
 
 // Creates the device's allocator unless another thread did first. nullptr (with the error set) on failure.
+// peer_access:auto: `grantor` (expandable) lets `peer` reach its memory where the two have a P2P
+// path. Best effort: a pair without one, or a driver that refuses, is left as it was (a copy between
+// them then goes through the host, or fails as it would under PyTorch's own allocator).
+void grant_peer(Allocator& grantor, int peer) noexcept {
+  try {
+    if (grantor.config().backend != BackendKind::expandable) return;  // cuMemAlloc: the frameworks' own call covers it
+    grantor.enable_peer_access(peer);
+  } catch (...) {
+  }
+}
+
 [[gnu::cold, gnu::noinline]] Allocator* create_allocator(int device, const char* fn) noexcept {
   try {
     Shared& s = shared();
@@ -290,6 +301,17 @@ Config new_allocator_config_locked() {
     if (a == nullptr) {
       a = new Allocator(new_allocator_config_locked(), device);
       g_alloc[device].store(a, std::memory_order_release);
+      // A process that uses two devices copies between them (PyTorch's .to("cuda:1"), CuPy's peer
+      // copies): their cudaDeviceEnablePeerAccess does not reach cuMemMap memory, so the expandable
+      // allocators grant one another here, as PyTorch's expandable segments are granted by its own
+      // enablePeerAccess. Processes that use one device (one per GPU, as DDP) pay nothing.
+      if (a->config().peer_access == PeerAccess::automatic)
+        for (int other = 0; other < kMaxDevices; ++other) {
+          Allocator* b = other != device ? g_alloc[other].load(std::memory_order_relaxed) : nullptr;
+          if (b == nullptr) continue;
+          grant_peer(*b, device);
+          grant_peer(*a, other);
+        }
     }
     return a;
   } catch (...) {

@@ -46,6 +46,14 @@ const char* to_string(PoolPolicy p) noexcept {
   return "unknown";
 }
 
+const char* to_string(PeerAccess p) noexcept {
+  switch (p) {
+    case PeerAccess::automatic: return "auto";
+    case PeerAccess::none: return "none";
+  }
+  return "unknown";
+}
+
 const char* to_string(IpcHandle h) noexcept {
   switch (h) {
     case IpcHandle::none: return "none";
@@ -184,6 +192,7 @@ constexpr EnumName<BackendKind> kBackendNames[] = {
 };
 constexpr EnumName<PoolPolicy> kPolicyNames[] = {{"pytorch", PoolPolicy::pytorch}, {"cupy", PoolPolicy::cupy}};
 constexpr EnumName<DeviceKind> kDeviceNames[] = {{"cuda", DeviceKind::cuda}, {"sim", DeviceKind::sim}};
+constexpr EnumName<PeerAccess> kPeerAccessNames[] = {{"auto", PeerAccess::automatic}, {"none", PeerAccess::none}};
 constexpr EnumName<IpcHandle> kIpcNames[] = {
     {"none", IpcHandle::none}, {"posix_fd", IpcHandle::posix_fd}, {"fabric", IpcHandle::fabric}};
 
@@ -706,6 +715,10 @@ const Entry kEntries[] = {
   {{"ipc_handle", "none|posix_fd|fabric", "none", "shareable handle type of expandable physical memory"},
    [](Config& c, Key k, std::string_view v) { c.ipc_handle = parse_enum(k, v, kIpcNames); },
    [](const Config& c) -> std::string { return to_string(c.ipc_handle); }},
+  {{"peer_access", "auto|none", "auto",
+    "C API: once allocators exist on two or more devices, expandable ones grant each other's devices access"},
+   [](Config& c, Key k, std::string_view v) { c.peer_access = parse_enum(k, v, kPeerAccessNames); },
+   [](const Config& c) -> std::string { return to_string(c.peer_access); }},
   {{"record", "bool", "false", "event recorder on from the start"},
    [](Config& c, Key k, std::string_view v) { c.record = parse_bool(k, v); },
    [](const Config& c) -> std::string { return format_bool(c.record); }},

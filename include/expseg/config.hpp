@@ -35,11 +35,14 @@ enum class DeviceKind : std::uint8_t { cuda, sim };
 enum class PoolPolicy : std::uint8_t { pytorch, cupy };
 // Shareable handle type for expandable physical memory (IPC).
 enum class IpcHandle : std::uint8_t { none, posix_fd, fabric };
+// peer_access:auto|none (the C API's allocators; a C++ Allocator grants through enable_peer_access).
+enum class PeerAccess : std::uint8_t { automatic, none };
 
 const char* to_string(BackendKind) noexcept;
 const char* to_string(DeviceKind) noexcept;
 const char* to_string(PoolPolicy) noexcept;
 const char* to_string(IpcHandle) noexcept;
+const char* to_string(PeerAccess) noexcept;
 
 // A memory limit: absolute bytes, or a fraction of device memory (CuPy's CUPY_GPU_MEMORY_LIMIT
 // "50%" semantics / PyTorch's per-process memory fraction). Unset means "the device's capacity".
@@ -92,6 +95,11 @@ struct Config {
   double va_fraction = 0.0;
   std::size_t max_handle_size = 0;  // expandable_max_handle: largest physical handle; 0 = policy default
   IpcHandle ipc_handle = IpcHandle::none;  // ipc_handle:none|posix_fd|fabric
+  // peer_access:auto: once the C API has allocators on two or more devices of a process, each
+  // expandable one grants the others' devices that can reach it (enable_peer_access), as PyTorch's
+  // expandable segments are granted when it enables peer access for a cross-device copy: the
+  // frameworks' cudaDeviceEnablePeerAccess reaches cuMemAlloc memory only, not cuMemMap's.
+  PeerAccess peer_access = PeerAccess::automatic;
 
   // --- observability ---
   bool record = false;              // record:true -> event recorder on from the start

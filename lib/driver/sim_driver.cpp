@@ -151,10 +151,15 @@ constexpr std::array<double, 5> kMapUs = {0.7, 0.7, 0.7, 0.8, 1.1};
 constexpr std::array<double, 5> kSetAccessUs = {35.9, 36.0, 36.8, 50.3, 94.6};
 constexpr std::array<double, 5> kUnmapUs = {22.0, 22.1, 22.5, 27.1, 42.1};
 constexpr std::array<double, 5> kReleaseUs = {10.2, 19.3, 37.7, 168.6, 624.8};
-// cuMemAlloc/cuMemFree were measured small (taken at the table's smallest size) and at 1 GiB.
-constexpr std::array<double, 2> kAllocSizes = {2 * kMiB, 1024 * kMiB};
-constexpr std::array<double, 2> kMemAllocUs = {33.0, 91.0};
-constexpr std::array<double, 2> kMemFreeUs = {29.0, 336.0};
+// cuMemAlloc/cuMemFree were measured small (taken at the table's smallest size) and at 1 GiB;
+// cuMemAlloc at 16 GiB is split_merge's first 16 GiB on the H200 (694 µs, PERFORMANCE.md; its
+// bookkeeping is ~5 µs of it): the 1 GiB figure held beyond 1 GiB modelled a 16 GiB growth as 91 µs.
+// The points between them follow a line in bytes (the cost grows with the pages set up), which
+// the log interpolation below would bend. cuMemFree beyond 1 GiB is unmeasured and stays at the
+// 1 GiB figure (an underestimate).
+constexpr std::array<double, 6> kAllocSizes = {2 * kMiB, 1024 * kMiB, 2048 * kMiB, 4096 * kMiB, 8192 * kMiB, 16384 * kMiB};
+constexpr std::array<double, 6> kMemAllocUs = {33.0, 91.0, 131.0, 211.0, 370.0, 690.0};
+constexpr std::array<double, 6> kMemFreeUs = {29.0, 336.0, 336.0, 336.0, 336.0, 336.0};
 constexpr double kReserveUs = 24.0;
 constexpr double kEventUs = 0.5;
 constexpr double kSyncUs = 5.0;

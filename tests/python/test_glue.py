@@ -1477,6 +1477,21 @@ class CompareTest(unittest.TestCase):
         self.assertEqual(rows["pair 512B"][3]["cuMemAlloc"], 9000.0)
         self.assertEqual(rows["growth 1GiB (first alloc)"][4], ("vmm", 2.0))
 
+    def test_the_simulated_table_leaves_pytorchs_gpu_figures_out(self):
+        # Was: PyTorch's GPU pairs, growth and scenario times stood beside expseg's simulated ones, with ratios
+        # and targets ("growth 1GiB 0.89 vs 175 µs"), whenever expseg_bench had no :cuda runs.
+        runs = {"pair/expandable:sim/512B": {"ns_per_pair": 50.0},
+                "growth/expandable:sim/1GiB": {"real_time": 5.0, "time_unit": "us"}}
+        label = self.compare.TORCH_MODES[0][0]
+        torch_res = {label: {"pair_ns": {"512": 400.0}, "churn64_ns": 800.0}}
+        growth_res = {label: {str(self.compare.GiB): {"first_us": 175.0}}}
+        rows = {r[0]: r for r in self.compare.build_rows(runs, torch_res, growth_res, "sim")}
+        self.assertIsNone(rows["pair 512B"][3][label])
+        self.assertIsNone(rows["growth 1GiB (first alloc)"][3][label])
+        rows = {r[0]: r for r in self.compare.build_rows(runs, torch_res, growth_res, "cuda")}
+        self.assertEqual(rows["pair 512B"][3][label], 400.0)
+        self.assertEqual(rows["growth 1GiB (first alloc)"][3][label], 175.0)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

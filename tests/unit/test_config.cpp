@@ -109,7 +109,7 @@ TEST_CASE("config: the options table lists every key once with its type, default
     CHECK_NOTHROW((void)Config::parse(std::string(o.name) + ":" + o.default_value));
   }
   for (const char* key : {"backend", "policy", "device", "sim_capacity", "sim_granularity", "sim_host_backed",
-                          "sim_latency", "limit", "expandable_va_size", "expandable_max_handle", "ipc_handle",
+                          "sim_latency", "limit", "expandable_va_size", "expandable_max_handle", "ipc_handle", "peer_access",
                           "record", "record_ring", "oom_snapshot", "oom_counterfactual", "oom_dump", "expandable_segments",
                           "max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
                           "garbage_collection_threshold", "per_process_memory_fraction",
@@ -122,7 +122,7 @@ TEST_CASE("config: the options table lists every key once with its type, default
     CAPTURE(key);
     CHECK(seen.count(key) == 1);
   }
-  CHECK(seen.size() == 37);
+  CHECK(seen.size() == 38);
 }
 
 TEST_CASE("config: documented defaults are the defaults of Config and of to_string") {
@@ -136,7 +136,7 @@ TEST_CASE("config: documented defaults are the defaults of Config and of to_stri
   CHECK(canon ==
         "backend:split_merge,policy:pytorch,device:cuda,sim_capacity:80GiB,sim_granularity:2MiB,"
         "sim_host_backed:false,sim_latency:false,limit:0,expandable_va_size:0,expandable_max_handle:0,"
-        "ipc_handle:none,record:false,record_ring:0,oom_snapshot:false,oom_counterfactual:true,"
+        "ipc_handle:none,peer_access:auto,record:false,record_ring:0,oom_snapshot:false,oom_counterfactual:true,"
         "oom_dump:none,large_segment_size_mb:20,max_split_size_mb:unlimited,max_non_split_rounding_mb:20,"
         "roundup_power2_divisions:0,garbage_collection_threshold:off");
 }
@@ -667,6 +667,7 @@ TEST_CASE("config: parse(to_string()) == config for randomized configs") {
     if (pick(8) == 0) c.va_size = std::size_t{1} << 50;
     c.max_handle_size = pick(1u << 20) * 2 * MiB;
     c.ipc_handle = static_cast<IpcHandle>(pick(3));
+    c.peer_access = static_cast<expseg::PeerAccess>(pick(2));
     c.record = pick(2);
     c.record_ring = pick(2) ? pick(SIZE_MAX) : pick(100);
     c.oom_snapshot = pick(2);

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "capi_fixture.hpp"
 #include "driver_contract.hpp"
 #include "expseg/ipc.hpp"
 #include "test_util.hpp"
@@ -794,3 +795,44 @@ TEST_CASE("ipc: send_fds/recv_fds carry any number of descriptors and bytes") {
 }
 
 }  // TEST_SUITE
+
+TEST_CASE_FIXTURE(CApiFixture, "multi-device: the C API's expandable allocators grant one another's devices once a process uses several (peer_access:auto)") {
+  // PyTorch's and CuPy's cudaDeviceEnablePeerAccess reaches cuMemAlloc memory only: without a grant,
+  // a cross-device copy from expandable memory faults (PyTorch's own expandable segments are granted
+  // by its enablePeerAccess, which a pluggable allocator never hears of).
+  auto access = [](int device) {  // its own device first, then the peers in the order granted: sorted
+    std::vector<int> v = expseg::capi::allocator_for_tests(device)->device_info().access_devices;
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  SUBCASE("expandable, auto (the default)") {
+    REQUIRE(expseg_configure("device:sim,backend:expandable") == EXPSEG_SUCCESS);
+    void* p0 = expseg_malloc(64 * MiB, 0, nullptr);
+    REQUIRE(p0 != nullptr);
+    CHECK(access(0) == std::vector<int>{0});  // one device: nothing to grant
+    void* p2 = expseg_malloc(8 * MiB, 2, nullptr);
+    REQUIRE(p2 != nullptr);
+    CHECK(access(0) == std::vector<int>{0, 2});  // memory mapped before the second device came too
+    CHECK(access(2) == std::vector<int>{0, 2});
+    void* p5 = expseg_malloc(8 * MiB, 5, nullptr);
+    REQUIRE(p5 != nullptr);
+    CHECK(access(0) == std::vector<int>{0, 2, 5});
+    CHECK(access(2) == std::vector<int>{0, 2, 5});
+    CHECK(access(5) == std::vector<int>{0, 2, 5});
+    for (auto [p, d] : {std::pair{p0, 0}, std::pair{p2, 2}, std::pair{p5, 5}}) expseg_free(p, 0, d, nullptr);
+  }
+  SUBCASE("peer_access:none, and split_merge (cuMemAlloc memory: the frameworks' own call covers it)") {
+    for (const char* conf : {"device:sim,backend:expandable,peer_access:none", "device:sim,backend:split_merge"}) {
+      CAPTURE(conf);
+      expseg::capi::reset_for_tests();
+      REQUIRE(expseg_configure(conf) == EXPSEG_SUCCESS);
+      void* p0 = expseg_malloc(64 * MiB, 0, nullptr);
+      void* p1 = expseg_malloc(8 * MiB, 1, nullptr);
+      REQUIRE((p0 != nullptr && p1 != nullptr));
+      CHECK(access(0) == std::vector<int>{0});
+      CHECK(access(1) == std::vector<int>{1});
+      expseg_free(p0, 0, 0, nullptr);
+      expseg_free(p1, 0, 1, nullptr);
+    }
+  }
+}
