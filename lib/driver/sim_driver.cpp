@@ -1562,6 +1562,11 @@ void SimDriver::queue_use(stream_t stream, dev_ptr ptr, std::size_t bytes) {
   s.uses.push_back(Impl::Use{id, ++s.record_seq, ptr, ptr + bytes});
 }
 
+bool SimDriver::queued_use_overlaps(dev_ptr ptr, std::size_t bytes) const {
+  std::lock_guard lock(impl_->mutex);
+  return std::any_of(impl_->uses.begin(), impl_->uses.end(), [&](const Impl::Use& u) { return u.lo < ptr + bytes && ptr < u.hi; });
+}
+
 std::vector<std::string> SimDriver::hazards() const {
   std::lock_guard lock(impl_->mutex);
   return impl_->hazards;

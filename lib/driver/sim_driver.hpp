@@ -202,6 +202,9 @@ class SimDriver final : public Driver {
   // Unmaps of memory that queued work (queue_use) still used, in order: each is what a GPU would
   // fault on (or silently corrupt). The driver does not refuse them, as CUDA does not.
   std::vector<std::string> hazards() const;
+  // Whether queued work (queue_use) not yet complete uses any of [ptr, ptr + bytes): memory handed
+  // out again under it is what a stream-ordered allocator must never do (tests check allocations).
+  bool queued_use_overlaps(dev_ptr ptr, std::size_t bytes) const;
   // Total simulated driver time (seconds) under the latency model; 0 when the model is off.
   double simulated_seconds() const;
 

@@ -142,15 +142,27 @@ ThreadStressResult run_thread_stress(const ThreadStressOptions& o) {
             continue;
           }
           register_live(p, size, t);
+          // Work another stream queued on a block before its free (below) must be done before the
+          // block is handed out again: the allocator waits for an event recorded at the free.
+          if (sim->queued_use_overlaps(reinterpret_cast<std::uintptr_t>(p), size)) {
+            std::ostringstream os;
+            os << "thread " << t << ": new block " << p << "+" << size
+               << " handed out while another stream's work, queued before a free (record_stream), may still use it";
+            fail(os.str());
+          }
           Block b{static_cast<std::uint64_t*>(p), size, next_tag++, stream};
           if (!sim->is_accessible(reinterpret_cast<std::uintptr_t>(p), size)) fail("a new allocation is not accessible");
           sample(size / 8, [&](std::size_t k) { b.p[k] = word(b.tag, k); });
           mine.push_back(b);
           ++r.allocs;
         } else if (u < 0.90 && !mine.empty()) {
-          // Another stream uses the block; free it right away, so that it waits for that stream.
+          // Another stream uses the block (work queued there, busy or not); free it right away, so
+          // that it waits for that stream. The allocation stream's own work needs no wait: a block
+          // goes back to that stream's cache, whose later requests are ordered after the work.
           const std::size_t j = rng.below(mine.size());
-          alloc->record_stream(mine[j].p, streams[rng.below(streams.size())]);
+          void* user = streams[rng.below(streams.size())];
+          if (user != mine[j].stream) sim->queue_use(user, reinterpret_cast<std::uintptr_t>(mine[j].p), mine[j].size);
+          alloc->record_stream(mine[j].p, user);
           ++r.cross_stream;
           free_one(j);
         } else if (u < 0.95) {
@@ -230,6 +242,8 @@ ThreadStressResult run_thread_stress(const ThreadStressOptions& o) {
   } catch (const std::exception& e) {
     total.failure = std::string("after the threads: ") + e.what();
   }
+  // Memory unmapped while work queued on it (record_stream's) may still have used it.
+  if (const auto h = sim->hazards(); total.failure.empty() && !h.empty()) total.failure = "unmapped under queued work: " + h.front();
   alloc.reset();
   for (std::size_t i = 1; i < streams.size(); ++i) sim->stream_destroy(streams[i]);
   const auto live = sim->live();

@@ -221,9 +221,13 @@ TEST_CASE("fuzz: 16 threads allocate, free, record streams and read stats and sn
     INFO("backend: " << std::string(expseg::to_string(c.backend)));
     INFO("config: " << o.extra_config);
     const fuzz::ThreadStressResult r = fuzz::run_thread_stress(o);
+    INFO(r.to_string());
     CHECK_MESSAGE(r.failure.empty(), r.failure);
     CHECK(r.ooms > 0);
-    CHECK(r.allocs > 500);
+    // Requests made, served or not: a thread holding one block of nearly the whole limit, descheduled
+    // on a 2-core machine while the others' requests fail, leaves some runs with ~100 served (3 of 10).
+    CHECK(r.allocs + r.ooms > 500);
+    CHECK(r.allocs > 0);
   }
 }
 
