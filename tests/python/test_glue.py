@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 import unittest
 import weakref
@@ -983,10 +984,12 @@ class TorchApiTest(unittest.TestCase):
 
     def test_torch_snapshot_trace_ends_where_its_segments_stand_under_threads(self):
         # The segments and the trace came from two calls: another thread's allocations in between gave
-        # memory_viz events the segments do not hold (half of the snapshots of a busy program).
+        # memory_viz events the segments do not hold (half of the snapshots of a busy program). Checked as
+        # memory_viz reads a snapshot: walking the trace back from the segments' state.
         expseg.configure("device:sim,sim_capacity:8GiB,backend:split_merge")
-        expseg.record_start(ring=0)
+        expseg.record_start(ring=2000)  # a window: the churn goes on as long as the snapshots do
         stop = threading.Event()
+        steps = [0]
 
         def churn():
             live, x = [], 1
@@ -996,27 +999,38 @@ class TorchApiTest(unittest.TestCase):
                     live.append(self.lib.expseg_malloc(((x >> 33) % 512 + 1) * 4096, 0, None))
                 elif live:
                     self.lib.expseg_free(live.pop((x >> 20) % len(live)), 0, 0, None)
+                steps[0] += 1
             for p in live:
                 self.lib.expseg_free(p, 0, 0, None)
+
+        def walk_back_problems(snap):
+            held = {blk["address"] for seg in snap["segments"] for blk in seg["blocks"]
+                    if blk["state"] == "active_allocated"}
+            problems = 0
+            for e in reversed(snap["device_traces"][0]):
+                if e["action"] == "alloc":  # allocated then: held from then on, unless freed later (seen first)
+                    problems += e["addr"] not in held
+                    held.discard(e["addr"])
+                elif e["action"] == "free_completed":  # freed then: not held right after, held before
+                    problems += e["addr"] in held
+                    held.add(e["addr"])
+            return problems
 
         worker = threading.Thread(target=churn)
         worker.start()
         try:
-            mismatched = 0
+            while steps[0] < 200:  # the churn is under way
+                time.sleep(0.001)
+            mismatched, during = 0, 0
             for _ in range(30):
+                before = steps[0]
                 snap = expseg.torch_snapshot(0)
-                live = set()
-                for e in snap["device_traces"][0]:
-                    if e["action"] == "alloc":
-                        live.add(e["addr"])
-                    elif e["action"] == "free_completed":
-                        live.discard(e["addr"])
-                held = {blk["address"] for seg in snap["segments"] for blk in seg["blocks"]
-                        if blk["state"] == "active_allocated"}
-                mismatched += live != held
+                during += steps[0] != before
+                mismatched += walk_back_problems(snap) != 0
         finally:
             stop.set()
             worker.join()
+        self.assertGreater(during, 0)  # other-thread allocations happened while snapshots were taken
         self.assertEqual(mismatched, 0)
 
     def test_torch_snapshot_completes_a_deferred_free_at_its_completion(self):

@@ -267,11 +267,14 @@ TEST_CASE("recorder regression: a free held through a capture and completed by s
 }
 
 TEST_CASE("recorder regression: snapshot_with_recorded gives events that end where the snapshot stands, under other threads") {
+  // Checked as PyTorch's memory_viz reads a snapshot: walking the events back from the snapshot's
+  // blocks, every allocation is held when it happened and every freed block is not held right after.
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(std::string(expseg::to_string(b)));
     expseg::Allocator a(sim_config(b, 8 * GiB));
-    a.start_recording();
+    a.start_recording(4096);  // a window: the churn runs as long as the snapshots need
     std::atomic<bool> stop{false};
+    std::atomic<std::uint64_t> steps{0};
     std::thread churn([&] {
       std::vector<void*> live;
       std::uint64_t x = 12345;
@@ -285,25 +288,35 @@ TEST_CASE("recorder regression: snapshot_with_recorded gives events that end whe
           live[i] = live.back();
           live.pop_back();
         }
+        steps.fetch_add(1, std::memory_order_relaxed);
       }
       for (void* p : live) a.deallocate(p);
     });
-    std::size_t mismatched = 0;
-    for (int round = 0; round < 200; ++round) {
+    while (steps.load() < 100) std::this_thread::yield();  // the churn is under way
+    // Until the other thread has allocated between two snapshots 20 times (on one core that takes
+    // time slices, not rounds), at most 20,000 rounds.
+    std::size_t mismatched = 0, during = 0, rounds = 0;
+    for (; during < 20 && rounds < 20000; ++rounds) {
       std::vector<TraceEvent> ev;
+      const std::uint64_t before = steps.load();
       const expseg::Snapshot snap = a.snapshot_with_recorded(ev);
-      std::set<std::uint64_t> from_events, in_snapshot;
-      for (const TraceEvent& e : ev) {
-        if (e.action == TraceAction::allocate) from_events.insert(e.pointer);
-        if (e.action == TraceAction::free) from_events.erase(e.pointer);
-      }
+      std::set<std::uint64_t> held;
       for (const auto& seg : snap.segments)
         for (const auto& blk : seg.blocks)
-          if (blk.state == expseg::BlockState::allocated) in_snapshot.insert(blk.address);
-      mismatched += from_events != in_snapshot;
+          if (blk.state == expseg::BlockState::allocated) held.insert(blk.address);
+      std::size_t problems = 0;
+      for (auto e = ev.rbegin(); e != ev.rend(); ++e) {
+        if (e->action == TraceAction::allocate) problems += held.erase(e->pointer) == 0;
+        if (e->action == TraceAction::free) problems += !held.insert(e->pointer).second;
+      }
+      mismatched += problems != 0;
+      if (rounds % 64 == 0) std::this_thread::yield();
+      during += steps.load() != before;
     }
     stop = true;
     churn.join();
+    CAPTURE(rounds);
+    CHECK(during == 20);  // the other thread allocated while snapshots were taken
     CHECK(mismatched == 0);
   }
 }
