@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -59,8 +60,11 @@ inline void round_trip(const std::string& conf, const std::string& mode, int chi
   const int code = child.wait();
   INFO("child: " << reply << " (exit " << code << ")");
   if (reply.rfind("REFUSED", 0) == 0) {
-    // The platform refused pidfd_getfd: the error must name the restriction and the fallback.
-    MESSAGE("pidfd_getfd refused on this platform (expected where ptrace is restricted): " << reply);
+    // The platform refused pidfd_getfd: the error must name the restriction and the fallback. The
+    // import itself is then untested here: EXPSEG_REQUIRE_PIDFD=1 (gpu_session.sh) makes that a failure.
+    if (const char* need = std::getenv("EXPSEG_REQUIRE_PIDFD"); need && *need && std::string(need) != "0")
+      FAIL("pidfd_getfd refused, and EXPSEG_REQUIRE_PIDFD is set: " << reply);
+    WARN_MESSAGE(false, "pidfd_getfd refused on this platform (where ptrace is restricted): the import through it is NOT tested here, only the refusal's message: " << reply);
     CHECK(mode == "pidfd");
     CHECK(code == kRefusedExit);
     CHECK(reply.find("SCM_RIGHTS") != std::string::npos);

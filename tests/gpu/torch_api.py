@@ -88,25 +88,34 @@ def child(backend, tmp):
 
     # record_stream: the block waits for the other stream's kernel.
     side = torch.cuda.Stream()
-    t = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
-    ptr = t.untyped_storage().data_ptr()
-    t.add_(1)  # the first launch of a kernel loads it, which waits for the device: not while side must be busy
-    torch.cuda._sleep(1000)
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(2_000_000_000)  # a long kernel: the side stream is busy for about a second
-        t.add_(1)
-        side_done = torch.cuda.Event()
-        side_done.record(side)
-    t.record_stream(side)
-    del t
-    states = {int(blk["address"], 16): blk["state"] for seg in expseg.snapshot()["segments"] for blk in seg["blocks"]}
-    assert states.get(ptr) == "pending_free", states.get(ptr)
-    u = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
-    assert not side_done.query(), "the side stream finished too early to tell"
-    assert u.untyped_storage().data_ptr() != ptr, "memory still used by the side stream was handed out again"
-    torch.cuda.synchronize()
-    del u
+    # A long kernel keeps the side stream busy for about 1 s, then 4 s, 16 s: a slow host that takes
+    # longer than that to get to the checks below tries again, longer (the check needs it still busy).
+    for cycles in (2_000_000_000, 8_000_000_000, 32_000_000_000):
+        t = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
+        ptr = t.untyped_storage().data_ptr()
+        t.add_(1)  # the first launch of a kernel loads it, which waits for the device: not while side must be busy
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(cycles)
+            t.add_(1)
+            side_done = torch.cuda.Event()
+            side_done.record(side)
+        t.record_stream(side)
+        del t
+        states = {int(blk["address"], 16): blk["state"] for seg in expseg.snapshot()["segments"] for blk in seg["blocks"]}
+        u = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        if side_done.query():  # finished too early to tell: again, longer
+            torch.cuda.synchronize()
+            del u
+            continue
+        assert states.get(ptr) == "pending_free", states.get(ptr)
+        assert u.untyped_storage().data_ptr() != ptr, "memory still used by the side stream was handed out again"
+        torch.cuda.synchronize()
+        del u
+        break
+    else:
+        raise AssertionError("the side stream's kernel finished before the checks three times (16 s the longest)")
 
     # Memory history and snapshots in PyTorch's format.
     torch.cuda.memory._record_memory_history(max_entries=100000)

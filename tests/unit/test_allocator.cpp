@@ -298,7 +298,7 @@ TEST_CASE("allocator: the recorder's trace replays to the same peaks as the reco
     const auto stats = a.stats();
     auto events = a.recorded();
     REQUIRE(!events.empty());
-    const auto path = std::filesystem::temp_directory_path() / ("expseg_rec_" + std::string(name(b)) + ".csv.gz");
+    const auto path = std::filesystem::temp_directory_path() / ("expseg_rec_" + std::string(name(b)) + "_" + std::to_string(::getpid()) + ".csv.gz");
     expseg::write_trace_file(path.string(), events);
     expseg::Trace t = expseg::read_trace(path.string());
     std::filesystem::remove(path);
