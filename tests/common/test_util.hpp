@@ -1,9 +1,15 @@
 // Helpers shared by the test suites.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <set>
+#include <sstream>
 #include <string>
 
 #include "allocator_impl.hpp"
@@ -16,6 +22,34 @@ namespace testutil {
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t GiB = std::size_t{1} << 30;
+
+// A fresh directory per case ($TMPDIR/expseg-<tag>-<pid>), removed at the end.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& tag) {
+    path = std::filesystem::temp_directory_path() / ("expseg-" + tag + "-" + std::to_string(::getpid()));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::set<std::string> files() const {
+    std::set<std::string> out;
+    for (const auto& e : std::filesystem::directory_iterator(path)) out.insert(e.path().filename().string());
+    return out;
+  }
+};
+
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
 
 // ThreadSanitizer keeps most of the address space for its shadow memory: the host-backed simulated
 // device's fixed address arena (kArenaRegion) and multi-TiB reservations cannot be mapped there, so

@@ -77,13 +77,13 @@ std::string hex(const void* p) {
   return buf;
 }
 
-struct TempDir {
+struct ScratchDir {
   std::filesystem::path path;
-  TempDir() {
+  ScratchDir() {
     char tmpl[] = "/tmp/expseg_bad_input_XXXXXX";
     path = ::mkdtemp(tmpl);
   }
-  ~TempDir() { std::filesystem::remove_all(path); }
+  ~ScratchDir() { std::filesystem::remove_all(path); }
   std::string file(const std::string& name, std::string_view bytes) const {
     const std::string p = (path / name).string();
     std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -353,7 +353,7 @@ TEST_CASE("bad input: config values that overflow or make no sense name the key 
 }
 
 TEST_CASE("bad input: malformed trace files name the file and the problem") {
-  TempDir dir;
+  ScratchDir dir;
   // A directory, an empty file, a gzip header cut short, gzip magic followed by garbage.
   CHECK(trace_error_of(dir.path.string()) == dir.path.string() + ": cannot read trace file: Is a directory");
   const std::string empty = dir.file("empty.csv", "");

@@ -34,32 +34,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh directory per case, removed at the end.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const char* tag) {
-    path = fs::temp_directory_path() / ("expseg-oomdump-" + std::string(tag) + "-" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::set<std::string> files() const {
-    std::set<std::string> out;
-    for (const auto& e : fs::directory_iterator(path)) out.insert(e.path().filename().string());
-    return out;
-  }
-};
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
 // The split-pool story: 2000 MiB allocated and freed, 800/500/300 carved, the 500 freed, 800 asked.
 // On split_merge under a 2064 MiB limit the last request fails (fragmentation). Returns the OOM.
 expseg::out_of_memory run_800_500_300(Allocator& a, std::vector<void*>& live) {
@@ -94,7 +68,7 @@ std::size_t allocated_blocks(const JsonValue& snapshot) {
 }  // namespace
 
 TEST_CASE("oom_dump: an OOM writes report, snapshot, config and the recorded trace, and the trace replays to the same OOM") {
-  TempDir dir("full");
+  TempDir dir("oomdump-full");
   const std::string pattern = (dir.path / "oom-%d-%n.json").string();
   const Config cfg = sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,record:true,oom_dump:" + pattern);
   Allocator a(cfg);
@@ -147,7 +121,7 @@ TEST_CASE("oom_dump: an OOM writes report, snapshot, config and the recorded tra
 }
 
 TEST_CASE("oom_dump: %n numbers every OOM, and without recording there is no trace") {
-  TempDir dir("numbered");
+  TempDir dir("oomdump-numbered");
   Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:64MiB,oom_dump:" + (dir.path / "oom-%n").string()));
   void* p = a.allocate(40 * MiB);
   for (int i = 0; i < 2; ++i) {
@@ -170,7 +144,7 @@ TEST_CASE("oom_dump: %n numbers every OOM, and without recording there is no tra
 }
 
 TEST_CASE("oom_dump: a trace that does not start from an empty allocator says so, and replays only leniently") {
-  TempDir dir("partial");
+  TempDir dir("oomdump-partial");
   const std::string path = (dir.path / "oom.json").string();
   for (const char* how : {"a ring that dropped events", "recording started with allocations live"}) {
     CAPTURE(how);
@@ -199,7 +173,7 @@ TEST_CASE("oom_dump: a trace that does not start from an empty allocator says so
 }
 
 TEST_CASE("oom_dump: a dump that cannot be written leaves an OOM that says why, no half dump, and an allocator that serves") {
-  TempDir dir("unwritable");
+  TempDir dir("oomdump-unwritable");
   SUBCASE("a directory that does not exist") {
     const std::string path = (dir.path / "missing" / "oom.json").string();
     Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,record:true,oom_dump:" + path));
@@ -237,7 +211,7 @@ TEST_CASE("oom_dump: a dump that cannot be written leaves an OOM that says why, 
 TEST_CASE("oom_dump: a symbolic link, a FIFO or a device at the dump's path is left as it is, and the report says why") {
   // Was: the dump's rename replaced whatever was at the path: a symlink (its target kept, the link
   // gone), a FIFO, or, run as root, a device such as /dev/stderr or /dev/full for the whole machine.
-  TempDir dir("special");
+  TempDir dir("oomdump-special");
   std::ofstream(dir.path / "target.txt") << "precious";
   fs::create_symlink("target.txt", dir.path / "link.json");
   REQUIRE(::mkfifo((dir.path / "fifo.json").c_str(), 0600) == 0);
@@ -283,7 +257,7 @@ TEST_CASE("oom_dump: a dump whose JSON cannot be written leaves the earlier dump
   // A path without %n: each OOM replaces the last dump. When the new JSON cannot be written (a full
   // disk or a quota, here a file size limit the trace fits under and the JSON does not), the earlier
   // dump must keep its trace: explain reads the two together.
-  TempDir dir("keep-earlier");
+  TempDir dir("oomdump-keep-earlier");
   const std::string path = (dir.path / "oom.json").string();
   const std::string trace_path = expseg::oom_dump_trace_path(path);
   const std::string conf = "limit:2064MiB,record:true,oom_dump:" + path;
@@ -322,7 +296,7 @@ TEST_CASE("oom_dump: a dump whose JSON cannot be written leaves the earlier dump
 }
 
 TEST_CASE("oom_dump: the other-backend check does not write a dump of its own") {
-  TempDir dir("counterfactual");
+  TempDir dir("oomdump-counterfactual");
   // A split_merge fragmentation OOM whose check on expandable (a fresh simulated allocator with the
   // same config) fails too (found by a search over random sequences under a 64 MiB limit). The
   // check's own OOM is that allocator's first: were it to dump, it would overwrite oom-1.json,
@@ -404,7 +378,7 @@ TEST_CASE("oom observer: called once per OOM with its report, after the lock is 
 }
 
 TEST_CASE("read_oom_dump: reads back exactly what was written, on both backends") {
-  TempDir dir("read");
+  TempDir dir("oomdump-read");
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(std::string(expseg::to_string(b)));
     const std::string path = (dir.path / (std::string(expseg::to_string(b)) + ".json")).string();
@@ -443,7 +417,7 @@ TEST_CASE("read_oom_dump: reads back exactly what was written, on both backends"
 TEST_CASE("read_oom_dump: uint64 sizes and limits above int64 read back (a request of SIZE_MAX bytes, a limit of 2^64 - 1)") {
   // Was: 'report.requested_bytes: JSON number is not an integer in the int64 range', so explain
   // refused dumps expseg itself wrote for a negative size cast to size_t.
-  TempDir dir("huge");
+  TempDir dir("oomdump-huge");
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(std::string(expseg::to_string(b)));
     const std::string path = (dir.path / (std::string(expseg::to_string(b)) + ".json")).string();
@@ -467,7 +441,7 @@ TEST_CASE("read_oom_dump: uint64 sizes and limits above int64 read back (a reque
 }
 
 TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file and what is wrong") {
-  TempDir dir("bad");
+  TempDir dir("oomdump-bad");
   // A real dump to corrupt.
   const std::string good_path = (dir.path / "good.json").string();
   {
@@ -521,7 +495,7 @@ TEST_CASE("read_oom_dump: a file that is not a dump is an error naming the file 
 TEST_CASE("read_oom_dump: a snapshot whose segments and blocks contradict each other is refused, naming the member") {
   // Was: accepted; `expseg explain` then summed the live sizes with wraparound ("1.07 GiB requested"
   // beside a 16 EiB block) and its replay seeded a 16 EiB allocation, an OOM the run never had.
-  TempDir dir("inconsistent");
+  TempDir dir("oomdump-inconsistent");
   const std::string good_path = (dir.path / "good.json").string();
   {
     Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_dump:" + good_path));
@@ -567,7 +541,7 @@ TEST_CASE("read_oom_dump: a snapshot whose segments and blocks contradict each o
 }
 
 TEST_CASE("oom_dump and observer under threads: one dump and one observer call per OOM, each dump whole") {
-  TempDir dir("threads");
+  TempDir dir("oomdump-threads");
   Allocator a(sim_config(BackendKind::expandable, 80 * GiB, "limit:256MiB,oom_dump:" + (dir.path / "oom-%n.json").string()));
   std::atomic<int> calls{0};
   a.set_oom_observer([&](const expseg::OomReport& r) {
@@ -606,7 +580,7 @@ TEST_CASE("oom_dump and observer under threads: one dump and one observer call p
 }
 
 TEST_CASE("read_oom_dump: several streams, a cross-stream free, and a %p-%d-%n-%% path read back exactly") {
-  TempDir dir("streams");
+  TempDir dir("oomdump-streams");
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(std::string(expseg::to_string(b)));
     const std::string pattern = (dir.path / (std::string(expseg::to_string(b)) + "-%p-%d-%n-%%.json")).string();
@@ -654,7 +628,7 @@ TEST_CASE("read_oom_dump: several streams, a cross-stream free, and a %p-%d-%n-%
 TEST_CASE("seed_live_before_trace: a ring-cut trace gets the blocks live before it, and replays to the run's OOM") {
   // Was (in explain): the weights' allocation had left the ring, the replay held only what the
   // trace allocated, and the OOM did not reproduce on either backend.
-  TempDir dir("seed");
+  TempDir dir("oomdump-seed");
   const std::string path = (dir.path / "oom.json").string();
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(std::string(expseg::to_string(b)));
@@ -701,7 +675,7 @@ TEST_CASE("seed_live_before_trace: a ring-cut trace gets the blocks live before 
 TEST_CASE("oom_dump: a recording started over cached memory does not claim to start from an empty allocator") {
   // Was: trace_complete, though the allocator held a 2000 MiB cached segment when recording began:
   // the trace's replay starts without it, the fragmentation does not happen, and nothing said why.
-  TempDir dir("cached");
+  TempDir dir("oomdump-cached");
   const std::string path = (dir.path / "oom.json").string();
   Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_dump:" + path));
   a.deallocate(a.allocate(2000 * MiB));  // cached, nothing live
@@ -729,7 +703,7 @@ TEST_CASE("oom_dump: two allocators dumping to one path at once leave a dump and
   // their OOMs): each dump's JSON and trace must reach the path as a pair, never one allocator's
   // JSON beside the other's trace. Each OOM asks a size of its own, which the dump's report and the
   // trace's last event (the failed request) must agree on. Was: 4 pairs of 3,000 mixed.
-  TempDir dir("shared-path");
+  TempDir dir("oomdump-shared-path");
   const std::string path = (dir.path / "oom.json").string();
   const std::string conf = "limit:64MiB,record:true,record_ring:4,oom_dump:" + path;
   Allocator a(sim_config(BackendKind::expandable, 1 * GiB, conf));
@@ -759,7 +733,7 @@ TEST_CASE("oom regression: a replay or a scenario checks the other backend at it
   // Every OOM replayed the whole live set on the other backend, and replay and scenarios keep only
   // the first report: a 32,000-line trace with an OOM at most steps ran for minutes (1.2 s without
   // the check). The dumps show which OOMs were checked.
-  TempDir dir("counterfactual");
+  TempDir dir("oomdump-counterfactual");
   const std::string pattern = (dir.path / "oom-%n.json").string();
   // The 800/500/300 story, then its failing 800 MiB request twice more: fragmentation, which the
   // expandable backend would have served (a simulation of the live set tells).

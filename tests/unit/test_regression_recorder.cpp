@@ -43,31 +43,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const char* tag) {
-    path = fs::temp_directory_path() / ("expseg-recorder-" + std::string(tag) + "-" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::set<std::string> files() const {
-    std::set<std::string> out;
-    for (const auto& e : fs::directory_iterator(path)) out.insert(e.path().filename().string());
-    return out;
-  }
-};
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
 // Every traced block's free (and free completed) names the stream its allocate named.
 void check_frees_on_allocation_streams(const std::vector<TraceEvent>& ev) {
   std::map<std::uint64_t, std::uint64_t> stream_of;
@@ -172,7 +147,7 @@ TEST_CASE("recorder regression: a fork's route underway at the start is traced o
 TEST_CASE("recorder regression: a graph pool in use before the recording makes the OOM dump's trace partial") {
   // Pool 9 was begun and ended before the recording, not released: its release in the trace finds
   // no begin. The dump said trace_complete, and `expseg explain` then failed on the release.
-  TempDir dir("pool-before");
+  TempDir dir("recorder-pool-before");
   const std::string path = (dir.path / "oom.json").string();
   for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(std::string(expseg::to_string(b)));
@@ -228,7 +203,7 @@ TEST_CASE("recorder regression: a free that waits for another stream is traced a
     expseg::write_trace(strict, ev, true);
     CHECK(full.str().find(",free completed,") != std::string::npos);
     CHECK(strict.str().find("free completed") == std::string::npos);
-    TempDir dir("completed");
+    TempDir dir("recorder-completed");
     const std::string path = (dir.path / "t.csv").string();
     expseg::write_trace_file(path, ev);
     const expseg::Trace back = expseg::read_trace(path);
@@ -326,7 +301,7 @@ TEST_CASE_FIXTURE(CApiFixture, "recorder regression: expseg_snapshot_json_with_t
   REQUIRE(expseg_record_start(0, 0) == EXPSEG_SUCCESS);
   void* p = expseg_malloc(3 * MiB, 0, nullptr);
   REQUIRE(p != nullptr);
-  TempDir dir("capi");
+  TempDir dir("recorder-capi");
   const std::string path = (dir.path / "t.csv").string();
   const char* json = expseg_snapshot_json_with_trace(0, path.c_str());
   REQUIRE(json != nullptr);
@@ -348,7 +323,7 @@ TEST_CASE_FIXTURE(CApiFixture, "recorder regression: expseg_snapshot_json_with_t
 }
 
 TEST_CASE("recorder regression: a trace file that cannot be written whole leaves the earlier one, and no temporary") {
-  TempDir dir("fsize");
+  TempDir dir("recorder-fsize");
   const std::string path = (dir.path / "run.csv").string();
   std::vector<TraceEvent> small, large;
   for (std::uint64_t i = 0; i < 5000; ++i) {
