@@ -77,6 +77,37 @@ driver::stream_t event_stream(driver::stream_t s) noexcept {
 
 }  // namespace
 
+namespace {
+// The keys of PyTorch's split_merge rules that `c` sets to other than their defaults.
+std::vector<std::string> pytorch_rules_set(const Config& c) {
+  const Config defaults;
+  std::vector<std::string> keys;
+  if (c.max_split_size != defaults.max_split_size) keys.emplace_back("max_split_size_mb");
+  if (c.max_non_split_rounding != defaults.max_non_split_rounding) keys.emplace_back("max_non_split_rounding_mb");
+  if (c.large_segment_size != defaults.large_segment_size) keys.emplace_back("large_segment_size_mb");
+  if (c.roundup_power2_divisions != defaults.roundup_power2_divisions) keys.emplace_back("roundup_power2_divisions");
+  if (c.garbage_collection_threshold != defaults.garbage_collection_threshold) keys.emplace_back("garbage_collection_threshold");
+  return keys;
+}
+}  // namespace
+
+Config Config::with_backend(BackendKind b, std::vector<std::string>* reset) const {
+  Config c = *this;
+  c.backend = b;
+  std::vector<std::string> keys;
+  if (b == BackendKind::split_merge && c.policy == PoolPolicy::cupy) {
+    keys = pytorch_rules_set(c);
+    const Config defaults;
+    c.max_split_size = defaults.max_split_size;
+    c.max_non_split_rounding = defaults.max_non_split_rounding;
+    c.large_segment_size = defaults.large_segment_size;
+    c.roundup_power2_divisions = defaults.roundup_power2_divisions;
+    c.garbage_collection_threshold = defaults.garbage_collection_threshold;
+  }
+  if (reset != nullptr) *reset = std::move(keys);
+  return c;
+}
+
 void check_config(const Config& c) {
   // Each key is checked alone when parsed; these are also checked here for a Config built in code.
   // expandable_va_size as config.cpp bounds it: the expandable backend rounds it up to a page.
@@ -126,16 +157,9 @@ void check_config(const Config& c) {
   whole_mib("large_segment_size_mb", c.large_segment_size);
   // CuPy's pool has none of PyTorch's rules: split_merge under policy:cupy would drop them without a word.
   if (c.backend == BackendKind::split_merge && c.policy == PoolPolicy::cupy) {
-    const Config defaults;
-    std::vector<const char*> keys;
-    if (c.max_split_size != defaults.max_split_size) keys.push_back("max_split_size_mb");
-    if (c.max_non_split_rounding != defaults.max_non_split_rounding) keys.push_back("max_non_split_rounding_mb");
-    if (c.large_segment_size != defaults.large_segment_size) keys.push_back("large_segment_size_mb");
-    if (c.roundup_power2_divisions != defaults.roundup_power2_divisions) keys.push_back("roundup_power2_divisions");
-    if (c.garbage_collection_threshold != 0.0) keys.push_back("garbage_collection_threshold");
-    if (!keys.empty()) {
+    if (const std::vector<std::string> keys = pytorch_rules_set(c); !keys.empty()) {
       std::string names;
-      for (const char* k : keys) names += (names.empty() ? "" : ", ") + std::string(k);
+      for (const std::string& k : keys) names += (names.empty() ? "" : ", ") + k;
       throw config_error("policy", "policy:cupy: CuPy's memory pool has none of PyTorch's rules (" + names +
                                        "), which split_merge under policy:cupy would ignore; drop them, or use policy:pytorch");
     }

@@ -878,7 +878,12 @@ std::string format_bytes(std::size_t bytes) {
 
 std::string device_label(const Config& c, int device) {
   if (c.device == DeviceKind::sim) {
-    std::string compact;  // "80.00 GiB" -> "80GiB"
+    // A whole number of a unit as --device sim:CAP writes it (1 GiB is "sim:1GiB", where
+    // format_bytes, as PyTorch's format_size, says "1024.00 MiB").
+    for (const auto& [unit, name] : {std::pair<std::size_t, const char*>{std::size_t{1} << 40, "TiB"},
+                                     {std::size_t{1} << 30, "GiB"}, {std::size_t{1} << 20, "MiB"}, {std::size_t{1} << 10, "KiB"}})
+      if (c.sim_capacity >= unit && c.sim_capacity % unit == 0) return "sim:" + std::to_string(c.sim_capacity / unit) + name;
+    std::string compact;  // "80.50 GiB" -> "80.50GiB"
     for (char ch : format_bytes(c.sim_capacity))
       if (ch != ' ') compact += ch;
     if (compact.size() > 6 && compact.find(".00") != std::string::npos) compact.erase(compact.find(".00"), 3);
@@ -955,6 +960,12 @@ void Config::apply(std::string_view text) {
                                                     "both to be at least large_segment_size_mb");
   }
   *this = next;
+}
+
+std::vector<std::string> Config::keys_of(std::string_view text) {
+  std::vector<std::string> keys;
+  for (std::string_view item : split_items(text)) keys.emplace_back(trim(item.substr(0, item.find(':'))));
+  return keys;
 }
 
 Config Config::parse(std::string_view text) {

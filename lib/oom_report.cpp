@@ -47,8 +47,7 @@ using LiveAllocation = detail::CounterfactualCheck::Live;
 Counterfactual run_counterfactual(const Config& base, BackendKind other, std::size_t device_total, std::size_t granularity,
                                   std::size_t limit, const std::vector<LiveAllocation>& live, std::size_t requested,
                                   driver::stream_t stream) {
-  Config c = base;
-  c.backend = other;
+  Config c = base.with_backend(other);  // under policy:cupy, split_merge without PyTorch's rules
   c.device = DeviceKind::sim;
   c.sim_granularity = granularity;
   c.sim_capacity = std::max(device_total / granularity * granularity, granularity);

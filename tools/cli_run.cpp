@@ -104,8 +104,7 @@ std::vector<ScenarioGroup> run_scenarios(const std::vector<std::string>& names, 
   for (const std::string& name : names) {
     ScenarioGroup g;
     for (BackendKind b : setup.backends) {
-      Config c = setup.config;
-      c.backend = b;
+      Config c = setup.config.with_backend(b);
       ScenarioOptions o = options;
       if (picture) {
         o.series_points = kScenarioPoints;
@@ -202,8 +201,7 @@ using ReplayGroup = std::vector<ReplayResult>;  // one trace, one result per bac
 ReplayGroup replay_trace(const Trace& trace, const Setup& setup, bool picture, bool lenient, bool json) {
   ReplayGroup g;
   for (BackendKind b : setup.backends) {
-    Config c = setup.config;
-    c.backend = b;
+    Config c = setup.config.with_backend(b);
     ReplayOptions o;
     o.progress = true;  // drawn only when stderr is a terminal
     o.lenient = lenient;
@@ -769,6 +767,14 @@ int cmd::explain(int argc, char** argv) {
     conf_note = " (the dump's configuration is not one this version reads, so the defaults: " + std::string(e.what()) + ")";
   }
   setup.config.device = DeviceKind::sim;
+  // A dump from a GPU run carries the default sim_granularity (the H200's 2 MiB page); one edited or
+  // written on a simulated device may carry any: a page larger than the device would replay on a
+  // device of one page (was: a 1 TiB "device" with OOMs at 0 bytes, exit 0).
+  if (setup.config.sim_granularity > d.report.device_total_bytes && d.report.device_total_bytes != 0) {
+    conf_note += " (the dump's sim_granularity, " + format_bytes(setup.config.sim_granularity) + ", is more than the device's " +
+                 format_bytes(d.report.device_total_bytes) + ": pages of " + format_bytes(Config{}.sim_granularity) + " instead)";
+    setup.config.sim_granularity = Config{}.sim_granularity;
+  }
   const std::size_t g = setup.config.sim_granularity;
   // Other processes and the CUDA context hold memory no trace records: the replay's device is what
   // this process could hold at the OOM (its reserved memory and what was free), as the verdict counted.
@@ -785,6 +791,15 @@ int cmd::explain(int argc, char** argv) {
   setup.backends = args.get("--backend") ? parse_backends(*args.get("--backend"))
                                          : std::vector<BackendKind>{BackendKind::split_merge, BackendKind::expandable};
   setup.device_label = device_label(setup.config, 0);
+  // An expandable run under policy:cupy with PyTorch's rules (roundup_power2_divisions, say): its
+  // split_merge is CuPy's pool, which has none of them (was: the replay stopped at split_merge's
+  // refusal of the dump's own configuration, halfway through the output).
+  std::vector<std::string> reset;
+  for (BackendKind b : setup.backends) {
+    std::vector<std::string> keys;
+    (void)setup.config.with_backend(b, &keys);
+    if (!keys.empty()) reset = keys;
+  }
   Trace trace = read_trace(d.trace);
   const std::size_t read_events = trace.events.size();
   // A trace that does not start from an empty allocator misses the allocations of what was live
@@ -813,6 +828,12 @@ int cmd::explain(int argc, char** argv) {
     std::printf("Note: other processes (and the CUDA context) held %s of the device's %s at the OOM; the replay's device\n"
                 "has the %s this process could hold.\n\n",
                 format_bytes(total - usable).c_str(), format_bytes(total).c_str(), format_bytes(usable).c_str());
+  if (!reset.empty()) {
+    std::string names;
+    for (const std::string& k : reset) names += (names.empty() ? "" : ", ") + k;
+    std::printf("Note: split_merge replays under policy:cupy, CuPy's pool, which has none of PyTorch's rules: without the dump's\n"
+                "%s.\n\n", names.c_str());
+  }
   if (d.limit_changed)
     std::printf("Note: the limit changed while these events were recorded; the replay applies the last one (%s) from the first\n"
                 "event, so it may run out of memory elsewhere than the run did.\n\n",

@@ -156,19 +156,14 @@ Config base_config(const Args& args) {
 }
 
 namespace {
-// Whether a key:value,... text sets one of `keys`.
+// Whether a key:value,... text sets one of `keys` (items split as Config::apply splits them: a
+// class name inside expandable_segments_reserve_by_class:[...] is not a key). A text apply refuses
+// names nothing (base_config has already reported it).
 bool text_names(const std::string& text, std::initializer_list<std::string_view> keys) {
-  std::size_t start = 0;
-  while (start < text.size()) {
-    std::size_t comma = text.find(',', start);
-    if (comma == std::string::npos) comma = text.size();
-    const std::string item = text.substr(start, comma - start);
-    // Trimmed as Config::apply trims keys: " backend:expandable" sets the backend there too.
-    std::string_view key = std::string_view(item).substr(0, item.find(':'));
-    const std::size_t first = key.find_first_not_of(" \t\n\r\f\v");
-    key = first == std::string_view::npos ? std::string_view() : key.substr(first, key.find_last_not_of(" \t\n\r\f\v") - first + 1);
-    if (std::find(keys.begin(), keys.end(), key) != keys.end()) return true;
-    start = comma + 1;
+  try {
+    for (const std::string& key : Config::keys_of(text))
+      if (std::find(keys.begin(), keys.end(), key) != keys.end()) return true;
+  } catch (const config_error&) {
   }
   return false;
 }
@@ -241,9 +236,12 @@ Setup make_setup(const Args& args) {
     }
   } else if (s.config.device == DeviceKind::sim) {
     s.device_note = "the simulated device (device:sim in the configuration)";
-  } else if (conf_names(args, {"device"})) {  // --conf device:cuda asks for the GPU as --device cuda does
-    if (!cuda_available(&why)) throw std::runtime_error("--conf device:cuda: CUDA is not usable here: " + why);
-    s.device_note = "the GPU (device:cuda in --conf)";
+  } else if (conf_sets(args, "device")) {
+    // device:cuda in --conf or EXPSEG_ALLOC_CONF asks for the GPU as --device cuda does: no fallback
+    // to the simulator (was: taken from the environment, it fell back with a note).
+    const char* where = conf_names(args, {"device"}) ? "--conf" : "EXPSEG_ALLOC_CONF";
+    if (!cuda_available(&why)) throw std::runtime_error(std::string(where) + " device:cuda: CUDA is not usable here: " + why);
+    s.device_note = std::string("the GPU (device:cuda in ") + where + ")";
   } else if (cuda_available(&why)) {
     s.config.device = DeviceKind::cuda;
     s.device_note = "the GPU (CUDA is usable; --device sim for the simulator)";

@@ -222,7 +222,8 @@ def _device(device):
         else:
             device = 0
     elif isinstance(device, str):
-        if not device.startswith("cuda:") or not device[5:].isdigit():
+        # ASCII digits only: str.isdigit() also takes "²" (which int() refuses) and "٣" (which it reads as 3).
+        if not device.startswith("cuda:") or not (device[5:].isascii() and device[5:].isdigit()):
             raise ExpsegError("device %r is not a CUDA device (expected an index, 'cuda' or 'cuda:N')" % (device,),
                               INVALID_DEVICE)
         device = int(device[5:])

@@ -23,6 +23,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 // The public API keeps default visibility; the rest of libexpseg.so is built hidden.
 #pragma GCC visibility push(default)
@@ -119,6 +120,16 @@ struct Config {
   static Config from_env();
   // Apply `text` over this config's current values (later keys win).
   void apply(std::string_view text);
+  // The keys `text` names, in order, trimmed, split at commas outside [...] as apply() splits them
+  // (a class name inside expandable_segments_reserve_by_class's [...] is not a key). Throws
+  // config_error where apply() would refuse the text's shape (unbalanced brackets, empty items).
+  static std::vector<std::string> keys_of(std::string_view text);
+  // This configuration with backend `b`, as an A/B comparison or the OOM report's other-backend check
+  // runs it: split_merge under policy:cupy is CuPy's pool, which has none of PyTorch's rules
+  // (validate() refuses them there), so those an expandable configuration sets (e.g.
+  // roundup_power2_divisions, which expandable applies) go back to their defaults; `reset`, where
+  // given, gets their keys.
+  Config with_backend(BackendKind b, std::vector<std::string>* reset = nullptr) const;
   // Canonical `key:value,...` form; parse(to_string()) == *this.
   std::string to_string() const;
   // Throws config_error (naming the key) when the values cannot work together, as creating an

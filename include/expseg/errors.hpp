@@ -93,9 +93,14 @@ class trace_error : public error {
 
 // Why an allocation failed.
 enum class OomVerdict : std::uint8_t {
-  capacity,       // live bytes + request exceed what the device has, or it refused room the figures left (memory, address range)
-  limit,          // live bytes + request exceed the configured limit
-  fragmentation,  // enough memory is free in total, but the allocator has no place for the request
+  // capacity and limit compare what the backend must hold at the least: the live blocks as it holds
+  // them (expandable: whole pages) and the request as it must be served (split_merge: a new segment,
+  // e.g. PyTorch's 20 MiB one for a request of 1-10 MiB; expandable: whole pages). So a limit verdict
+  // can come where the live requested bytes + request alone fit: the report's message gives both
+  // figures, and the other backend's answer says whether its rounding would have fitted.
+  capacity,       // that exceeds what the device has, or the device refused room the figures left (memory, address range)
+  limit,          // that exceeds the configured limit
+  fragmentation,  // it fits, but the allocator has no place for the request (free memory lies in pieces)
   unknown,        // not evaluated: host memory ran out while the report was built (a short report), or
                   // the verdict needed the device's free memory, which could not be read
 };

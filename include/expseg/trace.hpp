@@ -77,7 +77,8 @@ struct Trace {
 // Reads a trace from a file; gzip is recognised by its magic bytes. The text is parsed as it is read
 // or decompressed, so memory holds the events (and a .gz file's compressed bytes), not the text.
 // Throws trace_error naming the file and line for: unreadable or truncated/corrupt gzip, bad header,
-// missing columns, bad numbers, unknown actions, binary data, a line over 1 MiB. (Frees of unknown
+// missing columns, bad numbers, unknown actions, binary data, a line over 1 MiB, more events than a
+// quarter of the host's memory holds (or than EXPSEG_TRACE_MAX_EVENTS, where set). (Frees of unknown
 // pointers are found by validate_trace/replay, see below.)
 Trace read_trace(const std::string& path);
 // Parses CSV text already in memory; `name` is used in error messages.

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -162,13 +163,50 @@ bool all_digits(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
+// What one event costs a replay: the TraceEvent (56 B), the replay's operation and index (56 B),
+// and the vectors' spare capacity.
+constexpr std::size_t kBytesPerEvent = 128;
+
+std::size_t physical_memory_bytes() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return std::size_t{64} << 30;  // unknown: assume a 64 GiB host
+  return std::size_t(pages) * std::size_t(page);
+}
+
+// The most events one read may hold. A .gz inflates up to ~1000:1 and each ~12-byte line becomes an
+// event of kBytesPerEvent in a replay: a 3 MB file could take all of a 23 GB host's memory (or the
+// OOM killer's attention) before anything fails. By default a trace may take a quarter of the
+// host's memory; EXPSEG_TRACE_MAX_EVENTS=N sets the count.
+std::size_t max_events(const std::string& file) {
+  if (const char* env = std::getenv("EXPSEG_TRACE_MAX_EVENTS"); env != nullptr && *env != '\0') {
+    std::uint64_t n = 0;
+    const std::string_view text(env);
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+    if (ec != std::errc() || end != text.data() + text.size() || n == 0)
+      throw trace_error(file, 0, "EXPSEG_TRACE_MAX_EVENTS=" + std::string(text) + ": expected a positive number of events");
+    return static_cast<std::size_t>(n);
+  }
+  return std::max<std::size_t>(physical_memory_bytes() / 4 / kBytesPerEvent, 1'000'000);
+}
+
 // Parses CSV text one line at a time (the header, then one event per line that is not blank), so
 // text in memory and text decoded from a stream take the same path.
 struct Parser {
   const std::string& file;  // for messages
+  std::size_t event_cap;    // max_events(), read before the file (an EXPSEG_TRACE_MAX_EVENTS error is not the file's)
   Trace t{};
   std::size_t line_no = 0;
   std::vector<int> roles{};  // empty until the header has been read
+
+  [[noreturn]] void too_many_events() const {
+    const bool from_env = std::getenv("EXPSEG_TRACE_MAX_EVENTS") != nullptr;
+    fail(line_no, "more than " + std::to_string(event_cap) + " events" +
+                      (from_env ? " (EXPSEG_TRACE_MAX_EVENTS)"
+                                : ": a replay would need over " + std::to_string((event_cap * kBytesPerEvent) >> 20) +
+                                      " MiB, a quarter of this host's memory (about " + std::to_string(kBytesPerEvent) +
+                                      " bytes an event); set EXPSEG_TRACE_MAX_EVENTS=N to read more, or split the trace"));
+  }
 
   [[noreturn]] void fail(std::size_t line, const std::string& msg) const { throw trace_error(file, line, msg); }
 
@@ -255,6 +293,7 @@ struct Parser {
     if (auto err = parse_address(f[c_pointer], e.pointer); err != NumError::none) bad(line_no, c_pointer, f[c_pointer], num_reason(err, true));
     if (auto err = parse_u64(f[c_size], e.size); err != NumError::none) bad(line_no, c_size, f[c_size], num_reason(err, false));
     if (auto err = parse_address(f[c_stream], e.stream); err != NumError::none) bad(line_no, c_stream, f[c_stream], num_reason(err, true));
+    if (t.events.size() >= event_cap) too_many_events();
     t.events.push_back(e);
   }
 
@@ -443,7 +482,7 @@ std::string format_trace(const std::vector<TraceEvent>& events, bool rmm_strict)
 }  // namespace trace
 
 Trace parse_trace(std::string_view csv_text, const std::string& name) {
-  trace::Parser parser{name};
+  trace::Parser parser{name, trace::max_events(name)};
   // Reserve for the lines that have text (a newline right after another ends a blank line), up to
   // kMaxReserve events: a small .csv.gz of blank lines must not reserve an event per newline.
   constexpr std::size_t kMaxReserve = std::size_t{1} << 20;
@@ -464,10 +503,10 @@ Trace parse_trace(std::string_view csv_text, const std::string& name) {
 // what its events cost.
 namespace {
 
-Trace read_trace_bytes(const std::string& path, bool& gzip) {
+Trace read_trace_bytes(const std::string& path, std::size_t event_cap, bool& gzip) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
   if (!f) throw trace_error(path, 0, std::string("cannot open trace file: ") + std::strerror(errno));
-  trace::Parser parser{path};
+  trace::Parser parser{path, event_cap};
   trace::LineFeeder lines(parser);
   std::string compressed;  // a gzip file is read whole, then decoded as a stream
   std::size_t offset = 0;
@@ -529,8 +568,9 @@ Trace read_trace_bytes(const std::string& path, bool& gzip) {
 
 Trace read_trace(const std::string& path) {
   bool gzip = false;
+  const std::size_t event_cap = trace::max_events(path);
   try {
-    return read_trace_bytes(path, gzip);
+    return read_trace_bytes(path, event_cap, gzip);
   } catch (const trace_error& e) {
     // A .gz that is not gzip was read as CSV (a browser may have unpacked it and kept the name);
     // when that fails, the CSV parser's complaint alone hides the real problem.

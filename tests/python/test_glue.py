@@ -1289,7 +1289,9 @@ class InstallTest(unittest.TestCase):
             self.assertEqual(expseg.stats(d)["num_device_alloc"], 1)
         self.assertEqual(expseg.stats(None)["num_device_alloc"], 0)  # the current device: 0 before CUDA starts
         self.assertEqual(expseg.stats("cuda")["num_device_alloc"], 0)
+        # "cuda:\u00b2" (superscript two) raised ValueError, and "cuda:\u0663" (Arabic-Indic three) was device 3.
         for bad, why in (("cpu", "not a CUDA device"), ("cuda:x", "not a CUDA device"),
+                         ("cuda:\u00b2", "not a CUDA device"), ("cuda:\u0663", "not a CUDA device"),
                          (types.SimpleNamespace(type="cpu", index=None), "not a CUDA device"),
                          (1.5, "not a device index"), ("cuda:64", "out of range")):
             with self.assertRaises(expseg.ExpsegError) as cm:

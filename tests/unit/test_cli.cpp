@@ -8,6 +8,7 @@
 
 #include <cctype>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -427,6 +428,32 @@ TEST_CASE("cli: --device cuda where CUDA is not usable is a runtime failure (exi
   CHECK(conf.out.empty());
 }
 
+TEST_CASE("cli: device:cuda in EXPSEG_ALLOC_CONF where CUDA is not usable fails as --conf device:cuda does") {
+  // Was: from the environment it fell back to the simulated device (exit 0), from --conf it failed.
+  const Run r = run_cli("scenario split-800-500-300 --json", "CUDA_VISIBLE_DEVICES= EXPSEG_ALLOC_CONF=device:cuda");
+  CHECK(r.status == 1);
+  CHECK(r.err.find("EXPSEG_ALLOC_CONF device:cuda: CUDA is not usable") != std::string::npos);
+  CHECK(r.out.empty());
+  // --device sim picks the simulator over the environment's device, as a command-line option does.
+  CHECK(run_cli("scenario split-800-500-300 --json --device sim", "CUDA_VISIBLE_DEVICES= EXPSEG_ALLOC_CONF=device:cuda").status == 0);
+}
+
+TEST_CASE("cli: a class name inside expandable_segments_reserve_by_class's [...] is not read as a --conf key") {
+  // Was: the CLI split --conf at every comma, so [a:1,backend:0.5] "picked the backend" (no A/B) and
+  // [a:1,device:0.5] clashed with --device; the library splits only outside the brackets.
+  Run r = run_cli("scenario split-800-500-300 --device sim --json --conf 'expandable_segments_reserve_by_class:[a:1,backend:0.5]'");
+  REQUIRE(r.status == 0);
+  CHECK(lines(r.out).size() == 2);  // both backends
+  r = run_cli("scenario split-800-500-300 --device sim --json --backend split_merge --conf 'expandable_segments_reserve_by_class:[a:1,device:0.5]'");
+  CHECK(r.status == 0);
+  CHECK(r.err.find("both pick") == std::string::npos);
+  // The key outside the brackets still counts.
+  r = run_cli("scenario split-800-500-300 --device sim --json --conf 'expandable_segments_reserve_by_class:[a:1],backend:expandable'");
+  REQUIRE(r.status == 0);
+  REQUIRE(lines(r.out).size() == 1);
+  CHECK(expseg::core::parse_json(lines(r.out)[0])["backend"].as_string() == "expandable");
+}
+
 TEST_CASE("cli: scenario --html writes the picture") {
   const fs::path html = temp_path("scenario.html");
   const Run r = run_cli("scenario split-800-500-300 --device sim --json --html '" + html.string() + "'");
@@ -796,6 +823,63 @@ TEST_CASE("cli: explain says when the limit changed while the events were record
   }
   const Run f = run_cli("explain '" + (dir / "fixed-1.json").string() + "'");
   CHECK(f.out.find("Note: the limit changed") == std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("cli: explain of an expandable dump under policy:cupy with PyTorch's rules replays split_merge as CuPy's pool") {
+  // Was: split_merge refused the dump's own configuration (policy:cupy with roundup_power2_divisions)
+  // after the header was printed, exit 2, no replay table; the user had nothing to drop.
+  const fs::path dir = temp_path("explain-cupy");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:expandable,policy:cupy,roundup_power2_divisions:4,"
+                                              "limit:12MiB,record:true,oom_dump:" + (dir / "cupy-%n.json").string()));
+    std::vector<void*> v;
+    for (int i = 0; i < 6; ++i) v.push_back(a.allocate(3u << 19));
+    a.deallocate(v[1]);
+    a.deallocate(v[3]);
+    CHECK_THROWS_AS(a.allocate(4u << 20), expseg::out_of_memory);
+    for (void* p : v)
+      if (p != v[1] && p != v[3]) a.deallocate(p);
+  }
+  const Run e = run_cli("explain '" + (dir / "cupy-1.json").string() + "'");
+  CAPTURE(e.err);
+  CHECK(e.status == 0);
+  CHECK(e.out.find("Note: split_merge replays under policy:cupy, CuPy's pool, which has none of PyTorch's rules: without the dump's\n"
+                   "roundup_power2_divisions.") != std::string::npos);
+  CHECK(e.out.find("split_merge") != e.out.rfind("split_merge"));  // the table has its row
+  CHECK(e.err.find("policy:cupy") == std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("cli: explain of a dump whose sim_granularity is more than the device replays on the device's size, in default pages") {
+  // Was: a device of one 1 TiB page ("sim:1024GiB"), every request an OOM at 0 bytes, exit 0.
+  const fs::path dir = temp_path("explain-granularity");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:split_merge,limit:400MiB,record:true,oom_dump:" +
+                                              (dir / "g-%n.json").string()));
+    void* b = a.allocate(300u << 20);
+    CHECK_THROWS_AS(a.allocate(200u << 20), expseg::out_of_memory);
+    a.deallocate(b);
+  }
+  const fs::path dump = dir / "g-1.json";
+  std::string text = read_file(dump);
+  const std::size_t at = text.find("sim_granularity:2MiB");
+  REQUIRE(at != std::string::npos);
+  text.replace(at, std::strlen("sim_granularity:2MiB"), "sim_granularity:1TiB");
+  {
+    std::ofstream out(dump, std::ios::binary | std::ios::trunc);
+    out << text;
+  }
+  const Run e = run_cli("explain '" + dump.string() + "'");
+  CAPTURE(e.err);
+  CHECK(e.status == 0);
+  CHECK(e.out.find("sim_granularity, 1024.00 GiB, is more than the device's 1024.00 MiB: pages of 2.00 MiB instead") != std::string::npos);
+  CHECK(e.out.find("sim:1GiB") != std::string::npos);
+  CHECK(e.out.find("sim:1024GiB") == std::string::npos);
   fs::remove_all(dir);
 }
 

@@ -605,3 +605,39 @@ TEST_CASE("oom truth: where two decimals hide the excess, the limit sentence giv
   sa->deallocate(a);
   sa->deallocate(b);
 }
+
+TEST_CASE("oom truth: an expandable configuration under policy:cupy with PyTorch's rules still gets its other-backend answer") {
+  // Was: the check switched only the backend, split_merge refused policy:cupy with
+  // roundup_power2_divisions, and the report said the check could not run because host memory ran
+  // out or the simulated device could not be built: neither was so. The other backend is CuPy's
+  // pool, which has none of PyTorch's rules (Config::with_backend).
+  for (const char* rules : {"roundup_power2_divisions:4", "max_split_size_mb:40", "garbage_collection_threshold:0.5"}) {
+    CAPTURE(rules);
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable, GiB, std::string("policy:cupy,limit:12MiB,") + rules));
+    std::vector<void*> v;
+    for (int i = 0; i < 6; ++i) v.push_back(sa->allocate(3 * MiB / 2));
+    sa->deallocate(v[1]);
+    sa->deallocate(v[3]);
+    const auto r = oom_of([&] { (void)sa->allocate(4 * MiB); });
+    REQUIRE(r.has_value());
+    CHECK(r->counterfactual != expseg::Counterfactual::not_evaluated);
+    CHECK(r->message.find("could not run") == std::string::npos);
+    CHECK(r->other_backend == "split_merge");
+    for (void* p : v)
+      if (p != v[1] && p != v[3]) sa->deallocate(p);
+    CHECK_NOTHROW(sa->validate());
+  }
+  // with_backend resets only what CuPy's pool refuses, and only for split_merge under policy:cupy.
+  const expseg::Config c = expseg::Config::parse("backend:expandable,policy:cupy,roundup_power2_divisions:4,limit:1GiB");
+  std::vector<std::string> reset;
+  const expseg::Config sm = c.with_backend(BackendKind::split_merge, &reset);
+  CHECK(reset == std::vector<std::string>{"roundup_power2_divisions"});
+  CHECK(sm.backend == BackendKind::split_merge);
+  CHECK(sm.roundup_power2_divisions == expseg::Config{}.roundup_power2_divisions);
+  CHECK(sm.limit.bytes == GiB);
+  CHECK_NOTHROW(sm.validate());
+  CHECK(c.with_backend(BackendKind::expandable, &reset) == c);
+  CHECK(reset.empty());
+  const expseg::Config pt = expseg::Config::parse("backend:expandable,roundup_power2_divisions:4");
+  CHECK(pt.with_backend(BackendKind::split_merge).roundup_power2_divisions == pt.roundup_power2_divisions);
+}

@@ -591,6 +591,42 @@ TEST_CASE("trace: blank lines do not make the parser reserve an event per newlin
   }
 }
 
+TEST_CASE("trace: a read holds at most EXPSEG_TRACE_MAX_EVENTS events (a small .gz can inflate to billions)") {
+  // Was: no cap. A 582 KB .gz of 20 million short lines took 2.2 GB to replay, and a crafted one of
+  // a few MB could take a host's whole memory before anything failed.
+  struct EnvCap {
+    explicit EnvCap(const char* v) { ::setenv("EXPSEG_TRACE_MAX_EVENTS", v, 1); }
+    ~EnvCap() { ::unsetenv("EXPSEG_TRACE_MAX_EVENTS"); }
+  };
+  std::string text(kHeader);
+  for (int i = 0; i < 40; ++i) text += "1," + std::to_string(i) + "," + (i % 2 ? "free" : "allocate") + ",0x10,4096,0\n";
+  TempDir dir;
+  const std::string gz = dir.file("capped.csv.gz");
+  write_bytes(gz, expseg::trace::gzip_compress(text));
+  {
+    EnvCap cap("40");  // exactly the trace's events: read
+    CHECK(expseg::parse_trace(text, "t.csv").events.size() == 40);
+    CHECK(expseg::read_trace(gz).events.size() == 40);
+  }
+  {
+    EnvCap cap("39");
+    const auto c = catch_trace_error([&] { expseg::parse_trace(text, "t.csv"); });
+    CHECK(c.line == 41);  // the 40th event's line (the header is line 1)
+    CHECK(c.what == "t.csv:41: more than 39 events (EXPSEG_TRACE_MAX_EVENTS)");
+    const auto z = catch_trace_error([&] { expseg::read_trace(gz); });
+    CHECK(z.what == gz + ":41: more than 39 events (EXPSEG_TRACE_MAX_EVENTS)");
+  }
+  for (const char* bad : {"0", "-1", "1e6", "ten", "12 "}) {
+    CAPTURE(bad);
+    EnvCap cap(bad);
+    const auto c = catch_trace_error([&] { expseg::parse_trace(text, "t.csv"); });
+    CHECK(c.what == "t.csv: EXPSEG_TRACE_MAX_EVENTS=" + std::string(bad) + ": expected a positive number of events");
+  }
+  // Unset: the default follows the host's memory and reads every shipped trace (a million events or more).
+  ::unsetenv("EXPSEG_TRACE_MAX_EVENTS");
+  CHECK(expseg::parse_trace(text, "t.csv").events.size() == 40);
+}
+
 TEST_CASE("trace: read_trace reads as a stream, with lines across every chunk and piece boundary") {
   // ~9 MiB of text: the plain reader's 64 KiB chunks and the gzip decoder's pieces (a few MiB)
   // both end inside lines; line numbers and blank and CRLF lines must come out as in memory.
