@@ -224,7 +224,12 @@ Setup make_setup(const Args& args) {
       s.device_note = "the simulated device (--device " + d + ")";
     } else if (d == "cuda" || d.rfind("cuda:", 0) == 0) {
       if (d.size() > 5) {
-        const std::uint64_t n = parse_u64("--device", d.substr(5));
+        std::uint64_t n = 0;
+        try {
+          n = parse_u64("--device", d.substr(5));
+        } catch (const UsageError&) {  // quote the whole value, not the index alone ('-1')
+          throw UsageError("bad --device value '" + d + "': expected cuda:N with N a device index (0, 1, ...)");
+        }
         if (n > 1024) throw UsageError("bad --device value '" + d + "': no such device index");
         s.device = static_cast<int>(n);
       }

@@ -187,7 +187,8 @@ int cmd::info(int argc, char** argv) {
       }
     }
   }
-  {
+  std::string sim_error;  // a sim_ key the simulated device cannot honour (sim_granularity above sim_capacity, say)
+  try {
     Config c = base;
     c.device = DeviceKind::sim;
     c.backend = BackendKind::split_merge;
@@ -195,9 +196,15 @@ int cmd::info(int argc, char** argv) {
     Allocator a(c, 0);
     const DeviceInfo d = a.device_info();
     t.add({device_label(c, 0), d.name, format_bytes(d.total_bytes), format_bytes(d.free_bytes), format_bytes(d.granularity), "-"});
+  } catch (const std::exception& e) {
+    sim_error = e.what();
   }
   std::printf("\nDevices:\n");
   t.print(stdout, 2);
+  if (!sim_error.empty()) {
+    std::printf("  sim: the simulated device cannot be built with this configuration: %s\n", sim_error.c_str());
+    ++failures;
+  }
   Config sim = base;
   sim.device = DeviceKind::sim;
   std::string default_device;

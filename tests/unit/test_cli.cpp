@@ -244,6 +244,7 @@ TEST_CASE("cli: usage errors exit 2 and name the bad argument") {
       {"scenario split-800-500-300 --backend fast", "fast"},
       {"scenario split-800-500-300 --device tpu", "--device"},
       {"scenario split-800-500-300 --device sim:lots", "sim:lots"},
+      {"scenario split-800-500-300 --device cuda:-1", "'cuda:-1'"},  // was: quoted '-1' alone
       {"scenario split-800-500-300 --seed abc", "--seed"},
       // Seed 0 ran the scenario's own seed (random-churn's is 1: --seed 0 and --seed 1 were the same run).
       {"scenario random-churn --seed 0", "--seed"},
@@ -409,6 +410,14 @@ TEST_CASE("cli: info and config") {
   r = run_cli("info", "CUDA_VISIBLE_DEVICES=");
   CHECK(r.status == 0);
   CHECK(r.out.find("not usable") != std::string::npos);
+
+  // A sim_ setting the simulated device cannot honour: said in the device table, exit 1, and the
+  // configuration still shown (was: an uncaught config_error after the devices, exit 2, no configuration).
+  r = run_cli("info --conf sim_granularity:1TiB", "CUDA_VISIBLE_DEVICES=");
+  CHECK(r.status == 1);
+  CHECK(r.out.find("sim: the simulated device cannot be built with this configuration: sim_granularity: 1TiB is larger than sim_capacity") !=
+        std::string::npos);
+  CHECK(r.out.find("effective configuration:") != std::string::npos);
 
   r = run_cli("config --conf backend:expandable");
   CHECK(r.status == 0);
