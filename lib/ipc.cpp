@@ -87,15 +87,14 @@ std::uint64_t process_nonce() noexcept {
 }
 
 // --- which PID namespace numbers the exporter's pid ---------------------------------------------------
-// The inode of /proc/self/ns/pid names this process's PID namespace (what `lsns` shows). A process
-// never changes its own PID namespace (unshare and setns change its children's), so it is read once.
-// 0 when /proc is not mounted or hides it: then nothing can be told and the pid is trusted.
+// The inode of /proc/self/ns/pid names this process's PID namespace (what `lsns` shows). Read at
+// each export and import, not once: a process never changes its own PID namespace, but a child
+// forked after unshare(CLONE_NEWPID) lives in a new one with its parent's memory, and a cached value
+// would name the parent's (its pid 1 then passed the namespace check of an importer in the parent's
+// namespace). 0 when /proc is not mounted or hides it: then nothing can be told and the pid is trusted.
 std::uint64_t pid_namespace() noexcept {
-  static const std::uint64_t id = [] {
-    struct stat st {};
-    return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : std::uint64_t{0};
-  }();
-  return id;
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : std::uint64_t{0};
 }
 
 class Writer {

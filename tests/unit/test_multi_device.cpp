@@ -4,7 +4,9 @@
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <sched.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -651,6 +653,63 @@ TEST_CASE("ipc: pidfd_getfd is not tried for an exporter in another PID namespac
     CHECK_FALSE(other.has_fds());
   } else {
     MESSAGE("no /proc/self/ns/pid here: the namespace check is not exercised");
+  }
+  s->deallocate(p);
+}
+
+TEST_CASE("ipc: a child forked after unshare(CLONE_NEWPID) exports its own PID namespace, not its parent's") {
+  // Was: the namespace was read once per process and a fork child inherited it: a child in a new
+  // PID namespace (pid 1 there) exported its parent's namespace, and an importer in the parent's
+  // namespace passed the check and ran pidfd_getfd on whatever process had pid 1 there.
+  struct stat ns {};
+  if (::stat("/proc/self/ns/pid", &ns) != 0) {
+    MESSAGE("no /proc/self/ns/pid here: the namespace check is not exercised");
+    return;
+  }
+  auto s = sim_alloc(host_config(BackendKind::expandable, "ipc_handle:posix_fd,expandable_max_handle:2MiB"));
+  void* p = s->allocate(3 * MiB);
+  { const IpcMemHandle warm = s->export_ipc(p); }  // the parent exports first (a cache would be filled now)
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t helper = ::fork();
+  REQUIRE(helper >= 0);
+  if (helper == 0) {  // the helper: a new user and PID namespace for its children
+    ::close(fds[0]);
+    std::uint64_t msg[3] = {0, 0, 0};  // {unshare ok, exported namespace, the child's own namespace}
+    if (::unshare(CLONE_NEWUSER | CLONE_NEWPID) == 0) {
+      const pid_t child = ::fork();
+      if (child == 0) {
+        struct stat own {};
+        msg[0] = 1;
+        try {
+          const IpcMemHandle h = s->export_ipc(p);
+          msg[1] = h.exporter_pid_namespace;
+        } catch (...) {
+          msg[1] = 1;
+        }
+        msg[2] = ::stat("/proc/self/ns/pid", &own) == 0 ? static_cast<std::uint64_t>(own.st_ino) : 2;
+        (void)!::write(fds[1], msg, sizeof msg);
+        ::_exit(0);
+      }
+      int st = 0;
+      if (child > 0) ::waitpid(child, &st, 0);
+      ::_exit(child > 0 ? 0 : 3);
+    }
+    (void)!::write(fds[1], msg, sizeof msg);  // unshare refused (a container's seccomp, say)
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::uint64_t msg[3] = {9, 9, 9};
+  const ssize_t n = ::read(fds[0], msg, sizeof msg);
+  ::close(fds[0]);
+  int st = 0;
+  ::waitpid(helper, &st, 0);
+  REQUIRE(n == static_cast<ssize_t>(sizeof msg));
+  if (msg[0] == 0) {
+    MESSAGE("unshare(CLONE_NEWUSER | CLONE_NEWPID) refused here: a child in another PID namespace is not exercised");
+  } else {
+    CHECK(msg[2] != static_cast<std::uint64_t>(ns.st_ino));  // the child is in a namespace of its own
+    CHECK(msg[1] == msg[2]);                                   // and its handle says so (was: the parent's)
   }
   s->deallocate(p);
 }
