@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -226,6 +227,19 @@ struct FdHeader {
 };
 static_assert(sizeof(FdHeader) == 16);
 
+// A non-blocking socket (O_NONBLOCK: an event loop's, one whose owner set a timeout) says EAGAIN
+// where a blocking one waits: wait as the blocking one would (was: the message failed midway,
+// and the stream could carry no other). Returns false when the call must fail with errno as it is.
+bool wait_ready(int socket, short events) {
+  if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
+  pollfd p{socket, events, 0};
+  int r;
+  do {
+    r = ::poll(&p, 1, -1);
+  } while (r < 0 && errno == EINTR);
+  return r >= 0;  // ready, or an error or hang-up the next call reports
+}
+
 void send_with_fds(int socket, const void* data, std::size_t len, std::span<const int> fds) {
   const auto* p = static_cast<const char*>(data);
   std::size_t sent = 0;
@@ -245,7 +259,7 @@ void send_with_fds(int socket, const void* data, std::size_t len, std::span<cons
     ssize_t r;
     do {
       r = ::sendmsg(socket, &msg, MSG_NOSIGNAL);
-    } while (r < 0 && errno == EINTR);
+    } while (r < 0 && (errno == EINTR || wait_ready(socket, POLLOUT)));
     if (r < 0)
       sys_fail("send_fds: sendmsg with " + std::to_string(fds.size()) + " descriptors (SCM_RIGHTS) on socket " +
                    std::to_string(socket) + " (a connected Unix stream socket is needed)",
@@ -255,7 +269,7 @@ void send_with_fds(int socket, const void* data, std::size_t len, std::span<cons
   while (sent < len) {
     const ssize_t r = ::send(socket, p + sent, len - sent, MSG_NOSIGNAL);
     if (r < 0) {
-      if (errno == EINTR) continue;
+      if (errno == EINTR || wait_ready(socket, POLLOUT)) continue;
       sys_fail("send_fds: send on socket " + std::to_string(socket), errno);
     }
     sent += static_cast<std::size_t>(r);
@@ -275,7 +289,7 @@ void recv_collecting(int socket, void* data, std::size_t len, std::vector<OwnedF
     msg.msg_controllen = sizeof control;
     const ssize_t r = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
     if (r < 0) {
-      if (errno == EINTR) continue;
+      if (errno == EINTR || wait_ready(socket, POLLIN)) continue;
       sys_fail("recv_fds: recvmsg on socket " + std::to_string(socket), errno);
     }
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {

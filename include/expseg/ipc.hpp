@@ -214,10 +214,12 @@ ImportedMemory import_ipc(const IpcMemHandle& handle, int device = 0, const Conf
 
 // Sends `bytes` and `fds` as one message over a connected Unix stream socket; the descriptors go as
 // SCM_RIGHTS (in batches, any number of them). The caller keeps its own descriptors (the receiver
-// gets duplicates). Throws ipc_error on a system call failure.
+// gets duplicates). A non-blocking socket is waited on (poll) as a blocking one would wait. Throws
+// ipc_error on a system call failure.
 void send_fds(int socket, std::span<const std::uint8_t> bytes, std::span<const int> fds);
 // Receives one message of send_fds: returns its bytes and appends its descriptors (close-on-exec,
-// owned) to `fds`. Throws ipc_error when the socket closes early or the message is malformed.
+// owned) to `fds`, waiting for them on a non-blocking socket too. Throws ipc_error when the socket
+// closes early or the message is malformed.
 std::vector<std::uint8_t> recv_fds(int socket, std::vector<OwnedFd>& fds);
 
 // send_fds(handle.serialize(), handle.fds()) / recv_fds + deserialize + adopt_fds.

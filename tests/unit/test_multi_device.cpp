@@ -803,6 +803,43 @@ TEST_CASE("ipc: the handle's bytes round-trip, and malformed bytes are refused")
   CHECK(expseg::to_string(IpcKind::fabric) == std::string("fabric"));
 }
 
+TEST_CASE("ipc: send_fds/recv_fds wait on non-blocking sockets as on blocking ones") {
+  // Was: EAGAIN was a failure: a receiver called before the message came failed at once, and a
+  // message larger than the socket's buffer failed midway (the stream then carried no other).
+  SocketPair sp;
+  for (int fd : {sp.a.get(), sp.b.get()}) REQUIRE(::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK) == 0);
+  std::vector<std::uint8_t> payload(4 << 20);  // far more than a Unix socket buffers
+  for (std::size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<std::uint8_t>(i * 13 + 1);
+  OwnedFd null_fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  REQUIRE(null_fd);
+  const int raw[] = {null_fd.get(), null_fd.get()};
+  std::string recv_error;
+  std::vector<std::uint8_t> bytes;
+  std::vector<OwnedFd> got;
+  std::thread receiver([&] {  // usually asks before anything was sent
+    try {
+      bytes = expseg::recv_fds(sp.b.get(), got);
+    } catch (const std::exception& e) {
+      recv_error = e.what();
+    }
+  });
+  std::string send_error;
+  try {
+    expseg::send_fds(sp.a.get(), payload, raw);
+  } catch (const std::exception& e) {
+    send_error = e.what();
+  }
+  receiver.join();
+  CHECK(send_error.empty());
+  CHECK(recv_error.empty());
+  CHECK(bytes == payload);
+  REQUIRE(got.size() == 2);
+  CHECK(same_file(got[0].get(), null_fd.get()));
+  // A peer gone is still an error, not a wait.
+  sp.a.reset();
+  CHECK(contains(what_of<expseg::ipc_error>([&] { (void)expseg::recv_fds(sp.b.get(), got); }), "closed"));
+}
+
 TEST_CASE("ipc: send_fds/recv_fds carry any number of descriptors and bytes") {
   rlimit lim{};
   REQUIRE(::getrlimit(RLIMIT_NOFILE, &lim) == 0);
