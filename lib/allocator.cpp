@@ -47,7 +47,7 @@ using core::hex;
 constexpr std::uintptr_t kForkAliasBit = std::uintptr_t{2} << 48;
 // Whether a GraphPool::keys entry is a fork's alias: its bit 49 differs from a stream's or key's
 // (0 below 2^48, 1 under the 0xFFFF/0xFFFE tags, whose bit 63 is set).
-constexpr bool is_fork_alias(driver::stream_t s) noexcept {
+inline bool is_fork_alias(driver::stream_t s) noexcept {  // not constexpr: reinterpret_cast (clang refuses it)
   const auto v = reinterpret_cast<std::uintptr_t>(s);
   return ((v >> 49) & 1) != (v >> 63);
 }

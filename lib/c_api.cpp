@@ -784,6 +784,7 @@ const char* expseg_stats_json(int device) noexcept {
   }
 }
 
+extern "C++" {  // C++ helpers inside the extern "C" block (clang refuses a C function returning Snapshot)
 namespace {
 // The device's snapshot and, when `events` is given, its recorded events of the same moment.
 Snapshot snapshot_of(int device, std::vector<TraceEvent>* events) {
@@ -819,6 +820,7 @@ int write_recorded(const char* fn, const char* path, const std::vector<TraceEven
   return EXPSEG_SUCCESS;
 }
 }  // namespace
+}  // extern "C++"
 
 const char* expseg_snapshot_json(int device) noexcept {
   constexpr const char* fn = "expseg_snapshot_json";
