@@ -83,7 +83,9 @@ std::vector<std::string> pytorch_rules_set(const Config& c) {
   const Config defaults;
   std::vector<std::string> keys;
   if (c.max_split_size != defaults.max_split_size) keys.emplace_back("max_split_size_mb");
-  if (c.max_non_split_rounding != defaults.max_non_split_rounding) keys.emplace_back("max_non_split_rounding_mb");
+  // large_segment_size_mb raises max_non_split_rounding_mb's default to itself: only another value was set.
+  if (c.max_non_split_rounding != defaults.max_non_split_rounding && c.max_non_split_rounding != c.large_segment_size)
+    keys.emplace_back("max_non_split_rounding_mb");
   if (c.large_segment_size != defaults.large_segment_size) keys.emplace_back("large_segment_size_mb");
   if (c.roundup_power2_divisions != defaults.roundup_power2_divisions) keys.emplace_back("roundup_power2_divisions");
   if (c.garbage_collection_threshold != defaults.garbage_collection_threshold) keys.emplace_back("garbage_collection_threshold");

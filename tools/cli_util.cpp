@@ -212,7 +212,7 @@ Setup make_setup(const Args& args) {
         try {
           s.config.sim_capacity = parse_bytes(std::string_view(d).substr(4), "--device");
         } catch (const config_error&) {
-          throw UsageError("bad --device value '" + d + "': the capacity must be bytes or a number with a unit (KiB, MiB, GiB, KB, MB, GB), e.g. sim:80GiB");
+          throw UsageError("bad --device value '" + d + "': the capacity must be bytes or a number with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. sim:80GiB");
         }
         if (s.config.sim_capacity == 0) throw UsageError("bad --device value '" + d + "': the capacity must be more than 0");
         // sim:80 is 80 bytes, not a device: say so here rather than let the page size take the blame.

@@ -28,7 +28,7 @@ namespace expseg::cli {
 namespace {
 
 constexpr const char* kDeviceHelp =
-    "  --device D        sim, sim:CAPACITY (bytes or a number with a unit: KiB, MiB, GiB, KB, MB, GB),\n"
+    "  --device D        sim, sim:CAPACITY (bytes or a number with a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB),\n"
     "                    cuda or cuda:N. Default: sim when the configuration says device:sim, else\n"
     "                    cuda:0 when a CUDA device is usable, else sim; sim has the configured\n"
     "                    sim_capacity (80 GiB unless the configuration says otherwise)\n";

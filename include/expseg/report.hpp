@@ -14,7 +14,7 @@
 //
 // The markup is XHTML-compatible (every element closed, attributes quoted, text escaped), so it can
 // be checked with an XML parser. Stable hooks for tests and scripts:
-//   <section class="group" data-name=...>   one per group
+//   <section class="card group" data-name=...>   one per group (the class list holds "group")
 //   <svg class="chart">                     one per group
 //   <polyline class="series" data-backend=B data-kind="reserved|allocated">
 //   <g class="oom" data-backend=B>          one per failed allocation, up to 200 per run; past that one

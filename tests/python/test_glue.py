@@ -1346,6 +1346,17 @@ class ConverterTest(unittest.TestCase):
             for r in conv.replay(out, ["split_merge", "expandable"]):
                 self.assertEqual(r["peak_requested"], 8 * MiB + 3)
                 self.assertEqual(r["ooms"], 0)
+            # With --oom-events, the converter's replay asks for the failed request again, as expseg replay does
+            # (was: skipped, so a limit that reproduces the OOM there gave 0 OOMs here).
+            oom_events, _ = conv.convert(conv.load_snapshot(pkl), oom_events=True)
+            self.assertIn("allocate failure", [e[0] for e in oom_events])
+            out_oom = os.path.join(d, "oom.rmm.csv.gz")
+            conv.write_trace(oom_events, out_oom)
+            for r in conv.replay(out_oom, ["split_merge", "expandable"], "limit:40MiB"):
+                self.assertEqual(r["ooms"], 1, r)
+            for r in conv.replay(out_oom, ["split_merge", "expandable"]):  # no limit: it fits now, and is given back
+                self.assertEqual(r["ooms"], 0, r)
+                self.assertEqual(r["peak_requested"], 64 * MiB + MiB + 5 * MiB + 3)
             # Not a snapshot: a clear error, exit 1.
             bad = os.path.join(d, "bad.pickle")
             with open(bad, "wb") as f:

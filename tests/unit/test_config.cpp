@@ -486,6 +486,20 @@ TEST_CASE("config regression: a Config built in code is held to each key's bound
     CHECK_NOTHROW(Config::parse(std::string("policy:cupy,backend:expandable,") + keys).validate());  // policy is split_merge's
   }
   CHECK_NOTHROW(Config::parse("policy:cupy,limit:1GiB").validate());
+  // large_segment_size_mb alone names itself, not the max_non_split_rounding_mb it raises to its own
+  // size (was: both named, though the user set one).
+  try {
+    Config::parse("policy:cupy,large_segment_size_mb:32").validate();
+    FAIL("refused");
+  } catch (const config_error& e) {
+    CHECK(std::string(e.what()).find("(large_segment_size_mb)") != std::string::npos);
+  }
+  try {
+    Config::parse("policy:cupy,large_segment_size_mb:32,max_non_split_rounding_mb:64").validate();
+    FAIL("refused");
+  } catch (const config_error& e) {
+    CHECK(std::string(e.what()).find("(max_non_split_rounding_mb, large_segment_size_mb)") != std::string::npos);
+  }
   // And where a configuration takes effect: the C API refuses it before any allocator exists.
   CHECK_THROWS_AS(expseg::Allocator(Config::parse("device:sim,policy:cupy,max_split_size_mb:128")), config_error);
 }
