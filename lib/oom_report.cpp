@@ -239,8 +239,12 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     // PyTorch 2.9+ prints its allowed figure only under a memory fraction below 1 (at 1 it sets no
     // limit): a limit of all the device's memory, or more, is none here too (as for garbage collection).
     if (ctx.limit != 0 && ctx.limit < ctx.device_total) os << format_bytes(ctx.limit) << " allowed; ";
-    os << "Of the allocated memory " << format_bytes(r->allocated_bytes) << " is allocated by expseg, and " << format_bytes(unallocated)
-       << " is reserved by expseg but unallocated.";
+    // As PyTorch, memory cached in private pools (CUDA graph pools other than the request's) counts as
+    // allocated, not as reserved but unallocated: the request cannot use it.
+    const std::size_t in_pools = std::min(fs.graph_pool_bytes, unallocated);
+    os << "Of the allocated memory " << format_bytes(r->allocated_bytes + in_pools) << " is allocated by expseg, ";
+    if (in_pools != 0) os << "with " << format_bytes(in_pools) << " allocated in private pools (e.g., CUDA Graphs), ";
+    os << "and " << format_bytes(unallocated - in_pools) << " is reserved by expseg but unallocated.";
     if (config.backend == BackendKind::split_merge && r->verdict == OomVerdict::fragmentation)
       os << " If reserved but unallocated memory is large try setting EXPSEG_ALLOC_CONF=backend:expandable to avoid fragmentation.";
   }

@@ -15,10 +15,12 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -594,6 +596,15 @@ class CudaDriver final : public Driver {
       int fd = -1;
       check(api_, api_.cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
             "cuMemExportToShareableHandle");
+      // The driver does not promise close-on-exec; an inherited descriptor keeps the memory alive in
+      // every program the process runs (as the simulated device's and received descriptors are).
+      const int flags = ::fcntl(fd, F_GETFD);
+      if (flags < 0 || (!(flags & FD_CLOEXEC) && ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0)) {
+        const int err = errno;
+        ::close(fd);
+        throw driver_error("cuMemExportToShareableHandle", CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN",
+                           std::string("fcntl(FD_CLOEXEC) on the exported descriptor failed: ") + std::strerror(err));
+      }
       out.fd = fd;
     } else {
       CUmemFabricHandle fabric{};

@@ -1,5 +1,6 @@
 // The driver contract and CUDA specifics on the real device (device 0).
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -150,6 +151,7 @@ TEST_SUITE("driver") {
     const ExportedHandle ex = d->export_handle(h);
     CHECK(ex.type == ShareableHandle::posix_fd);
     REQUIRE(ex.fd >= 0);
+    CHECK((::fcntl(ex.fd, F_GETFD) & FD_CLOEXEC) != 0);  // a child the process execs does not inherit it
     const phys_handle imported = d->import_handle(ex);
     CHECK(imported != 0);
     ::close(ex.fd);

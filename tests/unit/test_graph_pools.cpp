@@ -1364,6 +1364,9 @@ TEST_CASE("graph pool: an OOM report counts a live pool's cached memory as held,
       CHECK(r.verdict == expseg::OomVerdict::limit);
       CHECK(r.counterfactual != expseg::Counterfactual::would_succeed);
       CHECK(r.message.find("24.00 MiB cached for CUDA graph pools") != std::string::npos);
+      // PyTorch's sentence: the pool's cached memory counts as allocated, not as reserved but unallocated.
+      CHECK(r.message.find("Of the allocated memory 56.00 MiB is allocated by expseg, with 24.00 MiB allocated in private pools "
+                           "(e.g., CUDA Graphs), and 0 bytes is reserved by expseg but unallocated.") != std::string::npos);
       CHECK(r.message.find("would have served") == std::string::npos);
       CHECK(r.message.find("to avoid fragmentation") == std::string::npos);
     }

@@ -277,6 +277,7 @@ TEST_SUITE("sim") {
     s.inject_fault(Op::export_handle, 1, Fault::error);
     CHECK(catch_driver_error([&] { (void)s.export_handle(h2); }).value().call() == "cuMemExportToShareableHandle");
     const ExportedHandle ex = s.export_handle(h2);
+    CHECK((::fcntl(ex.fd, F_GETFD) & FD_CLOEXEC) != 0);  // as the CUDA driver layer's are
     s.inject_fault(Op::import_handle, 1, Fault::out_of_memory);
     CHECK(catch_driver_error([&] { (void)s.import_handle(ex); }).value().is_out_of_memory());
     CHECK(s.live().handles == 1);
