@@ -656,7 +656,8 @@ def _torch_segments(device, snap):
                 "segment_pool_id": _torch_pool_ids.get(seg.get("graph_pool", 0), (0, 0)), "is_expandable": expandable,
                 "allocated_size": allocated,
                 "active_size": sum(b["size"] for b in blocks if b["state"] != "inactive"),
-                "requested_size": sum(b["requested_size"] for b in blocks if b["state"] == "active_allocated"),
+                # As PyTorch's snapshot: every active block, frees still waiting for other streams' work included.
+                "requested_size": sum(b["requested_size"] for b in blocks if b["state"] != "inactive"),
                 "frames": [], "blocks": blocks,
             })
     return out

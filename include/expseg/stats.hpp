@@ -77,7 +77,9 @@ const char* stat_pool_name(int pool) noexcept;  // "all", "small_pool", "large_p
 
 // X-macro: plain counters. num_alloc_retries on expandable: it gives back idle memory inside the
 // allocation that needs it, not by a retry, so it counts only retries after waiting for frees pending
-// on other streams (PyTorch's expandable segments count 1 before a limit OOM).
+// on other streams (PyTorch's expandable segments count 1 before a limit OOM). Likewise
+// num_sync_all_streams counts synchronizations that happened: expandable synchronizes only where
+// frees are pending on other streams (PyTorch's expandable segments count one at every OOM).
 #define EXPSEG_COUNTERS(X)                                                                          \
   X(num_alloc_retries, "allocations that failed at the driver or limit and were retried after freeing cache") \
   X(num_ooms, "allocations that ended in out_of_memory")                                            \

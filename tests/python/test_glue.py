@@ -835,6 +835,9 @@ class TorchApiTest(unittest.TestCase):
         # Freed, but waiting for the other stream: still active (without record_stream it would be 0).
         self.assertEqual(expseg.stats()["active_bytes.all.current"], 4 * MiB)
         self.assertEqual(expseg.snapshot()["segments"][0]["blocks"][0]["state"], "pending_free")
+        # PyTorch's snapshot counts an active block's requested bytes in its segment, allocated or waiting.
+        seg = self.torch._C._cuda_memorySnapshot(None)["segments"][0]
+        self.assertEqual((seg["allocated_size"], seg["active_size"], seg["requested_size"]), (0, 4 * MiB, 4 * MiB))
         # Memory expseg did not allocate (a tensor from DLPack or from_blob): PyTorch's no-op, no error.
         foreign = ctypes.create_string_buffer(64)
         self.torch.Tensor(ctypes.addressof(foreign)).record_stream(other)
