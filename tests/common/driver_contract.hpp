@@ -313,6 +313,45 @@ inline void check_map_over_mapping_refused(expseg::driver::Driver& d, bool data_
   free_base.run();
 }
 
+// One handle mapped at two address ranges at once (CUDA allows it; cuMemMap refuses only mapped
+// ranges, not mapped handles): both ranges reach the same bytes, so a page can serve two places
+// that use disjoint parts of it, each written through its own range; unmapping one range leaves
+// the other, and the handle is released once neither is mapped.
+inline void check_handle_mapped_twice(expseg::driver::Driver& d, bool data_checks) {
+  using namespace expseg::driver;
+  using expseg::test::Undo;
+  const std::size_t g = d.granularity();
+  const std::size_t words = g / sizeof(std::uint32_t);
+  const dev_ptr base = d.reserve(4 * g);
+  Undo free_base([&] { d.free_reserve(base, 4 * g); });
+  const phys_handle h = d.create(g);
+  Undo release_h([&] { d.release(h); });
+  d.map(base, g, h);
+  Undo unmap_first([&] { d.unmap(base, g); });
+  d.map(base + 3 * g, g, h);  // not adjacent: an alias anywhere in the reservation
+  Undo unmap_second([&] { d.unmap(base + 3 * g, g); });
+  d.set_access(base, g);
+  d.set_access(base + 3 * g, g);
+  if (data_checks) {
+    // The head written through the first range, the tail through the second.
+    d.memset_d32(base, 0x1EAD0001u, words / 2, nullptr);
+    d.memset_d32(base + 3 * g + g / 2, 0x7A110002u, words / 2, nullptr);
+    d.stream_synchronize(nullptr);
+    for (const dev_ptr at : {base, base + 3 * g}) {
+      expseg::test::check_words(d, at, words / 2, 0x1EAD0001u);
+      expseg::test::check_words(d, at + g / 2, words / 2, 0x7A110002u);
+    }
+  }
+  unmap_first.run();
+  if (data_checks) {  // the other range still holds the page
+    expseg::test::check_words(d, base + 3 * g, words / 2, 0x1EAD0001u);
+    expseg::test::check_words(d, base + 3 * g + g / 2, words / 2, 0x7A110002u);
+  }
+  unmap_second.run();
+  release_h.run();
+  free_base.run();
+}
+
 // Two captures at once, as the capture modes allow them (CUstreamCaptureMode): cuGraphInstantiate,
 // which ends a capture into a graph, is refused while another capture underway is global, or
 // thread-local on the calling thread; and such a capture ends only on the thread that began it.
@@ -521,6 +560,8 @@ inline void check_driver_contract(expseg::driver::Driver& d, bool data_checks) {
     check_words(d, base, words_per_granule, 0x11111111u);
     check_words(d, base + 2 * g, 2 * words_per_granule, 0x33333333u);
   }
+
+  check_handle_mapped_twice(d, data_checks);
 
   // --- tear down ---
   d.unmap(base, g);
