@@ -596,8 +596,8 @@ class CudaDriver final : public Driver {
       int fd = -1;
       check(api_, api_.cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
             "cuMemExportToShareableHandle");
-      // The driver does not promise close-on-exec; an inherited descriptor keeps the memory alive in
-      // every program the process runs (as the simulated device's and received descriptors are).
+      // The driver does not promise close-on-exec, and an inherited descriptor keeps the memory alive
+      // in every program the process execs: set it, as the simulated device and recv_fds do.
       const int flags = ::fcntl(fd, F_GETFD);
       if (flags < 0 || (!(flags & FD_CLOEXEC) && ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC) < 0)) {
         const int err = errno;

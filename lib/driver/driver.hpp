@@ -94,8 +94,8 @@ enum class ShareableHandle : std::uint8_t { none, posix_fd, fabric };
 // An exported physical handle or driver allocation, as bytes another process can import.
 struct ExportedHandle {
   ShareableHandle type = ShareableHandle::none;
-  int fd = -1;  // posix_fd: a file descriptor owned by the caller, close-on-exec (a child exec'ed by the
-                // process, e.g. a compiler or a data loader, does not inherit it and so keep the memory alive)
+  int fd = -1;  // posix_fd: a file descriptor owned by the caller, close-on-exec (a program the process
+                // execs, e.g. a compiler or a data loader, does not inherit it and keep the memory alive)
   std::array<std::uint8_t, 64> bytes{};       // fabric handle, or cuIpcGetMemHandle's 64 bytes
 };
 
