@@ -11,7 +11,10 @@ still fails below 98% of the limit.
 Aliasing: one physical page (a single-page handle) mapped at two or more address ranges, each range
 using offsets of the page the others leave free; e.g. the free tail of a page whose head ends a live
 block backs the head of a new block placed in fresh address space at that offset. CUDA maps a handle
-at several ranges; the simulated device does too. The model places each request where it needs the
+at several ranges ("virtual aliasing" in the CUDA programming guide; the driver contract checks it
+on both devices). The guide orders accesses to one byte through two aliases inside a kernel only
+with fence.proxy.alias: aliases here would use disjoint 512-byte-aligned bytes, and a byte would
+change alias only after its block is freed (stream-ordered), never inside a kernel. The model places each request where it needs the
 fewest new pages (both ends of every gap between live blocks, the end of the address space, and,
 with aliasing, fresh address space at the offset where a partly used page's free part begins),
 counts a request as failed when the pages held plus the new ones exceed the limit, and then frees a
@@ -77,14 +80,12 @@ def run(seed, lo_b, hi_b, limit, alias, least_gap=False, steps=6000):
             d = None
             if alias and (lo > 0 or hi < FR):
                 # a partly used page whose uses, through every frame it backs, leave [lo, hi) free
-                for p in candidate_pages(lo, hi):
+                for p in partial_pages:
                     if p not in used_donor and page_free_for(p, lo, hi): d = p; break
             if d is None: need += 1; plan.append((f, lo, hi, None))
             else: used_donor.add(d); plan.append((f, lo, hi, d))
         return need, plan
-    partial_pages = set()
-    def candidate_pages(lo, hi):
-        return list(partial_pages)
+    partial_pages = set()  # pages some live block uses, but not whole
     def place(addr, size, plan):
         for f, lo, hi, p in plan:
             if p is None:
