@@ -301,7 +301,8 @@ TEST_CASE("cli: bad configuration exits 2 naming the key") {
 
 TEST_CASE("cli: a trace whose replay refuses it is named by the path given, not only its file name") {
   // Was: "run.csv:3: free of pointer ..." for the second of a/run.csv and b/run.csv.
-  const fs::path dir = temp_path("twodirs");
+  const testutil::TempDir tmp("cli-twodirs");
+  const fs::path& dir = tmp.path;
   fs::create_directories(dir / "a");
   fs::create_directories(dir / "b");
   {
@@ -317,7 +318,6 @@ TEST_CASE("cli: a trace whose replay refuses it is named by the path given, not 
   INFO(study.err);
   CHECK(study.status == 2);
   CHECK(study.err.find(b + ":3: free of pointer 0x2000 that is not live") != std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: a malformed trace exits 2 with file:line") {
@@ -683,9 +683,8 @@ TEST_CASE("cli: --sizes with a negative size and non-ASCII --conf text give clea
 
 
 TEST_CASE("cli: a scenario's OOM written by oom_dump, then explain: the dump and the A/B replay of the events that led to it") {
-  const fs::path dir = temp_path("explain");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-explain");
+  const fs::path& dir = tmp.path;
   const std::string pattern = (dir / "oom-%n.json").string();
   const Run s = run_cli("scenario split-800-500-300 --backend split_merge --device sim --conf 'record:true,oom_dump:" + pattern + "'");
   REQUIRE(s.status == 0);
@@ -777,7 +776,6 @@ TEST_CASE("cli: a scenario's OOM written by oom_dump, then explain: the dump and
   }
   CHECK(read_file(dump) == dump_text);
   CHECK(read_file(trace_file) == trace_text);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: --device beside a --conf device: is refused, not one of them ignored") {
@@ -801,9 +799,8 @@ TEST_CASE("cli: --device sim: or cuda: with nothing after the colon is refused, 
 
 TEST_CASE("cli: explain says when the limit changed while the events were recorded") {
   // The trace has no limit events and the replay applies the dump's (last) limit from the start.
-  const fs::path dir = temp_path("explain-limit");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-explain-limit");
+  const fs::path& dir = tmp.path;
   {
     expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:split_merge,record:true,oom_dump:" +
                                               (dir / "lowered-%n.json").string()));
@@ -832,15 +829,13 @@ TEST_CASE("cli: explain says when the limit changed while the events were record
   }
   const Run f = run_cli("explain '" + (dir / "fixed-1.json").string() + "'");
   CHECK(f.out.find("Note: the limit changed") == std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: explain of an expandable dump under policy:cupy with PyTorch's rules replays split_merge as CuPy's pool") {
   // Was: split_merge refused the dump's own configuration (policy:cupy with roundup_power2_divisions)
   // after the header was printed, exit 2, no replay table; the user had nothing to drop.
-  const fs::path dir = temp_path("explain-cupy");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-explain-cupy");
+  const fs::path& dir = tmp.path;
   {
     expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:expandable,policy:cupy,roundup_power2_divisions:4,"
                                               "limit:12MiB,record:true,oom_dump:" + (dir / "cupy-%n.json").string()));
@@ -859,14 +854,12 @@ TEST_CASE("cli: explain of an expandable dump under policy:cupy with PyTorch's r
                    "roundup_power2_divisions.") != std::string::npos);
   CHECK(e.out.find("split_merge") != e.out.rfind("split_merge"));  // the table has its row
   CHECK(e.err.find("policy:cupy") == std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: explain of a dump whose sim_granularity is more than the device replays on the device's size, in default pages") {
   // Was: a device of one 1 TiB page ("sim:1024GiB"), every request an OOM at 0 bytes, exit 0.
-  const fs::path dir = temp_path("explain-granularity");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-explain-granularity");
+  const fs::path& dir = tmp.path;
   {
     expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:split_merge,limit:400MiB,record:true,oom_dump:" +
                                               (dir / "g-%n.json").string()));
@@ -889,15 +882,13 @@ TEST_CASE("cli: explain of a dump whose sim_granularity is more than the device 
   CHECK(e.out.find("sim_granularity, 1024.00 GiB, is more than the device's 1024.00 MiB: pages of 2.00 MiB instead") != std::string::npos);
   CHECK(e.out.find("sim:1GiB") != std::string::npos);
   CHECK(e.out.find("sim:1024GiB") == std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: explain of a ring-cut trace seeds the blocks live before it, so the OOM reproduces") {
   // Was: the ring dropped the weights' allocation, the lenient replay held only what the trace
   // allocated, and neither backend ran out of memory: "the OOM does not reproduce", on both.
-  const fs::path dir = temp_path("explain-seed");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-explain-seed");
+  const fs::path& dir = tmp.path;
   {
     expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:4GiB,backend:split_merge,limit:1GiB,record:true,record_ring:8,"
                                               "oom_dump:" + (dir / "oom-%n.json").string()));
@@ -915,14 +906,13 @@ TEST_CASE("cli: explain of a ring-cut trace seeds the blocks live before it, so 
   CHECK(e.out.find("Seeded: 2 blocks (700.00 MiB) were live before the trace's first event") != std::string::npos);
   CHECK(e.out.find("oom-1.trace.csv on split_merge: 1 OOM") != std::string::npos);
   CHECK(e.out.find("oom-1.trace.csv on expandable: 1 OOM") != std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: explain of a dump copied elsewhere with its trace replays the trace beside it, not the one at the old path") {
   // Was: the trace's absolute path from the dump was used as it was: a dump and trace copied off a
   // cluster read "not there any more", and a different trace at that path was replayed as this one's.
-  const fs::path dir = temp_path("explain-moved");
-  fs::remove_all(dir);
+  const testutil::TempDir tmp("cli-explain-moved");
+  const fs::path& dir = tmp.path;
   fs::create_directories(dir / "job");
   fs::create_directories(dir / "copy");
   const std::string conf = "record:true,oom_dump:" + (dir / "job" / "oom-%n.json").string();
@@ -941,14 +931,12 @@ TEST_CASE("cli: explain of a dump copied elsewhere with its trace replays the tr
   const Run other = run_cli("explain '" + (dir / "copy" / "oom-1.json").string() + "'");
   CHECK(other.out.find("The events that led here: " + (dir / "copy" / "oom-1.trace.csv").string() + " (8 events)") != std::string::npos);
   CHECK(other.out.find("oom-1.trace.csv on split_merge: 1 OOM") != std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: explain says when the trace does not hold the events the dump says it wrote") {
   // Was: "(8 events)" from the dump, and a silent replay of the 5 a cut trace still held.
-  const fs::path dir = temp_path("explain-cut");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-explain-cut");
+  const fs::path& dir = tmp.path;
   REQUIRE(run_cli("scenario split-800-500-300 --backend split_merge --device sim --conf 'record:true,oom_dump:" + (dir / "oom.json").string() +
                   "'").status == 0);
   const std::string text = read_file(dir / "oom.trace.csv");
@@ -959,15 +947,14 @@ TEST_CASE("cli: explain says when the trace does not hold the events the dump sa
   CAPTURE(e.out);
   CHECK(e.status == 0);
   CHECK(e.out.find("Note: the trace holds 5 events, the dump says it wrote 8: it was cut or changed since") != std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: tools/study.sh, run from another directory, reads relative paths from there") {
   // Was: the script cd'd to the repository root before running `expseg study "$@"`, so --trace
   // my.csv was looked for, and --html out.html written, in the repository. Run here on a copy of
   // the script with setup, build and the binary stubbed: the stub says where it ran and what it found.
-  const fs::path dir = temp_path("study-sh");
-  fs::remove_all(dir);
+  const testutil::TempDir tmp("cli-study-sh");
+  const fs::path& dir = tmp.path;
   fs::create_directories(dir / "repo" / "tools");
   fs::create_directories(dir / "repo" / "build" / "tools");
   fs::create_directories(dir / "caller");
@@ -991,15 +978,13 @@ TEST_CASE("cli: tools/study.sh, run from another directory, reads relative paths
   CHECK(out.find("cwd=" + fs::canonical(dir / "caller").string() + "\n") != std::string::npos);
   CHECK(out.find("found my.csv") != std::string::npos);
   CHECK(out.find("targets=tools/expseg\n") != std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: explain replays on the memory the job could hold, not the whole device, when others held part of it") {
   // Was: a job without a limit that ran out because other processes (or the CUDA context) held
   // part of the GPU was replayed on the whole device, where its OOM did not happen.
-  const fs::path dir = temp_path("explain-foreign");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-explain-foreign");
+  const fs::path& dir = tmp.path;
   {
     auto sa = testutil::make_sim_allocator(expseg::Config::parse("device:sim,sim_capacity:2GiB,backend:split_merge,record:true,oom_dump:" +
                                                                  (dir / "oom.json").string()));
@@ -1016,15 +1001,13 @@ TEST_CASE("cli: explain replays on the memory the job could hold, not the whole 
   CHECK(e.out.find("Note: other processes (and the CUDA context) held 1024.00 MiB of the device's 2.00 GiB at the OOM") != std::string::npos);
   CHECK(e.out.find("oom.trace.csv on split_merge: 1 OOM, first verdict: capacity") != std::string::npos);
   CHECK(e.out.find("oom.trace.csv on expandable: 1 OOM, first verdict: capacity") != std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: explain finds the trace of a dump whose path is not UTF-8") {
   // Was: the dump, JSON and so UTF-8, holds the trace's path with U+FFFD for the byte 0xff: no such
   // file, and explain said the trace "is not there any more" while it lay beside the dump.
-  const fs::path dir = temp_path("explain-latin1");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-explain-latin1");
+  const fs::path& dir = tmp.path;
   const std::string dump = (dir / "oom\xff-1.json").string();
   REQUIRE(run_cli("scenario split-800-500-300 --backend split_merge --device sim --conf 'record:true,oom_dump:" + (dir / "oom\xff-%n.json").string() +
                   "'").status == 0);
@@ -1034,7 +1017,6 @@ TEST_CASE("cli: explain finds the trace of a dump whose path is not UTF-8") {
   CHECK(e.status == 0);
   CHECK(e.out.find("is not there any more") == std::string::npos);
   CHECK(e.out.find("on split_merge: 1 OOM, first verdict: fragmentation") != std::string::npos);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: output that cannot be written is a failure, exit 1, with the system's reason") {
@@ -1060,9 +1042,8 @@ TEST_CASE("cli: output that cannot be written is a failure, exit 1, with the sys
 TEST_CASE("cli: with --html, the OOM dump holds the run's last OOM, not one the snapshot's re-run wrote again") {
   // The segment map at peak reserved runs the story (or trace) again up to that moment, with the same
   // configuration: its OOMs before the peak wrote oom_dump again, over the last OOM's dump.
-  const fs::path dir = temp_path("dump-html");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-dump-html");
+  const fs::path& dir = tmp.path;
   const std::string dump = (dir / "d.json").string();
   auto dumped = [&] { return expseg::core::parse_json(read_file(dump)); };
 
@@ -1087,15 +1068,13 @@ TEST_CASE("cli: with --html, the OOM dump holds the run's last OOM, not one the 
   REQUIRE(expseg::core::parse_json(lines(r.out).at(0))["ooms"].as_uint() == 2);
   CHECK(dumped()["oom_number"].as_uint() == 2);
   CHECK(dumped()["report"]["requested_bytes"].as_uint() == 4294967296);
-  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: study titles the page with the backends that ran, and says n/a for a run that allocated nothing") {
   // `study --backend expandable` was titled "split_merge vs expandable"; a trace of size-0
   // allocations only read "reserved - allocated" (and 0.00x on the page).
-  const fs::path dir = temp_path("study-one");
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testutil::TempDir tmp("cli-study-one");
+  const fs::path& dir = tmp.path;
   const fs::path trace = dir / "zero.csv";
   {
     std::ofstream f(trace);
@@ -1117,7 +1096,6 @@ TEST_CASE("cli: study titles the page with the backends that ran, and says n/a f
     }
   CHECK(zero_row);
   CHECK(r.out.find("reserved - allocated") == std::string::npos);
-  fs::remove_all(dir);
 }
 
 // --- a new user's walkthrough (the library's side: test_regression_usability.cpp) --------------------
