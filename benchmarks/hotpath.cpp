@@ -16,7 +16,8 @@
 // The cache is warmed first (one pair; 20000 churn steps); only hot_loop() runs the measured part:
 //   valgrind --tool=callgrind --toggle-collect='*hot_loop*' build/benchmarks/expseg_hotpath churn expandable 200000
 // Prints the wall time per operation (meaningless under valgrind) and, for churn, the driver
-// allocations inside the measured loop (none on the simulator's cost, tens of µs each on a GPU).
+// allocations inside the measured loop (none on the simulator's cost, tens of µs each on a GPU)
+// and the driver calls' time per kind of call.
 // Where the kernel lets a process count its own events (perf_event_open), the pair and churn loops
 // also print cycles, instructions, branch misses and L1d load misses per operation: what a host
 // without a `perf` binary (a GPU machine's container) can still say about where the time goes.
@@ -249,6 +250,8 @@ int main(int argc, char** argv) {
     Churn<ExpsegSubject> c(s, nullptr, 1);
     for (int i = 0; i < 20000; ++i) c.step();
     const auto before = s.allocator().stats();
+    const expseg::driver::Driver& drv = expseg::detail::AllocatorAccess::driver(s.allocator());
+    const expseg::driver::CallStats calls_before = drv.call_stats();
     Counters counters;
     const auto w = std::chrono::steady_clock::now();
     counters.start();
@@ -257,9 +260,14 @@ int main(int argc, char** argv) {
     const auto t1 = std::chrono::steady_clock::now();
     counters.print(iterations);
     const auto after = s.allocator().stats();
-    // Driver calls in the timed loop: on a GPU each costs tens of microseconds.
+    // Driver calls in the timed loop: on a GPU each costs tens of microseconds. Their time, per
+    // kind, says how much of a step is the driver's and how much the allocator's own.
     std::printf("driver calls in the loop: %lld maps, %lld unmaps\n", static_cast<long long>(after.num_device_alloc - before.num_device_alloc),
                 static_cast<long long>(after.num_device_free - before.num_device_free));
+    const expseg::driver::CallStats calls = drv.call_stats().since(calls_before);
+    for (const expseg::DriverCallTime& t : calls.by_call())
+      std::printf("  %-22s %8llu calls %10.3f ms (%.1f ns per step)\n", t.call.c_str(), static_cast<unsigned long long>(t.calls), t.seconds * 1e3,
+                  t.seconds * 1e9 / static_cast<double>(iterations ? iterations : 1));
     std::printf("churn %s: %.1f ns/step over %ld\n", backend.c_str(),
                 std::chrono::duration<double, std::nano>(t1 - w).count() / static_cast<double>(iterations ? iterations : 1), iterations);
   } else if (workload == "replay") {
