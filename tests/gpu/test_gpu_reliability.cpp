@@ -4,6 +4,8 @@
 //   - the 800/500/300 story under a 2064 MiB limit (split_merge: OOM with 900 MiB reserved but
 //     unallocated; expandable: succeeds, and its blocks hold their bytes);
 //   - expandable data integrity across growth, reclaim and remapping under a limit that forces them;
+//   - expandable without a limit: memory given back before a new highest mark is never still in use
+//     by queued work (synchronizations skipped only where an event says that work is done);
 //   - host threads and streams writing and checking concurrently;
 //   - the growing-buffer and random-churn scenarios with the verdicts of the simulated device;
 //   - the stats identities after each of these.
@@ -370,6 +372,73 @@ TEST_CASE("gpu: expandable blocks keep their bytes across growth, reclaim and re
                                    << " unmapped, peak reserved " << s.reserved_bytes[kAllPools].peak);
   CHECK(s.num_device_free > 0);  // memory really was unmapped and mapped again
   CHECK(s.reserved_bytes[kAllPools].peak <= static_cast<std::int64_t>(1 * GiB));
+  a.release_cached();
+  check_stats(a);
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+  d.stream_destroy(s1);
+}
+
+TEST_CASE("gpu: expandable: without a limit, memory given back before a new highest mark is never still in use by queued work") {
+  // A cache that grows at every step, as KV caches in generation: each step allocates a larger
+  // block on s1, queues a memset over it and frees the previous one while its memset may still run;
+  // side blocks come and go. Each step sets a new highest mark, so the reclaim before it gives back
+  // idle memory, part of it freed moments ago: without waiting only where a synchronization of s1 or
+  // an event recorded there (ExpArena::safe_seq) says its work is done. An unmap under a running
+  // memset would fault it (and compute-sanitizer reports it); the read-backs check every live block.
+  Allocator a(cuda_config(BackendKind::expandable));
+  Driver& d = driver_of(a);
+  void* s1 = d.stream_create();
+  expseg::ScenarioRng rng(46);
+  std::vector<Block> live;
+  std::uint32_t next_tag = 0x46000001u;
+  std::int64_t corrupt = 0;
+  auto verify = [&](const Block& blk) {
+    std::uint32_t found = 0;
+    const std::int64_t bad = read_back(d, blk.p, blk.bytes, blk.tag, &found);
+    if (bad >= 0) {
+      ++corrupt;
+      MESSAGE("block " << blk.p << "+" << blk.bytes << " tag " << blk.tag << ": byte " << bad << " holds " << found);
+    }
+  };
+  auto write = [&](std::size_t bytes) {
+    Block blk{a.allocate(bytes, s1), bytes, next_tag++, s1};
+    d.memset_d32(dp(blk.p), blk.tag, blk.bytes / 4, s1);
+    return blk;
+  };
+  const auto before = d.call_stats();
+  Block cache = write(8 * MiB);
+  for (int step = 0; step < 300; ++step) {
+    const Block grown = write(cache.bytes + rng.below(4) * MiB + 64 * KiB);
+    a.deallocate(cache.p);  // its memset may still run: stream order lets s1 reuse it, not unmap it
+    cache = grown;
+    if (live.size() < 8 || rng.uniform() < 0.5) live.push_back(write(rng.log_uniform(20, 25) / 4 * 4 + 4));  // 1-32 MiB
+    if (!live.empty() && rng.uniform() < 0.5) {
+      const std::size_t j = rng.below(live.size());
+      a.deallocate(live[j].p);
+      live[j] = live.back();
+      live.pop_back();
+    }
+    if (step % 50 == 49) {
+      d.stream_synchronize(s1);
+      verify(cache);
+      for (const Block& blk : live) verify(blk);
+      check_stats(a);
+    }
+  }
+  d.stream_synchronize(s1);
+  verify(cache);
+  for (const Block& blk : live) verify(blk);
+  CHECK(corrupt == 0);
+  const auto calls = d.call_stats().since(before);
+  auto n = [&](expseg::driver::Op op) { return calls.calls[static_cast<std::size_t>(op)]; };
+  const expseg::Stats st = a.stats();
+  MESSAGE("growing cache: " << st.num_device_alloc << " handles mapped, " << st.num_device_free << " given back, "
+                            << n(expseg::driver::Op::stream_sync) << " synchronizations, " << n(expseg::driver::Op::event_record)
+                            << " events recorded, " << n(expseg::driver::Op::event_query) << " queried");
+  CHECK(st.num_device_free > 0);                      // the reclaim ran
+  CHECK(n(expseg::driver::Op::event_record) > 0);     // and recorded its events on the device
+  a.deallocate(cache.p);
+  for (const Block& blk : live) a.deallocate(blk.p);
   a.release_cached();
   check_stats(a);
   CHECK(a.stats().reserved_bytes[kAllPools].current == 0);

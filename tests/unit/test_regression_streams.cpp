@@ -146,15 +146,99 @@ TEST_CASE("expandable: reclaim under a limit and release_cached wait for the str
   sa->deallocate(p);
   void* q = sa->allocate(60 * MiB, s2);  // needs s1's idle memory
   CHECK(sa.sim->hazards().empty());
-  sa.sim->queue_use(s1, addr(p), 60 * MiB);
+  // s1 reuses what is left of its idle memory (stream order: no wait), a kernel uses it, then the
+  // free: that memory became idle after the synchronization above, so giving it back waits again.
+  void* r = sa->allocate(16 * MiB, s1);
+  REQUIRE(r != nullptr);
+  sa.sim->queue_use(s1, addr(r), 16 * MiB);
+  sa->deallocate(r);
   sa->deallocate(q);
+  const auto before = sa.sim->call_stats();
   sa->release_cached();
+  CHECK(sa.sim->call_stats().since(before).calls[static_cast<std::size_t>(Op::stream_sync)] >= 1);
   CHECK(sa.sim->hazards().empty());
   sa->validate();
   sa.sim->set_stream_busy(s1, false);
   sa.alloc.reset();
   sa.sim->stream_destroy(s1);
   sa.sim->stream_destroy(s2);
+}
+
+// The reclaim before a new highest mark (no limit) gives back idle memory of the request's stream.
+// Memory idle since before a synchronization of that stream, or before an event recorded there
+// (at the previous such reclaim) that has completed, is given back without waiting again; memory
+// that became idle later still waits for the stream.
+namespace {
+struct EpochStory {
+  testutil::SimAllocator sa = make_sim_allocator(sim_config(BackendKind::expandable));
+  void* s1 = sa.sim->stream_create();
+  std::vector<void*> live;
+  std::uint64_t calls(Op op) { return sa.sim->call_stats().calls[static_cast<std::size_t>(op)]; }
+  std::int64_t device_frees() { return sa->stats().num_device_free; }
+  // Four 8 MiB blocks with a 2 MiB block after each, the four freed: four idle runs between live
+  // blocks (idle before any synchronization), 40 MiB held, 8 MiB live.
+  EpochStory() {
+    std::vector<void*> x;
+    for (int i = 0; i < 4; ++i) {
+      x.push_back(sa->allocate(8 * MiB, s1));
+      live.push_back(sa->allocate(2 * MiB, s1));
+    }
+    for (void* p : x) sa->deallocate(p);
+  }
+  ~EpochStory() {
+    sa.sim->set_stream_busy(s1, false);
+    for (void* p : live) sa->deallocate(p);
+    sa.alloc.reset();
+    sa.sim->stream_destroy(s1);
+  }
+};
+}  // namespace
+
+TEST_CASE("expandable: the reclaim before a new highest mark waits for the stream only for memory idle since its last known completion") {
+  EpochStory t;
+  auto& sim = *t.sa.sim;
+  // 16 MiB fits no hole: it grows the segment past the highest mark, and as much idle memory goes
+  // back first, the oldest first (the first two holes), after one synchronization of s1.
+  std::uint64_t syncs = t.calls(Op::stream_sync);
+  std::int64_t frees = t.device_frees();
+  t.live.push_back(t.sa->allocate(16 * MiB, t.s1));
+  CHECK(t.device_frees() > frees);
+  CHECK(t.calls(Op::stream_sync) == syncs + 1);
+  sim.set_stream_busy(t.s1, true);
+  SUBCASE("memory idle before that synchronization goes back without another") {
+    syncs = t.calls(Op::stream_sync);
+    frees = t.device_frees();
+    t.live.push_back(t.sa->allocate(16 * MiB, t.s1));  // the third and fourth holes go back
+    CHECK(t.device_frees() > frees);
+    CHECK(t.calls(Op::stream_sync) == syncs);
+  }
+  // A kernel on s1 uses a block carved from the third hole, then it is freed: idle after the
+  // synchronization. 12 MiB past the highest mark: 12 MiB of the older idle memory go back without
+  // waiting, and an event recorded on s1 marks what is idle now (z's memory among it) for the next
+  // reclaim. Another 12 MiB past the mark needs the rest of the idle memory, z's included.
+  auto idle_since = [&](bool kernel_done) {
+    void* z = t.sa->allocate(2 * MiB, t.s1);
+    sim.queue_use(t.s1, addr(z), 2 * MiB);
+    t.sa->deallocate(z);
+    syncs = t.calls(Op::stream_sync);
+    frees = t.device_frees();
+    const std::uint64_t records = t.calls(Op::event_record);
+    t.live.push_back(t.sa->allocate(12 * MiB, t.s1));
+    CHECK(t.device_frees() > frees);
+    CHECK(t.calls(Op::stream_sync) == syncs);
+    CHECK(t.calls(Op::event_record) == records + 1);
+    CHECK(sim.hazards().empty());
+    t.sa->validate();
+    if (kernel_done) sim.set_stream_busy(t.s1, false);  // the event completes
+    frees = t.device_frees();
+    t.live.push_back(t.sa->allocate(12 * MiB, t.s1));
+    CHECK(t.device_frees() > frees);
+    CHECK(t.calls(Op::stream_sync) == syncs + (kernel_done ? 0 : 1));
+  };
+  SUBCASE("memory idle since then, the event recorded after it complete: no wait") { idle_since(true); }
+  SUBCASE("memory idle since then, the kernel still queued: the reclaim waits for it") { idle_since(false); }
+  CHECK(sim.hazards().empty());
+  t.sa->validate();
 }
 
 TEST_CASE("expandable: destroying the allocator waits for work still queued on memory freed to its cache") {

@@ -261,6 +261,7 @@ ExpandableBackend::~ExpandableBackend() {
       quietly([&] { ctx_.driver.free_reserve(seg->base, seg->va_bytes); });
       delete seg;
     }
+    destroy_epoch_event(*arena);
     delete arena;
   }
   if (spare_range_.bytes != 0) quietly([&] { ctx_.driver.free_reserve(spare_range_.base, spare_range_.bytes); });
@@ -462,12 +463,14 @@ inline void ExpandableBackend::set_run_edges(IdleRun* r) noexcept {
 
 // Adds the idle handles of [lo, hi) as a run: last in idle_runs_, or right after `after` (the rest
 // of a run that was split). Takes a spare run (reserve_runs).
-inline void ExpandableBackend::add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after) noexcept {
+inline void ExpandableBackend::add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t seq,
+                                             IdleRun* after) noexcept {
   IdleRun* r = spare_runs_;
   spare_runs_ = r->next_spare;
   r->seg = &seg;
   r->lo = lo;
   r->hi = hi;
+  r->seq = seq;
   idle_runs_.insert(after ? std::next(idle_runs_.iterator_to(*after)) : idle_runs_.end(), *r);
   ArenaRunList& own = seg.arena->idle_runs;  // `after` lies in the same segment: the same relative order
   own.insert(after ? std::next(own.iterator_to(*after)) : own.end(), *r);
@@ -538,7 +541,7 @@ inline void ExpandableBackend::make_busy_back(ExpSegment& seg, std::uint64_t lo,
       const std::uint64_t end = r->hi;
       r->hi = lo;
       handle_at(seg, lo - 1)->run_last = r;
-      add_idle_run(seg, hi, end, r);
+      add_idle_run(seg, hi, end, r->seq, r);
     } else if (r->lo < lo) {
       r->hi = lo;
       handle_at(seg, lo - 1)->run_last = r;
@@ -585,7 +588,13 @@ void ExpandableBackend::for_each_idle(F&& f) const {
     for (std::uint64_t a = r.lo; a < r.hi;) {
       ExpHandle* h = handle_at(*r.seg, a);
       a += h->bytes;
-      if constexpr (std::is_same_v<decltype(f(*h)), bool>) {
+      if constexpr (std::is_invocable_v<F&, ExpHandle&, const IdleRun&>) {  // the handle and its run
+        if constexpr (std::is_same_v<std::invoke_result_t<F&, ExpHandle&, const IdleRun&>, bool>) {
+          if (!f(*h, r)) return;
+        } else {
+          f(*h, r);
+        }
+      } else if constexpr (std::is_same_v<decltype(f(*h)), bool>) {
         if (!f(*h)) return;
       } else {
         f(*h);
@@ -1245,9 +1254,13 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
   // Without a limit, keep the peak of what is held close to what is in use: before growing past
   // the highest reservation so far, give back idle memory beyond a small slack over the live bytes
   // (best effort; the slack is 1/256 of the live bytes, without the growth granule: an extension
-  // mapped past a block is for later, not part of the working set). It costs a stream
-  // synchronization and driver calls, so it only runs when a new peak would be set — rarely, once
-  // a workload has warmed up. Under a limit, make_room below reclaims when the limit requires it.
+  // mapped past a block is for later, not part of the working set). It costs driver calls, so it
+  // only runs when a new peak would be set — rarely, once a workload has warmed up, but at almost
+  // every token of a generation whose KV caches grow. Memory idle since before the last
+  // synchronization of the stream, or before the event the previous such reclaim recorded there
+  // once that event completed, goes back without waiting (ExpArena::safe_seq); only newer idle
+  // memory waits for the stream (a synchronization per reclaim drained the queue the host had run
+  // ahead by). Under a limit, make_room below reclaims when the limit requires it.
   if (ctx_.limit == 0 && !idle_runs_.empty()) {
     const std::size_t need = frames_needed(*pl.seg, pl.start, map_hi) * frame_;
     if (reserved_ + need > high_water_) {
@@ -1447,18 +1460,20 @@ std::size_t ExpandableBackend::move_idle_handle(ExpSegment& seg, std::size_t fra
   std::size_t seen = 0;
   std::size_t seen_frames = 0;
   ExpHandle* best = nullptr;
-  for_each_idle([&](ExpHandle& h) {
+  std::uint64_t best_seq = 0;
+  for_each_idle([&](ExpHandle& h, const IdleRun& r) {
     ++search_steps_;
     if (++seen > kMoveWindow && seen_frames >= window_frames) return false;
     seen_frames += h.nframes;
     if (h.nframes > nframes || 4 * h.nframes < 3 * nframes || (best != nullptr && h.nframes <= best->nframes)) return true;
     if (excluded(h, ex)) return true;
     best = &h;
+    best_seq = r.seq;
     return best->nframes != nframes;  // an exact fit, the least recently idle: no other can win
   });
   if (best == nullptr) return 0;
   // The memory was freed on its arena's stream: work queued there may still use it.
-  synchronize_once(*best->seg->arena);
+  synchronize_for_run(*best->seg->arena, best_seq);
   const std::size_t moved = best->nframes;
   unmap_mapping(best);  // the handle stays held: neither a device free nor, mapped again, an allocation
   // A failed mapping gives the handle back, a device free (map_handle counts it), or keeps it as an
@@ -1552,7 +1567,9 @@ void ExpandableBackend::register_mapping(ExpSegment& seg, ExpHandle* h, Block* a
   if (ctx_.hooks) ctx_.hooks->on_map(lo, h->bytes, arena.stream);
 
   set_range_mapped(seg, anchor ? anchor->next : seg.first, lo, hi, true);
-  add_idle_run(seg, lo, hi);  // idle since now (map_handle reserved the run)
+  // Idle since now (map_handle reserved the run). Never handed out at this address, so no queued
+  // work uses it: seq 0 (a moved handle's work at its old address was known complete before its unmap).
+  add_idle_run(seg, lo, hi, 0);
 }
 
 // The free block holding [lo, hi) (in the other mapped state) becomes up to three: the parts
@@ -1658,41 +1675,93 @@ bool ExpandableBackend::make_room(std::size_t bytes, const Exclusion& ex) {
 // every idle handle made each allocation under a limit cost O(idle handles) (2,048 idle handles:
 // ~1,800 steps a request instead of ~50). Random churn, 64 seeds, modelled driver time: 5,904 ms
 // with every idle handle, 5,902 with the window of 8 (4: 5,921; 2: 6,081); mixes no worse.
-std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only, bool largest_first) {
+std::size_t ExpandableBackend::reclaim_idle(std::size_t bytes, const Exclusion& ex, ExpArena* only, bool largest_first) {
   constexpr std::size_t kReclaimWindow = 8;
   const std::size_t wanted = !largest_first ? bytes : bytes > SIZE_MAX / kReclaimWindow ? SIZE_MAX : bytes * kReclaimWindow;
   std::size_t freed = 0;
   std::size_t seen = 0;
-  std::vector<ExpHandle*> order;
-  auto take = [&](ExpHandle& h) {  // false: enough candidates
+  struct Candidate {
+    ExpHandle* h;
+    std::uint64_t seq;  // its run's (synchronize_for_run)
+  };
+  std::vector<Candidate> order;
+  auto take = [&](ExpHandle& h, const IdleRun& r) {  // false: enough candidates
     ++slow_path_steps_;
     if (excluded(h, ex)) return true;
-    order.push_back(&h);
+    order.push_back(Candidate{&h, r.seq});
     seen += h.bytes;
     return seen < wanted || (largest_first && order.size() < kReclaimWindow);
   };
   if (only != nullptr) {  // that arena's runs only, in the same order for_each_idle would give them
     if (!may_unmap_in(*only)) return 0;
+    poll_epoch(*only);
     bool more = true;
     for (auto r = only->idle_runs.begin(); more && r != only->idle_runs.end(); ++r)
       for (std::uint64_t a = r->lo; more && a < r->hi;) {
         ExpHandle* h = handle_at(*r->seg, a);
         a += h->bytes;
-        more = take(*h);
+        more = take(*h, *r);
       }
   } else {
     for_each_idle(take);
   }
-  if (largest_first) std::stable_sort(order.begin(), order.end(), [](const ExpHandle* a, const ExpHandle* b) { return a->bytes > b->bytes; });
-  for (ExpHandle* h : order) {
+  if (largest_first)
+    std::stable_sort(order.begin(), order.end(), [](const Candidate& a, const Candidate& b) { return a.h->bytes > b.h->bytes; });
+  for (const Candidate& c : order) {
     if (freed >= bytes) break;
     // The memory was freed on the arena's stream: work queued there may still use it.
-    synchronize_once(*h->seg->arena);
-    const std::size_t hb = h->bytes;
-    unmap_handle(h);
+    synchronize_for_run(*c.h->seg->arena, c.seq);
+    const std::size_t hb = c.h->bytes;
+    unmap_handle(c.h);
     freed += hb;
   }
+  // The reclaim before a new highest mark comes again at the next one: an event recorded now lets
+  // that one unmap what is idle now without waiting, once the work queued before it is done (in
+  // generation with growing KV caches, a reclaim at almost every token synchronized the stream
+  // each time, draining the queue the host had run ahead by).
+  if (only != nullptr) record_epoch(*only);
   return freed;
+}
+
+void ExpandableBackend::poll_epoch(ExpArena& arena) noexcept {
+  if (!arena.epoch_pending) return;
+  bool done = false;
+  try {
+    done = ctx_.driver.event_query(arena.epoch_event);
+  } catch (...) {
+    arena.epoch_pending = false;  // recorded again next time; safe_seq stays
+    return;
+  }
+  if (!done) return;
+  arena.epoch_pending = false;
+  arena.safe_seq = std::max(arena.safe_seq, arena.epoch_seq);
+}
+
+void ExpandableBackend::record_epoch(ExpArena& arena) noexcept {
+  if (arena.epoch_pending || arena.safe_seq >= idle_seq_ || arena.idle_runs.empty()) return;
+  // The stream whose synchronization would cover the arena's work; a key's (the device's
+  // synchronization) has no stream to record on. Never while a capture is known (the caller asked
+  // may_unmap_in for this operation): a record on a capturing stream would join the capture.
+  const driver::stream_t stream = stream_to_synchronize(arena);
+  if (is_stream_key(stream) || ctx_.capturing) return;
+  try {
+    if (arena.epoch_event == nullptr) arena.epoch_event = ctx_.driver.event_create();
+    ctx_.driver.event_record(arena.epoch_event, stream);
+  } catch (...) {
+    return;  // no epoch: the next reclaim synchronizes, as without events
+  }
+  arena.epoch_seq = idle_seq_;
+  arena.epoch_pending = true;
+}
+
+void ExpandableBackend::destroy_epoch_event(ExpArena& arena) noexcept {
+  if (arena.epoch_event == nullptr) return;
+  try {
+    ctx_.driver.event_destroy(arena.epoch_event);
+  } catch (...) {
+  }
+  arena.epoch_event = nullptr;
+  arena.epoch_pending = false;
 }
 
 // Unmaps idle handle `h` from its frames (which become a free unmapped range) and forgets it as
@@ -1873,14 +1942,17 @@ driver::stream_t ExpandableBackend::stream_to_synchronize(const ExpArena& arena)
 void ExpandableBackend::synchronize_once(const ExpArena& arena) {
   SyncedStreams& s = synced_;
   const driver::stream_t stream = stream_to_synchronize(arena);
-  if (s.all || std::find(s.streams, s.streams + s.count, stream) != s.streams + s.count) return;
-  if (!is_stream_key(stream)) {
-    ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
-    if (s.count < std::size(s.streams)) s.streams[s.count++] = stream;
-  } else {
-    ctx_.driver.device_synchronize();
-    s.all = true;
+  if (!s.all && std::find(s.streams, s.streams + s.count, stream) == s.streams + s.count) {
+    if (!is_stream_key(stream)) {
+      ctx_.driver.stream_synchronize(stream);  // throws with nothing recorded: the next call tries again
+      if (s.count < std::size(s.streams)) s.streams[s.count++] = stream;
+    } else {
+      ctx_.driver.device_synchronize();
+      s.all = true;
+    }
   }
+  // Synchronized in this operation, after every free so far (none comes while it runs).
+  arena.safe_seq = idle_seq_;
 }
 
 void ExpandableBackend::unmap_handle(ExpHandle* h) {
@@ -1993,7 +2065,7 @@ void ExpandableBackend::free(Block* b) noexcept {
   if (run_lo < keep->addr) run_lo += first->bytes;
   std::uint64_t run_hi = frame_addr(seg, last->first_frame) + last->bytes;
   if (run_hi > keep->end()) run_hi -= last->bytes;
-  if (run_lo < run_hi) add_idle_run(seg, run_lo, run_hi);
+  if (run_lo < run_hi) add_idle_run(seg, run_lo, run_hi, ++idle_seq_);
 }
 
 // The arena of the per-thread stream of a thread that has exited: no request can name that stream
@@ -2095,6 +2167,7 @@ void ExpandableBackend::sweep_forgotten() noexcept {
     ++slow_path_steps_;
     arenas_.erase(arenas_.iterator_to(*a));
     if (a->retired_hook.is_linked()) retired_.erase(retired_.iterator_to(*a));
+    destroy_epoch_event(*a);
     delete a;
   }
 }
@@ -2442,6 +2515,12 @@ void ExpandableBackend::validate() const {
     }
     if (handle_at(*r.seg, r.lo)->run_first != &r || handle_at(*r.seg, r.hi - 1)->run_last != &r)
       broken("the end handles of the idle run at " + hex(r.lo) + " do not point to it");
+    if (r.seq > idle_seq_) broken("the idle run at " + hex(r.lo) + " became idle after the last free");
+  }
+  // What is known complete, and the epoch events, count frees that happened.
+  for (const ExpArena* arena : arena_pointers()) {
+    if (arena->safe_seq > idle_seq_ || arena->epoch_seq > idle_seq_) broken("an arena's safe_seq or epoch_seq is past the last free");
+    if (arena->epoch_pending && arena->epoch_event == nullptr) broken("an arena waits for an epoch event it does not hold");
   }
   if (in_runs != idle) broken("idle handles missing from the idle runs");
   // IdleRun objects: each in a run or spare, at least one per handle (a free takes one without a

@@ -32,6 +32,8 @@
 //   - the idle runs partition the idle handles: each run is a range of whole handles inside one
 //     mapped free block, its first handle's run_first and its last handle's run_last point to it;
 //     an arena's idle_runs are the runs in its segments, in the backend's order
+//   - a run's seq, an arena's safe_seq and epoch_seq are at most idle_seq_ (frees so far); an arena
+//     waiting for its epoch event holds one
 //   - reserved_ = bytes of every handle held (mapped or waiting for a retried release);
 //     va_reserved_ = bytes of address range the segments and the spare range hold; the spare
 //     range overlaps no segment and no mapped orphan
@@ -66,6 +68,11 @@ struct IdleRun {
   ExpSegment* seg = nullptr;
   std::uint64_t lo = 0;
   std::uint64_t hi = 0;
+  // When its handles became idle: the backend's idle_seq_ at the free that made them idle (a run
+  // split in two keeps it in both halves); 0 for handles mapped and never handed out, which no
+  // queued work can use. Work queued before that free may still use them until the arena's
+  // safe_seq reaches it (ExpArena::safe_seq).
+  std::uint64_t seq = 0;
   IdleRun* next_spare = nullptr;  // the backend's spare runs
   core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>> hook;  // the backend's idle_runs_
   core::bi::list_member_hook<core::bi::link_mode<core::bi::normal_link>> arena_hook;  // its arena's idle_runs
@@ -179,6 +186,17 @@ struct ExpArena {
   // not be asked): while it captures, the legacy stream's synchronization would invalidate the
   // capture (ExpandableBackend::seen_capture).
   bool stream_blocks = false;
+  // The work queued on this arena's stream that may use its idle runs with seq <= safe_seq is
+  // known complete: its stream was synchronized after they became idle (synchronize_once), or an
+  // event recorded after that completed (epoch_event). Their handles are unmapped without a
+  // synchronization; the others take one first.
+  mutable std::uint64_t safe_seq = 0;
+  // Recorded on the stream that synchronize_once would synchronize, by the reclaim before a new
+  // highest mark (reclaim_idle), when idle_seq_ was epoch_seq; while epoch_pending, not yet seen
+  // complete. A later reclaim that finds it complete raises safe_seq to epoch_seq without waiting.
+  driver::event_t epoch_event = nullptr;
+  std::uint64_t epoch_seq = 0;
+  bool epoch_pending = false;
   // On the backend's retired_looks_: a retired arena whose memory the next reap_retired must look
   // at (ExpandableBackend::retired_looks_ says when).
   core::bi::list_member_hook<> look_hook;
@@ -334,7 +352,7 @@ class ExpandableBackend final : public Backend {
   bool room_after_reclaim(std::size_t bytes, const Exclusion& ex) const noexcept;
   bool room_for_placement(const Placement& pl, std::size_t size) const noexcept;
   std::size_t room_limit() const noexcept;
-  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, const ExpArena* only = nullptr, bool largest_first = false);
+  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, ExpArena* only = nullptr, bool largest_first = false);
   void unmap_handle(ExpHandle* h);
   void unmap_mapping(ExpHandle* h);
   // The block holding addr, which must lie in a mapped frame of seg (found by walking from the
@@ -347,6 +365,17 @@ class ExpandableBackend final : public Backend {
   // stream may still be used by that work until then. Once is enough because nothing can be freed
   // while an operation runs (the caller holds the allocator's lock).
   void synchronize_once(const ExpArena& arena);
+  // Before unmapping an idle handle of `arena` whose run has `seq`: synchronize_once unless the
+  // arena's work up to that run is known complete (ExpArena::safe_seq).
+  void synchronize_for_run(const ExpArena& arena, std::uint64_t seq) {
+    if (seq > arena.safe_seq) synchronize_once(arena);
+  }
+  // The reclaim before a new highest mark's events (ExpArena::epoch_event): poll_epoch raises
+  // safe_seq when the pending one completed; record_epoch records one when none is pending and
+  // some idle run may be unsafe. Best effort: a driver error leaves safe_seq as it was.
+  void poll_epoch(ExpArena& arena) noexcept;
+  void record_epoch(ExpArena& arena) noexcept;
+  void destroy_epoch_event(ExpArena& arena) noexcept;
   void begin_operation() noexcept {
     synced_.count = 0;
     synced_.all = false;
@@ -383,7 +412,8 @@ class ExpandableBackend final : public Backend {
   void whole_handles(const ExpSegment& seg, const core::Block& b, std::uint64_t& lo, std::uint64_t& hi) const noexcept;
   void reserve_runs(std::size_t n);
   void add_spare_runs(std::size_t n);
-  void add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, IdleRun* after = nullptr) noexcept;
+  // seq: the run's IdleRun::seq (a split's second half: `after`'s).
+  void add_idle_run(ExpSegment& seg, std::uint64_t lo, std::uint64_t hi, std::uint64_t seq, IdleRun* after = nullptr) noexcept;
   void drop_idle_run(IdleRun* r) noexcept;
   void set_run_edges(IdleRun* r) noexcept;
   void make_busy(ExpSegment& seg, std::uint64_t wlo, std::uint64_t whi, std::uint64_t lo, std::uint64_t hi) noexcept;
@@ -488,6 +518,7 @@ class ExpandableBackend final : public Backend {
   KeyedList keyed_;
   std::uint64_t retired_seen_ = 0;  // retired_keys_generation() when retired_ was last brought up to date
   RunList idle_runs_;   // the idle handles, in runs, least recently idle first
+  std::uint64_t idle_seq_ = 0;  // frees that made handles idle so far (IdleRun::seq)
   bool retrying_pending_ = false;  // allocate_slow's retry after completing pending frees is under way
   IdleRun* spare_runs_ = nullptr;  // recycled: the cached paths never allocate one
   std::size_t run_objects_ = 0;    // IdleRun objects, in runs or spare: at least handles_ (map_handle)
