@@ -237,6 +237,20 @@ TEST_CASE("expandable: the reclaim before a new highest mark waits for the strea
   };
   SUBCASE("memory idle since then, the event recorded after it complete: no wait") { idle_since(true); }
   SUBCASE("memory idle since then, the kernel still queued: the reclaim waits for it") { idle_since(false); }
+  SUBCASE("while a blocking stream captures, the reclaim records no event (CUDA may count it unsafe then)") {
+    void* z = t.sa->allocate(2 * MiB, t.s1);
+    sim.queue_use(t.s1, addr(z), 2 * MiB);
+    t.sa->deallocate(z);
+    void* capturing = sim.stream_create_blocking();
+    sim.capture_begin(capturing);
+    const std::uint64_t records = t.calls(Op::event_record);
+    frees = t.device_frees();
+    t.live.push_back(t.sa->allocate(12 * MiB, t.s1));  // s1 does not capture: its old idle memory goes back
+    CHECK(t.device_frees() > frees);
+    CHECK(t.calls(Op::event_record) == records);
+    CHECK_NOTHROW(sim.graph_destroy(sim.capture_end(capturing)));
+    sim.stream_destroy(capturing);
+  }
   CHECK(sim.hazards().empty());
   t.sa->validate();
 }

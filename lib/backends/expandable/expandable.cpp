@@ -1740,10 +1740,14 @@ void ExpandableBackend::poll_epoch(ExpArena& arena) noexcept {
 void ExpandableBackend::record_epoch(ExpArena& arena) noexcept {
   if (arena.epoch_pending || arena.safe_seq >= idle_seq_ || arena.idle_runs.empty()) return;
   // The stream whose synchronization would cover the arena's work; a key's (the device's
-  // synchronization) has no stream to record on. Never while a capture is known (the caller asked
-  // may_unmap_in for this operation): a record on a capturing stream would join the capture.
+  // synchronization) has no stream to record on. Not while a capture is seen, though the caller's
+  // may_unmap_in says this stream does not capture: in global capture mode CUDA refuses calls it
+  // counts unsafe from any thread while another captures (PyTorch records no event then), and a
+  // record left out costs only a synchronization at the next reclaim. The captures expseg is told
+  // of and those on blocking streams (one question of the legacy stream); not every stream's
+  // arena asked, which thousands of streams made O(streams) per reclaim.
   const driver::stream_t stream = stream_to_synchronize(arena);
-  if (is_stream_key(stream) || ctx_.capturing) return;
+  if (is_stream_key(stream) || ctx_.capturing || seen_capture(true)) return;
   try {
     if (arena.epoch_event == nullptr) arena.epoch_event = ctx_.driver.event_create();
     ctx_.driver.event_record(arena.epoch_event, stream);
