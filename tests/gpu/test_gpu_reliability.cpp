@@ -93,6 +93,16 @@ struct Block {
   void* stream = nullptr;  // where it was written
 };
 
+// Reads back a block written with its tag: 1 (and a message naming the first wrong word) if any
+// word differs, else 0.
+int verify_block(Driver& d, const Block& blk) {
+  std::uint32_t found = 0;
+  const std::int64_t bad = read_back(d, blk.p, blk.bytes, blk.tag, &found);
+  if (bad < 0) return 0;
+  MESSAGE("block " << blk.p << "+" << blk.bytes << " tag " << blk.tag << ": byte " << bad << " holds " << found);
+  return 1;
+}
+
 }  // namespace
 
 TEST_SUITE("gpu_reliability") {
@@ -326,14 +336,7 @@ TEST_CASE("gpu: expandable blocks keep their bytes across growth, reclaim and re
   std::uint32_t next_tag = 0x20000001u;
   std::int64_t corrupt = 0;
   std::size_t ooms = 0;
-  auto verify = [&](const Block& blk) {
-    std::uint32_t found = 0;
-    const std::int64_t bad = read_back(d, blk.p, blk.bytes, blk.tag, &found);
-    if (bad >= 0) {
-      ++corrupt;
-      MESSAGE("block " << blk.p << "+" << blk.bytes << " tag " << blk.tag << ": byte " << bad << " holds " << found);
-    }
-  };
+  auto verify = [&](const Block& blk) { corrupt += verify_block(d, blk); };
   auto release = [&](std::size_t j) {
     d.stream_synchronize(live[j].stream);
     verify(live[j]);
@@ -392,14 +395,7 @@ TEST_CASE("gpu: expandable: without a limit, memory given back before a new high
   std::vector<Block> live;
   std::uint32_t next_tag = 0x46000001u;
   std::int64_t corrupt = 0;
-  auto verify = [&](const Block& blk) {
-    std::uint32_t found = 0;
-    const std::int64_t bad = read_back(d, blk.p, blk.bytes, blk.tag, &found);
-    if (bad >= 0) {
-      ++corrupt;
-      MESSAGE("block " << blk.p << "+" << blk.bytes << " tag " << blk.tag << ": byte " << bad << " holds " << found);
-    }
-  };
+  auto verify = [&](const Block& blk) { corrupt += verify_block(d, blk); };
   auto write = [&](std::size_t bytes) {
     Block blk{a.allocate(bytes, s1), bytes, next_tag++, s1};
     d.memset_d32(dp(blk.p), blk.tag, blk.bytes / 4, s1);
