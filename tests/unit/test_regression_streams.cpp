@@ -255,6 +255,58 @@ TEST_CASE("expandable: the reclaim before a new highest mark waits for the strea
   t.sa->validate();
 }
 
+TEST_CASE("expandable: without a limit, growth past the highest mark waits for memory the stream may still use only past a slack") {
+  // 1.2 GiB live, then a 12 MiB block freed while a kernel on its stream still uses it: idle
+  // memory no synchronization or event has covered yet.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable));
+  auto& sim = *sa.sim;
+  void* s1 = sim.stream_create();
+  auto syncs = [&] { return sim.call_stats().calls[static_cast<std::size_t>(Op::stream_sync)]; };
+  auto device_frees = [&] { return sa->stats().num_device_free; };
+  std::vector<void*> live{sa->allocate(1024 * MiB, s1)};
+  for (int i = 0; i < 3; ++i) live.push_back(sa->allocate(64 * MiB, s1));
+  void* a = sa->allocate(12 * MiB, s1);
+  live.push_back(sa->allocate(2 * MiB, s1));
+  sim.set_stream_busy(s1, true);
+  sim.queue_use(s1, addr(a), 12 * MiB);
+  sa->deallocate(a);
+  std::uint64_t syncs_before = syncs();
+  std::int64_t frees_before = device_frees();
+  SUBCASE("within 1/128 of the live bytes past the target: no wait; it goes back at a later growth once safe") {
+    // 16 MiB grows past the mark: the reclaim wants ~7 MiB of a's memory back, within the slack.
+    void* b = sa->allocate(16 * MiB, s1);
+    CHECK(syncs() == syncs_before);
+    CHECK(device_frees() == frees_before);
+    const expseg::Stats st = sa->stats();
+    CHECK(st.reserved_bytes[kAllPools].current > st.active_bytes[kAllPools].current * 257 / 256 + 4 * MiB);
+    // The kernel completes (the event the reclaim recorded with it). The memory left mapped did not
+    // raise the highest mark: with b freed, 20 MiB (more than any hole) passes it again, and a's
+    // memory goes back, without waiting, to within the slack over the live bytes (had the mark
+    // risen, only what passes it would).
+    sim.set_stream_busy(s1, false);
+    sa->deallocate(b);
+    live.push_back(sa->allocate(20 * MiB, s1));
+    CHECK(syncs() == syncs_before);
+    CHECK(device_frees() > frees_before);
+    const expseg::Stats after = sa->stats();
+    CHECK(after.reserved_bytes[kAllPools].current <= after.active_bytes[kAllPools].current * 257 / 256 + 2 * MiB);
+  }
+  SUBCASE("past it: the reclaim waits for the stream, then gives the memory back") {
+    sim.queue_use(s1, addr(live[1]), 64 * MiB);
+    sa->deallocate(live[1]);
+    live.erase(live.begin() + 1);
+    live.push_back(sa->allocate(128 * MiB, s1));  // fits no hole: past the mark by ~76 MiB of idle memory
+    CHECK(syncs() == syncs_before + 1);
+    CHECK(device_frees() > frees_before);
+  }
+  CHECK(sim.hazards().empty());
+  sa->validate();
+  sim.set_stream_busy(s1, false);
+  for (void* p : live) sa->deallocate(p);
+  sa.alloc.reset();
+  sim.stream_destroy(s1);
+}
+
 TEST_CASE("expandable: destroying the allocator waits for work still queued on memory freed to its cache") {
   // A block freed while a kernel on its stream still uses it is cached (stream order makes its
   // reuse there safe); giving the memory back must wait for that kernel, as cuMemFree does for

@@ -352,7 +352,8 @@ class ExpandableBackend final : public Backend {
   bool room_after_reclaim(std::size_t bytes, const Exclusion& ex) const noexcept;
   bool room_for_placement(const Placement& pl, std::size_t size) const noexcept;
   std::size_t room_limit() const noexcept;
-  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, ExpArena* only = nullptr, bool largest_first = false);
+  std::size_t reclaim_idle(std::size_t bytes, const Exclusion& ex, ExpArena* only = nullptr, bool largest_first = false,
+                           std::size_t must = SIZE_MAX, std::size_t* deferred = nullptr);
   void unmap_handle(ExpHandle* h);
   void unmap_mapping(ExpHandle* h);
   // The block holding addr, which must lie in a mapped frame of seg (found by walking from the
@@ -525,7 +526,11 @@ class ExpandableBackend final : public Backend {
   HandleList orphans_;  // handles whose unmap or release failed; retried by release_cached()
   std::size_t reserved_ = 0;
   std::size_t handles_ = 0;
-  std::size_t high_water_ = 0;   // highest reserved_ so far (soft reclaim runs only above it)
+  std::size_t high_water_ = 0;   // highest reserved_ so far, less deferred_idle_ (soft reclaim runs only above it)
+  // While grow_and_carve runs: the idle memory its reclaim left mapped rather than wait for the
+  // stream. It is not part of high_water_, so that a later reclaim gives it back once it is safe
+  // instead of holding the target that much higher.
+  std::size_t deferred_idle_ = 0;
   std::size_t held_ceiling_ = 0;  // nonzero while place_or_grow swaps a mapping over the limit (room_limit)
   mutable std::uint64_t cached_path_handles_ = 0;
   mutable std::uint64_t slow_path_steps_ = 0;
