@@ -21,7 +21,9 @@
 #   compare    benchmarks/compare.py: PyTorch's caching allocator vs expseg, same workloads, and
 #              PyTorch with expseg through its pluggable allocator (pairs, churn64); PyTorch's
 #              growth: the median of 3 fresh processes. Fails if compare.py lists an error
-#   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators (WORKLOADS_ARGS: its options)
+#   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators (WORKLOADS_ARGS: its options;
+#              WORKLOADS_ARGS='--rounds 3 --variants torch-classic,expseg-expandable' for a time check
+#              that one slow run of the host does not decide, ~7 min on an H200)
 #   cupy       benchmarks/cupy_story.py
 #   torch      tests/gpu/torch_oom.py: an OOM inside PyTorch raises RuntimeError with the report;
 #              tests/gpu/torch_api.py: PyTorch's memory API (memory_stats, empty_cache, ...) under expseg

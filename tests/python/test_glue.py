@@ -1523,5 +1523,67 @@ class CompareTest(unittest.TestCase):
         self.assertEqual(rows["growth 1GiB (first alloc)"][3][label], 175.0)
 
 
+class WorkloadsChecksTest(unittest.TestCase):
+    """benchmarks/workloads.py's order of runs and its checks over rounds (the GPU runs themselves are not here)."""
+
+    @classmethod
+    def setUpClass(cls):
+        sys.path.insert(0, os.path.join(os.path.dirname(TOOLS), "benchmarks"))
+        import workloads  # noqa: E402  (torch is imported by its child processes only)
+        cls.wl = workloads
+
+    @staticmethod
+    def row(variant, ms, k, loss=7.0, status="ok"):
+        if status != "ok":
+            return dict(workload="resnet50-train-varsize", variant=variant, status=status, round=k)
+        return dict(workload="resnet50-train-varsize", variant=variant, status="ok", exit_code=0, round=k,
+                    peak_allocated=100, peak_reserved=101, mean_step_ms=ms, final_loss=loss, mean_loss=loss)
+
+    def checks(self, rows):
+        return {name: (ok, detail) for name, ok, detail in self.wl.checks_for("resnet50-train-varsize", rows, "/nonexistent")}
+
+    def time_check(self, rows):
+        return self.checks(rows)["expseg-expandable mean step time <= %.2f x torch-classic's" % self.wl.TIME_MAX]
+
+    def test_rounds_reverse_the_order_of_the_variants(self):
+        order = list(self.wl.run_order(["a", "b"], ["x", "y", "z"], 3))
+        self.assertEqual(order[:6], [(1, "a", "x"), (1, "a", "y"), (1, "a", "z"), (1, "b", "x"), (1, "b", "y"), (1, "b", "z")])
+        self.assertEqual(order[6:9], [(2, "a", "z"), (2, "a", "y"), (2, "a", "x")])
+        self.assertEqual(order[12:15], [(3, "a", "x"), (3, "a", "y"), (3, "a", "z")])
+        self.assertEqual(len(order), 18)
+
+    def test_the_time_check_takes_the_means_over_rounds(self):
+        # Round 1 alone is a FAIL (x1.10); over both rounds expseg's mean (20.0) is under classic's (20.5).
+        r1 = [self.row("torch-classic", 20.0, 1), self.row("expseg-expandable", 22.0, 1)]
+        r2 = [self.row("expseg-expandable", 18.0, 2), self.row("torch-classic", 21.0, 2)]
+        ok, detail = self.time_check(r1)
+        self.assertFalse(ok)
+        self.assertIn("x1.100; one round", detail)
+        ok, detail = self.time_check(r1 + r2)
+        self.assertTrue(ok, detail)
+        self.assertIn("means over 2 rounds 20.00 ms vs 20.50 ms (x0.976; each round x1.100 x0.857)", detail)
+        ok, detail = self.time_check(r1 + [self.row("expseg-expandable", 23.0, 2), self.row("torch-classic", 21.0, 2)])
+        self.assertFalse(ok, detail)
+
+    def test_every_other_check_must_hold_in_every_round(self):
+        rows = [self.row("torch-classic", 20.0, 1), self.row("expseg-expandable", 20.0, 1),
+                self.row("torch-classic", 20.0, 2), self.row("expseg-expandable", 20.0, 2, loss=7.5)]
+        ok, detail = self.checks(rows)["losses within rel %g of torch-classic" % self.wl.LOSS_RTOL]
+        self.assertFalse(ok)
+        self.assertTrue(detail.startswith("round 2: expseg-expandable 7.5 vs 7"), detail)
+        ok, detail = self.checks(rows[:3] + [self.row("expseg-expandable", 20.0, 2)])[
+            "losses within rel %g of torch-classic" % self.wl.LOSS_RTOL]
+        self.assertTrue(ok)
+        self.assertTrue(detail.startswith("all 2 rounds"), detail)
+
+    def test_a_failed_run_fails_its_round_and_takes_the_time_check_away(self):
+        rows = [self.row("torch-classic", 20.0, 1), self.row("expseg-expandable", 20.0, 1),
+                self.row("torch-classic", 0, 2, status="FAILED (exit 1)"), self.row("expseg-expandable", 20.0, 2)]
+        checks = self.checks(rows)
+        self.assertEqual(checks["all variants ran"], (False, "round 2: failed: torch-classic"))
+        self.assertTrue(checks["expseg-expandable reserved/allocated <= %.2f" % self.wl.RATIO_MAX][0])
+        self.assertNotIn("expseg-expandable mean step time <= %.2f x torch-classic's" % self.wl.TIME_MAX, checks)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
