@@ -28,9 +28,9 @@ Checks per workload (PASS/FAIL), with LOSS_RTOL = 2e-2 (relative; bf16 noise ove
   ratio      expseg-expandable peak reserved / peak allocated <= 1.02
   time       expseg-expandable mean step time (pass 2) <= 1.03 x torch-classic's; with --rounds N, each variant's
              mean over the N rounds. One run of a variant against one of another is within the host's spread
-             on a shared GPU machine: ResNet-50's mean step, the same build, has ranged over +-15% of PyTorch
-             classic's from one run to the next. Rounds alternate the order of the variants, so a slow stretch
-             of the host falls on all of them; the other checks hold in every round.
+             on a shared GPU machine: single runs of one build have put ResNet-50's mean step from x0.83 to
+             x1.33 of PyTorch classic's. Rounds alternate the order of the variants, so a slow stretch of the
+             host falls on all of them; the other checks hold in every round.
 
 Usage (from the repository root, after `meson setup build && ninja -C build`):
   python3 benchmarks/workloads.py --out OUT               all 12 runs, table, checks (~5 min on an H200)
@@ -440,22 +440,22 @@ def checks_for(workload, rows, out_dir):
 
 
 def print_table(results):
-    if len({r.get("round", 1) for r in results}) > 1:
-        results = [dict(r, variant="%s #%d" % (r["variant"], r["round"])) for r in results]
+    several_rounds = len({r.get("round", 1) for r in results}) > 1
     hdr = ("workload", "variant", "peak alloc GB", "peak resv GB", "resv/alloc", "1st step ms", "pass 1 s", "median ms",
            "mean ms", "vs classic", "retries", "final loss / tokens")
     rows = [hdr]
     classic_ms = {(r["workload"], r.get("round", 1)): r["mean_step_ms"] for r in results
-                  if r.get("status") == "ok" and r["variant"].split(" #")[0] == "torch-classic"}
+                  if r.get("status") == "ok" and r["variant"] == "torch-classic"}
     for r in results:
+        variant = "%s #%d" % (r["variant"], r["round"]) if several_rounds else r["variant"]
         if r.get("status") != "ok":
-            rows.append((r["workload"], r["variant"], r.get("status", "?")) + ("",) * (len(hdr) - 3))
+            rows.append((r["workload"], variant, r.get("status", "?")) + ("",) * (len(hdr) - 3))
             continue
         ratio = "%.4f" % (r["peak_reserved"] / r["peak_allocated"]) if r["peak_allocated"] else "-"
         key = (r["workload"], r.get("round", 1))
         vs = "x%.3f" % (r["mean_step_ms"] / classic_ms[key]) if key in classic_ms else "-"
         val = "%.5f" % r["final_loss"] if "final_loss" in r else "sha %s (%d)" % (r["checksum"], r["generated_tokens"])
-        rows.append((r["workload"], r["variant"], gb(r["peak_allocated"]), gb(r["peak_reserved"]), ratio,
+        rows.append((r["workload"], variant, gb(r["peak_allocated"]), gb(r["peak_reserved"]), ratio,
                      "%.1f" % r["first_step_ms"], "%.2f" % (r["pass1_ms"] / 1e3), "%.2f" % r["step_ms"],
                      "%.2f" % r["mean_step_ms"], vs, str(r.get("retries", "-")), val))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(hdr))]
