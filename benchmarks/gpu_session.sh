@@ -23,7 +23,7 @@
 #              growth: the median of 3 fresh processes. Fails if compare.py lists an error
 #   workloads  benchmarks/workloads.py: GPT-2 / ResNet-50 under 4 allocators (WORKLOADS_ARGS: its options;
 #              WORKLOADS_ARGS='--rounds 3 --variants torch-classic,expseg-expandable' for a time check
-#              that one slow run of the host does not decide, ~7 min on an H200)
+#              that one slow run of the host does not decide: ~5 min on an H100, ~7 on an H200)
 #   cupy       benchmarks/cupy_story.py
 #   torch      tests/gpu/torch_oom.py: an OOM inside PyTorch raises RuntimeError with the report;
 #              tests/gpu/torch_api.py: PyTorch's memory API (memory_stats, empty_cache, ...) under expseg
