@@ -735,7 +735,7 @@ class CudaDriver final : public Driver {
     prop.location.id = ordinal_;
     // As PyTorch does, so that NICs (NCCL's registered user buffers) can reach expandable memory. Its
     // price: ~4.4 us more per cuMemMap and ~4 us per cuMemUnmap, nothing on the other calls (H100,
-    // benchmarks/PERFORMANCE.md session 49): ~9% of random churn's driver time, none on cached paths.
+    // benchmarks/PERFORMANCE.md session 49): a tenth of random churn's driver time, none on cached paths.
     if (rdma_) prop.allocFlags.gpuDirectRDMACapable = 1;
     return prop;
   }
