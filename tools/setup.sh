@@ -37,11 +37,11 @@ if [ -z "$cuda_root" ]; then
   fi
 fi
 if [ -z "$cuda_root" ] || [ ! -f "$cuda_root/include/cuda.h" ]; then
-  echo "expseg setup: cuda.h not found${cuda_root:+ in $cuda_root/include}. With cudaTypedefs.h (CUDA 12.0 or newer) it is all of CUDA the build needs; the smallest packages with them:" >&2
-  echo "  - NVIDIA's CUDA apt repository: cuda-cudart-dev-13-0 (or cuda-cudart-dev-12-N), in /usr/local/cuda-13.0" >&2
+  echo "expseg setup: cuda.h not found${cuda_root:+ in $cuda_root/include}. With cudaTypedefs.h (CUDA 12.3 or newer) it is all of CUDA the build needs; the smallest packages with them:" >&2
+  echo "  - NVIDIA's CUDA apt repository: cuda-cudart-dev-13-0 (or cuda-cudart-dev-12-N, N >= 3), in /usr/local/cuda-13.0" >&2
   echo "    (set CUDA_PATH=/usr/local/cuda-13.0 if /usr/local/cuda does not point there);" >&2
-  echo "  - Ubuntu 24.04 (multiverse): nvidia-cuda-dev (CUDA 12.0), which puts it in /usr/include: then CUDA_PATH=/usr" >&2
-  echo "    (Debian 12's nvidia-cuda-dev is CUDA 11.8: too old; expseg needs CUDA 12.0 or newer headers)." >&2
+  echo "  - Debian 13 (non-free): nvidia-cuda-dev (CUDA 12.4), which puts it in /usr/include: then CUDA_PATH=/usr" >&2
+  echo "    (Ubuntu 24.04's nvidia-cuda-dev is CUDA 12.0 and Debian 12's 11.8: too old; expseg needs CUDA 12.3 or newer headers)." >&2
   echo "  Or set CUDA_PATH to the CUDA toolkit's directory (the one with include/cuda.h)." >&2
   exit 1
 fi

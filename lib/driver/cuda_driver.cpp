@@ -11,7 +11,8 @@
 // version whose ABI matches its declaration in cuda.h (decltype(&::cuX), which follows cuda.h's
 // macros, e.g. cuMemAlloc -> cuMemAlloc_v2), and a static_assert checks that pairing against
 // cudaTypedefs.h (PFN_cuX_vN), so a header upgrade that changes an ABI fails to compile instead of
-// crashing.
+// crashing. The few whose declaration differs between the toolkits expseg builds with (12.3+, 13.x) are
+// pinned to one ABI and its PFN type instead (EXPSEG_CUDA_FIXED_ABI_ENTRY_POINTS).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <dlfcn.h>
@@ -63,7 +64,7 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
   X(cuEventQuery, 2000) X(cuEventSynchronize, 2000) X(cuMemsetD32Async, 3020)                         \
   X(cuMemcpyDtoH, 3020) X(cuMemcpyHtoD, 3020) X(cuMemExportToShareableHandle, 10020)                  \
   X(cuMemImportFromShareableHandle, 10020) X(cuIpcGetMemHandle, 4010) X(cuIpcOpenMemHandle, 11000)    \
-  X(cuIpcCloseMemHandle, 4010) X(cuStreamGetCaptureInfo, 12030) X(cuThreadExchangeStreamCaptureMode, 10010) \
+  X(cuIpcCloseMemHandle, 4010) X(cuThreadExchangeStreamCaptureMode, 10010)                           \
   X(cuStreamBeginCapture, 10010) X(cuStreamEndCapture, 10000) X(cuGraphInstantiateWithFlags, 11040)   \
   X(cuGraphLaunch, 10000) X(cuGraphExecDestroy, 10000) X(cuGraphDestroy, 10000)
 
@@ -75,10 +76,20 @@ static_assert(sizeof(CUmemGenericAllocationHandle) == sizeof(phys_handle));
 EXPSEG_CUDA_ENTRY_POINTS(EXPSEG_CHECK_ABI)
 #undef EXPSEG_CHECK_ABI
 
+// Entry points whose declaration in cuda.h differs between the toolkits expseg builds with (12.x and
+// 13.x): each is requested at one fixed ABI and called through its cudaTypedefs.h type, whatever
+// cuda.h maps the name to. cuStreamGetCaptureInfo is the 11.3 ABI (six arguments): CUDA 12's cuda.h
+// declares that one and CUDA 13's the 12.3 ABI (seven, with edge data expseg never asks for); every
+// driver since 11.3 serves it.
+#define EXPSEG_CUDA_FIXED_ABI_ENTRY_POINTS(X) X(cuStreamGetCaptureInfo, 11030)
+
 struct Api {
 #define EXPSEG_DECLARE(name, version) decltype(&::name) name = nullptr;
   EXPSEG_CUDA_ENTRY_POINTS(EXPSEG_DECLARE)
 #undef EXPSEG_DECLARE
+#define EXPSEG_DECLARE_FIXED(name, version) PFN_##name##_v##version name = nullptr;
+  EXPSEG_CUDA_FIXED_ABI_ENTRY_POINTS(EXPSEG_DECLARE_FIXED)
+#undef EXPSEG_DECLARE_FIXED
 };
 
 // The process-wide state of libcuda: loaded once, never unloaded (unloading libcuda while other
@@ -197,6 +208,7 @@ Library load_library() {
     lib.api.name = reinterpret_cast<decltype(lib.api.name)>(fn);                               \
   }
   EXPSEG_CUDA_ENTRY_POINTS(EXPSEG_LOAD)
+  EXPSEG_CUDA_FIXED_ABI_ENTRY_POINTS(EXPSEG_LOAD)
 #undef EXPSEG_LOAD
 
   if (CUresult r = lib.api.cuInit(0); r != CUDA_SUCCESS)
@@ -443,7 +455,7 @@ class CudaDriver final : public Driver {
     CtxScope scope(*this);
     CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
     cuuint64_t id = 0;
-    check(api_, api_.cuStreamGetCaptureInfo(to_cu(stream), &status, &id, nullptr, nullptr, nullptr, nullptr),
+    check(api_, api_.cuStreamGetCaptureInfo(to_cu(stream), &status, &id, nullptr, nullptr, nullptr),
           "cuStreamGetCaptureInfo");
     return status == CU_STREAM_CAPTURE_STATUS_NONE ? 0 : id;  // an invalidated capture still has its id
   }
