@@ -171,12 +171,29 @@ void check_config(const Config& c) {
     throw config_error("limit", "limit: a share of device memory (fraction " + std::to_string(c.limit.fraction) + ") " +
                                     (c.limit.bytes != 0 ? "and a size (bytes) are both set; expected one of them"
                                                         : "out of range; expected a share in (0%, 100%]"));
-  if (c.device != DeviceKind::sim) return;
+  // An oom_dump pattern set in code reads back from its key:value form, as the dump's configuration is
+  // replayed from it: no ',' or unbalanced brackets, no spaces around it, not the word none, every '%'
+  // a token. Checked by the parser itself, so the two cannot drift apart.
+  if (!c.oom_dump.empty()) {
+    Config probe;
+    try {
+      probe.apply("oom_dump:" + c.oom_dump);
+    } catch (const config_error& e) {
+      throw config_error("oom_dump", "oom_dump: '" + c.oom_dump + "' would not read back from EXPSEG_ALLOC_CONF's syntax: " + e.what());
+    }
+    if (probe.oom_dump != c.oom_dump)
+      throw config_error("oom_dump", "oom_dump: '" + c.oom_dump + "' reads back from EXPSEG_ALLOC_CONF's syntax as '" +
+                                         (probe.oom_dump.empty() ? std::string("none") : probe.oom_dump) +
+                                         "' (spaces around a path are trimmed, and none turns dumps off); expected a file path");
+  }
+  // The simulated device's keys are printed whatever the device, so each is held to its parser's bound
+  // whatever the device is; how they fit together is the simulated device's business alone (below).
   const std::size_t g = c.sim_granularity;
   if (c.sim_capacity == 0) throw config_error("sim_capacity", "sim_capacity: must be larger than 0, e.g. 80GiB");
   if (g < 4096 || g > driver::kSimMaxGranularity || !std::has_single_bit(g))
     throw config_error("sim_granularity", "sim_granularity: " + size_value(g) +
                                               " is not a power of two that is a multiple of 4KiB, at most 1TiB, e.g. 2MiB");
+  if (c.device != DeviceKind::sim) return;
   // A capacity under a MiB is a unit left out (sim_capacity:80), not a page size too large.
   if (g > c.sim_capacity && c.sim_capacity < (std::size_t{1} << 20))
     throw config_error("sim_capacity", "sim_capacity: " + std::to_string(c.sim_capacity) + " bytes is less than one page of the simulated "

@@ -5,10 +5,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <initializer_list>
 #include <random>
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "expseg/allocator.hpp"
@@ -466,6 +468,28 @@ TEST_CASE("config regression: a Config built in code is held to each key's bound
   c = Config{};
   c.max_non_split_rounding = 25 * MiB + 512;
   refused(c, "max_non_split_rounding_mb", "whole number of MiB");
+  // An oom_dump path that its key:value form cannot carry (was accepted, and the dump's configuration
+  // then did not read back: `expseg explain` replayed with the defaults).
+  for (const auto& [path, part] : std::initializer_list<std::pair<const char*, const char*>>{
+           {"/tmp/dump,%n.json", "cannot contain ','"}, {"/tmp/a%q", "%p (process id)"}, {"/tmp/]x[", "unbalanced ']'"},
+           {" /tmp/x", "reads back from EXPSEG_ALLOC_CONF's syntax as '/tmp/x'"}, {"none", "as 'none'"}}) {
+    CAPTURE(path);
+    c = Config{};
+    c.oom_dump = path;
+    refused(c, "oom_dump", part);
+  }
+  c = Config{};
+  c.oom_dump = "/tmp/dumps/oom-%p-%n.json";
+  CHECK_NOTHROW(c.validate());
+  CHECK(Config::parse(c.to_string()) == c);
+  // The simulated device's keys are printed for a GPU configuration too, so they are bounded there too.
+  c = Config{};
+  c.device = expseg::DeviceKind::cuda;
+  c.sim_capacity = 0;
+  refused(c, "sim_capacity", "larger than 0");
+  c.sim_capacity = Config{}.sim_capacity;
+  c.sim_granularity = 3000;
+  refused(c, "sim_granularity", "power of two");
   // What passes prints what reads back.
   c = Config{};
   c.garbage_collection_threshold = 0.5;
