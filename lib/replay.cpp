@@ -52,6 +52,7 @@ struct Program {
   std::size_t slots = 0;
   std::size_t remembered = 0;  // replayed addresses restores look up (Op::remember)
   std::size_t unknown_frees = 0;
+  std::size_t driver_events = 0;  // map/unmap: not replayed
 };
 
 using core::hex;
@@ -196,6 +197,7 @@ Program compile(const Trace& trace, bool lenient) {
         break;
       case TraceAction::map:
       case TraceAction::unmap:
+        ++p.driver_events;
         break;  // driver events of the recorded run: the replayed allocator makes its own
       case TraceAction::free_completed:
         break;  // a deferred free's end: the replay has no stream work to wait for
@@ -288,6 +290,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
   r.events = trace.events.size();
   r.operations = prog.ops.size();
   r.skipped_frees = prog.unknown_frees;
+  r.driver_events = prog.driver_events;
 
   const bool progress = options.progress && ::isatty(2);
   const std::size_t nops = prog.ops.size();

@@ -118,6 +118,7 @@ struct ReplayResult {
   std::string device;             // "sim:80GiB" or "cuda:0"
   std::size_t events = 0;         // events in the trace
   std::size_t operations = 0;     // of them replayed: allocations, frees, pool events (not map/unmap)
+  std::size_t driver_events = 0;  // of them the recorded run's map/unmap events, not replayed
   std::size_t allocations = 0;    // allocations attempted
   std::size_t frees = 0;          // frees performed
   std::size_t ooms = 0;           // allocations that failed

@@ -949,6 +949,71 @@ TEST_CASE("cli: explain says when the trace does not hold the events the dump sa
   CHECK(e.out.find("Note: the trace holds 5 events, the dump says it wrote 8: it was cut or changed since") != std::string::npos);
 }
 
+TEST_CASE("cli: explain of a dump whose trace lost an allocation replays it leniently, and names the trace by its path") {
+  // Was: the note that the trace was changed, then a strict replay that stopped at the free of the
+  // lost allocation (exit 2), its error naming only the file name (another file of that name was
+  // blamed when run from a directory that held one).
+  const testutil::TempDir tmp("cli-explain-changed");
+  const fs::path& dir = tmp.path;
+  REQUIRE(run_cli("scenario split-800-500-300 --backend split_merge --device sim --conf 'record:true,oom_dump:" + (dir / "oom.json").string() +
+                  "'").status == 0);
+  const std::string text = read_file(dir / "oom.trace.csv");
+  // Drop the first allocation whose free follows in the trace.
+  std::istringstream lines(text);
+  std::string line, kept, dropped_ptr;
+  while (std::getline(lines, line)) {
+    if (dropped_ptr.empty() && line.find(",allocate,") != std::string::npos) {
+      const std::size_t a = line.find(",allocate,") + 10;
+      const std::string ptr = line.substr(a, line.find(',', a) - a);
+      if (text.find(",free," + ptr + ",") != std::string::npos) {
+        dropped_ptr = ptr;
+        continue;
+      }
+    }
+    kept += line + "\n";
+  }
+  REQUIRE_FALSE(dropped_ptr.empty());
+  std::ofstream(dir / "oom.trace.csv", std::ios::binary | std::ios::trunc) << kept;
+  const Run e = run_cli("explain '" + (dir / "oom.json").string() + "'");
+  CAPTURE(e.out);
+  CAPTURE(e.err);
+  CHECK(e.status == 0);
+  CHECK(e.out.find("it was cut or changed since, or is another\nrun's; the replay below is of what it holds, leniently.") != std::string::npos);
+  CHECK(e.out.find("split_merge") != std::string::npos);
+  CHECK(e.out.find("expandable") != std::string::npos);
+}
+
+TEST_CASE("cli: replay's note blames map/unmap events only for a trace that has them") {
+  // Was: any difference between the trace's events and the operations replayed (a lenient replay's
+  // skipped free, a pool restore line) was put down to map/unmap events the trace did not have.
+  const fs::path p = temp_path("unknown-free.csv");
+  {
+    std::ofstream f(p);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n";
+    f << "1,0,allocate,0x1000,4096,0x0\n";
+    f << "1,1,free,0x2000,4096,0x0\n";
+    f << "1,2,free,0x1000,4096,0x0\n";
+  }
+  const Run r = run_cli("replay '" + p.string() + "' --device sim --backend split_merge --lenient");
+  CAPTURE(r.out);
+  CHECK(r.status == 0);
+  CHECK(r.out.find("replayed per second") != std::string::npos);
+  CHECK(r.out.find("map/unmap") == std::string::npos);
+  {
+    std::ofstream f(p, std::ios::trunc);
+    f << "Thread,Time,Action,Pointer,Size,Stream\n";
+    f << "1,0,map,0x100000000,2097152,0x0\n";
+    f << "1,1,allocate,0x100000000,4096,0x0\n";
+    f << "1,2,free,0x100000000,4096,0x0\n";
+  }
+  const Run m = run_cli("replay '" + p.string() + "' --device sim --backend split_merge");
+  CAPTURE(m.out);
+  CAPTURE(m.err);
+  CHECK(m.status == 0);
+  CHECK(m.out.find("its map/unmap events are not replayed") != std::string::npos);
+  fs::remove(p);
+}
+
 TEST_CASE("cli: tools/study.sh, run from another directory, reads relative paths from there") {
   // Was: the script cd'd to the repository root before running `expseg study "$@"`, so --trace
   // my.csv was looked for, and --html out.html written, in the repository. Run here on a copy of
