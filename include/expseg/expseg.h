@@ -174,7 +174,9 @@ EXPSEG_API int expseg_release_stream(int device, expseg_stream_t stream) EXPSEG_
  * capture ends; release it when the graph is destroyed. Creates the allocator when needed.
  * EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, for misuse (a stream not capturing, pool 0, a pool
  * not begun or released already, an end while the capture still runs, a release while a capture
- * allocates into the pool); the calls but begin and prepare never create the allocator for it.
+ * allocates into the pool), except that begin and prepare create the device's allocator first when
+ * it has none (so a later expseg_configure is refused) even when they then refuse; the other calls
+ * never create the allocator.
  * EXPSEG_ERROR_DRIVER from expseg_end_graph_pool: the end is done all the same (do not end the pool
  * again), but frees held during the capture could not be completed; they stay held and are retried
  * at the next end, expseg_release_cached, or a request that would otherwise run out of memory. */
