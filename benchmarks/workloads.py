@@ -447,7 +447,7 @@ def print_table(results):
     classic_ms = {(r["workload"], r.get("round", 1)): r["mean_step_ms"] for r in results
                   if r.get("status") == "ok" and r["variant"] == "torch-classic"}
     for r in results:
-        variant = "%s #%d" % (r["variant"], r["round"]) if several_rounds else r["variant"]
+        variant = "%s #%d" % (r["variant"], r.get("round", 1)) if several_rounds else r["variant"]
         if r.get("status") != "ok":
             rows.append((r["workload"], variant, r.get("status", "?")) + ("",) * (len(hdr) - 3))
             continue
