@@ -174,9 +174,9 @@ EXPSEG_API int expseg_release_stream(int device, expseg_stream_t stream) EXPSEG_
  * capture ends; release it when the graph is destroyed. Creates the allocator when needed.
  * EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, for misuse (a stream not capturing, pool 0, a pool
  * not begun or released already, an end while the capture still runs, a release while a capture
- * allocates into the pool), except that begin and prepare create the device's allocator first when
- * it has none (so a later expseg_configure is refused) even when they then refuse; the other calls
- * never create the allocator.
+ * allocates into the pool), except that begin (for a pool other than 0, which is refused first) and
+ * prepare create the device's allocator when it has none (so a later expseg_configure is refused)
+ * even when they then refuse; the other calls never create the allocator.
  * EXPSEG_ERROR_DRIVER from expseg_end_graph_pool: the end is done all the same (do not end the pool
  * again), but frees held during the capture could not be completed; they stay held and are retried
  * at the next end, expseg_release_cached, or a request that would otherwise run out of memory. */
@@ -191,7 +191,8 @@ EXPSEG_API int expseg_release_graph_pool(int device, unsigned long long pool) EX
 /* Outside a capture (see Allocator::begin_pool_allocations): until expseg_end_pool_allocations, the
  * requests on `stream` come from graph pool `pool`, as PyTorch's CUDA graph trees warm graphs up.
  * Takes a use of the pool, which expseg_release_graph_pool drops. EXPSEG_ERROR_INVALID_ARGUMENT,
- * nothing changed, for pool 0, a capturing stream or one that allocates into a pool already. */
+ * nothing changed, for pool 0, a capturing stream or one that allocates into a pool already (as
+ * with begin_graph_pool, the device's allocator is created first when it has none). */
 EXPSEG_API int expseg_begin_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_end_pool_allocations(int device, unsigned long long pool, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 /* Allocates exactly [ptr, ptr + size) again in graph pool `pool` (see
