@@ -154,7 +154,9 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   const std::size_t obtainable = mi.free + r->reserved_bytes;
   if (overflow || need > mi.total) {
     r->verdict = OomVerdict::capacity;
-  } else if (ctx.limit != 0 && need > ctx.limit) {
+  } else if (ctx.limit != 0 && need > ctx.limit && !(free_known && obtainable < ctx.limit)) {
+    // (Past both the limit and what the device can give this process, the lower bound is the one
+    // that binds: raising the limit would not help.)
     r->verdict = OomVerdict::limit;
   } else if (need > obtainable) {
     // Other processes hold the rest of the device; or, free memory unknown, maybe not.
@@ -222,6 +224,9 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   // A stream that finds no memory sets badbit and drops the text: throw instead (the caller's short report).
   os.exceptions(std::ios::badbit);
   const std::size_t unallocated = r->reserved_unallocated_bytes();
+  // As PyTorch, memory cached in private pools (CUDA graph pools other than the request's) counts as
+  // allocated, not as reserved but unallocated: the request cannot use it.
+  const std::size_t in_pools = std::min(fs.graph_pool_bytes, unallocated);
   if (config.backend == BackendKind::split_merge && config.policy == PoolPolicy::cupy) {
     os << "Out of memory allocating " << with_commas(r->rounded_bytes) << " bytes (allocated so far: " << with_commas(r->reserved_bytes)
        << " bytes";
@@ -239,9 +244,6 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
     // PyTorch 2.9+ prints its allowed figure only under a memory fraction below 1 (at 1 it sets no
     // limit): a limit of all the device's memory, or more, is none here too (as for garbage collection).
     if (ctx.limit != 0 && ctx.limit < ctx.device_total) os << format_bytes(ctx.limit) << " allowed; ";
-    // As PyTorch, memory cached in private pools (CUDA graph pools other than the request's) counts as
-    // allocated, not as reserved but unallocated: the request cannot use it.
-    const std::size_t in_pools = std::min(fs.graph_pool_bytes, unallocated);
     os << "Of the allocated memory " << format_bytes(r->allocated_bytes + in_pools) << " is allocated by expseg, ";
     if (in_pools != 0) os << "with " << format_bytes(in_pools) << " allocated in private pools (e.g., CUDA Graphs), ";
     os << "and " << format_bytes(unallocated - in_pools) << " is reserved by expseg but unallocated.";
@@ -306,7 +308,11 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       break;
     }
     case OomVerdict::fragmentation: {
-      os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated)
+      // The figures of the message's first sentence: free memory of other CUDA graph pools is no
+      // place for the request (as allocated to it), and is named apart.
+      const std::size_t outside_blocks = r->free_blocks - std::min(r->free_blocks, fs.graph_pool_free_blocks);
+      const std::size_t largest_outside = fs.largest_free_outside_pools;
+      os << "Enough memory is free in total, but there is no place for the request: " << format_bytes(unallocated - in_pools)
          << " is reserved but unallocated";
       if (still_held != 0 || kept != 0) {
         os << " (";
@@ -315,8 +321,13 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
         if (kept != 0) os << format_bytes(kept) << " of it cached for streams that are capturing a CUDA graph, kept until the capture ends";
         os << ")";
       }
-      os << " in " << r->free_blocks << " free block" << (r->free_blocks == 1 ? "" : "s")
-         << ", the largest " << format_bytes(r->largest_free_block_bytes) << ", and the "
+      os << " in " << outside_blocks << " free block" << (outside_blocks == 1 ? "" : "s");
+      if (outside_blocks != 0) os << ", the largest " << format_bytes(largest_outside);
+      if (fs.graph_pool_free_blocks != 0)
+        os << " (besides " << format_bytes(in_pools) << " in " << fs.graph_pool_free_blocks << " free block"
+           << (fs.graph_pool_free_blocks == 1 ? "" : "s") << " cached for CUDA graph pools, the largest "
+           << format_bytes(fs.largest_graph_pool_block) << ", kept for their graphs until release_graph_pool)";
+      os << ", and the "
          << (ctx.limit != 0 && ctx.limit <= std::min(mi.total, obtainable) ? "limit"  // whichever bound is the lower
              : ctx.limit != 0 && !free_known                                 ? "limit or the device"  // which one is not known
                                                                              : "device")
@@ -332,10 +343,10 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
       } else if (capture_underway) {
         os << " A CUDA graph capture is underway: split_merge gives no cached memory back until it ends (each cuMemFree could "
            << "invalidate the capture), so free blocks this request cannot use stay cached.";
-      } else if (r->largest_free_block_bytes >= r->rounded_bytes && fs.largest_usable_block < r->largest_free_block_bytes) {
+      } else if (largest_outside >= r->rounded_bytes && fs.largest_usable_block < largest_outside) {
         os << " The largest free block this request could use is " << format_bytes(fs.largest_usable_block);
         // The stream (and pool) rule only where a larger block lies elsewhere than an oversize one.
-        const bool elsewhere = r->largest_free_block_bytes > std::max(fs.largest_usable_block, fs.oversize_block);
+        const bool elsewhere = largest_outside > std::max(fs.largest_usable_block, fs.oversize_block);
         if (elsewhere || fs.oversize_block == 0) {
           os << ": free blocks serve only requests on their own stream";
           if (config.backend == BackendKind::split_merge && config.policy != PoolPolicy::cupy)
@@ -359,6 +370,10 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
            << "retry asks the device for a new segment and does not look in the cache again, so the same request made again is "
            << "served from it.";
       }
+      // A pool's free block large enough for the request serves only that pool's allocations.
+      if (!capture_underway && fs.largest_graph_pool_block >= r->rounded_bytes && fs.largest_usable_block < r->rounded_bytes)
+        os << " The free block of " << format_bytes(fs.largest_graph_pool_block)
+           << " is cached for a CUDA graph pool: only allocations routed to that pool can use it until release_graph_pool gives it back.";
       break;
     }
     case OomVerdict::unknown:  // a full report's only when the free memory is unknown
@@ -428,12 +443,14 @@ std::shared_ptr<const OomReport> Allocator::Impl::short_oom_report(std::size_t r
     r->device_free_known = false;  // not read: no figure
     // The verdict is not evaluated: the message and the verdict say so rather than give a guess.
     r->verdict = OomVerdict::unknown;
-    char text[320];
+    char limit_text[48] = "no limit";
+    if (r->limit_bytes != 0) std::snprintf(limit_text, sizeof limit_text, "limit %zu", r->limit_bytes);
+    char text[360];
     std::snprintf(text, sizeof text,
                   "CUDA out of memory. Tried to allocate %zu bytes on GPU %d (%s backend; %zu bytes allocated by expseg, "
-                  "%zu reserved, limit %zu). expseg: host memory also ran out while building the report of this "
+                  "%zu reserved, %s). expseg: host memory also ran out while building the report of this "
                   "out-of-memory error, so its verdict was not evaluated.",
-                  r->rounded_bytes, r->device, r->backend.c_str(), r->allocated_bytes, r->reserved_bytes, r->limit_bytes);
+                  r->rounded_bytes, r->device, r->backend.c_str(), r->allocated_bytes, r->reserved_bytes, limit_text);
     r->message = text;
     return r;
   } catch (...) {

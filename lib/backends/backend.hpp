@@ -243,6 +243,12 @@ struct FreeSummary {
   // the request's own key, a pool's while the request is routed there, are left out; expandable:
   // so are those in frames live blocks touch, which live_footprint counts).
   std::size_t graph_pool_bytes = 0;
+  // The free blocks that hold those bytes (counted in free_blocks and largest_free_block too): how
+  // many, the largest, and the largest free block outside them, which the OOM report's fragmentation
+  // verdict names apart (as PyTorch's message counts pool memory as allocated).
+  std::size_t graph_pool_free_blocks = 0;
+  std::size_t largest_graph_pool_block = 0;
+  std::size_t largest_free_outside_pools = 0;
   // Free bytes cached for other streams that capture a CUDA graph now (the legacy stream while a
   // blocking stream captures): no backend gives them back before the capture ends (expandable: but
   // those in frames live blocks touch).

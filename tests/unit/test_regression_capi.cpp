@@ -155,6 +155,8 @@ TEST_CASE("capi regression: host memory running out while the OOM report is buil
       CHECK(oom->report().verdict == (short_report ? expseg::OomVerdict::unknown : expseg::OomVerdict::capacity));
       shorts += short_report ? 1 : 0;
       if (short_report) CHECK(expseg::to_string(oom->report().verdict) == std::string("unknown"));
+      // No limit is set: the short report says so (was: "limit 0").
+      if (short_report) CHECK(std::string(oom->what()).find(" reserved, no limit).") != std::string::npos);
       CHECK(oom->report().requested_bytes == request);
       // last_oom() is this request; num_ooms does not count it (refused up front, as PyTorch does).
       const std::optional<expseg::OomReport> last = sa->last_oom();

@@ -174,6 +174,66 @@ TEST_CASE("oom truth: a fragmentation OOM names the device, not a limit above wh
   }
 }
 
+TEST_CASE("oom truth: past both the limit and what the device can give, the lower bound is the verdict") {
+  // Other processes hold 70 of 80 GiB, the limit is 60 GiB: a 56 GiB request beside 5 GiB live
+  // exceeds both, and only the device's 10 GiB binds (raising the limit would not help). Was: limit.
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(b));
+    auto sa = make_sim_allocator(sim_config(b, 80 * GiB, "limit:60GiB"));
+    void* x = sa->allocate(5 * GiB);
+    sa.sim->set_foreign_usage(70 * GiB);
+    auto r = oom_of([&] { (void)sa->allocate(56 * GiB); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::capacity);
+    CHECK(r->message.find("exceed what the device can give this process (10.00 GiB of 80.00 GiB)") != std::string::npos);
+    // Where the limit is the lower bound, it stays the verdict.
+    sa.sim->set_foreign_usage(10 * GiB);
+    r = oom_of([&] { (void)sa->allocate(56 * GiB); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::limit);
+    CHECK(r->message.find("exceed the limit of 60.00 GiB") != std::string::npos);
+    sa.sim->set_foreign_usage(0);
+    sa->deallocate(x);
+    sa->validate();
+  }
+}
+
+TEST_CASE("oom truth: a fragmentation verdict counts a CUDA graph pool's cached block apart, as its first sentence does") {
+  // 60 MiB cached for a live graph pool, a 30 MiB hole in a 100 MiB segment, a 45 MiB request under
+  // a 200 MiB limit. Was: "90.00 MiB is reserved but unallocated in 2 free blocks, the largest 60.00
+  // MiB" after "30.00 MiB is reserved by expseg but unallocated", and the stream rule blamed for the
+  // pool's block.
+  auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 80 * GiB, "limit:200MiB"));
+  void* s1 = stream_id(0x100);
+  sa->begin_pool_allocations(1, s1);
+  sa->deallocate(sa->allocate(60 * MiB, s1));
+  sa->end_pool_allocations(1, s1);
+  sa->deallocate(sa->allocate(100 * MiB));
+  void* a = sa->allocate(50 * MiB);
+  void* b = sa->allocate(30 * MiB);
+  void* c = sa->allocate(20 * MiB);
+  sa->deallocate(b);
+  const auto r = oom_of([&] { (void)sa->allocate(45 * MiB); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->verdict == expseg::OomVerdict::fragmentation);
+  CHECK(r->message.find("and 30.00 MiB is reserved by expseg but unallocated.") != std::string::npos);
+  CHECK(r->message.find("there is no place for the request: 30.00 MiB is reserved but unallocated in 1 free block, the largest 30.00 "
+                        "MiB (besides 60.00 MiB in 1 free block cached for CUDA graph pools, the largest 60.00 MiB, kept for their "
+                        "graphs until release_graph_pool), and the limit leaves no room for more.") != std::string::npos);
+  CHECK(r->message.find("The free block of 60.00 MiB is cached for a CUDA graph pool") != std::string::npos);
+  CHECK(r->message.find("serve only requests on their own stream") == std::string::npos);
+  // The report's fields still give every free block the backend holds.
+  CHECK(r->free_blocks == 2);
+  CHECK(r->largest_free_block_bytes == 60 * MiB);
+  sa->deallocate(a);
+  sa->deallocate(c);
+  sa->release_graph_pool(1);
+  sa->validate();
+}
+
 TEST_CASE("oom truth: a report whose other-backend check did not run says so") {
   // oom_counterfactual:false said nothing about the other backend, as if there were nothing to say.
   expseg::Allocator a(sim_config(BackendKind::split_merge, 80 * GiB, "limit:2064MiB,oom_counterfactual:false"));

@@ -2714,7 +2714,13 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
       if (request != 0 && arena->stream == stream) s.largest_usable_block = std::max(s.largest_usable_block, b.size);
-      if (pool && arena->stream != stream) s.graph_pool_bytes += outside_live_frames(b);  // the request's own pool may serve it
+      if (pool && arena->stream != stream) {  // the request's own pool may serve it
+        s.graph_pool_bytes += outside_live_frames(b);
+        s.graph_pool_free_blocks += 1;
+        s.largest_graph_pool_block = std::max(s.largest_graph_pool_block, b.size);
+      } else {
+        s.largest_free_outside_pools = std::max(s.largest_free_outside_pools, b.size);
+      }
       if (kept) s.capture_kept_bytes += outside_live_frames(b);
     });
   }

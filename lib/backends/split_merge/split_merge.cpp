@@ -766,7 +766,13 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
       }
       if (!b.is_split()) s.releasable_bytes += b.size;
       // (The request's own pool key's blocks may serve it: not kept from it.)
-      if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream) && b.stream != stream) s.graph_pool_bytes += b.size;
+      if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream) && b.stream != stream) {
+        s.graph_pool_bytes += b.size;
+        s.graph_pool_free_blocks += 1;
+        s.largest_graph_pool_block = std::max(s.largest_graph_pool_block, b.size);
+      } else {
+        s.largest_free_outside_pools = std::max(s.largest_free_outside_pools, b.size);
+      }
       if (b.stream == stream) return;
       if (!asked_any || b.stream != asked) {
         asked_any = true;
