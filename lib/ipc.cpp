@@ -471,7 +471,11 @@ struct ImportedMemory::State {
   std::vector<driver::phys_handle> handles;  // imported, not yet released
   std::uint64_t offset = 0;
   std::size_t size = 0;
-  std::shared_ptr<detail::ImportRegistry> registry;  // Allocator::import_ipc: where `base` is registered
+  std::shared_ptr<detail::ImportRegistry> registry;  // Allocator::import_ipc: its captures' deferrals
+  // `base` is in registry->ranges (posix_fd and fabric imports, which map here). A cuda_ipc import's
+  // base is the driver's and never registered: once cuIpcCloseMemHandle returns, another import may
+  // be reserved at that address and register it, and that entry is not this import's to erase.
+  bool registered = false;
   bool handed_out = false;  // the caller got it: work it queued may use the mappings
 
   // Undoes everything, in reverse order; remembers the first failure and goes on, except that the
@@ -497,10 +501,11 @@ struct ImportedMemory::State {
     // An import that failed midway was never handed out: no work can use it, and no synchronization
     // (which a capture underway would refuse, invalidating it) comes first.
     if (!mapped.empty() && handed_out && !attempt([&] { drv->device_synchronize(); })) return;
-    if (registry) {
+    if (registered) {
       // Before the unmap: a peer granted from now on must not set access over a range being unmapped.
       std::lock_guard<std::mutex> lock(registry->mu);
       registry->ranges.erase(base);
+      registered = false;
     }
     registry.reset();
     std::uint64_t at = base;
@@ -650,6 +655,7 @@ ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> dr
       std::lock_guard<std::mutex> lock(registry->mu);
       registry->ranges.emplace(s->base, h.range_bytes);  // may throw: s releases without the registry
       s->registry = std::move(registry);
+      s->registered = true;
     }
   }
   ImportedMemory m;

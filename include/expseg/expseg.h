@@ -284,7 +284,9 @@ EXPSEG_API int expseg_enable_peer_access(int device, int peer) EXPSEG_NOEXCEPT;
  * expseg_ipc_export: the live allocation that starts at `ptr` on `device` as a handle: `*handle`
  *   points to `*handle_size` bytes that may travel any way (a pipe, a queue, a file). With
  *   ipc_handle:posix_fd (expandable) the handle also needs file descriptors: `*fds` points to
- *   `*nfds` descriptors (0 and NULL for split_merge and for ipc_handle:fabric). Both buffers belong
+ *   `*nfds` descriptors (0 and NULL for split_merge and for ipc_handle:fabric; but where the device
+ *   refuses fabric handles, e.g. in a container without IMEX channels, an ipc_handle:fabric
+ *   allocator's memory uses posix_fd handles and its exports carry descriptors). Both buffers belong
  *   to the calling thread and stay valid until its next expseg_ipc_export. The descriptors are the
  *   caller's: send them with the bytes (SCM_RIGHTS over a Unix socket, e.g. expseg.ipc_send in
  *   Python), or keep them open until the importer has taken them with pidfd_getfd; then

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -533,7 +534,8 @@ TEST_CASE("regression: a cuda_ipc import whose close failed stays open, and a la
   CHECK(m);  // still open
   CHECK_NOTHROW(m.close());
   CHECK_FALSE(m);
-  // Dropped with its close failing: released all the same (nothing to retry with), no throw.
+  // Dropped with its close failing: the destructor tries the close once and cannot report or retry
+  // it; no throw escapes.
   {
     ImportedMemory n = a->import_ipc(a->export_ipc(p));
     drv->close_failures = 1;
@@ -541,5 +543,88 @@ TEST_CASE("regression: a cuda_ipc import whose close failed stays open, and a la
   CHECK(drv->close_failures == 0);
   a->deallocate(p);
   a->validate();
+}
+
+namespace {
+// Stands in for CUDA giving the address range cuIpcCloseMemHandle just freed to the next
+// reservation: the opened cuda_ipc memory and the reservation after the close both appear at kReused
+// (translated to the simulator's addresses underneath), and `after_close` runs right after the close,
+// as another thread's import could.
+class ReusedAddress final : public testutil::ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  static constexpr dev_ptr kReused = 0x700000000000ull;
+  std::function<void()> after_close;
+  dev_ptr translate(dev_ptr p) const { return real_reserve_ != 0 && p >= kReused && p < kReused + reserve_bytes_ ? p - kReused + real_reserve_ : p; }
+  dev_ptr ipc_open(const expseg::driver::ExportedHandle& e) override {
+    real_ipc_ = ForwardingDriver::ipc_open(e);
+    return kReused;
+  }
+  std::pair<dev_ptr, std::size_t> address_range(dev_ptr p) override {
+    if (p == kReused && real_ipc_ != 0) return {kReused, ForwardingDriver::address_range(real_ipc_).second};
+    return ForwardingDriver::address_range(p);
+  }
+  void ipc_close(dev_ptr p) override {
+    ForwardingDriver::ipc_close(p == kReused ? real_ipc_ : p);
+    real_ipc_ = 0;
+    if (after_close) {
+      auto f = std::move(after_close);
+      after_close = nullptr;
+      next_reserve_reused_ = true;
+      f();
+    }
+  }
+  dev_ptr reserve(std::size_t bytes) override {
+    const dev_ptr r = ForwardingDriver::reserve(bytes);
+    if (!next_reserve_reused_) return r;
+    next_reserve_reused_ = false;
+    real_reserve_ = r;
+    reserve_bytes_ = bytes;
+    return kReused;
+  }
+  void free_reserve(dev_ptr p, std::size_t b) override { ForwardingDriver::free_reserve(translate(p), b); }
+  void map(dev_ptr p, std::size_t b, phys_handle h) override { ForwardingDriver::map(translate(p), b, h); }
+  void unmap(dev_ptr p, std::size_t b) override { ForwardingDriver::unmap(translate(p), b); }
+  void set_access(dev_ptr p, std::size_t b) override { ForwardingDriver::set_access(translate(p), b); }
+
+ private:
+  dev_ptr real_ipc_ = 0;
+  dev_ptr real_reserve_ = 0;
+  std::size_t reserve_bytes_ = 0;
+  bool next_reserve_reused_ = false;
+};
+}  // namespace
+
+TEST_CASE("regression: closing a cuda_ipc import leaves the peer registry entry of an import made at its freed address") {
+  // Was: the cuda_ipc import (never registered) erased the registry's entry at its base after
+  // cuIpcCloseMemHandle; a posix_fd import reserved at that address in between lost its entry, and a
+  // peer enabled later was never granted its mapping.
+  SimOptions o;
+  o.device_count = 2;
+  o.shareable = expseg::driver::ShareableHandle::posix_fd;
+  o.capacity = 4 * GiB;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto drv = std::make_shared<ReusedAddress>(sim);
+  auto exporter = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::split_merge, 4 * GiB), sim);
+  auto importer = expseg::detail::AllocatorAccess::make(sim_config(BackendKind::expandable, 4 * GiB, "ipc_handle:posix_fd"), drv);
+  void* own = importer->allocate(4 * MiB);
+  const IpcMemHandle own_handle = importer->export_ipc(own);
+  void* q = exporter->allocate(3 * MiB);
+  ImportedMemory opened = importer->import_ipc(exporter->export_ipc(q));
+  REQUIRE(addr(opened.get()) >= ReusedAddress::kReused);
+  ImportedMemory mapped;
+  drv->after_close = [&] { mapped = importer->import_ipc(own_handle); };
+  opened.close();
+  REQUIRE(mapped);
+  const std::uint64_t mapped_base = addr(mapped.get()) - own_handle.offset;
+  REQUIRE(mapped_base == ReusedAddress::kReused);  // the address the closed import had
+  importer->enable_peer_access(1);
+  CHECK(sim->granted_devices(drv->translate(mapped_base)) == std::vector<int>{0, 1});
+  CHECK(sim->granted_devices(addr(own)) == std::vector<int>{0, 1});
+  mapped.close();
+  exporter->deallocate(q);
+  importer->deallocate(own);
+  importer->validate();
+  exporter->validate();
 }
 }  // TEST_SUITE
