@@ -193,6 +193,9 @@ const char* kind_name(const JsonValue& v) {
   }
 }
 
+// 2^53: every integer up to it is exact as a double.
+constexpr double kExactDoubleLimit = 9007199254740992.0;
+
 [[noreturn]] void type_mismatch(const JsonValue& v, const char* expected) {
   throw std::runtime_error(std::string("JSON value is ") + kind_name(v) + ", expected " + expected);
 }
@@ -213,9 +216,10 @@ std::int64_t JsonValue::as_int() const {
   if (is_number() && integer_kind == -1) return static_cast<std::int64_t>(integer);
   if (is_number() && integer_kind == 1 && integer <= static_cast<std::uint64_t>(INT64_MAX)) return static_cast<std::int64_t>(integer);
   const double d = as_number();
-  // -2^63 is exact as a double; 2^63 is the first value out of range.
-  if (d != std::trunc(d) || d < -9223372036854775808.0 || d >= 9223372036854775808.0)
-    throw std::runtime_error("JSON number is not an integer in the int64 range");
+  // Not an integer literal (1e3, 5.0, or past int64): only a double that is an exact integer. Past
+  // 2^53 a double holds only some integers, so the literal's value may have been rounded: refused,
+  // not clamped (-9223372036854775809 would read as INT64_MIN).
+  if (d != std::trunc(d) || std::fabs(d) > kExactDoubleLimit) throw std::runtime_error("JSON number is not an integer in the int64 range");
   return static_cast<std::int64_t>(d);
 }
 
@@ -223,9 +227,8 @@ std::uint64_t JsonValue::as_uint() const {
   if (is_number() && integer_kind == 1) return integer;
   const double d = as_number();
   if (d < 0.0) throw std::runtime_error("JSON number is negative");
-  // 2^64 is the first value out of range (exact as a double).
-  if (d != std::trunc(d) || d >= 18446744073709551616.0)
-    throw std::runtime_error("JSON number is not an integer in the uint64 range");
+  // As as_int: a double past 2^53 may be a rounded literal (12345678901234567890.0 reads as ...168).
+  if (d != std::trunc(d) || d > kExactDoubleLimit) throw std::runtime_error("JSON number is not an integer in the uint64 range");
   return static_cast<std::uint64_t>(d);
 }
 

@@ -281,6 +281,22 @@ TEST_CASE("json: integers read back exactly, uint64 ones above int64 and 2^53 in
   CHECK(parse_json("-0").as_uint() == 0);
 }
 
+TEST_CASE("json regression: a number that is no integer literal is refused past 2^53, not rounded or clamped") {
+  // Read through a double, -9223372036854775809 became INT64_MIN and 12345678901234567890.0 became
+  // 12345678901234567168: an edited dump's figures changed without an error.
+  CHECK_THROWS_WITH_AS((void)parse_json("-9223372036854775809").as_int(), "JSON number is not an integer in the int64 range",
+                       std::runtime_error);
+  CHECK_THROWS_WITH_AS((void)parse_json("12345678901234567890.0").as_uint(), "JSON number is not an integer in the uint64 range",
+                       std::runtime_error);
+  CHECK_THROWS_AS((void)parse_json("1e19").as_uint(), std::runtime_error);
+  CHECK_THROWS_AS((void)parse_json("-1e300").as_int(), std::runtime_error);
+  // Up to 2^53 every integer is exact as a double: still read, in both directions.
+  CHECK(parse_json("9007199254740992.0").as_uint() == 9007199254740992u);
+  CHECK(parse_json("-9.007199254740992e15").as_int() == -9007199254740992);
+  // Integer literals keep their full range.
+  CHECK(parse_json("12345678901234567890").as_uint() == 12345678901234567890u);
+}
+
 }  // TEST_SUITE
 
 TEST_CASE("json regression: a document of more values than its reader allows is refused while parsing") {
