@@ -379,7 +379,22 @@ PLUGGABLE_MODES = [("PyTorch pluggable + expseg split_merge", "split_merge"),
                    ("PyTorch pluggable + expseg expandable", "expandable")]
 
 
+# time.monotonic() by which every child has ended (--deadline), or None: a caller that kills this
+# script at its own limit (gpu_session.sh's phases) still gets the table of the stages that ran.
+DEADLINE = None
+DEADLINE_MARGIN_S = 15  # left for the table and compare.json after the last child
+
+
 def run(cmd, env=None, timeout=None, capture=True):
+    """subprocess.run, with its timeout cut to what --deadline leaves (TimeoutExpired carries the
+    timeout it ran under; past the deadline a child is not started and times out at once)."""
+    if DEADLINE is not None:
+        left = DEADLINE - time.monotonic() - DEADLINE_MARGIN_S
+        if left < 1:
+            print("$ (not run: --deadline reached) " + " ".join(cmd), file=sys.stderr, flush=True)
+            raise subprocess.TimeoutExpired(cmd, 0)
+        timeout = left if timeout is None else min(timeout, left)
+        timeout = int(timeout)
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.run(cmd, env=env, timeout=timeout, text=True,
                           stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE if capture else None)
@@ -458,7 +473,7 @@ def stage_bench(args, out_dir, report):
         report["timings"]["expseg_bench_s"] = round(time.time() - t0, 1)
         tail = e.stderr[-1500:] if isinstance(e.stderr, str) else (e.stderr or b"")[-1500:].decode(errors="replace")
         doc, problem = load_bench_json(path)
-        report["errors"]["expseg_bench"] = (f"timed out after {args.timeout} s (--timeout)"
+        report["errors"]["expseg_bench"] = (f"timed out after {e.timeout} s (--timeout or --deadline)"
                                             + (f"; {problem}" if doc else "") + (f"; stderr: {tail}" if tail else ""))
         return doc
     except OSError as e:
@@ -529,8 +544,8 @@ def stage_torch(args, report):
         t0 = time.time()
         try:
             p = run(cmd, env=env, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            report["errors"][label] = f"timed out after {args.timeout} s"
+        except subprocess.TimeoutExpired as e:
+            report["errors"][label] = f"timed out after {e.timeout} s (--timeout or --deadline)"
             continue
         report["timings"][label + "_s"] = round(time.time() - t0, 1)
         sys.stderr.write(p.stderr[-3000:] if p.returncode == 0 else "")
@@ -558,8 +573,8 @@ def stage_growth(args, report):
             for _ in range(args.growth_reps):
                 try:
                     p = run([args.python, os.path.abspath(__file__), "--growth-child", str(nbytes)], env=env, timeout=300)
-                except subprocess.TimeoutExpired:
-                    report["errors"][f"{label} growth {nbytes}"] = "timed out"
+                except subprocess.TimeoutExpired as e:
+                    report["errors"][f"{label} growth {nbytes}"] = f"timed out after {e.timeout} s"
                     continue
                 r = result_line(p.stdout)
                 if r is None:
@@ -943,6 +958,9 @@ def main():
     ap.add_argument("--skip-cli", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short runs everywhere: checks that every stage works")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per child process")
+    ap.add_argument("--deadline", type=int, help="seconds for the whole run: every child ends by then "
+                    f"(less {DEADLINE_MARGIN_S} s to write the table), so a caller's limit of this many seconds "
+                    "does not lose the stages that ran")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--growth-child", type=int, help=argparse.SUPPRESS)
@@ -971,6 +989,9 @@ def main():
         return growth_child(args.growth_child)
 
     os.makedirs(out_dir, exist_ok=True)
+    global DEADLINE
+    if args.deadline is not None:
+        DEADLINE = time.monotonic() + args.deadline
     report = {"errors": {}, "notes": [], "timings": {}}
     t_start = time.time()
     bench_doc = stage_bench(args, out_dir, report)

@@ -93,7 +93,7 @@ for p in "${phases[@]}"; do
       # The suite provokes CUDA API errors on purpose (error-path tests): report memory errors only.
       run_phase memcheck 400 compute-sanitizer --tool memcheck --report-api-errors no --leak-check full --error-exitcode 3 "$B/tests/expseg_gpu" --test-suite-exclude=ipc ;;
     scenarios)
-      run_phase scenarios 200 "${sh_c[@]}" "$B/tools/expseg scenario --all --device cuda:0 --json > $OUT/scenarios.jsonl && $B/tools/expseg scenario --all --device cuda:0 && $B/tools/expseg replay benchmarks/traces/resnet50-train-varsize.rmm.csv.gz --device cuda:0 --json | tee $OUT/replay.jsonl && $B/tools/expseg study --device cuda:0 --html $OUT/study-h200.html | tail -n 12" ;;
+      run_phase scenarios 200 "${sh_c[@]}" "$B/tools/expseg scenario --all --device cuda:0 --json > $OUT/scenarios.jsonl && $B/tools/expseg scenario --all --device cuda:0 && $B/tools/expseg replay benchmarks/traces/resnet50-train-varsize.rmm.csv.gz --device cuda:0 --json | tee $OUT/replay.jsonl && $B/tools/expseg study --device cuda:0 --html $OUT/study-gpu.html | tail -n 12" ;;
     mixes)
       # The mixes of the unit test "other size mixes" through the CLI; the lowest fill column is
       # the least (live + request) / limit at which a request failed.
@@ -124,7 +124,7 @@ for p in "${phases[@]}"; do
     compare)
       bj=(); [ -f "$OUT/bench.json" ] && bj=(--bench-json "$OUT/bench.json")
       run_phase compare 560 env EXPSEG_BENCH_REQUIRE_CUDA=1 python3 benchmarks/compare.py --bench "$B/benchmarks/expseg_bench" "${bj[@]}" --cli "$B/tools/expseg" \
-        --lib "$LIB" --growth-reps 3 --out "$OUT/compare" ;;
+        --lib "$LIB" --growth-reps 3 --deadline 540 --out "$OUT/compare" ;;
     workloads)
       run_phase workloads 560 env EXPSEG_LIBRARY="$LIB" PYTHONUNBUFFERED=1 python3 benchmarks/workloads.py --out "$OUT/workloads" ${WORKLOADS_ARGS:-} ;;
     torch)

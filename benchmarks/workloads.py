@@ -155,7 +155,9 @@ MAKERS = {
 # ---------------------------------------------------------------------------------------------
 # Child: one workload under one variant.
 
-def child(workload, variant, steps, out_dir, record, snapshot_path):
+def child(workload, variant, steps, out_dir, record, snapshot_path, file_tag=""):
+    """file_tag: added to the names of the files it writes (tokens/, traces/): ".r2" in round 2 of several,
+    so that each round's files stay for its own checks."""
     import torch
     v = VARIANTS[variant]
     uses_expseg = v["expseg_conf"] is not None
@@ -212,7 +214,7 @@ def child(workload, variant, steps, out_dir, record, snapshot_path):
         if record:
             tdir = os.path.join(out_dir, "traces")
             os.makedirs(tdir, exist_ok=True)
-            res["trace"] = os.path.join(tdir, "%s.%s.rmm.csv.gz" % (workload, variant))
+            res["trace"] = os.path.join(tdir, "%s.%s%s.rmm.csv.gz" % (workload, variant, file_tag))
             expseg.record_stop()
             expseg.record_write(res["trace"])
     else:
@@ -246,7 +248,8 @@ def child(workload, variant, steps, out_dir, record, snapshot_path):
         res["generated_tokens"] = sum(len(row) for rnd in values for row in rnd)
         tok_dir = os.path.join(out_dir, "tokens")
         os.makedirs(tok_dir, exist_ok=True)
-        with open(os.path.join(tok_dir, "%s.%s.json" % (workload, variant)), "w") as f:
+        res["tokens_file"] = os.path.join(tok_dir, "%s.%s%s.json" % (workload, variant, file_tag))
+        with open(res["tokens_file"], "w") as f:
             json.dump(values, f)
     print(RESULT_TAG + json.dumps(res), flush=True)
 
@@ -301,8 +304,10 @@ def child_env(variant, lib_path):
     return env
 
 
-def run_child(workload, variant, steps, args, lib_path, snapshot_path=None):
+def run_child(workload, variant, steps, args, lib_path, snapshot_path=None, round_no=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, variant, "--steps", str(steps), "--out", args.out]
+    if round_no is not None and args.rounds > 1:
+        cmd += ["--file-tag", ".r%d" % round_no]
     if args.record and VARIANTS[variant]["expseg_conf"]:
         cmd.append("--record")
     if snapshot_path:
@@ -340,13 +345,14 @@ def gb(n):
     return "%.3f" % (n / 1e9) if isinstance(n, (int, float)) else "-"
 
 
-def token_agreement(out_dir, workload, a, b):
+def token_agreement(a, b):
+    """The share of equal tokens of two runs (their results' tokens_file), or None."""
     try:
-        with open(os.path.join(out_dir, "tokens", "%s.%s.json" % (workload, a))) as f:
+        with open(a["tokens_file"]) as f:
             ta = json.load(f)
-        with open(os.path.join(out_dir, "tokens", "%s.%s.json" % (workload, b))) as f:
+        with open(b["tokens_file"]) as f:
             tb = json.load(f)
-    except OSError:
+    except (OSError, KeyError, ValueError):
         return None
     same = total = 0
     for ra, rb in zip(ta, tb):
@@ -382,7 +388,7 @@ def round_checks(workload, rows, out_dir):
             bad = []
             for v in others:
                 if by[v]["checksum"] != classic["checksum"]:
-                    agree = token_agreement(out_dir, workload, v, "torch-classic")
+                    agree = token_agreement(by[v], classic)
                     bad.append("%s differs (token agreement %s)" % (v, "%.4f" % agree if agree is not None else "?"))
             out.append(("generated tokens equal torch-classic's", not bad, "; ".join(bad) or "checksum " + classic["checksum"]))
     ee, te = by.get("expseg-expandable"), by.get("torch-expandable")
@@ -533,10 +539,11 @@ def main():
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
     ap.add_argument("--warmup", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--snapshot", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--file-tag", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.child:
-        child(args.child[0], args.child[1], args.steps, args.out, args.record, args.snapshot)
+        child(args.child[0], args.child[1], args.steps, args.out, args.record, args.snapshot, args.file_tag)
         return 0
     if args.warmup:
         warmup_child()
@@ -583,7 +590,7 @@ def main():
             steps = QUICK_STEPS if args.quick else (args.steps or WORKLOADS[w])
             tag = " (round %d of %d)" % (k, args.rounds) if args.rounds > 1 else ""
             print("[%6.1f s] %s / %s (%d steps)%s ..." % (time.perf_counter() - t_start, w, v, steps, tag), end=" ", flush=True)
-            r = run_child(w, v, steps, args, lib_path)
+            r = run_child(w, v, steps, args, lib_path, round_no=k)
             r["round"] = k
             results.append(r)
             if r.get("status") == "ok":
