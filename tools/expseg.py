@@ -441,7 +441,8 @@ def _fd_list(fds):
 
 
 def ipc_export(ptr, device=0):
-    """The live allocation that starts at `ptr` (e.g. tensor.data_ptr()) as (handle: bytes, fds: list of int),
+    """The live allocation that starts at `ptr` (e.g. tensor.untyped_storage().data_ptr(): a view's data_ptr() may
+    point inside it) as (handle: bytes, fds: list of int),
     for ipc_import in another process. The bytes travel any way. The descriptors (ipc_handle:posix_fd; none for
     split_merge or fabric) are the caller's: send them (ipc_send), or keep them open until the importer has taken
     them (ipc_import without fds), then os.close them. Keep the allocation alive while it is imported."""
