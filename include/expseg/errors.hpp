@@ -98,8 +98,9 @@ enum class OomVerdict : std::uint8_t {
   // e.g. PyTorch's 20 MiB one for a request of 1-10 MiB; expandable: whole pages). So a limit verdict
   // can come where the live requested bytes + request alone fit: the report's message gives both
   // figures, and the other backend's answer says whether its rounding would have fitted.
-  capacity,       // that exceeds what the device has, or the device refused room the figures left (memory, address range)
-  limit,          // that exceeds the configured limit
+  capacity,       // that exceeds what the device has (or can give this process beside other processes' memory), or the
+                  // device refused room the figures left (memory, address range)
+  limit,          // that exceeds the configured limit, and the limit is the lower of the two bounds
   fragmentation,  // it fits, but the allocator has no place for the request (free memory lies in pieces)
   unknown,        // not evaluated: host memory ran out while the report was built (a short report), or
                   // the verdict needed the device's free memory, which could not be read
