@@ -1032,9 +1032,20 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   // blocks could then get memory the graph writes when replayed.
   auto route = m.capture_routes.end();
   bool ended = false;
+  bool other_thread = false;  // a capture on another thread's per-thread stream, which only it can ask about
   for (auto r = m.capture_routes.begin(); r != m.capture_routes.end(); ++r) {
     if (r->pool != pool) continue;
     route = r;
+    if (backends::is_per_thread_key(r->stream) && r->stream != backends::calling_thread_key()) {
+      // cudaStreamPerThread names the caller's own stream: asked from here, the capturing thread's
+      // capture would read as ended. Its thread has exited: its capture cannot be running.
+      if (backends::is_retired_key(r->stream)) {
+        ended = true;
+        break;
+      }
+      other_thread = true;
+      continue;
+    }
     std::uint64_t id = 0;
     try {
       id = m.driver->stream_capture_id(backends::capture_query_stream(r->stream));
@@ -1046,6 +1057,10 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
     }
   }
   if (route == m.capture_routes.end()) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
+  if (!ended && other_thread)
+    throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
+                " runs on another thread's per-thread stream (cudaStreamPerThread), whose capture only that thread can ask "
+                "about: call end_graph_pool from that thread, after its capture ends");
   if (!ended)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " is still running; end the capture (cuStreamEndCapture) first");
@@ -1215,6 +1230,12 @@ void Allocator::Impl::release_stream_locked(stream_t stream, bool foreign_too) {
   if (const std::size_t recorded = counted == recorded_uses.end() ? 0 : counted->second; recorded != 0)
     throw error("release_stream: " + std::to_string(recorded) +
                 " block(s) have the stream recorded (record_stream) and are not freed yet: an event would be recorded on it");
+  // A stream routed into a graph pool would stay routed, under its handle, past its destruction: a
+  // new stream given the same handle would allocate into the pool.
+  for (const EagerRoute& r : eager_routes)
+    if (r.stream == stream)
+      throw error("release_stream: the stream allocates into graph pool " + std::to_string(r.pool) +
+                  " (begin_pool_allocations): end_pool_allocations first");
   driver->stream_synchronize(stream);  // its queued work, and the events of frees that waited for it
   if (pending_count != 0) process_events();
   // The backends take the stream as synchronized (the foreign key's memory is the same stream's
@@ -1224,6 +1245,15 @@ void Allocator::Impl::release_stream_locked(stream_t stream, bool foreign_too) {
   for (const stream_t q : {stream, key})
     if (const auto it = pending.find(q); it != pending.end() && it->second.queue.empty()) pending.erase(it);
   recorded_uses.erase(stream);  // at zero, checked above
+  // Forgotten everywhere else too, so that nothing asks a destroyed stream about captures: a
+  // prepare_capture answer for it (the backend watches those streams), and events kept until its
+  // capture ended (it captures no more: checked above).
+  std::erase_if(ctx.prepared_captures, [&](const auto& e) { return e.first == stream; });
+  for (std::size_t i = captured_spares.size(); i-- > 0;) {
+    if (captured_spares[i].second != stream) continue;
+    driver->event_destroy(captured_spares[i].first);  // throws with the event still kept
+    captured_spares.erase(captured_spares.begin() + static_cast<std::ptrdiff_t>(i));
+  }
 }
 
 Stats Allocator::stats() const {

@@ -104,7 +104,8 @@ class Allocator {
   // that has not passed (frees whose events have passed complete first, and frees held for a capture
   // that has ended get their events), while a live block or a held free has it recorded
   // (record_stream), while it or a graph pool's capture
-  // is capturing, and for the default, legacy or per-thread stream; expseg::driver_error when the
+  // is capturing, while it allocates into a graph pool (begin_pool_allocations without its
+  // end_pool_allocations), and for the default, legacy or per-thread stream; expseg::driver_error when the
   // synchronization or a give-back fails (what went back before stays given back, the allocator
   // stays consistent; a later call gives back the rest).
   void release_stream(stream_t stream);
@@ -120,7 +121,9 @@ class Allocator {
   //     begin takes one use of the pool (a graph that replays it). Captures may share a pool at
   //     once: each end_graph_pool(pool) ends one of them, the one whose capture has ended (call it
   //     after cuStreamEndCapture: while every capture of the pool still runs, it throws
-  //     expseg::error, nothing changed, as the capture's later requests would leave the pool).
+  //     expseg::error, nothing changed, as the capture's later requests would leave the pool; a
+  //     capture on cudaStreamPerThread can be asked about only from its own thread, so from another
+  //     thread it counts as running until that thread exits).
   //     Unlike other calls, it may throw after its change: when the frees held for the capture
   //     cannot be completed (expseg::driver_error), the end is done all the same, as the error
   //     says; the frees stay held for the next end_graph_pool or release_cached().
@@ -195,7 +198,9 @@ class Allocator {
   // handle keeps that handle mapped whole until the block is freed (README: "How the expandable
   // backend decides"); `limit:` in the configuration gives the guarantee from the start. A
   // driver_error while giving back cached memory for a lower limit leaves the old limit, and what
-  // went back before stays given back (the allocator stays consistent).
+  // went back before stays given back (the allocator stays consistent). Throws expseg::error, nothing
+  // changed, while a CUDA graph capture allocates into a graph pool (begin_graph_pool): a give-back
+  // would synchronize, which invalidates the capture.
   void set_limit(std::size_t bytes);
   std::size_t limit() const;
 

@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -206,6 +207,48 @@ TEST_CASE("graph pool: under a limit, a live pool's memory is not reclaimed; rel
     CHECK(sa.sim->live().handles == 0);
     CHECK(sa.sim->live().mem_allocs == 0);
     CHECK(sa.sim->live().reservations == 0);
+  }
+}
+
+TEST_CASE("graph pool regression: end_graph_pool from another thread refuses while a per-thread stream's capture runs") {
+  // cudaStreamPerThread names the calling thread's stream: asked from the main thread, the capturing
+  // thread's capture read as ended, the end committed, and the capture's next request left the pool.
+  void* const per_thread = reinterpret_cast<void*>(std::uintptr_t{2});
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = host_backed(kind);
+    std::atomic<int> phase{0};
+    std::thread t([&] {
+      sa.sim->capture_begin(per_thread);
+      sa->begin_graph_pool(1, per_thread);
+      void* a = sa->allocate(2 * MiB, per_thread);
+      phase = 1;
+      while (phase != 2) std::this_thread::yield();
+      void* b = sa->allocate(2 * MiB, per_thread);  // the capture's later request: still the pool's
+      CHECK(sa->graph_pool_blocks(1).size() == 2);
+      const auto g = sa.sim->capture_end(per_thread);
+      CHECK_NOTHROW(sa->end_graph_pool(1));  // from its own thread, after the capture's end
+      sa->deallocate(a);
+      sa->deallocate(b);
+      sa.sim->graph_destroy(g);
+    });
+    while (phase != 1) std::this_thread::yield();
+    CHECK_THROWS_WITH_AS(sa->end_graph_pool(1), doctest::Contains("runs on another thread's per-thread stream"), expseg::error);
+    phase = 2;
+    t.join();
+    sa->release_graph_pool(1);
+    sa->validate();
+    // A thread that exits without the end: its capture cannot be running, and another thread ends it.
+    std::thread([&] {
+      sa.sim->capture_begin(per_thread);
+      sa->begin_graph_pool(2, per_thread);
+      sa->deallocate(sa->allocate(2 * MiB, per_thread));
+      sa.sim->graph_destroy(sa.sim->capture_end(per_thread));
+    }).join();
+    CHECK_NOTHROW(sa->end_graph_pool(2));
+    sa->release_graph_pool(2);
+    sa->validate();
   }
 }
 

@@ -3,7 +3,9 @@
 // of memory that queued work (SimDriver::queue_use on a busy stream) still uses as a hazard.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <thread>
+#include <vector>
 
 #include "allocator_impl.hpp"
 #include "c_api_internal.hpp"
@@ -852,6 +854,69 @@ TEST_CASE("expandable: out of address range, the spare range goes back before a 
   sa.sim->stream_destroy(b);
 }
 
+
+namespace {
+// Counts capture queries and synchronizations of streams the test has destroyed.
+class DestroyedStreamSpy final : public testutil::ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  std::vector<stream_t> destroyed;
+  int queries_of_destroyed = 0;
+  void stream_destroy(stream_t s) override {
+    ForwardingDriver::stream_destroy(s);
+    destroyed.push_back(s);
+  }
+  std::uint64_t stream_capture_id(stream_t s) override {
+    if (std::find(destroyed.begin(), destroyed.end(), s) != destroyed.end()) ++queries_of_destroyed;
+    return ForwardingDriver::stream_capture_id(s);
+  }
+  void stream_synchronize(stream_t s) override {
+    if (std::find(destroyed.begin(), destroyed.end(), s) != destroyed.end()) ++queries_of_destroyed;
+    ForwardingDriver::stream_synchronize(s);
+  }
+};
+}  // namespace
+
+TEST_CASE("streams regression: release_stream forgets a prepare_capture answer, and refuses a stream routed into a graph pool") {
+  // Was: a prepare_capture(s) whose capture never began stayed listed after release_stream(s), and
+  // expandable asked the destroyed stream about captures; and release_stream(s) was accepted while
+  // s allocated into a graph pool (begin_pool_allocations), whose route outlived the stream.
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(kind));
+    const expseg::Config c = sim_config(kind, 8 * GiB);
+    expseg::driver::SimOptions o;
+    o.capacity = c.sim_capacity;
+    o.granularity = c.sim_granularity;
+    auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+    auto spy = std::make_shared<DestroyedStreamSpy>(sim);
+    auto a = expseg::detail::AllocatorAccess::make(c, spy);
+    void* s = spy->stream_create();
+    a->deallocate(a->allocate(4 * MiB, s));
+    a->prepare_capture(s);  // the capture never begins (the program raised first)
+    a->release_stream(s);
+    spy->stream_destroy(s);
+    for (int i = 0; i < 4; ++i) a->deallocate(a->allocate((i + 1) * 16 * MiB));
+    a->release_cached();
+    void* t = spy->stream_create();
+    a->deallocate(a->allocate(8 * MiB, t));
+    CHECK(spy->queries_of_destroyed == 0);
+    // Routed into pool 7: refused, nothing changed; after end_pool_allocations, released.
+    a->begin_pool_allocations(7, t);
+    void* p = a->allocate(1 * MiB, t);
+    a->deallocate(p);
+    CHECK_THROWS_WITH_AS(a->release_stream(t), doctest::Contains("allocates into graph pool 7 (begin_pool_allocations)"), expseg::error);
+    void* q = a->allocate(1 * MiB, t);
+    CHECK(a->graph_pool_blocks(7).size() == 1);  // still routed
+    a->deallocate(q);
+    a->end_pool_allocations(7, t);
+    CHECK_NOTHROW(a->release_stream(t));
+    spy->stream_destroy(t);
+    a->release_graph_pool(7);
+    a->release_cached();
+    CHECK(spy->queries_of_destroyed == 0);
+    a->validate();
+  }
+}
 }  // TEST_SUITE
 
 namespace {
