@@ -698,6 +698,8 @@ TEST_CASE_FIXTURE(CApiFixture, "record_stream of NULL does nothing, whether or n
   REQUIRE(p != nullptr);
   CHECK(expseg_record_stream(nullptr, 3, reinterpret_cast<expseg_stream_t>(0x20)) == EXPSEG_SUCCESS);
   CHECK(expseg_last_error_code() == EXPSEG_SUCCESS);
+  // Nothing recorded: the stream is no block's recorded use, which would refuse its release.
+  CHECK(expseg_release_stream(3, reinterpret_cast<expseg_stream_t>(0x20)) == EXPSEG_SUCCESS);
   expseg_free(p, 0, 3, nullptr);
 }
 

@@ -19,6 +19,13 @@ TEST_CASE("regression: record_stream(nullptr) is a no-op like deallocate(nullptr
     } catch (const std::exception& e) {
       FAIL_CHECK("record_stream(nullptr) threw: " << std::string(e.what()));
     }
+    // Nothing recorded: the stream is no block's recorded use, so release_stream accepts it (a
+    // recorded use refuses it), and the counts are unchanged.
+    const expseg::Stats before = a.stats();
+    CHECK_NOTHROW(a.release_stream(stream_id(3)));
+    CHECK(a.stats().num_alloc_retries == before.num_alloc_retries);
+    CHECK(a.stats().allocation[expseg::kAllPools].current == 0);
+    a.validate();
   }
 }
 

@@ -53,8 +53,16 @@ TEST_CASE("placement regression: a handle move whose mapping fails counts the ha
     void* small = s->allocate(4 * MiB);
     void* big = s->allocate(58 * MiB);
     s->deallocate(small);  // a 4 MiB idle handle: the 5 MiB request below moves it (no room for a new one)
+    const std::uint64_t calls_before = s.sim->calls(op);
     s.sim->inject_fault(op, 1, Fault::error);
-    CHECK_THROWS(s->allocate(5 * MiB));
+    // The move was tried and its mapping failed (not an OOM without a move).
+    try {
+      (void)s->allocate(5 * MiB);
+      FAIL("the request should fail at the moved handle's mapping");
+    } catch (const expseg::driver_error& e) {
+      CHECK(e.call() == (op == Op::map ? "cuMemMap" : "cuMemSetAccess"));
+    }
+    CHECK(s.sim->calls(op) == calls_before + 1);
     s->validate();
     const expseg::Stats st = s->stats();
     // Was: the moved handle was released without a device free (16 allocations, 0 frees, 15 held).

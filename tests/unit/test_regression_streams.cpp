@@ -917,6 +917,56 @@ TEST_CASE("streams regression: release_stream forgets a prepare_capture answer, 
     a->validate();
   }
 }
+
+namespace {
+// Begins a capture on `trigger` right after an event is recorded there, as another thread could
+// between a free's capture check and its records.
+class CaptureAfterRecord final : public testutil::ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  stream_t trigger = nullptr;
+  bool began = false;
+  void event_record(event_t e, stream_t s) override {
+    ForwardingDriver::event_record(e, s);
+    if (s == trigger && !began) {
+      began = true;
+      sim().capture_begin(s);
+    }
+  }
+};
+}  // namespace
+
+TEST_CASE("streams regression: release_stream destroys the events a failed free kept for the stream's capture") {
+  // A free that failed midway keeps an event recorded on a stream that began capturing meanwhile
+  // (it may be the capture's) until that capture ends; release_stream(s), once s captures no more,
+  // destroys it, rather than leave it to name a stream the program then destroys.
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(kind));
+    const expseg::Config c = sim_config(kind, 8 * GiB);
+    expseg::driver::SimOptions o;
+    o.capacity = c.sim_capacity;
+    o.granularity = c.sim_granularity;
+    auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+    auto drv = std::make_shared<CaptureAfterRecord>(sim);
+    auto a = expseg::detail::AllocatorAccess::make(c, drv);
+    void* s = sim->stream_create();
+    void* t = sim->stream_create();
+    void* b = a->allocate(4 * MiB);
+    a->record_stream(b, s);
+    a->record_stream(b, t);
+    drv->trigger = s;
+    sim->inject_fault(Op::event_record, 2, expseg::driver::Fault::error);  // t's record, after s's
+    CHECK_THROWS_AS(a->deallocate(b), expseg::driver_error);
+    REQUIRE(drv->began);
+    sim->graph_destroy(sim->capture_end(s));
+    a->deallocate(b);  // again: now it queues its events
+    const std::size_t events = sim->live().events;
+    CHECK_NOTHROW(a->release_stream(s));
+    CHECK(sim->live().events == events - 1);  // the kept one: destroyed
+    a->validate();
+    a->release_cached();
+  }
+}
 }  // TEST_SUITE
 
 namespace {
