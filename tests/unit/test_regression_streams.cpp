@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "allocator_impl.hpp"
@@ -856,6 +857,20 @@ TEST_CASE("expandable: out of address range, the spare range goes back before a 
 
 
 namespace {
+// An allocator of `kind` on an 8 GiB simulated device reached through test driver D (a
+// ForwardingDriver): the device, the driver and the allocator.
+template <class D>
+auto wrapped_sim_allocator(BackendKind kind) {
+  const expseg::Config c = sim_config(kind, 8 * GiB);
+  expseg::driver::SimOptions o;
+  o.capacity = c.sim_capacity;
+  o.granularity = c.sim_granularity;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto drv = std::make_shared<D>(sim);
+  auto a = expseg::detail::AllocatorAccess::make(c, drv);
+  return std::make_tuple(sim, drv, std::move(a));
+}
+
 // Counts capture queries and synchronizations of streams the test has destroyed.
 class DestroyedStreamSpy final : public testutil::ForwardingDriver {
  public:
@@ -883,13 +898,7 @@ TEST_CASE("streams regression: release_stream forgets a prepare_capture answer, 
   // s allocated into a graph pool (begin_pool_allocations), whose route outlived the stream.
   for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(expseg::to_string(kind));
-    const expseg::Config c = sim_config(kind, 8 * GiB);
-    expseg::driver::SimOptions o;
-    o.capacity = c.sim_capacity;
-    o.granularity = c.sim_granularity;
-    auto sim = std::make_shared<expseg::driver::SimDriver>(o);
-    auto spy = std::make_shared<DestroyedStreamSpy>(sim);
-    auto a = expseg::detail::AllocatorAccess::make(c, spy);
+    auto [sim, spy, a] = wrapped_sim_allocator<DestroyedStreamSpy>(kind);
     void* s = spy->stream_create();
     a->deallocate(a->allocate(4 * MiB, s));
     a->prepare_capture(s);  // the capture never begins (the program raised first)
@@ -942,13 +951,7 @@ TEST_CASE("streams regression: release_stream destroys the events a failed free 
   // destroys it, rather than leave it to name a stream the program then destroys.
   for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
     CAPTURE(expseg::to_string(kind));
-    const expseg::Config c = sim_config(kind, 8 * GiB);
-    expseg::driver::SimOptions o;
-    o.capacity = c.sim_capacity;
-    o.granularity = c.sim_granularity;
-    auto sim = std::make_shared<expseg::driver::SimDriver>(o);
-    auto drv = std::make_shared<CaptureAfterRecord>(sim);
-    auto a = expseg::detail::AllocatorAccess::make(c, drv);
+    auto [sim, drv, a] = wrapped_sim_allocator<CaptureAfterRecord>(kind);
     void* s = sim->stream_create();
     void* t = sim->stream_create();
     void* b = a->allocate(4 * MiB);
