@@ -626,6 +626,9 @@ ImportedMemory detail::IpcAccess::import_with(std::shared_ptr<driver::Driver> dr
                       "them with expseg::recv_ipc_handle (SCM_RIGHTS over a Unix socket) or take them with "
                       "IpcMemHandle::fetch_fds_from_exporter (pidfd_getfd)");
     const std::size_t g = drv->granularity();
+    if (g == 0)
+      throw ipc_error("expseg: import_ipc: this device does not support CUDA virtual memory management, which maps the "
+                      "exported physical handles (an expandable allocator's export); a split_merge export (cuda_ipc) can be imported");
     for (const IpcPiece& p : h.pieces)
       if (p.bytes % g != 0)
         throw ipc_error("expseg: import_ipc: an exported physical handle of " + std::to_string(p.bytes) +

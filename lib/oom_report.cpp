@@ -203,7 +203,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   if (overflow || at_least > capacity || (ctx.limit != 0 && at_least > ctx.limit)) {
     r->counterfactual = Counterfactual::would_fail;
   } else if (config.oom_counterfactual && refused == backends::Context::Refusal::none && simulable && pools == 0 && !capture_underway &&
-             kept == 0) {
+             kept == 0 && driver->granularity() != 0) {
     // (A device that refused what its figures leave room for is no device the figures can simulate.)
     // A copy of what the simulation needs, so that it can run without the lock.
     std::vector<LiveAllocation>& live_set = check.live;
@@ -404,7 +404,8 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
                               ? ": its check does not model a CUDA graph capture underway (which keeps memory a request could otherwise get back)."
                           : kept != 0 ? ": its check does not model memory cached for a stream that is capturing a CUDA graph, which cannot be "
                                         "given back until the capture ends."
-                                      : kCheckFailed;
+                          : driver->granularity() == 0 ? ": the device does not support CUDA virtual memory management, which it maps memory with."
+                                                       : kCheckFailed;
     os << counterfactual_sentence(*r, 0, why_not);
   }
   r->message = os.str();

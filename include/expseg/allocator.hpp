@@ -66,6 +66,8 @@ struct DeviceInfo {
   std::string name;
   std::size_t total_bytes = 0;
   std::size_t free_bytes = 0;
+  // Physical memory's mapping granularity (cuMemGetAllocationGranularity); 0 on a device without
+  // CUDA virtual memory management, where only backend:split_merge can be used.
   std::size_t granularity = 0;
   // The shareable handle type physical memory is created with (expandable IPC), and, when it is not
   // the one the config's ipc_handle asked for, why (e.g. fabric handles refused in a container).

@@ -279,6 +279,7 @@ class CudaDriver final : public Driver {
   dev_ptr reserve(std::size_t bytes) override {
     const Timed timed(*this, Op::reserve);
     CtxScope scope(*this);
+    require_vmm("cuMemAddressReserve");
     CUdeviceptr p = 0;
     check(api_, api_.cuMemAddressReserve(&p, bytes, granularity_, 0, 0), "cuMemAddressReserve");
     return p;
@@ -291,6 +292,7 @@ class CudaDriver final : public Driver {
   phys_handle create(std::size_t bytes) override {
     const Timed timed(*this, Op::create);
     CtxScope scope(*this);
+    require_vmm("cuMemCreate");
     CUmemGenericAllocationHandle h = 0;
     check(api_, api_.cuMemCreate(&h, bytes, &prop_, 0), "cuMemCreate");
     return h;
@@ -601,8 +603,10 @@ class CudaDriver final : public Driver {
     out.type = shareable_;
     if (shareable_ == ShareableHandle::none)
       throw_invalid("cuMemExportToShareableHandle",
-                    "physical memory is created without a shareable handle type (CudaOptions::shareable "
-                    "is none, or fell back to none: " + fallback_reason_ + ")");
+                    "physical memory is created without a shareable handle type (" +
+                        (fallback_reason_.empty() ? std::string("CudaOptions::shareable is none")
+                                                  : "CudaOptions::shareable fell back to none: " + fallback_reason_) +
+                        ")");
     CtxScope scope(*this);
     if (shareable_ == ShareableHandle::posix_fd) {
       int fd = -1;
@@ -628,6 +632,7 @@ class CudaDriver final : public Driver {
   }
   phys_handle import_handle(const ExportedHandle& exported) override {
     const Timed timed(*this, Op::import_handle);
+    require_vmm("cuMemImportFromShareableHandle");
     CUmemGenericAllocationHandle h = 0;
     switch (exported.type) {
       case ShareableHandle::posix_fd: {
@@ -757,14 +762,20 @@ class CudaDriver final : public Driver {
   }
   // Empty when physical memory of this type can be created, exported and imported back here; otherwise
   // why not. Needs ctx_ current.
+  void init_vmm(ShareableHandle requested);  // the constructor's part for a device with VMM
   std::string probe_shareable(ShareableHandle type);
+  // The VMM calls' refusal on a device without virtual memory management (no_vmm_ says why).
+  void require_vmm(const char* call) const {
+    if (!no_vmm_.empty()) throw driver_error(call, CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", no_vmm_);
+  }
 
   const Api& api_;
   int ordinal_;
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;  // the device's primary context, retained for the object's lifetime
   std::string name_;
-  std::size_t granularity_ = 0;
+  std::size_t granularity_ = 0;  // 0 without VMM
+  std::string no_vmm_;           // empty when the device supports VMM, else why the VMM calls refuse
   CUmemAllocationProp prop_{};  // what create() makes: pinned, on this device, shareable_ handles
   ShareableHandle shareable_ = ShareableHandle::none;
   bool rdma_ = false;  // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: create() asks for it
@@ -783,26 +794,21 @@ CudaDriver::CudaDriver(const Api& api, int device, const CudaOptions& options) :
     char name[256] = {};
     check(api_, api_.cuDeviceGetName(name, static_cast<int>(sizeof name - 1), dev_), "cuDeviceGetName");
     name_ = name;
-    // Before the probe below: it creates memory with the same properties as create().
-    int rdma = 0;
-    check(api_, api_.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev_),
-          "cuDeviceGetAttribute(GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)");
-    rdma_ = rdma != 0;
-
-    ShareableHandle type = options.shareable;
-    while (type != ShareableHandle::none) {
-      std::string problem = probe_shareable(type);
-      if (problem.empty()) break;
-      const ShareableHandle next = type == ShareableHandle::fabric ? ShareableHandle::posix_fd : ShareableHandle::none;
-      if (!fallback_reason_.empty()) fallback_reason_ += "; ";
-      fallback_reason_ += std::string(shareable_name(type)) + " handles are not available (" + problem + "), using " +
-                          shareable_name(next);
-      type = next;
+    // A device without virtual memory management (some vGPU and virtualized setups) still serves
+    // cuMemAlloc (split_merge) and cuIpcOpenMemHandle: the driver is built without the VMM queries
+    // below, and the VMM calls refuse with no_vmm_ (granularity() is 0).
+    int vmm = 0;
+    check(api_, api_.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev_),
+          "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
+    if (vmm == 0) {
+      no_vmm_ = "device " + std::to_string(ordinal_) + " (" + name_ +
+                ") does not support CUDA virtual memory management (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED "
+                "is 0): cuMemAddressReserve, cuMemCreate and cuMemMap are not available; backend:split_merge works without them";
+      if (options.shareable != ShareableHandle::none)
+        fallback_reason_ = std::string(shareable_name(options.shareable)) + " handles are not available (" + no_vmm_ + "), using none";
+    } else {
+      init_vmm(options.shareable);
     }
-    shareable_ = type;
-    prop_ = make_prop(type);
-    check(api_, api_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-          "cuMemGetAllocationGranularity");
 
     CUmemAccessDesc self{};
     self.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -814,6 +820,29 @@ CudaDriver::CudaDriver(const Api& api, int device, const CudaOptions& options) :
     (void)api_.cuDevicePrimaryCtxRelease(dev_);
     throw;
   }
+}
+
+void CudaDriver::init_vmm(ShareableHandle requested) {
+  // Before the probe below: it creates memory with the same properties as create().
+  int rdma = 0;
+  check(api_, api_.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev_),
+        "cuDeviceGetAttribute(GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)");
+  rdma_ = rdma != 0;
+
+  ShareableHandle type = requested;
+  while (type != ShareableHandle::none) {
+    std::string problem = probe_shareable(type);
+    if (problem.empty()) break;
+    const ShareableHandle next = type == ShareableHandle::fabric ? ShareableHandle::posix_fd : ShareableHandle::none;
+    if (!fallback_reason_.empty()) fallback_reason_ += "; ";
+    fallback_reason_ += std::string(shareable_name(type)) + " handles are not available (" + problem + "), using " +
+                        shareable_name(next);
+    type = next;
+  }
+  shareable_ = type;
+  prop_ = make_prop(type);
+  check(api_, api_.cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+        "cuMemGetAllocationGranularity");
 }
 
 CudaDriver::~CudaDriver() {
@@ -841,8 +870,12 @@ std::string CudaDriver::probe_shareable(ShareableHandle type) {
       r != CUDA_SUCCESS)
     return cuda_failure("cuMemGetAllocationGranularity", r);
   CUmemGenericAllocationHandle h = 0;
-  if (CUresult r = api_.cuMemCreate(&h, gran, &prop, 0); r != CUDA_SUCCESS)
+  if (CUresult r = api_.cuMemCreate(&h, gran, &prop, 0); r != CUDA_SUCCESS) {
+    // A full device (other processes, this one's caches) says nothing about the handle type: the
+    // type stays, unverified, rather than turning sharing off for the driver's lifetime.
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return {};
     return "a probe " + cuda_failure("cuMemCreate", r);
+  }
   // Creating can succeed where sharing is still refused (fabric without an IMEX channel): export the
   // probe, and import it back, as IPC will.
   std::string problem;

@@ -106,7 +106,9 @@ class Driver {
   virtual const char* kind() const noexcept = 0;  // "cuda" or "sim"
   virtual int device() const noexcept = 0;
   virtual std::string device_name() const = 0;
-  // Allocation granularity of physical memory (cuMemGetAllocationGranularity, recommended).
+  // Allocation granularity of physical memory (cuMemGetAllocationGranularity, recommended); 0 on a
+  // device without virtual memory management, whose reserve/create/import_handle refuse
+  // (driver_error CUDA_ERROR_NOT_SUPPORTED) while mem_alloc and the cuda_ipc calls work.
   virtual std::size_t granularity() const noexcept = 0;
   virtual MemInfo mem_info() = 0;
   // Thread-safe (a stats reader need not hold the allocator's lock).

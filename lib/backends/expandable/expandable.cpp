@@ -197,6 +197,10 @@ ExpandableBackend::ExpandableBackend(Context& ctx)
       frame_(ctx.driver.granularity()),
       frame_shift_(static_cast<unsigned>(std::countr_zero(frame_))),
       has_divisions_(has_roundup_power2_divisions(ctx.config)) {
+  if (frame_ == 0)  // the driver's sign of a device without virtual memory management
+    throw expseg::error("expandable: device " + std::to_string(ctx.driver.device()) + " (" + ctx.driver.device_name() +
+                        ") does not support CUDA virtual memory management (cuMemCreate, cuMemMap), which the expandable "
+                        "backend maps its memory with: use backend:split_merge");
   if (!std::has_single_bit(frame_)) throw expseg::error("expandable: allocation granularity is not a power of two");
   // The config bounds an explicit expandable_va_size; the default and a share of device memory
   // depend on the device, so the same bound is applied to them here (and again to an explicit one,
