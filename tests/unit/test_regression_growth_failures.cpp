@@ -202,3 +202,23 @@ TEST_CASE("regression: a cuMemCreate refused for memory is retried once idle mem
   sa->deallocate(p);
   check_nothing_left(sa);
 }
+
+// Was: set_limit gave back idle handles only; a handle whose cuMemRelease had failed (an orphan,
+// retried by release_cached and slow allocations) kept its memory above the new limit.
+TEST_CASE("regression: set_limit gives back a handle whose release failed before, once the release succeeds") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "limit:64MiB"));
+  void* a = sa->allocate(8 * MiB);
+  void* b = sa->allocate(8 * MiB);
+  sa->deallocate(a);
+  sa.sim->inject_fault(Op::release, 1, Fault::error);  // a's handle: unmapped, its release fails
+  CHECK_THROWS_AS(sa->release_cached(), expseg::driver_error);
+  sa->validate();
+  const std::int64_t held = reserved(sa);
+  REQUIRE(held > static_cast<std::int64_t>(8 * MiB));  // the orphan still counts
+  sa->set_limit(8 * MiB);                              // the release succeeds now
+  sa->validate();
+  CHECK(reserved(sa) <= static_cast<std::int64_t>(8 * MiB));
+  CHECK(static_cast<std::int64_t>(sa.sim->live().physical_bytes) == reserved(sa));
+  sa->deallocate(b);
+  check_nothing_left(sa);
+}

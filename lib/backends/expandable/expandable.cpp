@@ -2272,6 +2272,9 @@ void ExpandableBackend::on_limit_changed() {
   const std::size_t limit = ctx_.effective_limit();
   begin_operation();
   reap_retired(nullptr);
+  // A handle whose release failed earlier counts in reserved_ and holds its memory for nothing:
+  // given back first, before any idle handle.
+  if (!orphans_.empty()) retry_orphans();
   if (reserved_ <= limit) return;
   // Cross-stream frees still waiting for their events hold memory the limit may need back: complete
   // them first, as split_merge does (their blocks become idle here).
