@@ -77,8 +77,10 @@ TEST_CASE("expandable: random churn stays free of fragmentation OOMs below 98% o
 TEST_CASE("expandable: other size mixes never OOM while the pages live blocks touch leave room") {
   // The guarantee, for any mix: a request fails only when the whole pages touched by live blocks
   // plus the request exceed the limit (verdict 'limit'), never because free memory is scattered
-  // (verdict 'fragmentation'); so never while the live sizes, each rounded up to whole pages, plus
-  // the request fit. With many mid-sized blocks the holes between live blocks keep partly used
+  // (verdict 'fragmentation'). In these mixes, also never while the live sizes, each rounded up to
+  // whole pages, plus the request fit (checked at every OOM below); that is no guarantee in general:
+  // a block that straddles a page boundary touches a page more than its size rounded up (a 2 MiB
+  // block placed 1 MiB into a page against a neighbour since freed). With many mid-sized blocks the holes between live blocks keep partly used
   // pages at their edges (slivers under a page no block of the mix fits), up to ~6% of the limit
   // for 1-4 MiB blocks, so the fill at an OOM is compared with split_merge's, not asserted >= 98%.
   struct Mix {
