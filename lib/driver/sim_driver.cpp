@@ -143,7 +143,10 @@ std::uintptr_t stream_of(const void* p) noexcept {
 }
 void* as_pointer(std::uintptr_t id) noexcept { return reinterpret_cast<void*>(id); }
 
-// --- latency model: H200 medians (DESIGN.md), µs, interpolated linearly in log(size) ---------
+// --- latency model: H200 medians, µs, interpolated linearly in log(size) ---------------------
+// Measured on an H200 (driver 580) with plain memory. expandable creates its memory GPUDirect RDMA
+// capable where the device supports it (H100, H200), which costs ~4.4 µs more a map and ~4 µs more
+// an unmap there (benchmarks/PERFORMANCE.md, an H100): modelled times are that much lower.
 constexpr double kMiB = 1024.0 * 1024.0;
 constexpr std::array<double, 5> kTableSizes = {2 * kMiB, 20 * kMiB, 64 * kMiB, 512 * kMiB, 2048 * kMiB};
 constexpr std::array<double, 5> kCreateUs = {8.1, 8.1, 8.7, 27.3, 98.9};
@@ -1091,6 +1094,11 @@ void SimDriver::mem_free(dev_ptr ptr) {
   s.enter(Op::mem_free, call);
   auto it = s.allocs.find(ptr);
   if (it == s.allocs.end()) invalid(call, hex(ptr) + " is not a live cuMemAlloc pointer");
+  // CUDA: undefined behaviour for the importer (its mapping outlives the memory); refused here so
+  // that a test sees it.
+  if (it->second.ipc_opens != 0)
+    invalid(call, hex(ptr) + " is open in " + std::to_string(it->second.ipc_opens) +
+                      " importer(s) (cuIpcOpenMemHandle): freeing it before cuIpcCloseMemHandle is undefined behaviour");
   // Host-backed: back to PROT_NONE (the bytes go), not unmapped: the range stays part of the arena.
   if (options_.host_backed && !s.forget(ptr)) host_failure(call, "mmap", errno);
   if (!options_.host_backed) s.give_addresses(ptr, it->second.size);
@@ -1137,9 +1145,10 @@ void SimDriver::stream_destroy(stream_t stream) {
   if (stream == nullptr) invalid(call, "the default stream cannot be destroyed");
   const std::uintptr_t id = id_of(stream);
   if (!s.created_streams.contains(id)) invalid(call, "unknown stream " + hex(id) + " (not from stream_create)");
-  // CUDA lets queued work finish after cuStreamDestroy: the stream's events complete.
-  s.complete(&id, s.record_seq);
-  s.busy_streams.erase(id);
+  // CUDA lets queued work finish after cuStreamDestroy returns: a busy stream's work (its events,
+  // its queued uses) stays pending until set_stream_busy(stream, false) or a synchronization that
+  // waits for it (the device's; the legacy stream's for a blocking stream). Only then may memory it
+  // used be unmapped.
   s.created_streams.erase(id);
   s.destroyed_streams.insert(id);
 }
@@ -1164,6 +1173,8 @@ void SimDriver::event_record(event_t event, stream_t stream) {
   s.enter(Op::event_record, call);
   Impl::Event& ev = s.event(call, event);
   ev.stream = stream_of(stream);
+  if (s.destroyed_streams.contains(ev.stream))
+    throw driver_error(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(ev.stream) + " was destroyed");
   if (ev.stream == 0) s.refuse_implicit(call);
   s.busy_dependencies(ev.stream, ev.waits_for);
   ev.pending = !ev.waits_for.empty();
@@ -1249,6 +1260,8 @@ void SimDriver::memset_d32(dev_ptr ptr, std::uint32_t value, std::size_t count, 
   Impl& s = *impl_;
   if (ptr % 4 != 0) invalid(call, "address " + hex(ptr) + " is not 4-byte aligned");
   if (count > std::numeric_limits<std::size_t>::max() / 4) invalid(call, "count too large");
+  if (s.destroyed_streams.contains(stream_of(stream)))
+    throw driver_error(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "stream " + hex(stream_of(stream)) + " was destroyed");
   if (Impl::Capture* c = s.capture_of(stream_of(stream)); c != nullptr) {  // recorded into the graph, run by its launches
     c->work.push_back({ptr, value, count});
     return;
@@ -1558,6 +1571,7 @@ void SimDriver::queue_use(stream_t stream, dev_ptr ptr, std::size_t bytes) {
   std::lock_guard lock(impl_->mutex);
   Impl& s = *impl_;
   const std::uintptr_t id = stream_of(stream);
+  if (s.destroyed_streams.contains(id)) invalid("queue_use", "stream " + hex(id) + " was destroyed: no work can be queued on it");
   if (bytes == 0 || !s.busy_streams.contains(id)) return;  // an idle stream's work completes at once
   s.uses.push_back(Impl::Use{id, ++s.record_seq, ptr, ptr + bytes});
 }

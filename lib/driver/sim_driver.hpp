@@ -194,10 +194,12 @@ class SimDriver final : public Driver {
   // mem_alloc() can get and what mem_info() reports as free.
   void set_foreign_usage(std::size_t bytes);
   // A busy stream keeps events recorded on it incomplete until it is made idle or synchronized
-  // (0x2 here is the calling thread's per-thread stream).
+  // (0x2 here is the calling thread's per-thread stream); destroying it does not complete its work,
+  // as on a GPU (made idle here, or the device synchronized, it completes).
   void set_stream_busy(stream_t stream, bool busy);
   // Work queued on `stream` that uses [ptr, ptr + bytes): on a busy stream it stays queued until the
-  // stream's work completes (synchronized, made idle or destroyed); on an idle one it is done at once.
+  // stream's work completes (synchronized or made idle, destroyed or not); on an idle one it is done
+  // at once. Refused on a destroyed stream.
   void queue_use(stream_t stream, dev_ptr ptr, std::size_t bytes);
   // Unmaps of memory that queued work (queue_use) still used, in order: each is what a GPU would
   // fault on (or silently corrupt). The driver does not refuse them, as CUDA does not.

@@ -603,7 +603,13 @@ TEST_SUITE("sim") {
       CHECK_FALSE(d.event_query(e3));
       d.event_record(e1, s);  // re-recorded: pending again
       CHECK_FALSE(d.event_query(e1));
-      d.stream_destroy(s);  // queued work still completes
+      d.stream_destroy(s);  // queued work goes on after the stream is destroyed...
+      CHECK_FALSE(d.event_query(e1));
+      CHECK_FALSE(d.event_query(e3));
+      const auto refused = catch_driver_error([&] { d.event_record(e2, s); });  // ...but nothing new is queued
+      REQUIRE(refused.has_value());
+      CHECK(refused->code() == 201);
+      d.set_stream_busy(s, false);  // ...and completes
       CHECK(d.event_query(e1));
       CHECK(d.event_query(e3));
       CHECK(d.live().streams == 1);
@@ -1084,6 +1090,8 @@ TEST_SUITE("sim") {
       CHECK(q == p);
       d.memset_d32(p, 42, 1024, nullptr);
       expseg::test::check_words(d, q, 1024, 42);
+      // Freed under an open import: undefined behaviour in CUDA, refused here (nothing changes).
+      check_invalid(d, "cuMemFree", [&] { d.mem_free(p); });
       d.ipc_close(q);
       check_invalid(d, "cuIpcCloseMemHandle", [&] { d.ipc_close(q); });
       check_invalid(d, "cuIpcGetMemHandle", [&] { (void)d.ipc_export(p + 64); });
