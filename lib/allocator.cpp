@@ -78,6 +78,18 @@ driver::stream_t event_stream(driver::stream_t s) noexcept {
 }  // namespace
 
 namespace {
+// The capture `key`'s stream belongs to, 0 for none. The legacy stream's question answers
+// CUDA_ERROR_STREAM_CAPTURE_IMPLICIT while a blocking stream captures (that capture stays valid):
+// the legacy stream itself never captures.
+std::uint64_t capture_of_stream(driver::Driver& d, driver::stream_t key) {
+  try {
+    return d.stream_capture_id(backends::capture_query_stream(key));
+  } catch (const driver_error& e) {
+    if (e.code() == driver::Driver::kCaptureImplicitCode && backends::is_legacy_stream(key)) return 0;
+    throw;
+  }
+}
+
 // The keys of PyTorch's split_merge rules that `c` sets to other than their defaults.
 std::vector<std::string> pytorch_rules_set(const Config& c) {
   const Config defaults;
@@ -854,7 +866,7 @@ void Allocator::begin_graph_pool(std::uint64_t pool, stream_t capture_stream) {
   const driver::stream_t key = stream_key(capture_stream);
   std::lock_guard<core::Mutex> lock(impl_->mu);
   Impl& m = *impl_;
-  const std::uint64_t capture = m.driver->stream_capture_id(backends::capture_query_stream(key));
+  const std::uint64_t capture = capture_of_stream(*m.driver, key);
   if (capture == 0 || backends::is_graph_pool_key(key))
     throw error("begin_graph_pool: the stream is not capturing; begin the capture (cuStreamBeginCapture, torch.cuda.graph) first");
   for (const Impl::CaptureRoute& r : m.capture_routes)
@@ -939,7 +951,7 @@ void Allocator::begin_pool_allocations(std::uint64_t pool, stream_t stream) {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   Impl& m = *impl_;
   if (backends::is_graph_pool_key(key)) throw error("begin_pool_allocations: not a stream");
-  if (m.driver->stream_capture_id(backends::capture_query_stream(key)) != 0)
+  if (capture_of_stream(*m.driver, key) != 0)
     throw error("begin_pool_allocations: the stream is capturing; a capture allocates into a pool through begin_graph_pool");
   for (const Impl::EagerRoute& e : m.eager_routes)
     if (e.stream == key)

@@ -1786,3 +1786,82 @@ TEST_CASE("graph pool: random checkpoints and restores keep every block's data a
 }
 
 }  // TEST_SUITE("graph-trees")
+
+// Was: an arena whose segments had all gone back was forgotten while its stream captured untold
+// (release_cached, or a request elsewhere out of address range giving back unused arenas); nothing
+// noticed the capture then, and a later request on another stream gave back a released graph
+// pool's idle memory with a device synchronization, which invalidated the capture.
+TEST_CASE("graph capture: expandable: an untold capture's stream stays watched after its arena's ranges go back") {
+  for (const bool out_of_address_range : {false, true}) {
+    CAPTURE(out_of_address_range);
+    expseg::driver::SimOptions o;
+    if (out_of_address_range) o.address_space = 3 * 256 * MiB + 16 * MiB;  // room for three segments
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "limit:72MiB,expandable_va_size:256MiB"), o);
+    void* A = sa.sim->stream_create();
+    void* B = sa.sim->stream_create();
+    void* S = sa.sim->stream_create();
+    void* a = sa->allocate(40 * MiB, A);
+    sa->deallocate(a);
+    void* b = sa->allocate(66 * MiB, B);  // takes A's idle memory: A keeps an empty segment and its arena
+    // A graph pool's block kept live past the pool's release: its idle memory later needs a sync.
+    sa.sim->capture_begin(S);
+    sa->begin_graph_pool(1, S);
+    void* x = sa->allocate(4 * MiB, S);
+    expseg::driver::graph_t g = sa.sim->capture_end(S);
+    sa->end_graph_pool(1);
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(1);
+    sa.sim->capture_begin(A);  // untold, on a stream expseg has an arena for
+    if (!out_of_address_range) CHECK_NOTHROW(sa->release_cached());
+    sa->deallocate(x);
+    sa->deallocate(b);
+    void* C = sa.sim->stream_create();
+    void* D = sa.sim->stream_create();
+    void* c = nullptr;
+    void* d = nullptr;
+    CHECK_NOTHROW(c = sa->allocate(2 * MiB, C));  // out of address range: unused arenas go back
+    CHECK_NOTHROW(d = sa->allocate(2 * MiB, D));
+    sa->validate();
+    expseg::driver::graph_t ga = nullptr;
+    CHECK_NOTHROW(ga = sa.sim->capture_end(A));  // the capture survived
+    CHECK(ga != nullptr);
+    if (ga != nullptr) sa.sim->graph_destroy(ga);
+    CHECK(sa.sim->hazards().empty());
+    if (c != nullptr) sa->deallocate(c);
+    if (d != nullptr) sa->deallocate(d);
+    sa->release_cached();
+    sa->validate();
+    CHECK(reserved(*sa) == 0);
+  }
+}
+
+// Was: the legacy stream's capture question, asked while a blocking stream captured, answered
+// CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, which came out of these calls as a driver_error (the
+// legacy stream itself never captures).
+TEST_CASE("graph capture: pool calls naming the legacy stream while a blocking stream captures") {
+  for (const BackendKind kind : kBoth) {
+    CAPTURE(kind);
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB));
+    void* s = sa.sim->stream_create_blocking();
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    CHECK_NOTHROW(sa->begin_pool_allocations(2, nullptr));  // the legacy stream does not capture
+    try {
+      sa->begin_graph_pool(3, nullptr);
+      FAIL("begin_graph_pool accepted the legacy stream");
+    } catch (const expseg::driver_error& e) {
+      FAIL("a driver error: " << std::string(e.what()));
+    } catch (const expseg::error& e) {
+      CHECK(std::string(e.what()).find("the stream is not capturing") != std::string::npos);
+    }
+    sa->end_pool_allocations(2, nullptr);
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = sa.sim->capture_end(s));  // still valid
+    REQUIRE(g != nullptr);
+    sa->end_graph_pool(1);
+    sa.sim->graph_destroy(g);
+    sa->release_graph_pool(1);
+    sa->release_graph_pool(2);
+    sa->validate();
+  }
+}

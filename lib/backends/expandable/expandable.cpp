@@ -2156,6 +2156,7 @@ void ExpandableBackend::reap_released() noexcept {
 bool ExpandableBackend::give_back_arena(ExpArena* a, bool synchronized, bool* refused) {
   // The idle handles: those lying wholly inside one of its mapped free blocks.
   std::vector<ExpHandle*> idle;
+  const bool had_segments = !a->segments.empty();
   slow_path_steps_ += a->segments.size();  // drop_segment's look at each
   a->mapped_free.for_each([&](Block& b) {
     ++slow_path_steps_;
@@ -2177,6 +2178,8 @@ bool ExpandableBackend::give_back_arena(ExpArena* a, bool synchronized, bool* re
   }
   for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j]);
   if (!a->segments.empty()) return false;  // live blocks: looked at again later
+  // Its ranges went back; kept to watch its stream's capture (given back again: nothing more).
+  if (!synchronized && watches_capture(*a)) return had_segments;
   forget_arena(a);
   return true;
 }
@@ -2230,7 +2233,7 @@ void ExpandableBackend::drop_empty_segments() {
     ExpArena* a = &*it;
     if (a->forgotten) continue;
     for (std::size_t j = a->segments.size(); j-- > 0;) drop_segment(*a, a->segments[j], false);  // the empty ones
-    if (a->segments.empty()) forget_arena(a);
+    if (a->segments.empty() && !watches_capture(*a)) forget_arena(a);
   }
 }
 

@@ -311,6 +311,17 @@ class ExpandableBackend final : public Backend {
     return !(is_graph_pool_key(arena.stream) && is_live_graph_pool_key(arena.stream)) && !arena_captures(arena);
   }
   bool arena_captures(const ExpArena& arena) const noexcept;
+  // A plain stream's arena is how seen_capture notices a capture expseg was not told of on that
+  // stream: while its stream captures, an arena whose segments all went back is kept (without
+  // segments), not forgotten, so that other streams' synchronizations still see the capture.
+  bool watches_capture(const ExpArena& arena) const noexcept {
+    if (is_stream_key(arena.stream) || is_legacy_stream(arena.stream)) return false;
+    if (arena.capture_seen_op != operation_) {
+      arena.capture_seen_op = operation_;
+      arena.captures = stream_captures(ctx_, arena.stream);
+    }
+    return arena.captures;
+  }
   // What synchronize_once synchronizes for `arena`'s work: a stream (nullptr: the legacy stream), or
   // a key (is_stream_key: a graph pool's, a non-blocking foreign stream's) for the device.
   static driver::stream_t stream_to_synchronize(const ExpArena& arena) noexcept;
