@@ -299,31 +299,44 @@ Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
 Allocator::Impl::~Impl() {
   // The observer first, while everything still works: what it captured may free memory here.
   oom_observer.reset();
-  // Imports closed during a capture go now (each holds the registry: left there, they would leak).
-  imports->set_capturing(false);
+  // Imports closed during a capture go now (each holds the registry: left there, they would leak);
+  // unless a capture expseg was told of is still underway, whose release's synchronization would
+  // invalidate it: then they are left mapped (leaked), as the backend leaves its memory.
+  // A capture told of may have ended without end_graph_pool (the program raised in between): asked.
+  if (ctx.capturing) {
+    bool underway = false;
+    for (const CaptureRoute& r : capture_routes) {
+      if (backends::is_per_thread_key(r.stream) && r.stream != backends::calling_thread_key()) {
+        underway = underway || !backends::is_retired_key(r.stream);  // only its thread can ask
+        continue;
+      }
+      try {
+        underway = underway || driver->stream_capture_id(backends::capture_query_stream(r.stream)) == r.capture_id;
+      } catch (...) {  // a stream the driver no longer knows captures nothing
+      }
+    }
+    ctx.capturing = underway;  // what the backend's destructor goes by too
+  }
+  if (ctx.capturing) imports->abandon_deferred();
+  else imports->set_capturing(false);
   // Graph pools still in use go with the allocator: their keys leave the process-wide registry.
   for (const auto& [id, p] : graph_pools)
     for (const auto& [stream, key] : p.keys) backends::retire_graph_pool_key(key);
-  // Pending frees hold events; the backend gives all memory back in its destructor.
-  for (const StreamEvents* se : busy_queues)
-    se->queue.for_each([&](const PendingFree& pf) {
+  // Pending frees hold events; the backend gives all memory back in its destructor. A failing
+  // cuEventDestroy is tried once more (a transient failure then leaks nothing), as the backends'
+  // destructors do with theirs.
+  auto destroy_event = [&](driver::event_t e) noexcept {
+    for (int attempt = 0; attempt < 2; ++attempt) {
       try {
-        driver->event_destroy(pf.event);
+        driver->event_destroy(e);
+        return;
       } catch (...) {
       }
-    });
-  for (driver::event_t e : spare_events) {
-    try {
-      driver->event_destroy(e);
-    } catch (...) {
     }
-  }
-  for (const auto& [e, s] : captured_spares) {
-    try {
-      driver->event_destroy(e);
-    } catch (...) {
-    }
-  }
+  };
+  for (const StreamEvents* se : busy_queues) se->queue.for_each([&](const PendingFree& pf) { destroy_event(pf.event); });
+  for (driver::event_t e : spare_events) destroy_event(e);
+  for (const auto& [e, s] : captured_spares) destroy_event(e);
   backend.reset();
 }
 

@@ -481,14 +481,19 @@ struct ImportedMemory::State {
   // Undoes everything, in reverse order; remembers the first failure and goes on, except that the
   // mappings stay (and the state says so: a later release tries again) when the synchronization
   // before the unmap fails: unmapped, memory that queued work still uses makes it fault.
+  // Each call is tried once more before it counts as failed, as the backends' destructors do: a
+  // transient failure then leaks nothing.
   void release(std::exception_ptr& first) noexcept {
     auto attempt = [&](auto&& f) {
-      try {
-        f();
-        return true;
-      } catch (...) {
-        if (!first) first = std::current_exception();
-        return false;
+      for (int tries = 0;; ++tries) {
+        try {
+          f();
+          return true;
+        } catch (...) {
+          if (tries == 0) continue;
+          if (!first) first = std::current_exception();
+          return false;
+        }
       }
     };
     // A failed close leaves the import open (the state says so): a later close() tries again, where
@@ -517,6 +522,14 @@ struct ImportedMemory::State {
     for (driver::phys_handle h : handles) attempt([&] { drv->release(h); });
     handles.clear();
     if (reserved != 0) attempt([&] { drv->free_reserve(base, reserved); });
+    reserved = 0;
+  }
+  // Forgets what the import holds in the driver, with no driver call (ImportRegistry::
+  // abandon_deferred): the release then only takes its range off the registry.
+  void abandon() noexcept {
+    opened = false;
+    mapped.clear();
+    handles.clear();
     reserved = 0;
   }
   // Hands `s` to its allocator's registry when a capture it knows of is underway (the release
@@ -554,6 +567,19 @@ void detail::ImportRegistry::set_capturing(bool now) noexcept {
     if (!now) ready.swap(deferred);
   }
   ready.clear();  // each State releases (it takes mu itself)
+}
+
+void detail::ImportRegistry::abandon_deferred() noexcept {
+  std::vector<std::unique_ptr<void, void (*)(void*)>> left;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    capturing = false;
+    left.swap(deferred);
+  }
+  // Their memory stays mapped (leaked in the driver, no call made); the states go, and with them
+  // their hold on the driver and on this registry (each State takes mu itself).
+  for (auto& state : left) static_cast<ImportedMemory::State*>(state.get())->abandon();
+  left.clear();
 }
 
 ImportedMemory::ImportedMemory() noexcept = default;

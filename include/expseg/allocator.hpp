@@ -85,7 +85,11 @@ class Allocator {
  public:
   // Builds the allocator for `device` (an index of the config's device kind) from `config`.
   explicit Allocator(const Config& config = Config::from_env(), int device = 0);
-  ~Allocator();  // gives all device memory back, live allocations included
+  // Gives all device memory back, live allocations included, after a device synchronization (work
+  // may still use it). Where that cannot be had (it fails, or a CUDA graph capture expseg was told
+  // of is still underway, which it would invalidate), expandable's memory stays mapped (leaked until
+  // the process exits) rather than unmapped under running work.
+  ~Allocator();
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
 

@@ -168,6 +168,7 @@ struct IpcMemHandle {
 
 namespace detail {
 struct IpcAccess;
+struct ImportRegistry;
 }
 
 // An exported allocation mapped into this process. Releases its mappings and handles (cuIpcClose-
@@ -193,7 +194,8 @@ class ImportedMemory {
   IpcKind kind() const noexcept;
   explicit operator bool() const noexcept { return get() != nullptr; }
   // Releases now, once this device's queued work is done (see above), or at the end of a capture
-  // underway (see above); empty after. Throws driver_error if the driver refuses: when it refuses
+  // underway (see above); empty after. Each driver call is tried twice. Throws driver_error if the
+  // driver refuses: when it refuses
   // the synchronization, nothing is unmapped (work still queued would fault) and the memory stays
   // open, to close again later; other failures are reported after the rest is released. The
   // destructor ignores errors, and leaves the mappings in place when the synchronization fails.
@@ -202,6 +204,7 @@ class ImportedMemory {
  private:
   struct State;
   friend struct detail::IpcAccess;
+  friend struct detail::ImportRegistry;  // abandons the states left to it when its allocator goes mid-capture
   std::unique_ptr<State> s_;
 };
 

@@ -415,6 +415,7 @@ TEST_CASE("c api: an expseg_ipc_close whose synchronization fails leaves the imp
   sim.set_stream_busy(nullptr, true);
   sim.queue_use(nullptr, static_cast<expseg::driver::dev_ptr>(reinterpret_cast<std::uintptr_t>(q)), size);
   sim.inject_fault(expseg::driver::Op::stream_sync, 1, expseg::driver::Fault::error);
+  sim.inject_fault(expseg::driver::Op::stream_sync, 2, expseg::driver::Fault::error);  // tried twice
   CHECK(expseg_ipc_close(q, 0) == EXPSEG_ERROR_DRIVER);
   CHECK(sim.live().mappings == mapped);  // still open
   CHECK(sim.hazards().empty());

@@ -2,6 +2,11 @@
 // what that call was to give back, on either backend: the destructors try each call once more.
 #include <doctest/doctest.h>
 
+#include <memory>
+
+#include "allocator_impl.hpp"
+#include "driver/sim_driver.hpp"
+#include "forwarding_driver.hpp"
 #include "test_util.hpp"
 
 using namespace testutil;
@@ -28,4 +33,108 @@ TEST_CASE("regression: one failing driver call during destruction leaks nothing"
     CHECK(live.mem_allocs == 0);
     CHECK(live.physical_bytes == 0);
   }
+}
+
+// Was: ~ExpandableBackend unmapped its memory even when the device synchronization before it had
+// failed (twice), or was refused by a capture: work still queued on that memory faults on a GPU
+// (the context is lost), and a synchronization during a told capture invalidates it. The mappings
+// now stay (a leak until process exit, as an ImportedMemory whose synchronization fails).
+TEST_CASE("regression: expandable's destructor leaves memory mapped when the device cannot be synchronized first") {
+  enum class Why { sync_fails_twice, untold_capture, told_capture };
+  for (const Why why : {Why::sync_fails_twice, Why::untold_capture, Why::told_capture}) {
+    CAPTURE(static_cast<int>(why));
+    auto sa = make_sim_allocator(sim_config(expseg::BackendKind::expandable, 1 * GiB));
+    void* s = sa.sim->stream_create();
+    sa.sim->set_stream_busy(s, true);
+    void* p = sa->allocate(4 * MiB, s);
+    sa.sim->queue_use(s, addr(p), 4 * MiB);  // a kernel still running on p
+    sa->deallocate(p);                        // stream-ordered: cached, still in use by the kernel
+    void* c = sa.sim->stream_create();
+    switch (why) {
+      case Why::sync_fails_twice:
+        sa.sim->inject_fault(Op::stream_sync, 1, Fault::error);
+        sa.sim->inject_fault(Op::stream_sync, 2, Fault::error);
+        break;
+      case Why::untold_capture:
+        sa.sim->capture_begin(c);
+        break;
+      case Why::told_capture:
+        sa.sim->capture_begin(c);
+        sa->begin_graph_pool(1, c);
+        break;
+    }
+    const auto syncs = sa.sim->calls(Op::stream_sync);
+    sa.alloc.reset();
+    CHECK(sa.sim->hazards().empty());  // nothing unmapped under the kernel
+    CHECK(sa.sim->live().mappings > 0);
+    if (why == Why::told_capture) {
+      CHECK(sa.sim->calls(Op::stream_sync) == syncs);  // not asked: it would invalidate the capture
+      expseg::driver::graph_t g = nullptr;
+      CHECK_NOTHROW(g = sa.sim->capture_end(c));
+      if (g != nullptr) sa.sim->graph_destroy(g);
+    } else if (why == Why::untold_capture) {
+      CHECK_THROWS_AS((void)sa.sim->capture_end(c), expseg::driver_error);  // invalidated by the refused sync
+    }
+    sa.sim->set_stream_busy(s, false);
+  }
+}
+
+namespace {
+// cuEventDestroy fails the next `fail_next` times (the simulated device injects no such fault).
+struct EventDestroyFails final : ForwardingDriver {
+  using ForwardingDriver::ForwardingDriver;
+  int fail_next = 0;
+  void event_destroy(event_t e) override {
+    if (fail_next > 0) {
+      --fail_next;
+      throw expseg::driver_error("cuEventDestroy", 999, "CUDA_ERROR_UNKNOWN", "transient (test)");
+    }
+    ForwardingDriver::event_destroy(e);
+  }
+};
+}  // namespace
+
+// Was: the frontend's destructor tried each cuEventDestroy of a pending free once; a transient
+// failure leaked the event.
+TEST_CASE("regression: a pending free's event is destroyed even when cuEventDestroy fails once during destruction") {
+  for (const auto kind : {expseg::BackendKind::expandable, expseg::BackendKind::split_merge}) {
+    CAPTURE(kind);
+    auto sim = std::make_shared<expseg::driver::SimDriver>();
+    auto drv = std::make_shared<EventDestroyFails>(sim);
+    auto alloc = expseg::detail::AllocatorAccess::make(sim_config(kind, 1 * GiB), drv);
+    void* s1 = sim->stream_create();
+    void* s2 = sim->stream_create();
+    sim->set_stream_busy(s2, true);
+    void* p = alloc->allocate(3 * MiB, s1);
+    alloc->record_stream(p, s2);
+    alloc->deallocate(p);  // waits for s2's work: holds an event
+    REQUIRE(sim->live().events >= 1);
+    drv->fail_next = 1;
+    alloc.reset();
+    CHECK(drv->fail_next == 0);  // the failure fired
+    CHECK(sim->live().events == 0);
+    sim->set_stream_busy(s2, false);
+  }
+}
+
+// Was: an allocator destroyed while a capture it was told of ran released the imports closed
+// during that capture (deferred until its end): their synchronization invalidated the capture, and
+// the imports' mappings leaked all the same. They are left mapped now, and the capture survives.
+TEST_CASE("regression: an allocator destroyed during a told capture leaves deferred imports alone") {
+  expseg::driver::SimOptions o;
+  o.shareable = expseg::driver::ShareableHandle::posix_fd;
+  auto sa = make_sim_allocator(sim_config(expseg::BackendKind::expandable, 1 * GiB, "ipc_handle:posix_fd"), o);
+  void* p = sa->allocate(4 * MiB);
+  expseg::ImportedMemory m = sa->import_ipc(sa->export_ipc(p));
+  void* s = sa.sim->stream_create();
+  sa.sim->capture_begin(s);
+  sa->begin_graph_pool(1, s);
+  m = expseg::ImportedMemory();  // closed during the capture: deferred
+  const auto syncs = sa.sim->calls(Op::stream_sync);
+  sa.alloc.reset();
+  CHECK(sa.sim->calls(Op::stream_sync) == syncs);
+  expseg::driver::graph_t g = nullptr;
+  CHECK_NOTHROW(g = sa.sim->capture_end(s));  // the capture survived
+  if (g != nullptr) sa.sim->graph_destroy(g);
+  CHECK(sa.sim->hazards().empty());
 }

@@ -225,15 +225,20 @@ ExpandableBackend::~ExpandableBackend() {
     for (int attempt = 0; attempt < 2; ++attempt) {
       try {
         f();
-        return;
+        return true;
       } catch (...) {
       }
     }
+    return false;
   };
   // Work queued before may still use cached memory (freed on its stream, or waiting for a recorded
   // stream's event) and cuMemUnmap does not wait for it, as cuMemFree does: wait for the whole
-  // device (the streams themselves may already be destroyed, e.g. by a replay).
-  if (handles_ != 0) quietly([&] { ctx_.driver.device_synchronize(); });
+  // device (the streams themselves may already be destroyed, e.g. by a replay). Where that wait
+  // cannot be had (it failed twice, or a capture expseg was told of is underway, which it would
+  // invalidate), the mappings stay: memory unmapped under queued work faults on a GPU and loses the
+  // context, a leak lasts until process exit (as ImportedMemory does).
+  bool unmap_safe = true;
+  if (handles_ != 0) unmap_safe = !ctx_.capturing && quietly([&] { ctx_.driver.device_synchronize(); });
   // Orphans first: one may still be mapped inside a reservation freed below.
   while (!orphans_.empty()) {
     ExpHandle* h = &orphans_.front();
@@ -258,11 +263,13 @@ ExpandableBackend::~ExpandableBackend() {
           continue;
         }
         f = h->first_frame + h->nframes;
-        quietly([&] { ctx_.driver.unmap(frame_addr(*seg, h->first_frame), h->bytes); });
-        quietly([&] { ctx_.driver.release(h->handle); });
+        if (unmap_safe) {
+          quietly([&] { ctx_.driver.unmap(frame_addr(*seg, h->first_frame), h->bytes); });
+          quietly([&] { ctx_.driver.release(h->handle); });
+        }
         delete h;
       }
-      quietly([&] { ctx_.driver.free_reserve(seg->base, seg->va_bytes); });
+      if (unmap_safe) quietly([&] { ctx_.driver.free_reserve(seg->base, seg->va_bytes); });
       delete seg;
     }
     destroy_epoch_event(*arena);
@@ -1787,9 +1794,12 @@ void ExpandableBackend::record_epoch(ExpArena& arena) noexcept {
 
 void ExpandableBackend::destroy_epoch_event(ExpArena& arena) noexcept {
   if (arena.epoch_event == nullptr) return;
-  try {
-    ctx_.driver.event_destroy(arena.epoch_event);
-  } catch (...) {
+  for (int attempt = 0; attempt < 2; ++attempt) {  // once more: a transient failure then leaks nothing
+    try {
+      ctx_.driver.event_destroy(arena.epoch_event);
+      break;
+    } catch (...) {
+    }
   }
   arena.epoch_event = nullptr;
   arena.epoch_pending = false;
