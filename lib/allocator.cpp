@@ -301,7 +301,7 @@ Allocator::Impl::~Impl() {
   oom_observer.reset();
   // Imports closed during a capture go now (each holds the registry: left there, they would leak);
   // unless a capture expseg was told of is still underway, whose release's synchronization would
-  // invalidate it: then they are left mapped (leaked), as the backend leaves its memory.
+  // invalidate it: then they are left mapped (leaked), as expandable leaves its memory.
   // A capture told of may have ended without end_graph_pool (the program raised in between): asked.
   if (ctx.capturing) {
     bool underway = false;

@@ -481,24 +481,26 @@ struct ImportedMemory::State {
   // Undoes everything, in reverse order; remembers the first failure and goes on, except that the
   // mappings stay (and the state says so: a later release tries again) when the synchronization
   // before the unmap fails: unmapped, memory that queued work still uses makes it fault.
-  // Each call is tried once more before it counts as failed, as the backends' destructors do: a
-  // transient failure then leaks nothing.
+  // Each call on the import's own resources is tried once more before it counts as failed, as the
+  // backends' destructors do: a transient failure then leaks nothing.
   void release(std::exception_ptr& first) noexcept {
-    auto attempt = [&](auto&& f) {
-      for (int tries = 0;; ++tries) {
+    auto attempt = [&](auto&& f, int tries = 2) {
+      for (int n = 1;; ++n) {
         try {
           f();
           return true;
         } catch (...) {
-          if (tries == 0) continue;
+          if (n < tries) continue;
           if (!first) first = std::current_exception();
           return false;
         }
       }
     };
     // A failed close leaves the import open (the state says so): a later close() tries again, where
-    // dropping it lost the only way to unmap it.
-    if (opened && !attempt([&] { drv->ipc_close(base); })) return;
+    // dropping it lost the only way to unmap it. Tried once: opens of one handle share the mapping
+    // with a reference count, so a close that took effect and still reported an error (an earlier
+    // asynchronous one) would, tried again, drop another import's reference.
+    if (opened && !attempt([&] { drv->ipc_close(base); }, 1)) return;
     opened = false;
     // cuIpcCloseMemHandle waits for the work queued on the memory (measured on the H200); cuMemUnmap
     // does not, and that work then faults (CUDA_ERROR_ILLEGAL_ADDRESS, the context lost): wait for
@@ -537,14 +539,23 @@ struct ImportedMemory::State {
   static bool defer(std::unique_ptr<State>& s) noexcept {
     if (!s || !s->registry) return false;
     const std::shared_ptr<detail::ImportRegistry> registry = s->registry;
-    std::lock_guard<std::mutex> lock(registry->mu);
-    if (!registry->capturing) return false;
-    try {
-      registry->deferred.reserve(registry->deferred.size() + 1);
-    } catch (...) {
-      return false;  // no memory to keep it: released now
+    {
+      std::lock_guard<std::mutex> lock(registry->mu);
+      if (!registry->abandoned) {
+        if (!registry->capturing) return false;
+        try {
+          registry->deferred.reserve(registry->deferred.size() + 1);
+        } catch (...) {
+          return false;  // no memory to keep it: released now
+        }
+        registry->deferred.emplace_back(s.release(), [](void* p) { delete static_cast<State*>(p); });
+        return true;
+      }
     }
-    registry->deferred.emplace_back(s.release(), [](void* p) { delete static_cast<State*>(p); });
+    // Its allocator went while a told capture ran, which no one can ask about now: left mapped, as
+    // the imports deferred then (ImportRegistry::abandon_deferred). Its state goes (it takes mu).
+    s->abandon();
+    s.reset();
     return true;
   }
   ~State() {
@@ -574,6 +585,7 @@ void detail::ImportRegistry::abandon_deferred() noexcept {
   {
     std::lock_guard<std::mutex> lock(mu);
     capturing = false;
+    abandoned = true;
     left.swap(deferred);
   }
   // Their memory stays mapped (leaked in the driver, no call made); the states go, and with them

@@ -30,10 +30,11 @@ struct ImportRegistry {
   // Sets `capturing`; when it turns false, releases the deferred imports (errors ignored, as a
   // destructor's). Called under the allocator's lock.
   void set_capturing(bool now) noexcept;
-  // The allocator goes while a capture it was told of is underway: the deferred imports are left
-  // mapped for good (their release's synchronization would invalidate the capture), and imports
-  // closed from now on are released at once.
+  // The allocator goes while a capture it was told of is underway: the deferred imports, and those
+  // closed from now on (whether the capture still runs can no longer be asked), are left mapped for
+  // good (their release's synchronization would invalidate the capture), with no driver call.
   void abandon_deferred() noexcept;
+  bool abandoned = false;  // abandon_deferred ran (under mu)
 };
 
 // Whether `handle` was exported by this process (its exporter_nonce is this process's), whatever

@@ -194,8 +194,10 @@ class ImportedMemory {
   IpcKind kind() const noexcept;
   explicit operator bool() const noexcept { return get() != nullptr; }
   // Releases now, once this device's queued work is done (see above), or at the end of a capture
-  // underway (see above); empty after. Each driver call is tried twice. Throws driver_error if the
-  // driver refuses: when it refuses
+  // underway (see above); empty after. The unmaps and releases are tried twice, cuIpcCloseMemHandle
+  // once (opens of one handle share a reference count). If the allocator it came from was destroyed
+  // while a capture it was told of ran, it is left mapped (leaked, no driver call): whether that
+  // capture still runs can no longer be asked. Throws driver_error if the driver refuses: when it refuses
   // the synchronization, nothing is unmapped (work still queued would fault) and the memory stays
   // open, to close again later; other failures are reported after the rest is released. The
   // destructor ignores errors, and leaves the mappings in place when the synchronization fails.
