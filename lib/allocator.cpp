@@ -3,6 +3,7 @@
 #include <atomic>
 #include <bit>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <sstream>
 #include <string_view>
@@ -11,6 +12,7 @@
 #include "allocator_impl.hpp"
 #include "driver/sim_driver.hpp"
 #include "core/text.hpp"
+#include "core/try_twice.hpp"
 
 namespace expseg {
 
@@ -307,7 +309,16 @@ Allocator::Impl::~Impl() {
     bool underway = false;
     for (const CaptureRoute& r : capture_routes) {
       if (backends::is_per_thread_key(r.stream) && r.stream != backends::calling_thread_key()) {
-        underway = underway || !backends::is_retired_key(r.stream);  // only its thread can ask
+        // Only its thread can name that stream, but a per-thread stream blocks: while it captures,
+        // the legacy stream's question answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT. Any other answer
+        // means that no blocking stream captures, this one included.
+        if (!underway && !backends::is_retired_key(r.stream)) {
+          try {
+            underway = driver->stream_capture_id(nullptr) != 0;
+          } catch (...) {  // IMPLICIT (some blocking stream captures: maybe this one), or no answer
+            underway = true;
+          }
+        }
         continue;
       }
       try {
@@ -323,17 +334,8 @@ Allocator::Impl::~Impl() {
   for (const auto& [id, p] : graph_pools)
     for (const auto& [stream, key] : p.keys) backends::retire_graph_pool_key(key);
   // Pending frees hold events; the backend gives all memory back in its destructor. A failing
-  // cuEventDestroy is tried once more (a transient failure then leaks nothing), as the backends'
-  // destructors do with theirs.
-  auto destroy_event = [&](driver::event_t e) noexcept {
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      try {
-        driver->event_destroy(e);
-        return;
-      } catch (...) {
-      }
-    }
-  };
+  // cuEventDestroy is tried once more (core::try_twice), as the backends' destructors do with theirs.
+  auto destroy_event = [&](driver::event_t e) noexcept { core::try_twice([&] { driver->event_destroy(e); }); };
   for (const StreamEvents* se : busy_queues) se->queue.for_each([&](const PendingFree& pf) { destroy_event(pf.event); });
   for (driver::event_t e : spare_events) destroy_event(e);
   for (const auto& [e, s] : captured_spares) destroy_event(e);
@@ -359,7 +361,17 @@ Allocator::Impl::~Impl() {
   live.reserve_one();
   // 1 EiB and more never reaches the backend (PyTorch refuses it up front too): no retry, no cache
   // flush for a request no device can serve.
-  Block* b = bytes < kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
+  Block* b = nullptr;
+  if (bytes < kMaxRequest) {
+    if (stream != asked_on && capture_routes.empty()) [[unlikely]] {
+      // Routed by begin_pool_allocations without asking the driver: the stream may capture untold,
+      // which the backend's slow path, asking the pool's key, would not see.
+      const backends::CaptureScope untold(ctx, asked_on);
+      b = backend->allocate(bytes, stream);
+    } else {
+      b = backend->allocate(bytes, stream);
+    }
+  }
   if (b != nullptr) {
     live.insert_reserved(b);
     // Graph pools' blocks are counted per key (live_insert); they come only through routing.
@@ -761,6 +773,16 @@ bool Allocator::Impl::front_event_usable(StreamEvents& se) {
   driver->event_record(pf.event, s);  // after the capture's work, which the graph's launches repeat
   pf.maybe_captured = false;
   return true;
+}
+
+bool Allocator::Impl::routed_stream_captures() const noexcept {
+  for (const EagerRoute& e : eager_routes) {
+    // Another thread's per-thread stream cannot be named here (it blocks: the legacy stream's
+    // question covers it).
+    if (backends::is_per_thread_key(e.stream) && e.stream != backends::calling_thread_key()) continue;
+    if (stream_capturing(e.stream)) return true;
+  }
+  return false;
 }
 
 bool Allocator::Impl::process_pending_frees() {
@@ -1414,8 +1436,17 @@ void Allocator::enable_peer_access(int peer) {
   std::vector<int>& granted = impl_->peers;
   if (std::find(granted.begin(), granted.end(), peer) != granted.end()) return;
   granted.reserve(granted.size() + 1);
-  impl_->backend->on_peer_added(peer);
-  impl_->imports->grant_all(d);  // and what import_ipc mapped
+  try {
+    impl_->backend->on_peer_added(peer);
+    impl_->imports->grant_all(d);  // and what import_ipc mapped
+  } catch (const driver_error& e) {
+    // The driver's words, then what it means here: part of the memory is granted, and the call
+    // can be repeated (cuMemSetAccess may be repeated over memory already granted).
+    const std::string prefix = e.call() + " failed: " + e.code_name() + " (" + std::to_string(e.code()) + "): ";
+    const std::string said = std::string(e.what()).substr(std::min(prefix.size(), std::strlen(e.what())));
+    throw driver_error(e.call(), e.code(), e.code_name(),
+                       said + "; " + what + "access to the memory already mapped was granted only in part (memory mapped from now on is granted); call enable_peer_access again to complete it");
+  }
   granted.push_back(peer);
 }
 

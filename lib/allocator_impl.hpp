@@ -74,6 +74,7 @@ struct Allocator::Impl final : backends::FrontendHooks {
     return pending_count != 0 || (!frees_after_capture.empty() && held_free_ready());
   }
   bool held_free_ready() const noexcept;
+  bool routed_stream_captures() const noexcept override;
 
   // Before a backend's slow path maps or gives back memory: completes every pending free whose
   // events have completed (process_events), unless the request's stream captures.

@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "allocator_impl.hpp"
+#include "core/try_twice.hpp"
 #include "ipc_internal.hpp"
 
 // pidfd_open (Linux 5.3) and pidfd_getfd (5.6) have the same numbers on every architecture that
@@ -484,18 +485,7 @@ struct ImportedMemory::State {
   // Each call on the import's own resources is tried once more before it counts as failed, as the
   // backends' destructors do: a transient failure then leaks nothing.
   void release(std::exception_ptr& first) noexcept {
-    auto attempt = [&](auto&& f, int tries = 2) {
-      for (int n = 1;; ++n) {
-        try {
-          f();
-          return true;
-        } catch (...) {
-          if (n < tries) continue;
-          if (!first) first = std::current_exception();
-          return false;
-        }
-      }
-    };
+    auto attempt = [&](auto&& f, int tries = 2) { return core::try_twice(f, &first, tries); };
     // A failed close leaves the import open (the state says so): a later close() tries again, where
     // dropping it lost the only way to unmap it. Tried once: opens of one handle share the mapping
     // with a reference count, so a close that took effect and still reported an error (an earlier

@@ -88,7 +88,8 @@ class Allocator {
   // Gives all device memory back, live allocations included, after a device synchronization (work
   // may still use it). Where that cannot be had (it fails, or a CUDA graph capture expseg was told
   // of is still underway, which it would invalidate), expandable's memory stays mapped (leaked until
-  // the process exits) rather than unmapped under running work.
+  // the process exits) rather than unmapped under running work; during such a capture split_merge's
+  // segments likewise stay allocated (the graph writes its pool's memory when launched).
   ~Allocator();
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
@@ -105,7 +106,9 @@ class Allocator {
   // completes the frees that waited for it, gives back everything cached for it and forgets it
   // (expandable keeps the address range of the stream's segment, nothing mapped in it, for the next
   // new stream's segment; release_cached gives it back). The stream may then be destroyed; naming it
-  // again later starts afresh. Throws expseg::error,
+  // again later starts afresh. Blocks it allocated into a graph pool (a capture, or
+  // begin_pool_allocations) belong to the pool and do not hold it: they may be freed after the
+  // stream is destroyed, and serve the pool as before. Throws expseg::error,
   // changing nothing else, while blocks allocated on it are live or wait for other streams' work
   // that has not passed (frees whose events have passed complete first, and frees held for a capture
   // that has ended get their events), while a live block or a held free has it recorded
@@ -243,7 +246,9 @@ class Allocator {
   // cuCtxEnablePeerAccess from the peer's primary context, which CUDA allows for at most 8 peers of
   // a device (driver_error CUDA_ERROR_TOO_MANY_PEERS past them). Enabling a peer twice, or the
   // allocator's own device, does nothing. Throws expseg::error when `peer` is not a
-  // device or cannot reach this one (no P2P path), driver_error when the driver refuses.
+  // device or cannot reach this one (no P2P path), driver_error when the driver refuses; when the
+  // grant over memory already mapped fails partway, the message says so: memory mapped later is
+  // granted, and calling again completes the rest.
   void enable_peer_access(int peer);
 
   // IPC (expseg/ipc.hpp). export_ipc: `ptr`, the start of a live allocation, as a handle another

@@ -165,7 +165,8 @@ EXPSEG_API int expseg_release_cached(int device) EXPSEG_NOEXCEPT;
  * both what expseg_malloc/expseg_torch_malloc cached for it and what expseg_cupy_malloc did (a
  * CFunctionAllocator's stream). EXPSEG_ERROR_INVALID_ARGUMENT, nothing changed, while blocks
  * allocated on it by either are in use or have it recorded, for the default, legacy or per-thread
- * stream, or while it captures. */
+ * stream, or while it captures. Blocks it allocated into a graph pool belong to the pool: they do
+ * not hold the stream. */
 EXPSEG_API int expseg_release_stream(int device, expseg_stream_t stream) EXPSEG_NOEXCEPT;
 /* CUDA graphs' private pools (see Allocator::begin_graph_pool): while `stream` captures, after
  * expseg_begin_graph_pool(device, pool, stream) and until expseg_end_graph_pool(device, pool), the

@@ -145,6 +145,9 @@ class FrontendHooks {
   // gives any back (expandable) lets the cached path poll two streams' queues a request instead of
   // every one.
   virtual bool process_pending_frees() = 0;
+  // Whether a stream begin_pool_allocations routes into a graph pool captures (untold): its memory
+  // lives under the pool's key, so no arena of the backend watches that stream.
+  virtual bool routed_stream_captures() const noexcept { return false; }
 };
 
 // State shared between the frontend and its backend; guarded by the frontend's lock.

@@ -26,6 +26,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <string>
 #include <vector>
@@ -733,5 +734,74 @@ TEST_CASE("gpu: a held free with a use on the legacy stream waits while an untol
     a.release_cached();
     CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
     for (void* s : {s3, s5, s6}) d.stream_destroy(s);
+  }
+}
+
+// An allocator destroyed while a capture it was told of runs (a program that raised mid-capture):
+// the graph still writes its pool's memory when launched, so neither backend gives that memory back
+// then (expandable leaves it mapped, split_merge skips cuMemFree; leaked until process exit, 20 MiB
+// here). Was, on split_merge: the segments were freed, and the graph could not even be
+// instantiated (cuStreamEndCapture's cuGraphInstantiate: CUDA_ERROR_INVALID_VALUE, on an H100).
+TEST_CASE("gpu: an allocator destroyed during a told capture leaves the captured graph's memory in place") {
+  for (BackendKind kind : kBackends) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    std::shared_ptr<Driver> d = expseg::driver::make_cuda_driver(0);
+    void* s = d->stream_create();
+    void* out = nullptr;
+    {
+      auto a = expseg::detail::AllocatorAccess::make(cuda_config(kind), d);
+      void* eager = a->allocate(4 * MiB, s);  // live before the capture: stays too
+      d->capture_begin(s);
+      a->begin_graph_pool(1, s);
+      out = a->allocate(2 * MiB, s);
+      d->memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, s);
+      (void)eager;
+    }  // destroyed mid-capture
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = d->capture_end(s));  // the destruction did not invalidate the capture
+    REQUIRE(g != nullptr);
+    d->graph_launch(g, s);
+    CHECK_NOTHROW(d->stream_synchronize(s));
+    CHECK(holds(*d, out, 2 * MiB, 0x5eed5eedu));
+    d->graph_destroy(g);
+    d->stream_destroy(s);
+  }
+}
+
+// A stream routed into a graph pool (begin_pool_allocations: a graph tree's warm-up) that then
+// captures without expseg being told: a request on it that cannot be served from the cache must not
+// give back a released pool's idle memory with cuCtxSynchronize, which the capture refuses. Was (on
+// expandable): the request failed with the driver's 900 and the capture was invalidated.
+TEST_CASE("gpu: an untold capture on a begin_pool_allocations stream survives a request that needs new memory") {
+  for (BackendKind kind : kBackends) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    Allocator a(cuda_config(kind));
+    Driver& d = driver_of(a);
+    void* c = d.stream_create();
+    d.capture_begin(c);
+    a.begin_graph_pool(1, c);
+    void* out1 = a.allocate(8 * MiB, c);  // a graph output that outlives its pool
+    expseg::driver::graph_t g1 = d.capture_end(c);
+    a.end_graph_pool(1);
+    a.release_graph_pool(1);
+    d.graph_destroy(g1);
+    void* s = d.stream_create();
+    a.begin_pool_allocations(2, s);
+    void* held = a.allocate(4 * MiB, s);
+    void* out = a.allocate(2 * MiB, s);
+    a.deallocate(out1);  // the released pool's memory is idle now (given back at the next slow path)
+    void* more = nullptr;
+    capture_around(d, s, out, [&] { CHECK_NOTHROW(more = a.allocate(64 * MiB, s)); });  // a cache miss during the capture
+    a.deallocate(more);
+    a.deallocate(out);
+    a.deallocate(held);
+    a.end_pool_allocations(2, s);
+    a.release_graph_pool(2);
+    a.validate();
+    a.release_cached();
+    d.stream_destroy(s);
+    d.stream_destroy(c);
   }
 }

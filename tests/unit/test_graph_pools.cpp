@@ -1865,3 +1865,50 @@ TEST_CASE("graph capture: pool calls naming the legacy stream while a blocking s
     sa->validate();
   }
 }
+
+// Was: a stream routed into a graph pool by begin_pool_allocations that then captured without
+// expseg being told (no capture route asked the driver) was seen by nothing: the slow path asked
+// the pool's key (never capturing), and no arena of expandable's watched the stream (its memory is
+// the pool's). Giving back a released pool's idle memory then synchronized the device
+// (cuCtxSynchronize), which the capture refuses: the call failed with the driver's 900 and the
+// capture was invalidated. Now the request asks the stream itself, and so does expandable before a
+// device synchronization.
+TEST_CASE("graph pool: an untold capture on a begin_pool_allocations stream survives what requests and reclaim do") {
+  for (const char* what : {"request on the stream", "release_cached", "request on another stream", "set_limit"}) {
+    for (BackendKind kind : kBoth) {
+      const std::string backend = expseg::to_string(kind);
+      CAPTURE(backend);
+      CAPTURE(what);
+      auto sa = make_sim_allocator(sim_config(kind, 1 * GiB));
+      // A released graph pool whose output lives on (graph outputs outlive their graph): once freed,
+      // its idle memory goes back only after a device synchronization.
+      void* c = sa.sim->stream_create();
+      sa.sim->capture_begin(c);
+      sa->begin_graph_pool(1, c);
+      void* out = sa->allocate(8 * MiB, c);
+      sa.sim->graph_destroy(sa.sim->capture_end(c));
+      sa->end_graph_pool(1);
+      sa->release_graph_pool(1);
+      void* s = sa.sim->stream_create();
+      void* other = sa.sim->stream_create();
+      sa->begin_pool_allocations(2, s);  // e.g. a graph tree's warm-up stream
+      void* held = sa->allocate(4 * MiB, s);
+      sa->deallocate(out);
+      sa.sim->capture_begin(s);  // untold
+      const std::string w = what;
+      void* got = nullptr;
+      if (w == "request on the stream") CHECK_NOTHROW(got = sa->allocate(16 * MiB, s));
+      else if (w == "release_cached") CHECK_NOTHROW(sa->release_cached());
+      else if (w == "request on another stream") CHECK_NOTHROW(got = sa->allocate(16 * MiB, other));
+      else CHECK_NOTHROW(sa->set_limit(64 * MiB));
+      expseg::driver::graph_t g = nullptr;
+      CHECK_NOTHROW(g = sa.sim->capture_end(s));  // was (expandable): invalidated, 901
+      if (g != nullptr) sa.sim->graph_destroy(g);
+      sa->deallocate(got);
+      sa->deallocate(held);
+      sa->end_pool_allocations(2, s);
+      sa->validate();
+      CHECK(sa.sim->hazards().empty());
+    }
+  }
+}

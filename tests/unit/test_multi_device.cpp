@@ -311,7 +311,12 @@ TEST_CASE("multi-device: a failure halfway through the re-grant is retried in fu
   const std::size_t nruns = mapped_runs(*h.s, &runs);
   REQUIRE(nruns >= 2);
   sim.inject_fault(Op::set_access, 2, Fault::error);
-  CHECK_THROWS_AS(h.s->enable_peer_access(1), expseg::driver_error);
+  // The driver's words, then what they mean here (was: the driver's words alone).
+  const std::string msg = what_of<expseg::driver_error>([&] { h.s->enable_peer_access(1); });
+  CHECK(msg.rfind("cuMemSetAccess failed: ", 0) == 0);
+  CHECK(contains(msg, "enable_peer_access(1) on device 0: access to the memory already mapped was granted only in part"));
+  CHECK(contains(msg, "call enable_peer_access again to complete it"));
+  CHECK(msg.find("cuMemSetAccess failed", 1) == std::string::npos);  // said once
   CHECK(sim.granted_devices(runs[1].address) == std::vector<int>{0});  // not granted yet
   const std::uint64_t before = sim.calls(Op::set_access);
   h.s->enable_peer_access(1);

@@ -2,7 +2,11 @@
 // what that call was to give back, on either backend: the destructors try each call once more.
 #include <doctest/doctest.h>
 
+#include <condition_variable>
+#include <cstdint>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "allocator_impl.hpp"
 #include "driver/sim_driver.hpp"
@@ -142,4 +146,108 @@ TEST_CASE("regression: an allocator destroyed during a told capture leaves defer
   CHECK_NOTHROW(g = sa.sim->capture_end(s));  // the capture survived
   if (g != nullptr) sa.sim->graph_destroy(g);
   CHECK(sa.sim->hazards().empty());
+}
+
+// Was: split_merge's destructor freed its segments with cuMemFree while a capture it was told of
+// still ran, its graph pool's among them: on a GPU the capture's graph then could not be
+// instantiated (CUDA_ERROR_INVALID_VALUE at cuStreamEndCapture, measured on an H100); on the
+// host-backed simulated device, its launch wrote freed memory. Both backends now leave that memory
+// in place, and the launch writes what the capture recorded.
+TEST_CASE("regression: an allocator destroyed during a told capture leaves the captured graph's memory in place") {
+  for (const auto kind : {expseg::BackendKind::split_merge, expseg::BackendKind::expandable}) {
+    CAPTURE(kind);
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, "sim_host_backed:true"));
+    void* s = sa.sim->stream_create();
+    void* eager = sa->allocate(4 * MiB, s);  // a segment from before the capture, live at destruction
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(1, s);
+    void* p = sa->allocate(2 * MiB, s);  // the graph pool's
+    sa.sim->memset_d32(addr(p), 0x5eed5eedu, 2 * MiB / 4, s);
+    (void)eager;
+    sa.alloc.reset();  // mid-capture
+    CHECK(sa.sim->calls(Op::mem_free) == 0);
+    CHECK(sa.sim->calls(Op::unmap) == 0);
+    expseg::driver::graph_t g = nullptr;
+    REQUIRE_NOTHROW(g = sa.sim->capture_end(s));
+    CHECK_NOTHROW(sa.sim->graph_launch(g, s));  // was (split_merge): the launch wrote freed memory
+    std::uint32_t words[2] = {};
+    CHECK_NOTHROW(sa.sim->copy_to_host(words, addr(p) + 2 * MiB - sizeof words, sizeof words));
+    CHECK(words[0] == 0x5eed5eedu);
+    CHECK(words[1] == 0x5eed5eedu);
+    sa.sim->graph_destroy(g);
+    CHECK(sa.sim->hazards().empty());
+  }
+}
+
+// Was: ~Impl counted a told capture on another live thread's per-thread stream as still underway
+// without asking (only that thread can name its stream). One that had ended without end_graph_pool
+// (the program raised in between) then made expandable leave all its memory mapped and the imports
+// closed meanwhile abandoned, until process exit. A per-thread stream blocks, so the legacy
+// stream's question covers it: while it captures, that question is refused; an answer proves the
+// capture over.
+TEST_CASE("regression: an allocator destroyed after another thread's per-thread capture ended untold gives its memory back") {
+  for (const bool still_capturing : {false, true}) {
+    CAPTURE(still_capturing);
+    expseg::driver::SimOptions o;
+    o.shareable = expseg::driver::ShareableHandle::posix_fd;
+    o.host_backed = true;
+    auto sa = make_sim_allocator(sim_config(expseg::BackendKind::expandable, 1 * GiB, "ipc_handle:posix_fd,sim_host_backed:true"), o);
+    sa->deallocate(sa->allocate(64 * MiB));  // cached
+    void* p = sa->allocate(4 * MiB);
+    expseg::ImportedMemory imp = sa->import_ipc(sa->export_ipc(p));
+    void* const per_thread = reinterpret_cast<void*>(expseg::backends::kPerThreadStream);
+    std::mutex mu;
+    std::condition_variable cv;
+    bool captured = false, quit = false;
+    expseg::driver::graph_t graph = nullptr;
+    void* out = nullptr;
+    std::thread worker([&] {  // a worker thread that lives on
+      sa.sim->capture_begin(per_thread);
+      sa->begin_graph_pool(7, per_thread);
+      out = sa->allocate(8 * MiB, per_thread);
+      sa.sim->memset_d32(addr(out), 0x5eed5eedu, 8 * MiB / 4, per_thread);
+      if (!still_capturing) graph = sa.sim->capture_end(per_thread);  // ended; no end_graph_pool
+      {
+        std::lock_guard l(mu);
+        captured = true;
+      }
+      cv.notify_all();
+      std::unique_lock l(mu);
+      cv.wait(l, [&] { return quit; });
+      if (still_capturing) graph = sa.sim->capture_end(per_thread);  // on its own thread, after the destruction
+    });
+    {
+      std::unique_lock l(mu);
+      cv.wait(l, [&] { return captured; });
+    }
+    imp = expseg::ImportedMemory();  // closed while a told capture may run: deferred
+    sa->deallocate(p);
+    const auto syncs = sa.sim->calls(Op::stream_sync);
+    sa.alloc.reset();
+    const auto live = sa.sim->live();
+    if (still_capturing) {  // left alone: no synchronization, nothing unmapped
+      CHECK(sa.sim->calls(Op::stream_sync) == syncs);
+      CHECK(live.mappings > 0);
+    } else {  // was: 6 mappings, 6 handles, 72 MiB left
+      CHECK(live.mappings == 0);
+      CHECK(live.handles == 0);
+      CHECK(live.reservations == 0);
+      CHECK(live.physical_bytes == 0);
+    }
+    {
+      std::lock_guard l(mu);
+      quit = true;
+    }
+    cv.notify_all();
+    worker.join();
+    REQUIRE(graph != nullptr);  // the capture was not invalidated
+    if (still_capturing) {
+      CHECK_NOTHROW(sa.sim->graph_launch(graph, nullptr));
+      std::uint32_t word = 0;
+      sa.sim->copy_to_host(&word, addr(out), sizeof word);
+      CHECK(word == 0x5eed5eedu);
+    }
+    sa.sim->graph_destroy(graph);
+    CHECK(sa.sim->hazards().empty());
+  }
 }

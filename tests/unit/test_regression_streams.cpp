@@ -1055,3 +1055,35 @@ TEST_CASE("streams: expandable: a cached pair on a blocking CuPy stream asks the
   a.reset();
   sim->stream_destroy(s);
 }
+
+// Graph outputs outlive the stream they were captured (or warmed up) on: blocks a stream allocated
+// into a graph pool belong to the pool, so release_stream does not wait for them, and they are
+// freed after the stream is destroyed with no call on it (the simulated device refuses work and
+// events on a destroyed stream), and serve the pool as before.
+TEST_CASE("release_stream: blocks the stream allocated into a graph pool belong to the pool and do not hold it") {
+  for (BackendKind kind : {BackendKind::split_merge, BackendKind::expandable}) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB));
+    void* s = sa.sim->stream_create();
+    sa->begin_pool_allocations(9, s);
+    void* warm = sa->allocate(1 * MiB, s);
+    sa->end_pool_allocations(9, s);
+    sa.sim->capture_begin(s);
+    sa->begin_graph_pool(9, s);
+    void* captured = sa->allocate(2 * MiB, s);
+    sa.sim->graph_destroy(sa.sim->capture_end(s));
+    sa->end_graph_pool(9);
+    CHECK_NOTHROW(sa->release_stream(s));
+    sa.sim->stream_destroy(s);
+    CHECK(sa->graph_pool_blocks(9).size() == 2);  // still the pool's
+    CHECK_NOTHROW(sa->deallocate(warm));
+    CHECK_NOTHROW(sa->deallocate(captured));
+    sa->validate();
+    sa->release_graph_pool(9);  // the two uses: begin_pool_allocations', begin_graph_pool's
+    sa->release_graph_pool(9);
+    sa->release_cached();
+    CHECK(sa->stats().reserved_bytes[kAllPools].current == 0);
+    CHECK(sa.sim->hazards().empty());
+  }
+}

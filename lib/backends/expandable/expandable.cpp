@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "core/give_back.hpp"
+#include "core/try_twice.hpp"
 #include "expseg/errors.hpp"
 
 namespace expseg::backends {
@@ -219,18 +220,8 @@ ExpandableBackend::ExpandableBackend(Context& ctx)
 
 ExpandableBackend::~ExpandableBackend() {
   process_instances_.fetch_sub(1, std::memory_order_relaxed);
-  // Give everything back; errors cannot be reported from a destructor, so a failing call is tried
-  // once more (a transient failure then leaks nothing) and otherwise left to process exit.
-  auto quietly = [](auto&& f) {
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      try {
-        f();
-        return true;
-      } catch (...) {
-      }
-    }
-    return false;
-  };
+  // Give everything back; errors cannot be reported from a destructor (core::try_twice).
+  auto quietly = [](auto&& f) { return core::try_twice(f); };
   // Work queued before may still use cached memory (freed on its stream, or waiting for a recorded
   // stream's event) and cuMemUnmap does not wait for it, as cuMemFree does: wait for the whole
   // device (the streams themselves may already be destroyed, e.g. by a replay). Where that wait
@@ -1794,13 +1785,7 @@ void ExpandableBackend::record_epoch(ExpArena& arena) noexcept {
 
 void ExpandableBackend::destroy_epoch_event(ExpArena& arena) noexcept {
   if (arena.epoch_event == nullptr) return;
-  for (int attempt = 0; attempt < 2; ++attempt) {  // once more: a transient failure then leaks nothing
-    try {
-      ctx_.driver.event_destroy(arena.epoch_event);
-      break;
-    } catch (...) {
-    }
-  }
+  core::try_twice([&] { ctx_.driver.event_destroy(arena.epoch_event); });
   arena.epoch_event = nullptr;
   arena.epoch_pending = false;
 }
@@ -1942,6 +1927,9 @@ bool ExpandableBackend::seen_capture(bool blocking_only) const noexcept {
   }
   if (!blocking_only && !seen_capture_any_ && !seen_capture_arenas_asked_) {
     seen_capture_arenas_asked_ = true;
+    // A capture on a stream routed into a graph pool (its memory is the pool's arena's): a blocking
+    // one is the legacy stream's answer above already.
+    if (ctx_.hooks != nullptr && ctx_.hooks->routed_stream_captures()) seen_capture_any_ = true;
     // A capture on a non-blocking stream: each plain stream's arena asked (once per operation). A
     // stream whose flags could not be asked counts as blocking and is asked too.
     for (const ExpArena& arena : arenas_) {

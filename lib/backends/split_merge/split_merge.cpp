@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/give_back.hpp"
+#include "core/try_twice.hpp"
 #include "expseg/errors.hpp"
 
 namespace expseg::backends {
@@ -34,18 +35,15 @@ SplitMergeBackend::~SplitMergeBackend() {
   small_.blocks.clear();
   large_.blocks.clear();
   by_stream_.clear();  // unlinks the segments it lists while they still exist
+  // During a capture expseg was told of (the frontend has asked that it still runs), the graph being
+  // captured writes its pool's memory when launched, and cuMemFree does not wait for work it has
+  // not seen yet: every segment stays allocated (leaked until process exit), as expandable leaves
+  // its memory mapped then.
+  const bool free_safe = !ctx_.capturing;
   while (!segments_.empty()) {
     SmSegment& seg = segments_.front();
     segments_.pop_front();
-    // Errors cannot be reported from a destructor: a failing call is tried once more (a transient
-    // failure then leaks nothing) and otherwise left to the device's cleanup at process exit.
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      try {
-        ctx_.driver.mem_free(seg.base);
-        break;
-      } catch (...) {
-      }
-    }
+    if (free_safe) core::try_twice([&] { ctx_.driver.mem_free(seg.base); });
     delete &seg;
   }
 }
