@@ -315,6 +315,21 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
     const bool sampled = first_pass && options.series_points != 0;
     detail::SeriesSampler sampler(detail::SeriesSampler::bucket_for(stop, options.series_points));
     detail::InsidePeaks inside_peaks;
+    // A request of 1 EiB or more is refused up front, before any allocator runs: no OOM of the
+    // allocator (num_ooms does not count it), so none of the replay's either.
+    auto count_oom = [&](const out_of_memory& e, std::uint64_t bytes, std::size_t i) {
+      if (!first_pass) return;
+      if (bytes >= kMaxRequest) {
+        ++r.refused_requests;
+        return;
+      }
+      ++r.ooms;
+      r.oom_events.push_back(prog.event_of[i]);
+      if (!r.first_oom) {
+        r.first_oom = e.report();
+        detail::AllocatorAccess::set_oom_counterfactual(a, false);  // only the first report is kept
+      }
+    };
     const driver::CallStats calls_before = drv.call_stats();
     const auto t0 = std::chrono::steady_clock::now();
     for (std::size_t i = 0; i < stop; ++i) {
@@ -362,14 +377,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
             if (first_pass && live_requested > r.peak_requested_bytes) r.peak_requested_bytes = live_requested;
           } catch (const out_of_memory& e) {
             ptr[op.slot] = nullptr;
-            if (first_pass) {
-              ++r.ooms;
-              r.oom_events.push_back(prog.event_of[i]);
-              if (!r.first_oom) {
-                r.first_oom = e.report();
-                detail::AllocatorAccess::set_oom_counterfactual(a, false);  // only the first report is kept
-              }
-            }
+            count_oom(e, op.size, i);
           }
           if (restore) {
             a.end_pool_allocations(op.pool, streams[op.stream]);
@@ -402,14 +410,7 @@ ReplayResult replay(const Trace& trace, const Config& config, const ReplayOption
             const std::int64_t with = live_requested + static_cast<std::int64_t>(op.size);
             if (first_pass && with > r.peak_requested_bytes) r.peak_requested_bytes = with;
           } catch (const out_of_memory& e) {
-            if (first_pass) {
-              ++r.ooms;
-              r.oom_events.push_back(prog.event_of[i]);
-              if (!r.first_oom) {
-                r.first_oom = e.report();
-                detail::AllocatorAccess::set_oom_counterfactual(a, false);  // only the first report is kept
-              }
-            }
+            count_oom(e, op.size, i);
           }
           break;
         case OpKind::pool_begin:  // as CUDA graph trees route a stream into a pool outside a capture
@@ -494,7 +495,8 @@ std::string ReplayResult::to_json() const {
   w.field("trace", trace).field("backend", backend).field("device", device);
   w.field("events", static_cast<std::uint64_t>(events)).field("limit_bytes", static_cast<std::uint64_t>(limit_bytes));
   w.field("allocations", static_cast<std::uint64_t>(allocations)).field("frees", static_cast<std::uint64_t>(frees));
-  w.field("ooms", static_cast<std::uint64_t>(ooms)).field("skipped_frees", static_cast<std::uint64_t>(skipped_frees));
+  w.field("ooms", static_cast<std::uint64_t>(ooms)).field("refused_requests", static_cast<std::uint64_t>(refused_requests));
+  w.field("skipped_frees", static_cast<std::uint64_t>(skipped_frees));
   w.field("peak_allocated_bytes", peak_allocated_bytes).field("peak_reserved_bytes", peak_reserved_bytes);
   w.field("peak_requested_bytes", peak_requested_bytes);
   w.field("reserved_over_allocated", peak_allocated_bytes ? static_cast<double>(peak_reserved_bytes) / static_cast<double>(peak_allocated_bytes) : 0.0);

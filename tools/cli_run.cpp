@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <cerrno>
 #include <cstdio>
@@ -273,20 +274,25 @@ void print_replay_table(const std::vector<ReplayGroup>& groups) {
 
 void print_replay_failures(const std::vector<ReplayGroup>& groups) {
   bool header = false;
-  bool any_oom = false, any_skipped = false;
+  bool any_oom = false, any_skipped = false, any_refused = false;
   for (const ReplayGroup& g : groups)
     for (const ReplayResult& r : g) {
       any_oom = any_oom || r.first_oom;
       any_skipped = any_skipped || r.skipped_frees;
+      any_refused = any_refused || r.refused_requests;
     }
-  // Frees skipped or supplied (--lenient) without an OOM are no failure: the heading says what follows.
-  const char* heading = !any_oom ? "Frees skipped or supplied (no run failed):"
-                        : any_skipped ? "Why the failures happened (the first OOM report of each failing run), and frees skipped or supplied:"
-                                      : "Why the failures happened (the first OOM report of each failing run):";
+  // Frees skipped or supplied (--lenient) and requests refused up front without an OOM are no
+  // failure: the heading says what follows.
+  std::string extras = any_refused ? "requests refused up front" : "";
+  if (any_skipped) extras += std::string(any_refused ? ", " : "") + "frees skipped or supplied";
+  if (!extras.empty() && !any_oom) extras[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(extras[0])));  // it starts the heading
+  const std::string heading = !any_oom       ? extras + " (no run failed):"
+                              : extras.empty() ? "Why the failures happened (the first OOM report of each failing run):"
+                                               : "Why the failures happened (the first OOM report of each failing run), and " + extras + ":";
   for (const ReplayGroup& g : groups)
     for (const ReplayResult& r : g) {
-      if (!r.first_oom && !r.skipped_frees) continue;
-      if (!header) std::printf("\n%s\n", heading);
+      if (!r.first_oom && !r.skipped_frees && !r.refused_requests) continue;
+      if (!header) std::printf("\n%s\n", heading.c_str());
       header = true;
       if (r.first_oom) {
         std::printf("\n  %s on %s: %zu OOM%s, first verdict: %s\n", terminal_text(r.trace).c_str(), r.backend.c_str(), r.ooms, r.ooms == 1 ? "" : "s",
@@ -295,6 +301,9 @@ void print_replay_failures(const std::vector<ReplayGroup>& groups) {
       } else {
         std::printf("\n  %s on %s:\n", terminal_text(r.trace).c_str(), r.backend.c_str());
       }
+      if (r.refused_requests)
+        std::printf("    (%zu request%s of 1 EiB or more refused up front: no OOM of the allocator, which num_ooms does not count either)\n",
+                    r.refused_requests, r.refused_requests == 1 ? "" : "s");
       // skipped_frees also counts, under --lenient, the frees missing before a pointer was allocated again,
       // which the replay supplies: the note names both.
       if (r.skipped_frees)

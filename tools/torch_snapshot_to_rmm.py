@@ -252,13 +252,27 @@ def describe(info, out=sys.stdout):
 # Replay on the simulated device through libexpseg's C API (one subprocess per backend: the C API
 # takes its configuration once per process).
 
+def replay_conf(backend, sim_conf):
+    conf = "device:sim,sim_capacity:141GiB,backend:%s" % backend
+    return conf + "," + sim_conf if sim_conf else conf
+
+
+def check_replay_conf(backends, sim_conf):
+    """Raises ConvertError when expseg refuses the replays' configuration (a typo in --sim-conf), before
+    anything is converted or written. Only configures: this process creates no allocator."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import expseg  # tools/expseg.py
+    for b in backends:
+        try:
+            expseg.configure(replay_conf(b, sim_conf))
+        except expseg.ExpsegError as e:
+            raise ConvertError("--sim-conf %r: %s" % (sim_conf, e))
+
+
 def replay_child(trace_path, backend, sim_conf):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import expseg  # tools/expseg.py
-    conf = "device:sim,sim_capacity:141GiB,backend:%s" % backend
-    if sim_conf:
-        conf += "," + sim_conf
-    expseg.configure(conf)
+    expseg.configure(replay_conf(backend, sim_conf))
     lib = expseg.load()
     events = read_trace(trace_path)
     ptrs = {}
@@ -330,12 +344,20 @@ def main(argv=None):
         argv = sys.argv[1:]
     if argv[:1] == ["--replay-child"]:  # internal: python3 this.py --replay-child BACKEND TRACE [--sim-conf S]
         sim = argv[argv.index("--sim-conf") + 1] if "--sim-conf" in argv else ""
-        replay_child(argv[2], argv[1], sim)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import expseg  # tools/expseg.py
+        try:
+            replay_child(argv[2], argv[1], sim)
+        except expseg.ExpsegError as e:  # the parent reports it: a message, not a traceback
+            print("expseg: %s" % e, file=sys.stderr)
+            return 1
         return 0
     args = ap.parse_args(argv)
     if not args.output and not args.check and not args.replay:
         ap.error("give an output path, --check, or --replay")
     try:
+        if args.replay:
+            check_replay_conf(args.replay, args.sim_conf)
         snap = load_snapshot(args.snapshot)
         events, info = convert(snap, args.device, args.oom_events)
         if args.check or args.output:

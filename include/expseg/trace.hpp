@@ -121,8 +121,14 @@ struct ReplayResult {
   std::size_t driver_events = 0;  // of them the recorded run's map/unmap events, not replayed
   std::size_t allocations = 0;    // allocations attempted
   std::size_t frees = 0;          // frees performed
-  std::size_t ooms = 0;           // allocations that failed
-  std::size_t skipped_frees = 0;  // frees of allocations that had failed (or unknown, lenient)
+  std::size_t ooms = 0;           // allocations that failed: OOMs of the allocator (as num_ooms)
+  // Requests of 1 EiB or more: refused up front, before any allocator runs (no OOM: not in `ooms`,
+  // no first_oom), as the allocator's num_ooms does not count them either.
+  std::size_t refused_requests = 0;
+  // Frees of allocations that had failed; lenient, also frees of unknown pointers, and each free
+  // the trace lacks where a pointer is allocated again while live (that one is made, so it counts
+  // in `frees` too).
+  std::size_t skipped_frees = 0;
   std::size_t limit_bytes = 0;    // the limit the replay ran under (0: none)
   std::int64_t peak_allocated_bytes = 0;
   std::int64_t peak_reserved_bytes = 0;

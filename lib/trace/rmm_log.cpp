@@ -289,7 +289,7 @@ struct Parser {
     if (!parse_time(f[c_time], e.time))
       bad(line_no, c_time, f[c_time], "expected HH:MM:SS.ffffff, HH:MM:SS:ffffff or a non-negative number");
     if (!parse_action(f[c_action], e.action))
-      bad(line_no, c_action, f[c_action], "expected allocate, free, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore");
+      bad(line_no, c_action, f[c_action], "expected allocate, free, free completed, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore");
     if (auto err = parse_address(f[c_pointer], e.pointer); err != NumError::none) bad(line_no, c_pointer, f[c_pointer], num_reason(err, true));
     if (auto err = parse_u64(f[c_size], e.size); err != NumError::none) bad(line_no, c_size, f[c_size], num_reason(err, false));
     if (auto err = parse_address(f[c_stream], e.stream); err != NumError::none) bad(line_no, c_stream, f[c_stream], num_reason(err, true));

@@ -1360,6 +1360,16 @@ class ConverterTest(unittest.TestCase):
             for r in conv.replay(out_oom, ["split_merge", "expandable"]):  # no limit: it fits now, and is given back
                 self.assertEqual(r["ooms"], 0, r)
                 self.assertEqual(r["peak_requested"], 64 * MiB + MiB + 5 * MiB + 3)
+            # A typo in --sim-conf: refused before anything is converted or written, with expseg's message
+            # (was: the replay child's traceback, after the trace was written).
+            typo_out = os.path.join(d, "typo.rmm.csv.gz")
+            p = subprocess.run([sys.executable, os.path.join(TOOLS, "torch_snapshot_to_rmm.py"), pkl, typo_out,
+                                "--replay", "split_merge", "--sim-conf", "limti:3"], capture_output=True, text=True)
+            self.assertEqual(p.returncode, 1, p.stderr + p.stdout)
+            self.assertIn("torch_snapshot_to_rmm: error: --sim-conf 'limti:3'", p.stderr)
+            self.assertIn("unknown option 'limti'", p.stderr)
+            self.assertNotIn("Traceback", p.stderr)
+            self.assertFalse(os.path.exists(typo_out))
             # Not a snapshot: a clear error, exit 1.
             bad = os.path.join(d, "bad.pickle")
             with open(bad, "wb") as f:

@@ -1267,3 +1267,21 @@ TEST_CASE("cli: study --seed 1 counts fragmentation OOMs by the 98% test, and ti
   CHECK(page.find("This run: seed 1 (the story&#39;s default overridden).") != std::string::npos);
   fs::remove(html);
 }
+
+TEST_CASE("cli: replay counts a request of 1 EiB or more as refused up front, not as the run's OOM") {
+  // Was: "1 OOM, first verdict: capacity" for a trace whose run had no OOM (num_ooms 0): `expseg explain`
+  // showed that verdict before the dumped OOM's.
+  const fs::path trace = temp_path("eib.csv");
+  std::ofstream(trace) << "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,4096,0x0\n"
+                          "1,1,allocate failure,0x0,2305843009213693952,0x0\n1,2,free,0x1000,4096,0x0\n";
+  const Run r = run_cli("replay '" + trace.string() + "' --device sim --json");
+  CAPTURE(r.out);
+  CHECK(r.status == 0);
+  CHECK(count(r.out, "\"ooms\":0") == 2);
+  CHECK(count(r.out, "\"refused_requests\":1") == 2);
+  const Run text = run_cli("replay '" + trace.string() + "' --device sim");
+  CAPTURE(text.out);
+  CHECK(text.out.find("Requests refused up front (no run failed):") != std::string::npos);
+  CHECK(count(text.out, "1 request of 1 EiB or more refused up front") == 2);
+  CHECK(text.out.find("first verdict") == std::string::npos);
+}

@@ -257,3 +257,23 @@ TEST_CASE("replay regression: a replay counts the operations it replayed, apart 
   CHECK(r.operations == g.operations);
   CHECK(r.peak_reserved_bytes == g.peak_reserved_bytes);  // the picture changes nothing it measures
 }
+
+// Was: a request of 1 EiB or more, refused up front (no OOM of the allocator: num_ooms, the
+// observer and oom_dump do not see it), was recorded as a failed allocation and counted as the
+// replay's OOM; `expseg explain` then gave its verdict (capacity) as the first OOM's, not the
+// dumped one's.
+TEST_CASE("replay regression: a request refused up front is no OOM of the replay") {
+  const std::string csv = std::string(kHdr) +
+                          "1,0,allocate,0x7f0000000000,104857600,0x0\n"
+                          "1,1,allocate failure,0x0,2305843009213693952,0x0\n"
+                          "1,2,allocate failure,0x0,2147483648,0x0\n";
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(std::string(expseg::to_string(b)));
+    const auto r = expseg::replay(expseg::parse_trace(csv, "eib.csv"), sim_config(b, 80 * GiB, "limit:1GiB"));
+    CHECK(r.allocations == 3);
+    CHECK(r.ooms == 1);  // the 2 GiB request's, over the limit
+    CHECK(r.refused_requests == 1);
+    REQUIRE(r.first_oom.has_value());
+    CHECK(r.first_oom->requested_bytes == 2 * GiB);
+  }
+}

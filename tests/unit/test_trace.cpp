@@ -262,9 +262,9 @@ TEST_CASE("trace: bad values name the line, the column and the text") {
        "bad Time \"12:61:00.0\": expected HH:MM:SS.ffffff, HH:MM:SS:ffffff or a non-negative number"},
       {"1,-3,allocate,0x10,16,0x0", "bad Time \"-3\": expected HH:MM:SS.ffffff, HH:MM:SS:ffffff or a non-negative number"},
       {"1,nan,allocate,0x10,16,0x0", "bad Time \"nan\": expected HH:MM:SS.ffffff, HH:MM:SS:ffffff or a non-negative number"},
-      {"1,0,alloc,0x10,16,0x0", "bad Action \"alloc\": expected allocate, free, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore"},
+      {"1,0,alloc,0x10,16,0x0", "bad Action \"alloc\": expected allocate, free, free completed, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore"},
       {"1,0,Allocate,0x10,16,0x0",
-       "bad Action \"Allocate\": expected allocate, free, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore"},
+       "bad Action \"Allocate\": expected allocate, free, free completed, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore"},
       {"1,0,allocate,0xZZ,16,0x0", "bad Pointer \"0xZZ\": expected a 0x-prefixed hex or a decimal number"},
       {"1,0,allocate,0x,16,0x0", "bad Pointer \"0x\": expected a 0x-prefixed hex or a decimal number"},
       {"1,0,allocate,7f5db5e00000,16,0x0", "bad Pointer \"7f5db5e00000\": expected a 0x-prefixed hex or a decimal number"},
@@ -289,7 +289,7 @@ TEST_CASE("trace: bad values name the line, the column and the text") {
   const auto c = line_error("1,0,allocate,0x" + std::string(100, 'z') + ",16,0x0");
   CHECK(c.what == "t.csv:2: bad Pointer \"0xzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz...\": expected a 0x-prefixed hex or a decimal number");
   CHECK(line_error(std::string("1,0,alloc\x01te,0x10,16,0x0")).what ==
-        "t.csv:2: bad Action \"alloc\\x01te\": expected allocate, free, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore");
+        "t.csv:2: bad Action \"alloc\\x01te\": expected allocate, free, free completed, deallocate, allocate failure, map, unmap, pool begin, pool end, pool release or pool restore");
   // The first bad line is reported, after good ones.
   const auto later = parse_error(std::string(kHeader) + "1,0,allocate,0x10,16,0x0\n\n1,1,free,0x10,16,0x0\n1,2,free,0x10,sixteen,0x0\n");
   CHECK(later.line == 5);
