@@ -309,16 +309,7 @@ Allocator::Impl::~Impl() {
     bool underway = false;
     for (const CaptureRoute& r : capture_routes) {
       if (backends::is_per_thread_key(r.stream) && r.stream != backends::calling_thread_key()) {
-        // Only its thread can name that stream, but a per-thread stream blocks: while it captures,
-        // the legacy stream's question answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT. Any other answer
-        // means that no blocking stream captures, this one included.
-        if (!underway && !backends::is_retired_key(r.stream)) {
-          try {
-            underway = driver->stream_capture_id(nullptr) != 0;
-          } catch (...) {  // IMPLICIT (some blocking stream captures: maybe this one), or no answer
-            underway = true;
-          }
-        }
+        underway = underway || other_threads_capture_may_run(r.stream);
         continue;
       }
       try {
@@ -785,6 +776,15 @@ bool Allocator::Impl::routed_stream_captures() const noexcept {
   return false;
 }
 
+bool Allocator::Impl::other_threads_capture_may_run(driver::stream_t key) const noexcept {
+  if (backends::is_retired_key(key)) return false;  // its thread has exited
+  try {
+    return driver->stream_capture_id(nullptr) != 0;
+  } catch (...) {  // CUDA_ERROR_STREAM_CAPTURE_IMPLICIT (a blocking stream captures: maybe this one), or no answer
+    return true;
+  }
+}
+
 bool Allocator::Impl::process_pending_frees() {
   if (pending_count == 0 || ctx.capturing || stream_capturing(asking_stream)) return false;
   const std::size_t before = pending_count;
@@ -1085,8 +1085,8 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
     route = r;
     if (backends::is_per_thread_key(r->stream) && r->stream != backends::calling_thread_key()) {
       // cudaStreamPerThread names the caller's own stream: asked from here, the capturing thread's
-      // capture would read as ended. Its thread has exited: its capture cannot be running.
-      if (backends::is_retired_key(r->stream)) {
+      // capture would read as ended.
+      if (!m.other_threads_capture_may_run(r->stream)) {
         ended = true;
         break;
       }
@@ -1106,8 +1106,8 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   if (route == m.capture_routes.end()) throw error("end_graph_pool: no capture allocates into graph pool " + std::to_string(pool));
   if (!ended && other_thread)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
-                " runs on another thread's per-thread stream (cudaStreamPerThread), whose capture only that thread can ask "
-                "about: call end_graph_pool from that thread, after its capture ends");
+                " runs on another thread's per-thread stream (cudaStreamPerThread), which only that thread can ask about, "
+                "and a blocking stream still captures: call end_graph_pool from that thread, after its capture ends");
   if (!ended)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " is still running; end the capture (cuStreamEndCapture) first");

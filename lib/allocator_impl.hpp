@@ -356,6 +356,11 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // line.) A pool's blocks so read as one stream's from allocate to free in the trace and the viewers.
   driver::stream_t traced_stream(driver::stream_t key) const noexcept;
   bool stream_capturing(driver::stream_t stream) const noexcept;
+  // Whether the capture of another thread's per-thread stream (`key`) may still run. Only that
+  // thread can name its stream, but a per-thread stream blocks: while it captures, the legacy
+  // stream's question is refused (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, the capture stays valid), so
+  // an answer proves it over. Its thread has exited: over too.
+  bool other_threads_capture_may_run(driver::stream_t key) const noexcept;
   void free_held_after_capture();
   // Waits for the work that the streams which used `b` queued so far, where no event can stand for it
   // (a free's recovery): each stream alone, a device synchronization only when one fails.

@@ -25,6 +25,7 @@
 //     captures) or the device's (while any does) would take stays cached until the capture ends.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -803,5 +804,52 @@ TEST_CASE("gpu: an untold capture on a begin_pool_allocations stream survives a 
     a.release_cached();
     d.stream_destroy(s);
     d.stream_destroy(c);
+  }
+}
+
+// A told capture on a worker thread's per-thread stream, seen from another thread, which cannot
+// name that stream: while it captures, end_graph_pool refuses (the legacy stream's question is
+// refused while a blocking stream captures, and the capture stays valid); once it has ended, with
+// the worker alive, end_graph_pool from the other thread ends it, and destroying the allocator gives
+// its memory back. Was: refused, and all memory leaked, until the worker exited.
+TEST_CASE("gpu: another thread's per-thread capture: end_graph_pool refuses while it runs, ends it once it has ended") {
+  void* const per_thread = reinterpret_cast<void*>(std::uintptr_t{2});
+  for (BackendKind kind : kBackends) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    std::shared_ptr<Driver> d = expseg::driver::make_cuda_driver(0);
+    auto a = expseg::detail::AllocatorAccess::make(cuda_config(kind), d);
+    std::atomic<int> step{0};
+    void* out = nullptr;
+    expseg::driver::graph_t g = nullptr;
+    std::thread worker([&] {
+      d->capture_begin(per_thread);
+      a->begin_graph_pool(1, per_thread);
+      out = a->allocate(2 * MiB, per_thread);
+      d->memset_d32(dp(out), 0x5eed5eedu, 2 * MiB / 4, per_thread);
+      step = 1;
+      while (step != 2) std::this_thread::yield();
+      CHECK_NOTHROW(g = d->capture_end(per_thread));
+      step = 3;
+      while (step != 4) std::this_thread::yield();
+    });
+    while (step != 1) std::this_thread::yield();
+    CHECK_THROWS_WITH_AS(a->end_graph_pool(1), doctest::Contains("a blocking stream still captures"), expseg::error);
+    step = 2;
+    while (step != 3) std::this_thread::yield();
+    CHECK_NOTHROW(a->end_graph_pool(1));  // the worker lives on
+    step = 4;
+    worker.join();
+    REQUIRE(g != nullptr);  // the question from here left the capture valid
+    void* s = d->stream_create();
+    d->graph_launch(g, s);
+    d->stream_synchronize(s);
+    CHECK(holds(*d, out, 2 * MiB, 0x5eed5eedu));
+    d->graph_destroy(g);
+    a->deallocate(out);
+    a->release_graph_pool(1);
+    a->validate();
+    a.reset();
+    d->stream_destroy(s);
   }
 }

@@ -249,6 +249,24 @@ TEST_CASE("graph pool regression: end_graph_pool from another thread refuses whi
     CHECK_NOTHROW(sa->end_graph_pool(2));
     sa->release_graph_pool(2);
     sa->validate();
+    // A thread that lives on after its capture ended without the end: no blocking stream captures,
+    // as the legacy stream's question tells, so another thread ends it. Was: refused until the
+    // capturing thread exited.
+    std::atomic<int> step{0};
+    std::thread u([&] {
+      sa.sim->capture_begin(per_thread);
+      sa->begin_graph_pool(3, per_thread);
+      sa->deallocate(sa->allocate(2 * MiB, per_thread));
+      sa.sim->graph_destroy(sa.sim->capture_end(per_thread));
+      step = 1;
+      while (step != 2) std::this_thread::yield();
+    });
+    while (step != 1) std::this_thread::yield();
+    CHECK_NOTHROW(sa->end_graph_pool(3));
+    step = 2;
+    u.join();
+    sa->release_graph_pool(3);
+    sa->validate();
   }
 }
 
