@@ -338,7 +338,11 @@ Allocator::Impl::~Impl() {
   if (bytes == 0) return nullptr;
   std::unique_lock<core::Mutex> lock(mu);
   const driver::stream_t asked_on = stream;
-  if (routing) [[unlikely]] stream = route_to_pool(stream);
+  bool eager = false;
+  if (routing) [[unlikely]] stream = route_to_pool(stream, true, nullptr, &eager);
+  // A begin_pool_allocations stream's request reaches the backend under its pool's key: the slow
+  // path's capture question asks the stream itself (CaptureScope), which may capture untold.
+  const backends::RoutedFrom routed_from(ctx, eager ? asked_on : nullptr);
   // No event query while the request's stream captures: it would invalidate the capture.
   if (pending_count != 0 && !ctx.capturing && !stream_capturing(asked_on)) [[unlikely]] {
     if (poll_every_queue)
@@ -352,17 +356,7 @@ Allocator::Impl::~Impl() {
   live.reserve_one();
   // 1 EiB and more never reaches the backend (PyTorch refuses it up front too): no retry, no cache
   // flush for a request no device can serve.
-  Block* b = nullptr;
-  if (bytes < kMaxRequest) {
-    if (stream != asked_on && capture_routes.empty()) [[unlikely]] {
-      // Routed by begin_pool_allocations without asking the driver: the stream may capture untold,
-      // which the backend's slow path, asking the pool's key, would not see.
-      const backends::CaptureScope untold(ctx, asked_on);
-      b = backend->allocate(bytes, stream);
-    } else {
-      b = backend->allocate(bytes, stream);
-    }
-  }
+  Block* b = bytes < kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
   if (b != nullptr) {
     live.insert_reserved(b);
     // Graph pools' blocks are counted per key (live_insert); they come only through routing.
@@ -647,7 +641,7 @@ void Allocator::Impl::add_recorded_use(driver::stream_t stream) {
 // pool (made at its first request; `make` false: nullptr instead), as PyTorch keys a private pool's
 // blocks by stream: a block the capture freed on one stream would otherwise serve another stream
 // of the same graph, whose replay runs the two streams' work side by side.
-driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool make, std::uint64_t* pool) {
+driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool make, std::uint64_t* pool, bool* eager) {
   if (backends::is_graph_pool_key(stream)) return stream;
   std::uint64_t id = 0;
   if (!capture_routes.empty()) {
@@ -656,12 +650,6 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool ma
     } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
     }
   }
-  if (id == 0)
-    for (const EagerRoute& e : eager_routes)
-      if (e.stream == stream) {
-        if (pool) *pool = e.pool;
-        return e.key;
-      }
   if (id != 0)
     for (CaptureRoute& r : capture_routes)
       if (r.capture_id == id) {
@@ -685,6 +673,14 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool ma
         if (recorder.enabled()) recorder.add(TraceAction::pool_begin, r.pool, 0, key);
         return key;
       }
+  // A begin_pool_allocations stream stays in its pool whether it captures or not (was: one that
+  // captured untold left the pool while a told capture ran elsewhere, for none otherwise).
+  for (const EagerRoute& e : eager_routes)
+    if (e.stream == stream) {
+      if (pool) *pool = e.pool;
+      if (eager) *eager = true;
+      return e.key;
+    }
   return stream;
 }
 
@@ -1107,7 +1103,8 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   if (!ended && other_thread)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " runs on another thread's per-thread stream (cudaStreamPerThread), which only that thread can ask about, "
-                "and a blocking stream still captures: call end_graph_pool from that thread, after its capture ends");
+                "and the legacy stream's capture question does not show it ended (a blocking stream captures): call "
+                "end_graph_pool from that thread, after its capture ends");
   if (!ended)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " is still running; end the capture (cuStreamEndCapture) first");

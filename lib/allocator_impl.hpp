@@ -348,7 +348,8 @@ struct Allocator::Impl final : backends::FrontendHooks {
   // commits, so the held frees' host memory cannot fail after it.
   std::vector<core::Block*> held_scratch;
   // `pool`, when given, receives the id of the pool the stream allocates into now (0: none).
-  driver::stream_t route_to_pool(driver::stream_t stream, bool make = true, std::uint64_t* pool = nullptr);
+  // `eager`: set when the route is a begin_pool_allocations stream's (the stream may capture untold).
+  driver::stream_t route_to_pool(driver::stream_t stream, bool make = true, std::uint64_t* pool = nullptr, bool* eager = nullptr);
   // The stream a trace names for an allocation, free or mapping on `key`: for a graph pool's key, the
   // stream whose route into the pool made it (the trace's `pool begin` names that stream; also after
   // the route has ended, while the pool lists the key), else `key`; a fork's key is traced as it is.

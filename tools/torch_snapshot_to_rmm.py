@@ -258,11 +258,17 @@ def replay_conf(backend, sim_conf):
 
 
 def check_replay_conf(backends, sim_conf):
-    """Raises ConvertError when expseg refuses the replays' configuration (a typo in --sim-conf), before
-    anything is converted or written. Only configures: this process creates no allocator."""
+    """Raises ConvertError when --sim-conf holds what expseg refuses (a typo), before anything is
+    converted or written. Only configures: this process creates no allocator. A library that cannot
+    be loaded, or an EXPSEG_ALLOC_CONF it refuses, is not --sim-conf's fault: those are left to the
+    replay, after the trace is written."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import expseg  # tools/expseg.py
     for b in backends:
+        try:
+            expseg.configure(replay_conf(b, ""))
+        except expseg.ExpsegError:
+            return
         try:
             expseg.configure(replay_conf(b, sim_conf))
         except expseg.ExpsegError as e:

@@ -132,8 +132,8 @@ class Allocator {
   //     after cuStreamEndCapture: while every capture of the pool still runs, it throws
   //     expseg::error, nothing changed, as the capture's later requests would leave the pool; a
   //     capture on cudaStreamPerThread can be asked about only from its own thread, so from another
-  //     thread it counts as running while any blocking stream captures, as the legacy stream's
-  //     question tells, and until that thread exits).
+  //     thread it counts as running until no blocking stream captures, as the legacy stream's
+  //     question tells, or that thread exits).
   //     Unlike other calls, it may throw after its change: when the frees held for the capture
   //     cannot be completed (expseg::driver_error), the end is done all the same, as the error
   //     says; the frees stay held for the next end_graph_pool or release_cached().

@@ -181,6 +181,9 @@ struct Context {
   // untold, on a stream the backend may never have seen: expandable asks these streams too before
   // a synchronization that a capture would refuse (seen_capture).
   std::vector<std::pair<driver::stream_t, bool>> prepared_captures = {};
+  // For the span of a request that begin_pool_allocations routed into a graph pool (RoutedFrom): the
+  // stream it was made on, whose capture the slow path asks instead of the pool's key's.
+  driver::stream_t routed_from = nullptr;
   std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
 };
 
@@ -209,7 +212,7 @@ class CaptureScope {
   CaptureScope(Context& ctx, driver::stream_t key) noexcept
       : ctx_(ctx), was_(ctx.capturing), spared_(ctx.capture_spares_legacy) {
     if (!was_ || spared_) {
-      const bool untold = stream_captures(ctx, key);
+      const bool untold = stream_captures(ctx, is_graph_pool_key(key) && ctx.routed_from != nullptr ? ctx.routed_from : key);
       ctx.capturing = was_ || untold;
       ctx.capture_spares_legacy = spared_ && !untold;
     }
@@ -225,6 +228,23 @@ class CaptureScope {
   Context& ctx_;
   bool was_;
   bool spared_;
+};
+
+// Sets Context::routed_from for the span of a request (nothing when `stream` is null: one test on the
+// cached path).
+class RoutedFrom {
+ public:
+  RoutedFrom(Context& ctx, driver::stream_t stream) noexcept : ctx_(stream != nullptr ? &ctx : nullptr) {
+    if (ctx_ != nullptr) [[unlikely]] ctx_->routed_from = stream;
+  }
+  ~RoutedFrom() {
+    if (ctx_ != nullptr) [[unlikely]] ctx_->routed_from = nullptr;
+  }
+  RoutedFrom(const RoutedFrom&) = delete;
+  RoutedFrom& operator=(const RoutedFrom&) = delete;
+
+ private:
+  Context* ctx_;
 };
 
 struct FreeSummary {

@@ -1370,6 +1370,17 @@ class ConverterTest(unittest.TestCase):
             self.assertIn("unknown option 'limti'", p.stderr)
             self.assertNotIn("Traceback", p.stderr)
             self.assertFalse(os.path.exists(typo_out))
+            # A bad EXPSEG_ALLOC_CONF is not --sim-conf's fault: the trace is written, the replay says why.
+            env_out = os.path.join(d, "env.rmm.csv.gz")
+            p = subprocess.run([sys.executable, os.path.join(TOOLS, "torch_snapshot_to_rmm.py"), pkl, env_out,
+                                "--replay", "split_merge", "--sim-conf", "limit:3GiB"], capture_output=True, text=True,
+                               env=dict(os.environ, EXPSEG_ALLOC_CONF="garbage:1"))
+            self.assertEqual(p.returncode, 1, p.stderr + p.stdout)
+            self.assertNotIn("--sim-conf", p.stderr)
+            self.assertIn("EXPSEG_ALLOC_CONF", p.stderr)
+            self.assertIn("unknown option 'garbage'", p.stderr)
+            self.assertNotIn("Traceback", p.stderr)
+            self.assertTrue(os.path.exists(env_out))
             # Not a snapshot: a clear error, exit 1.
             bad = os.path.join(d, "bad.pickle")
             with open(bad, "wb") as f:

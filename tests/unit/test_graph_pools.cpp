@@ -1930,3 +1930,67 @@ TEST_CASE("graph pool: an untold capture on a begin_pool_allocations stream surv
     }
   }
 }
+
+// Was: route_to_pool looked at begin_pool_allocations routes only for a stream that did not capture,
+// so one that captured untold left its pool while a told capture ran elsewhere (its blocks came from
+// the stream's own cache, free for eager requests once freed while the graph may replay), and
+// stayed in it otherwise. It stays in its pool either way now.
+TEST_CASE("graph pool: a begin_pool_allocations stream that captures untold stays in its pool while a told capture runs elsewhere") {
+  using CaptureMode = expseg::driver::Driver::CaptureMode;
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB));
+    void* c = sa.sim->stream_create();
+    void* s = sa.sim->stream_create();
+    sa->begin_pool_allocations(2, s);
+    sa.sim->capture_begin(c, CaptureMode::relaxed);
+    sa->begin_graph_pool(1, c);
+    void* in_told = sa->allocate(2 * MiB, c);
+    sa.sim->capture_begin(s, CaptureMode::relaxed);  // untold
+    void* p = nullptr;
+    CHECK_NOTHROW(p = sa->allocate(4 * MiB, s));
+    auto in_pool = [&](std::uint64_t pool) {
+      for (const auto& [at, bytes] : sa->graph_pool_blocks(pool))
+        if (at == addr(p)) return true;
+      return false;
+    };
+    CHECK(in_pool(2));  // was: not in pool 2
+    CHECK_FALSE(in_pool(1));
+    expseg::driver::graph_t gs = nullptr, gc = nullptr;
+    CHECK_NOTHROW(gs = sa.sim->capture_end(s));
+    CHECK_NOTHROW(gc = sa.sim->capture_end(c));
+    sa->end_graph_pool(1);
+    for (auto g : {gs, gc})
+      if (g != nullptr) sa.sim->graph_destroy(g);
+    sa->deallocate(p);
+    sa->deallocate(in_told);
+    sa->end_pool_allocations(2, s);
+    sa->release_graph_pool(1);
+    sa->release_graph_pool(2);
+    sa->validate();
+    sa->release_cached();
+    CHECK(sa->stats().reserved_bytes[kAllPools].current == 0);
+  }
+}
+
+// The capture question for a begin_pool_allocations stream is the slow path's: a request the cache
+// serves asks the driver nothing (was, for a while: one cuStreamGetCaptureInfo per request).
+TEST_CASE("graph pool: cached requests on a begin_pool_allocations stream ask the driver nothing") {
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    auto sa = make_sim_allocator(sim_config(kind, 1 * GiB));
+    void* s = sa.sim->stream_create();
+    sa->begin_pool_allocations(2, s);
+    sa->deallocate(sa->allocate(1 * MiB, s));  // cached in the pool
+    const auto queries = sa.sim->calls(expseg::driver::Op::stream_query);
+    const auto slow = sa->stats().num_device_alloc;
+    for (int i = 0; i < 1000; ++i) sa->deallocate(sa->allocate(1 * MiB, s));
+    CHECK(sa->stats().num_device_alloc == slow);
+    CHECK(sa.sim->calls(expseg::driver::Op::stream_query) == queries);
+    sa->end_pool_allocations(2, s);
+    sa->release_graph_pool(2);
+    sa->validate();
+  }
+}
