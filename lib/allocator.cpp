@@ -3,7 +3,6 @@
 #include <atomic>
 #include <bit>
 #include <cstdio>
-#include <cstring>
 #include <stdexcept>
 #include <sstream>
 #include <string_view>
@@ -340,9 +339,6 @@ Allocator::Impl::~Impl() {
   const driver::stream_t asked_on = stream;
   bool eager = false;
   if (routing) [[unlikely]] stream = route_to_pool(stream, true, nullptr, &eager);
-  // A begin_pool_allocations stream's request reaches the backend under its pool's key: the slow
-  // path's capture question asks the stream itself (CaptureScope), which may capture untold.
-  const backends::RoutedFrom routed_from(ctx, eager ? asked_on : nullptr);
   // No event query while the request's stream captures: it would invalidate the capture.
   if (pending_count != 0 && !ctx.capturing && !stream_capturing(asked_on)) [[unlikely]] {
     if (poll_every_queue)
@@ -356,7 +352,14 @@ Allocator::Impl::~Impl() {
   live.reserve_one();
   // 1 EiB and more never reaches the backend (PyTorch refuses it up front too): no retry, no cache
   // flush for a request no device can serve.
-  Block* b = bytes < kMaxRequest ? backend->allocate(bytes, stream) : nullptr;
+  Block* b = nullptr;
+  if (bytes < kMaxRequest) {
+    // A begin_pool_allocations stream's request reaches the backend under its pool's key: the slow
+    // path's capture question asks the stream itself (CaptureScope), which may capture untold.
+    // Only around the backend's call, under the lock (the OOM path lets the lock go).
+    const backends::RoutedFrom routed(ctx, eager, asked_on);
+    b = backend->allocate(bytes, stream);
+  }
   if (b != nullptr) {
     live.insert_reserved(b);
     // Graph pools' blocks are counted per key (live_insert); they come only through routing.
@@ -1103,8 +1106,8 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
   if (!ended && other_thread)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " runs on another thread's per-thread stream (cudaStreamPerThread), which only that thread can ask about, "
-                "and the legacy stream's capture question does not show it ended (a blocking stream captures): call "
-                "end_graph_pool from that thread, after its capture ends");
+                "and the legacy stream's capture question does not show it ended (a blocking stream may capture, or the "
+                "driver did not answer): call end_graph_pool from that thread, after its capture ends");
   if (!ended)
     throw error("end_graph_pool: the capture allocating into graph pool " + std::to_string(pool) +
                 " is still running; end the capture (cuStreamEndCapture) first");
@@ -1437,12 +1440,10 @@ void Allocator::enable_peer_access(int peer) {
     impl_->backend->on_peer_added(peer);
     impl_->imports->grant_all(d);  // and what import_ipc mapped
   } catch (const driver_error& e) {
-    // The driver's words, then what it means here: part of the memory is granted, and the call
-    // can be repeated (cuMemSetAccess may be repeated over memory already granted).
-    const std::string prefix = e.call() + " failed: " + e.code_name() + " (" + std::to_string(e.code()) + "): ";
-    const std::string said = std::string(e.what()).substr(std::min(prefix.size(), std::strlen(e.what())));
-    throw driver_error(e.call(), e.code(), e.code_name(),
-                       said + "; " + what + "access to the memory already mapped was granted only in part (memory mapped from now on is granted); call enable_peer_access again to complete it");
+    // Part of the memory is granted, and the call can be repeated (cuMemSetAccess may be repeated
+    // over memory already granted).
+    throw_after_commit(e, what + "access to the memory already mapped was granted only in part (memory mapped from now on is "
+                                 "granted); call enable_peer_access again to complete it");
   }
   granted.push_back(peer);
 }

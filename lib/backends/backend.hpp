@@ -181,8 +181,10 @@ struct Context {
   // untold, on a stream the backend may never have seen: expandable asks these streams too before
   // a synchronization that a capture would refuse (seen_capture).
   std::vector<std::pair<driver::stream_t, bool>> prepared_captures = {};
-  // For the span of a request that begin_pool_allocations routed into a graph pool (RoutedFrom): the
-  // stream it was made on, whose capture the slow path asks instead of the pool's key's.
+  // For the span of a backend request that begin_pool_allocations routed into a graph pool
+  // (RoutedFrom): `routed`, and the stream it was made on (the legacy stream's is null), whose
+  // capture the slow path asks instead of the pool's key's.
+  bool routed = false;
   driver::stream_t routed_from = nullptr;
   std::size_t effective_limit() const noexcept { return limit ? limit : device_total; }
 };
@@ -212,7 +214,7 @@ class CaptureScope {
   CaptureScope(Context& ctx, driver::stream_t key) noexcept
       : ctx_(ctx), was_(ctx.capturing), spared_(ctx.capture_spares_legacy) {
     if (!was_ || spared_) {
-      const bool untold = stream_captures(ctx, is_graph_pool_key(key) && ctx.routed_from != nullptr ? ctx.routed_from : key);
+      const bool untold = stream_captures(ctx, is_graph_pool_key(key) && ctx.routed ? ctx.routed_from : key);
       ctx.capturing = was_ || untold;
       ctx.capture_spares_legacy = spared_ && !untold;
     }
@@ -230,21 +232,31 @@ class CaptureScope {
   bool spared_;
 };
 
-// Sets Context::routed_from for the span of a request (nothing when `stream` is null: one test on the
-// cached path).
+// Sets Context::routed / routed_from for its span when `routed` (otherwise nothing: one test on the
+// cached path), and puts back what was there.
 class RoutedFrom {
  public:
-  RoutedFrom(Context& ctx, driver::stream_t stream) noexcept : ctx_(stream != nullptr ? &ctx : nullptr) {
-    if (ctx_ != nullptr) [[unlikely]] ctx_->routed_from = stream;
+  RoutedFrom(Context& ctx, bool routed, driver::stream_t stream) noexcept : ctx_(routed ? &ctx : nullptr) {
+    if (ctx_ != nullptr) [[unlikely]] {
+      was_routed_ = ctx.routed;
+      was_from_ = ctx.routed_from;
+      ctx.routed = true;
+      ctx.routed_from = stream;
+    }
   }
   ~RoutedFrom() {
-    if (ctx_ != nullptr) [[unlikely]] ctx_->routed_from = nullptr;
+    if (ctx_ != nullptr) [[unlikely]] {
+      ctx_->routed = was_routed_;
+      ctx_->routed_from = was_from_;
+    }
   }
   RoutedFrom(const RoutedFrom&) = delete;
   RoutedFrom& operator=(const RoutedFrom&) = delete;
 
  private:
   Context* ctx_;
+  bool was_routed_ = false;
+  driver::stream_t was_from_ = nullptr;
 };
 
 struct FreeSummary {

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
+#include <memory>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -19,6 +21,7 @@
 #include "driver/sim_driver.hpp"
 #include "expseg/errors.hpp"
 #include "capi_fixture.hpp"
+#include "forwarding_driver.hpp"
 #include "expseg/expseg.h"
 #include "test_util.hpp"
 
@@ -1992,5 +1995,123 @@ TEST_CASE("graph pool: cached requests on a begin_pool_allocations stream ask th
     sa->end_pool_allocations(2, s);
     sa->release_graph_pool(2);
     sa->validate();
+  }
+}
+
+// The legacy stream routed into a pool (begin_pool_allocations(pool, nullptr)): its key is null, as
+// "no routed request" was for a while, so a request of it asked the pool's key (never capturing)
+// and, while a blocking stream captured untold, split_merge gave cached memory back (cuMemFree, a
+// synchronization) under that capture. Now it asks the legacy stream, as for its other spelling
+// (0x1): a capture on a blocking stream counts, and split_merge gives nothing back.
+TEST_CASE("graph pool: a legacy-stream begin_pool_allocations request sees an untold capture on a blocking stream") {
+  using expseg::driver::Op;
+  for (void* legacy : {static_cast<void*>(nullptr), reinterpret_cast<void*>(std::uintptr_t{1})}) {
+    CAPTURE(legacy);
+    auto sa = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB));
+    void* other = sa.sim->stream_create();
+    void* bs = sa.sim->stream_create_blocking();
+    sa->deallocate(sa->allocate(300 * MiB, other));  // cached: given back only outside a capture
+    sa->begin_pool_allocations(2, legacy);
+    sa.sim->capture_begin(bs);  // untold
+    const auto frees = sa.sim->calls(Op::mem_free);
+    const auto syncs = sa.sim->calls(Op::stream_sync);
+    CHECK_THROWS_AS(sa->allocate(900 * MiB, legacy), expseg::out_of_memory);  // nothing given back
+    CHECK(sa.sim->calls(Op::mem_free) == frees);
+    CHECK(sa.sim->calls(Op::stream_sync) == syncs);
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = sa.sim->capture_end(bs));
+    if (g != nullptr) sa.sim->graph_destroy(g);
+    sa->end_pool_allocations(2, legacy);
+    sa->release_graph_pool(2);
+    sa->validate();
+  }
+}
+
+namespace {
+// Runs `on_hook` once, the first time the thread `armed_for` asks a stream's capture.
+struct CaptureQueryHook final : ForwardingDriver {
+  using ForwardingDriver::ForwardingDriver;
+  std::atomic<bool> armed{false};
+  std::thread::id armed_for;
+  std::function<void()> on_hook;
+  std::uint64_t stream_capture_id(stream_t s) override {
+    if (armed.load() && std::this_thread::get_id() == armed_for) {
+      armed = false;
+      on_hook();
+    }
+    return ForwardingDriver::stream_capture_id(s);
+  }
+};
+}  // namespace
+
+// Was: the routed request's stream stayed set in the shared context for all of Impl::allocate, so
+// through its OOM path, where the lock is let go (the OOM observer runs unlocked). Thread A's routed
+// request failed; meanwhile thread B's routed request on a stream that captures untold took the
+// lock and set its stream; then A's scope ended and cleared it under B, whose slow path then asked
+// the pool's key (never capturing): split_merge gave cached memory back (cuMemFree) during B's
+// stream's capture. The stream is now set around the backend call only, under the lock.
+TEST_CASE("graph pool: a routed request's OOM path leaves another thread's routed request its capture question") {
+  using expseg::driver::Op;
+  for (BackendKind kind : kBoth) {
+    const std::string backend = expseg::to_string(kind);
+    CAPTURE(backend);
+    const auto cfg = sim_config(kind, 1 * GiB);
+    expseg::driver::SimOptions o;
+    o.capacity = cfg.sim_capacity;
+    o.granularity = cfg.sim_granularity;
+    auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+    auto drv = std::make_shared<CaptureQueryHook>(sim);
+    auto a = expseg::detail::AllocatorAccess::make(cfg, drv);
+    std::atomic<int> step{0};
+    std::atomic<bool> observed{false};
+    a->set_oom_observer([&](const expseg::OomReport&) {
+      if (observed.exchange(true)) return;
+      step = 1;  // A in its OOM path, the lock let go
+      while (step != 2) std::this_thread::yield();
+    });
+    void* sa = sim->stream_create();
+    a->begin_pool_allocations(3, sa);
+    std::thread thread_a([&] {
+      CHECK_THROWS_AS(a->allocate(4 * GiB, sa), expseg::out_of_memory);
+      step = 3;
+    });
+    while (step != 1) std::this_thread::yield();
+    void* other = sim->stream_create();
+    a->deallocate(a->allocate(300 * MiB, other));  // cached: given back only outside a capture
+    void* s = sim->stream_create();
+    a->begin_pool_allocations(2, s);
+    void* held = a->allocate(4 * MiB, s);
+    void* o2 = sim->stream_create();
+    void* x = a->allocate(1 * MiB, other);  // a free waiting for another stream: B's request asks its
+    a->record_stream(x, o2);                // own stream's capture before the backend runs
+    a->deallocate(x);
+    sim->capture_begin(s);  // untold
+    const auto frees = sim->calls(Op::mem_free);
+    void* got = nullptr;
+    std::thread thread_b([&] {
+      drv->armed_for = std::this_thread::get_id();
+      drv->on_hook = [&] {  // B holds the lock here: let A's request finish meanwhile
+        step = 2;
+        while (step != 3) std::this_thread::yield();
+      };
+      drv->armed = true;
+      try {
+        got = a->allocate(1000 * MiB, s);
+      } catch (const expseg::out_of_memory&) {
+      }
+    });
+    thread_b.join();
+    if (step != 3) step = 2;  // the hook did not fire: let A go
+    thread_a.join();
+    if (kind == BackendKind::split_merge) CHECK(sim->calls(Op::mem_free) == frees);  // nothing given back under the capture
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = sim->capture_end(s));
+    if (g != nullptr) sim->graph_destroy(g);
+    CHECK(sim->hazards().empty());
+    a->deallocate(got);
+    a->deallocate(held);
+    a->end_pool_allocations(2, s);
+    a->end_pool_allocations(3, sa);
+    a->validate();
   }
 }
