@@ -4,9 +4,11 @@
 
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "allocator_impl.hpp"
 #include "driver/sim_driver.hpp"
 
 namespace testutil {
@@ -78,5 +80,18 @@ class ForwardingDriver : public expseg::driver::Driver {
  private:
   std::shared_ptr<expseg::driver::SimDriver> sim_;
 };
+
+// An allocator of `config` on a simulated device (its sim_capacity and sim_granularity) reached
+// through test driver D (a ForwardingDriver): the device, the driver and the allocator.
+template <class D>
+auto wrapped_sim_allocator(const expseg::Config& config) {
+  expseg::driver::SimOptions o;
+  o.capacity = config.sim_capacity;
+  o.granularity = config.sim_granularity;
+  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
+  auto drv = std::make_shared<D>(sim);
+  auto a = expseg::detail::AllocatorAccess::make(config, drv);
+  return std::make_tuple(sim, drv, std::move(a));
+}
 
 }  // namespace testutil

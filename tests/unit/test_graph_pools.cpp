@@ -2055,13 +2055,7 @@ TEST_CASE("graph pool: a routed request's OOM path leaves another thread's route
   for (BackendKind kind : kBoth) {
     const std::string backend = expseg::to_string(kind);
     CAPTURE(backend);
-    const auto cfg = sim_config(kind, 1 * GiB);
-    expseg::driver::SimOptions o;
-    o.capacity = cfg.sim_capacity;
-    o.granularity = cfg.sim_granularity;
-    auto sim = std::make_shared<expseg::driver::SimDriver>(o);
-    auto drv = std::make_shared<CaptureQueryHook>(sim);
-    auto a = expseg::detail::AllocatorAccess::make(cfg, drv);
+    auto [sim, drv, a] = wrapped_sim_allocator<CaptureQueryHook>(sim_config(kind, 1 * GiB));
     std::atomic<int> step{0};
     std::atomic<bool> observed{false};
     a->set_oom_observer([&](const expseg::OomReport&) {

@@ -857,18 +857,10 @@ TEST_CASE("expandable: out of address range, the spare range goes back before a 
 
 
 namespace {
-// An allocator of `kind` on an 8 GiB simulated device reached through test driver D (a
-// ForwardingDriver): the device, the driver and the allocator.
+// An allocator of `kind` on an 8 GiB simulated device reached through test driver D.
 template <class D>
 auto wrapped_sim_allocator(BackendKind kind) {
-  const expseg::Config c = sim_config(kind, 8 * GiB);
-  expseg::driver::SimOptions o;
-  o.capacity = c.sim_capacity;
-  o.granularity = c.sim_granularity;
-  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
-  auto drv = std::make_shared<D>(sim);
-  auto a = expseg::detail::AllocatorAccess::make(c, drv);
-  return std::make_tuple(sim, drv, std::move(a));
+  return testutil::wrapped_sim_allocator<D>(sim_config(kind, 8 * GiB));
 }
 
 // Counts capture queries and synchronizations of streams the test has destroyed.
