@@ -981,12 +981,7 @@ TEST_CASE("streams: expandable: a CuPy stream's handle reused by a non-blocking 
   // unmapped that memory after only the legacy stream's synchronization, under the new stream's
   // running work.
   auto cfg = sim_config(BackendKind::expandable, 80 * GiB, "limit:100MiB");
-  expseg::driver::SimOptions o;
-  o.capacity = cfg.sim_capacity;
-  o.granularity = cfg.sim_granularity;
-  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
-  auto drv = std::make_shared<ReusedHandleDriver>(sim);
-  auto a = expseg::detail::AllocatorAccess::make(cfg, drv);
+  auto [sim, drv, a] = testutil::wrapped_sim_allocator<ReusedHandleDriver>(cfg);
   void* s = sim->stream_create();
   void* key = expseg::backends::foreign_stream_key(s);  // what expseg_cupy_malloc passes for s
   a->deallocate(a->allocate(60 * MiB, key));  // a blocking CuPy stream's cache
@@ -1027,12 +1022,7 @@ TEST_CASE("streams: expandable: a cached pair on a blocking CuPy stream asks the
   // it captures and whether it still blocks, two driver calls on the cached path. Now the arena's
   // slow path asks, and until then its idle memory is reclaimed after the device's synchronization.
   auto cfg = sim_config(BackendKind::expandable, 80 * GiB, "limit:1GiB");
-  expseg::driver::SimOptions o;
-  o.capacity = cfg.sim_capacity;
-  o.granularity = cfg.sim_granularity;
-  auto sim = std::make_shared<expseg::driver::SimDriver>(o);
-  auto drv = std::make_shared<StreamQueryCounter>(sim);
-  auto a = expseg::detail::AllocatorAccess::make(cfg, drv);
+  auto [sim, drv, a] = testutil::wrapped_sim_allocator<StreamQueryCounter>(cfg);
   void* s = sim->stream_create_blocking();  // CuPy's streams block by default
   void* key = expseg::backends::foreign_stream_key(s);
   a->deallocate(a->allocate(1 * MiB, key));
