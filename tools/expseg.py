@@ -27,7 +27,7 @@ __all__ = [
     "get_limit",
     "reset_peak_stats", "reset_accumulated_stats", "record_start", "record_stop", "record_write", "torch_memory_stats",
     "torch_snapshot", "initialized_devices", "enable_peer_access", "ipc_export", "ipc_import", "ipc_close",
-    "ipc_send", "ipc_recv",
+    "ipc_send", "ipc_recv", "torch_oom_error",
 ]
 
 # expseg_status (include/expseg/expseg.h)
@@ -41,6 +41,7 @@ _lib = None
 _lib_path = None
 _torch_allocator = None  # kept alive for the life of the process (PyTorch holds only raw function pointers)
 _torch_conf = None
+_torch_oom_error = None  # the exception class an OOM raises under install_torch (torch_oom_error())
 _cupy_allocator = None
 _cupy_conf = None
 _torch_pool_ids = {}  # expseg graph pool number -> PyTorch's pool id (a, b), for snapshots' segment_pool_id
@@ -1167,8 +1168,10 @@ class _PoolCheckpoint:
 def install_torch(conf="", raise_on_oom=True, patch_torch=True):
     """Makes expseg PyTorch's CUDA allocator (CUDAPluggableAllocator). Call before any CUDA tensor exists.
 
-    An OOM raises RuntimeError carrying expseg's report (expseg_torch_malloc throws; PyTorch turns the
-    exception into a Python error), and the program can catch it and go on. PyTorch's pluggable
+    An OOM raises torch.cuda.OutOfMemoryError carrying expseg's report, as under PyTorch's own allocator, where
+    libexpseg_torch.so was built for this PyTorch (meson builds it where python3 imports torch); otherwise
+    RuntimeError with the same report (expseg_torch_malloc throws; PyTorch turns the exception into a Python
+    error). torch_oom_error() says which. The program can catch it and go on. PyTorch's pluggable
     allocator does not check for NULL: raise_on_oom=False installs expseg_malloc, which returns NULL
     and prints the report on stderr, and the next kernel then fails on the NULL tensor.
 
@@ -1182,7 +1185,7 @@ def install_torch(conf="", raise_on_oom=True, patch_torch=True):
     pools, released with the graph.
     torch.backends.cudnn.benchmark=True is not supported by PyTorch's pluggable allocator.
     """
-    global _torch_allocator, _torch_conf
+    global _torch_allocator, _torch_conf, _torch_oom_error
     torch = _import("torch", "install_torch", "PyTorch", "pip install torch")
     options = (conf, bool(raise_on_oom), bool(patch_torch))
     if _torch_allocator is not None:
@@ -1197,8 +1200,10 @@ def install_torch(conf="", raise_on_oom=True, patch_torch=True):
             "before anything touches the GPU.", ALREADY_INITIALIZED)
     load()
     _configure_for("install_torch", conf)
-    malloc_name = "expseg_torch_malloc" if raise_on_oom else "expseg_malloc"
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, malloc_name, "expseg_free")
+    path, malloc_name, free_name, oom_error = _lib_path, "expseg_malloc", "expseg_free", None
+    if raise_on_oom:
+        path, malloc_name, free_name, oom_error = _torch_malloc_library(torch)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name, free_name)
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as e:
@@ -1206,8 +1211,64 @@ def install_torch(conf="", raise_on_oom=True, patch_torch=True):
                           "any CUDA tensor exists" % e, ALREADY_INITIALIZED) from e
     if patch_torch:
         _patch_torch(torch)
-    _torch_allocator, _torch_conf = alloc, options
+    _torch_allocator, _torch_conf, _torch_oom_error = alloc, options, oom_error
     return alloc
+
+
+def torch_oom_error():
+    """The exception class an OOM raises under install_torch: torch.cuda.OutOfMemoryError where
+    libexpseg_torch.so was built for the running PyTorch, else RuntimeError; None before install_torch or
+    with raise_on_oom=False (no exception: PyTorch gets NULL). torch.cuda.OutOfMemoryError is a RuntimeError,
+    so `except RuntimeError` catches an OOM either way."""
+    return _torch_oom_error
+
+
+def _torch_library_path():
+    """libexpseg_torch.so: $EXPSEG_TORCH_LIBRARY, else beside libexpseg.so (an install) or in its build tree's
+    lib/torch/, else the system's; None where there is none."""
+    env = os.environ.get("EXPSEG_TORCH_LIBRARY")
+    if env:
+        if not os.path.isfile(env):
+            raise ExpsegError("EXPSEG_TORCH_LIBRARY=%r: no such file (point it at libexpseg_torch.so)" % env,
+                              INVALID_ARGUMENT)
+        return os.path.abspath(env)
+    if os.path.isabs(_lib_path):
+        here = os.path.dirname(_lib_path)
+        for candidate in (os.path.join(here, "libexpseg_torch.so"), os.path.join(here, "torch", "libexpseg_torch.so")):
+            if os.path.isfile(candidate):
+                return candidate
+        return None
+    return ctypes.util.find_library("expseg_torch")
+
+
+def _torch_malloc_library(torch):
+    """(path, malloc name, free name, OOM exception class) for install_torch's CUDAPluggableAllocator.
+
+    PyTorch takes an OOM for one only as the C++ type c10::OutOfMemoryError (torch.cuda.OutOfMemoryError in
+    Python; cuDNN's convolutions catch it to try another algorithm or a smaller workspace). libexpseg_torch.so
+    throws that type; it is built against one PyTorch's headers and libc10, so it is used only under that
+    version. Otherwise expseg_torch_malloc of libexpseg.so throws a std::bad_alloc: a RuntimeError."""
+    fallback = (_lib_path, "expseg_torch_malloc", "expseg_free", RuntimeError)
+    path = _torch_library_path()
+    if path is None:
+        return fallback
+    running = str(getattr(torch, "__version__", ""))
+    try:
+        shim = ctypes.CDLL(path)
+        shim.expseg_torch_c10_built_for.restype = ctypes.c_char_p
+        built_for = shim.expseg_torch_c10_built_for().decode("utf-8", "replace")
+    except (OSError, AttributeError) as e:
+        why = "cannot be loaded here (%s)" % e
+    else:
+        if built_for == running:
+            return (path, "expseg_torch_c10_malloc", "expseg_torch_c10_free", torch.cuda.OutOfMemoryError)
+        why = "was built for PyTorch %s, and this is PyTorch %s" % (built_for, running)
+    import warnings
+    warnings.warn("expseg.install_torch: %s %s: an OOM raises RuntimeError, not torch.cuda.OutOfMemoryError, and "
+                  "PyTorch's own OOM recoveries (cuDNN's smaller workspaces) do not run. Rebuild expseg with this "
+                  "PyTorch's python3 on PATH (ninja -C <build dir> reconfigures) to get them back" % (path, why),
+                  RuntimeWarning, stacklevel=3)
+    return fallback
 
 
 def _configure_for(who, conf):

@@ -105,8 +105,11 @@ EXPSEG_API void expseg_free(void* ptr, ssize_t size, int device, expseg_stream_t
  * std::bad_alloc whose what() is the OOM report), other failures std::runtime_error or
  * std::invalid_argument; PyTorch turns them into a Python RuntimeError carrying the message, as it
  * documents for pluggable allocators, instead of handing out a tensor at address 0. The report and
- * the error code stay retrievable as after expseg_malloc. tools/expseg.py: install_torch(conf)
- * installs it (raise_on_oom=False: expseg_malloc). */
+ * the error code stay retrievable as after expseg_malloc. PyTorch takes only c10::OutOfMemoryError
+ * for an OOM (torch.cuda.OutOfMemoryError): libexpseg_torch.so (lib/torch/, built where PyTorch is
+ * found) wraps this function as expseg_torch_c10_malloc, which rethrows an OOM as that type.
+ * tools/expseg.py: install_torch(conf) installs that one where it was built for the running
+ * PyTorch, else this one (raise_on_oom=False: expseg_malloc). */
 EXPSEG_API void* expseg_torch_malloc(ssize_t size, int device, expseg_stream_t stream);
 #endif
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""An OOM inside PyTorch under expseg raises RuntimeError with expseg's report, and PyTorch goes on.
+"""An OOM inside PyTorch under expseg raises torch.cuda.OutOfMemoryError with expseg's report, and PyTorch goes on.
 
     python3 tests/gpu/torch_oom.py
 
 For each backend, in a fresh process: tools/expseg.py install_torch("backend:<b>,limit:3GiB") before any
-CUDA tensor exists; a matmul; 800 MiB kept live; torch.empty(4 GiB) must raise RuntimeError whose message
-holds PyTorch's first sentence and expseg's verdict (limit); then allocations and a kernel must still work
+CUDA tensor exists; a matmul; 800 MiB kept live; torch.empty(4 GiB) must raise torch.cuda.OutOfMemoryError
+(RuntimeError where libexpseg_torch.so was not built for this PyTorch; with EXPSEG_REQUIRE_TORCH_LIBRARY=1,
+as meson and gpu_session.sh set where they built it, only torch.cuda.OutOfMemoryError passes) whose message
+starts with PyTorch's first sentence and holds expseg's verdict (limit); then allocations and a kernel must still work
 and expseg's stats must show the live tensors. The OOM also goes through expseg.on_oom (the callback sees
 the report before PyTorch raises) and oom_dump with record:true (the dump file holds the report and a
 snapshot with the 800 MiB tensor; its trace ends with the failed 4 GiB request). (PyTorch's pluggable allocator does not check malloc's result
@@ -36,12 +38,18 @@ def child(backend, tmp):
     expected = float((x.double() @ x.double()).sum())
     got = float((x @ x).double().sum())
     assert abs(got - expected) <= 1e-3 * max(1.0, abs(expected)), (got, expected)
+    oom_error = expseg.torch_oom_error()
+    if os.environ.get("EXPSEG_REQUIRE_TORCH_LIBRARY") == "1":  # libexpseg_torch.so was built for this PyTorch
+        assert oom_error is torch.cuda.OutOfMemoryError, oom_error
+    else:
+        assert oom_error in (torch.cuda.OutOfMemoryError, RuntimeError), oom_error
     keep = torch.empty(800 * MiB, dtype=torch.uint8, device="cuda")
     try:
         torch.empty(4096 * MiB, dtype=torch.uint8, device="cuda")
-    except RuntimeError as e:
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+        assert type(e) is oom_error, (type(e), oom_error)
         msg = str(e)
-        assert "Tried to allocate 4.00 GiB" in msg, msg[:300]
+        assert msg.startswith("CUDA out of memory. Tried to allocate 4.00 GiB"), msg[:300]
         assert "expseg verdict: limit" in msg, msg[:600]
     else:
         raise AssertionError("torch.empty(4 GiB) under a 3 GiB limit did not raise")
@@ -64,9 +72,59 @@ def child(backend, tmp):
     assert s["allocated_bytes.all.current"] >= 800 * MiB + (4 << 20), s["allocated_bytes.all.current"]
     del keep, after, x
     torch.cuda.synchronize()
-    print("torch_oom %s: PASS (RuntimeError with the report, on_oom called, oom_dump written; allocations and "
-          "kernels work afterwards)" % backend,
+    recovery = check_cudnn_recovery(torch, expseg, oom_error)
+    print("torch_oom %s: PASS (%s with the report, on_oom called, oom_dump written; allocations and "
+          "kernels work afterwards; %s)" % (backend, "torch.cuda.OutOfMemoryError" if oom_error is not RuntimeError
+                                            else "RuntimeError", recovery),
           flush=True)
+
+
+def check_cudnn_recovery(torch, expseg, oom_error):
+    """PyTorch's own OOM recovery: cuDNN's convolutions catch c10::OutOfMemoryError when an algorithm's workspace
+    does not fit, and go on with one that needs less (aten/src/ATen/native/cudnn/Conv_v8.cpp). A convolution's
+    backward pass whose first algorithm wants a large workspace (8x512x32x32 fp32, 3x3: 1.13 GiB with cuDNN 9.19),
+    under a limit that holds its tensors but not that workspace: with libexpseg_torch.so it must complete, after
+    at least one OOM (else the recovery was not exercised: a failure), with the gradients of an unlimited run.
+    Without that library the OOM is a RuntimeError that cuDNN lets through: reported, not required."""
+    MiB = 1 << 20
+    torch.backends.cudnn.allow_tf32 = False  # the recovered algorithm's gradients match the first's closely
+    torch.manual_seed(0)
+    x = torch.randn(8, 512, 32, 32, device="cuda")
+    conv = torch.nn.Conv2d(512, 512, 3, padding=1).cuda()
+
+    def backward():
+        xx = x.detach().requires_grad_(True)
+        conv(xx).backward(torch.ones(8, 512, 32, 32, device="cuda"))
+        grads = (xx.grad, conv.weight.grad)
+        conv.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return grads
+
+    expseg.set_limit(0)
+    want = [g.double().cpu() for g in backward()]
+    torch.cuda.empty_cache()
+    expseg.reset_peak_stats()
+    before = expseg.stats()["allocated_bytes.all.current"]
+    backward()
+    extra = expseg.stats()["allocated_bytes.all.peak"] - before  # the pass's tensors and its workspace
+    torch.cuda.empty_cache()
+    s = expseg.stats()
+    ooms = s["num_ooms"]
+    expseg.set_limit(s["reserved_bytes.all.current"] + int(0.6 * extra) // (2 * MiB) * 2 * MiB)
+    try:
+        got = backward()
+    except RuntimeError as e:
+        assert oom_error is RuntimeError, "cuDNN did not recover from the OOM: %s: %s" % (type(e).__name__, str(e)[:300])
+        return "cuDNN's OOM recovery did not run (RuntimeError: %s)" % str(e).splitlines()[0][:80]
+    finally:
+        expseg.set_limit(0)
+    failed = expseg.stats()["num_ooms"] - ooms
+    assert failed >= 1, ("the limit left room for the first algorithm's workspace (%d MiB extra): the recovery was "
+                         "not exercised" % (extra // MiB))
+    for g, w in zip(got, want):
+        err = float((g.double().cpu() - w).abs().max())
+        assert err <= 1e-3 * max(1.0, float(w.abs().max())), err
+    return "cuDNN recovered from %d OOMs of its workspace, same gradients" % failed
 
 
 def main():

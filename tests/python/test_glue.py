@@ -19,6 +19,7 @@ import threading
 import time
 import types
 import unittest
+import warnings
 import weakref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1075,7 +1076,11 @@ def install_fakes():
 
     class CUDAPluggableAllocator:
         def __init__(self, path, malloc_name, free_name):
-            self.malloc_name = malloc_name
+            # As PyTorch's: loads the library and takes both functions' addresses (a missing name raises).
+            lib = ctypes.CDLL(path)
+            self.malloc_fn = ctypes.cast(getattr(lib, malloc_name), ctypes.c_void_p).value
+            self.free_fn = ctypes.cast(getattr(lib, free_name), ctypes.c_void_p).value
+            self.path, self.malloc_name, self.free_name = path, malloc_name, free_name
 
     torch.cuda.is_initialized = lambda: False
     torch.cuda.memory = types.SimpleNamespace(CUDAPluggableAllocator=CUDAPluggableAllocator,
@@ -1109,11 +1114,13 @@ class InstallTest(unittest.TestCase):
         self.lib = expseg.load()
         self.lib.expseg_reset_for_tests.restype = None
         self.lib.expseg_reset_for_tests()
-        expseg._torch_allocator = expseg._torch_conf = expseg._cupy_allocator = expseg._cupy_conf = None
+        expseg._torch_allocator = expseg._torch_conf = expseg._torch_oom_error = None
+        expseg._cupy_allocator = expseg._cupy_conf = None
 
     def tearDown(self):
         self.lib.expseg_reset_for_tests()
-        expseg._torch_allocator = expseg._torch_conf = expseg._cupy_allocator = expseg._cupy_conf = None
+        expseg._torch_allocator = expseg._torch_conf = expseg._torch_oom_error = None
+        expseg._cupy_allocator = expseg._cupy_conf = None
         for m in ("torch", "cupy", "cupy.cuda"):
             sys.modules.pop(m, None)
         os.environ.pop("EXPSEG_ALLOC_CONF", None)
@@ -1128,6 +1135,108 @@ class InstallTest(unittest.TestCase):
             self.assertIn("expseg.install_%s: %s is not installed in this Python" % (module, what), str(cm.exception))
             self.assertIn("pip install", str(cm.exception))
             self.assertIsNone(expseg._torch_allocator if module == "torch" else expseg._cupy_allocator)
+
+    def fake_torch_library(self):
+        path = os.environ.get("EXPSEG_FAKE_TORCH_LIBRARY")
+        if not path:
+            self.skipTest("EXPSEG_FAKE_TORCH_LIBRARY is not set (meson sets it to build/tests/libexpseg_fake_torch.so)")
+        return path
+
+    def test_torch_library_built_for_the_running_pytorch_raises_its_oom_type(self):
+        # PyTorch takes an OOM for one only as c10::OutOfMemoryError (torch.cuda.OutOfMemoryError): was always
+        # expseg_torch_malloc's std::bad_alloc, a plain RuntimeError that cuDNN's OOM recoveries do not catch.
+        fake = self.fake_torch_library()
+        torch = install_fakes()
+        torch.__version__ = "0.0.0+expseg.test"  # what the stand-in says it was built for
+        torch.cuda.OutOfMemoryError = type("OutOfMemoryError", (RuntimeError,), {})
+        os.environ["EXPSEG_TORCH_LIBRARY"] = fake
+        try:
+            alloc = expseg.install_torch("backend:expandable")
+        finally:
+            del os.environ["EXPSEG_TORCH_LIBRARY"]
+        self.assertEqual((alloc.path, alloc.malloc_name, alloc.free_name),
+                         (fake, "expseg_torch_c10_malloc", "expseg_torch_c10_free"))
+        self.assertIs(expseg.torch_oom_error(), torch.cuda.OutOfMemoryError)
+        # Its functions serve the allocator the glue configured (one libexpseg.so in the process).
+        malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(alloc.malloc_fn)
+        free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(alloc.free_fn)
+        p = malloc(3 * MiB, 0, None)
+        self.assertTrue(p)
+        self.assertEqual(expseg.stats()["allocated_bytes.all.current"], 3 * MiB)
+        self.assertIn("backend:expandable", expseg.config())
+        free(p, 3 * MiB, 0, None)
+        self.assertEqual(expseg.stats()["allocated_bytes.all.current"], 0)
+
+    def test_torch_library_for_another_pytorch_is_not_used_and_says_so(self):
+        fake = self.fake_torch_library()
+        torch = install_fakes()
+        torch.__version__ = "2.11.0+cu130"
+        torch.cuda.OutOfMemoryError = type("OutOfMemoryError", (RuntimeError,), {})
+        os.environ["EXPSEG_TORCH_LIBRARY"] = fake
+        try:
+            with self.assertWarns(RuntimeWarning) as cm:
+                alloc = expseg.install_torch("backend:expandable")
+        finally:
+            del os.environ["EXPSEG_TORCH_LIBRARY"]
+        self.assertIn("%s was built for PyTorch 0.0.0+expseg.test, and this is PyTorch 2.11.0+cu130: an OOM raises "
+                      "RuntimeError, not torch.cuda.OutOfMemoryError" % fake, str(cm.warning))
+        self.assertEqual((alloc.path, alloc.malloc_name, alloc.free_name),
+                         (expseg.library_path(), "expseg_torch_malloc", "expseg_free"))
+        self.assertIs(expseg.torch_oom_error(), RuntimeError)
+
+    def test_torch_library_that_cannot_be_used_falls_back(self):
+        # libexpseg.so itself in its place: it has no expseg_torch_c10_built_for.
+        install_fakes()
+        os.environ["EXPSEG_TORCH_LIBRARY"] = expseg.library_path()
+        try:
+            with self.assertWarns(RuntimeWarning) as cm:
+                alloc = expseg.install_torch("backend:expandable")
+        finally:
+            del os.environ["EXPSEG_TORCH_LIBRARY"]
+        self.assertIn("cannot be loaded here", str(cm.warning))
+        self.assertEqual(alloc.malloc_name, "expseg_torch_malloc")
+        self.assertIs(expseg.torch_oom_error(), RuntimeError)
+
+    def test_torch_library_absent_or_not_asked_for(self):
+        self.fake_torch_library()
+        torch = install_fakes()
+        torch.__version__ = "0.0.0+expseg.test"
+        torch.cuda.OutOfMemoryError = type("OutOfMemoryError", (RuntimeError,), {})
+        self.assertIsNone(expseg.torch_oom_error())
+        # None built (no PyTorch where expseg was built): libexpseg.so's throwing malloc, no warning.
+        found = expseg._torch_library_path
+        expseg._torch_library_path = lambda: None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                alloc = expseg.install_torch("backend:expandable")
+        finally:
+            expseg._torch_library_path = found
+        self.assertEqual((alloc.path, alloc.malloc_name, alloc.free_name),
+                         (expseg.library_path(), "expseg_torch_malloc", "expseg_free"))
+        self.assertIs(expseg.torch_oom_error(), RuntimeError)
+        # raise_on_oom=False: expseg_malloc returns NULL, whatever library there is.
+        self.lib.expseg_reset_for_tests()
+        expseg._torch_allocator = expseg._torch_conf = expseg._torch_oom_error = None
+        os.environ["EXPSEG_TORCH_LIBRARY"] = os.environ["EXPSEG_FAKE_TORCH_LIBRARY"]
+        try:
+            alloc = expseg.install_torch("backend:expandable", raise_on_oom=False)
+        finally:
+            del os.environ["EXPSEG_TORCH_LIBRARY"]
+        self.assertEqual((alloc.path, alloc.malloc_name), (expseg.library_path(), "expseg_malloc"))
+        self.assertIsNone(expseg.torch_oom_error())
+
+    def test_torch_library_variable_naming_no_file_is_refused(self):
+        install_fakes()
+        os.environ["EXPSEG_TORCH_LIBRARY"] = "/nonexistent/libexpseg_torch.so"
+        try:
+            with self.assertRaises(expseg.ExpsegError) as cm:
+                expseg.install_torch("backend:expandable")
+        finally:
+            del os.environ["EXPSEG_TORCH_LIBRARY"]
+        self.assertEqual(cm.exception.code, expseg.INVALID_ARGUMENT)
+        self.assertIn("EXPSEG_TORCH_LIBRARY='/nonexistent/libexpseg_torch.so': no such file", str(cm.exception))
+        self.assertIsNone(expseg._torch_allocator)
 
     def test_torch_after_cupy_shares_its_allocators(self):
         # CuPy, then PyTorch, in one process: was ALREADY_INITIALIZED from expseg_configure, and a conf-less
