@@ -59,6 +59,11 @@ struct Shared {
   std::string conf;        // expseg_configure's string; guarded by mu
   // expseg_set_record_default: overrides record/record_ring of allocators created later; guarded by mu.
   std::optional<std::pair<bool, std::size_t>> record_default;
+  // The configuration (EXPSEG_ALLOC_CONF, then conf) the first allocator was created with; every
+  // later one gets it too, so that a variable set after the first use cannot give the devices of one
+  // process different configurations (expseg_configure is refused by then; PyTorch reads its own
+  // variable once). Guarded by mu.
+  std::optional<Config> created_with;
 };
 Shared& shared() {
   static Shared* s = new Shared();  // never destroyed (see the file comment)
@@ -260,6 +265,7 @@ Allocator* existing(int device) noexcept { return g_alloc[device].load(std::memo
 // The configuration new allocators get: defaults <- EXPSEG_ALLOC_CONF <- expseg_configure's string.
 // Caller holds shared().mu.
 Config effective_config_locked() {
+  if (shared().created_with) return *shared().created_with;
   Config c = Config::from_env();  // a bad EXPSEG_ALLOC_CONF throws config_error naming it
   if (!shared().conf.empty()) c.apply(shared().conf);
   return c;
@@ -275,8 +281,7 @@ Stats unused_device_stats_locked() {
 }
 
 // What an allocator created now gets: the configuration and expseg_set_record_default's override.
-Config new_allocator_config_locked() {
-  Config c = effective_config_locked();
+Config new_allocator_config_locked(Config c = effective_config_locked()) {
   if (shared().record_default) std::tie(c.record, c.record_ring) = *shared().record_default;
   return c;
 }
@@ -299,7 +304,10 @@ void grant_peer(Allocator& grantor, int peer) noexcept {
     std::lock_guard<std::mutex> lock(s.mu);
     Allocator* a = g_alloc[device].load(std::memory_order_relaxed);
     if (a == nullptr) {
-      a = new Allocator(new_allocator_config_locked(), device);
+      Config base = effective_config_locked();
+      auto made = std::make_unique<Allocator>(new_allocator_config_locked(base), device);
+      if (!s.created_with) s.created_with = std::move(base);
+      a = made.release();
       g_alloc[device].store(a, std::memory_order_release);
       // A process that uses two devices copies between them (PyTorch's .to("cuda:1"), CuPy's peer
       // copies): their cudaDeviceEnablePeerAccess does not reach cuMemMap memory, so the expandable
@@ -427,6 +435,7 @@ void reset_for_tests() noexcept {
   for (auto& slot : g_alloc) delete slot.exchange(nullptr, std::memory_order_acq_rel);
   s.conf.clear();
   s.record_default.reset();
+  s.created_with.reset();
   expseg_set_oom_callback(nullptr, nullptr);
   ThreadState& t = tls();
   t.code = EXPSEG_SUCCESS;

@@ -13,7 +13,8 @@
  * first malloc, set_limit, record_start, enable_peer_access, ipc_import, begin_graph_pool,
  * prepare_capture or begin_pool_allocations for that device) from
  * the configuration: the defaults, then EXPSEG_ALLOC_CONF, then the string given to
- * expseg_configure(). Creation is thread-safe;
+ * expseg_configure(), as they are when the first allocator is created; every later one gets that
+ * same configuration (changing the variable afterwards reaches no device). Creation is thread-safe;
  * after it, malloc/free take no lock of the C API, only the allocator's own. Allocators live until
  * the process exits (they are never destroyed, so frees that arrive during interpreter or library
  * teardown stay valid); the operating system reclaims device memory at exit. Queries (stats,

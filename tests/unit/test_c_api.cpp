@@ -483,6 +483,44 @@ TEST_CASE_FIXTURE(CApiFixture, "a bad EXPSEG_ALLOC_CONF fails allocator creation
   expseg_free(p, 0, 0, nullptr);
 }
 
+TEST_CASE_FIXTURE(CApiFixture, "EXPSEG_ALLOC_CONF changed after the first allocator does not reach later devices") {
+  // Was: the variable was read again at each device's first use, so a program that changed it (or
+  // a library that set it) between the first uses of two devices gave them different backends and
+  // limits, while expseg_configure was refused for the same change.
+  auto config_of = [](int device) {
+    const char* c = expseg_config(device);
+    return std::string(c != nullptr ? c : "(NULL)");
+  };
+  ::setenv("EXPSEG_ALLOC_CONF", "device:sim,backend:expandable,limit:1GiB", 1);
+  REQUIRE(expseg_configure("max_split_size_mb:64") == EXPSEG_SUCCESS);
+  void* p = expseg_malloc(static_cast<ssize_t>(MiB), 0, nullptr);
+  REQUIRE(p != nullptr);
+  const std::string first = config_of(0);
+  CHECK(first.find("backend:expandable") != std::string::npos);
+  CHECK(first.find("limit:1GiB") != std::string::npos);
+  CHECK(first.find("max_split_size_mb:64") != std::string::npos);
+  ::setenv("EXPSEG_ALLOC_CONF", "device:sim,backend:split_merge,limit:2GiB", 1);
+  CHECK(config_of(1) == first);  // what device 1 will be created with
+  void* q = expseg_malloc(static_cast<ssize_t>(MiB), 1, nullptr);
+  REQUIRE(q != nullptr);
+  CHECK(config_of(1) == first);
+  std::size_t limit = 0, total = 0;
+  REQUIRE(expseg_get_limit(2, &limit, &total) == EXPSEG_SUCCESS);  // a device still without an allocator
+  CHECK(limit == 1024 * MiB);
+  // A bad variable now changes nothing either.
+  ::setenv("EXPSEG_ALLOC_CONF", "device:sim,nope:1", 1);
+  void* r = expseg_malloc(static_cast<ssize_t>(MiB), 2, nullptr);
+  CHECK(r != nullptr);
+  CHECK(config_of(2) == first);
+  expseg_free(p, 0, 0, nullptr);
+  expseg_free(q, 0, 1, nullptr);
+  if (r != nullptr) expseg_free(r, 0, 2, nullptr);
+  // After a reset (a new process, as far as the C API knows) the variable is read again.
+  expseg::capi::reset_for_tests();
+  ::setenv("EXPSEG_ALLOC_CONF", "device:sim,backend:split_merge,limit:2GiB", 1);
+  CHECK(config_of(0).find("limit:2GiB") != std::string::npos);
+}
+
 TEST_CASE_FIXTURE(CApiFixture, "free of an unknown pointer is reported and harmless") {
   for (const char* backend : kBackends) {
     const std::string name = backend;
