@@ -222,3 +222,34 @@ TEST_CASE("regression: set_limit gives back a handle whose release failed before
   sa->deallocate(b);
   check_nothing_left(sa);
 }
+
+// Was: a cuMemMap or cuMemSetAccess refused for memory failed the growth at once (only cuMemCreate's
+// refusal gave back idle memory and tried again), and the request fell back to carving itself out of
+// an idle bulk handle, which stayed pinned for as long as the block lived: a later request under the
+// limit failed as "fragmentation" although the pages the live blocks touch plus the request fit.
+TEST_CASE("regression: a cuMemMap or cuMemSetAccess refused for memory is retried after idle memory goes back; no bulk handle is pinned") {
+  for (const Op op : {Op::map, Op::set_access}) {
+    const std::string op_name = expseg::driver::op_name(op);
+    CAPTURE(op_name);
+    auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 64 * MiB, "sim_host_backed:true,sim_granularity:64KiB,limit:32MiB"));
+    void* s = sa.sim->stream_create();
+    sa->deallocate(sa->allocate(3276800, s));  // 50 frames: an idle 2 MiB bulk handle and an 18-frame one
+    void* tail = sa->allocate(1179648, s);     // takes the 18-frame handle whole
+    sa.sim->inject_fault(op, 1, Fault::out_of_memory);
+    const auto calls = sa.sim->calls(op);
+    void* small = sa->allocate(17827, s);  // needs a frame of its own
+    CHECK(sa.sim->calls(op) >= calls + 2);  // refused, then the retry
+    sa->validate();
+    // The idle bulk handle is not held by `small`: lowered to 4 MiB, the limit leaves room for 2.5 MiB
+    // (the live blocks touch 19 frames, 1.1875 MiB).
+    sa->set_limit(4 * MiB);
+    void* p = nullptr;
+    CHECK_NOTHROW(p = sa->allocate(5 * MiB / 2, s));
+    CHECK(sa->stats().num_ooms == 0);
+    if (p != nullptr) sa->deallocate(p);
+    sa->deallocate(small);
+    sa->deallocate(tail);
+    check_nothing_left(sa);
+    sa.sim->stream_destroy(s);
+  }
+}

@@ -1421,34 +1421,44 @@ bool ExpandableBackend::map_range(ExpSegment& seg, std::uint64_t lo, std::uint64
 // Creates, maps and grants access to one handle of `nframes` at `frame`. Returns false when memory
 // cannot be found; throws driver_error for other failures. Either way nothing is leaked: a handle
 // whose cleanup also fails is kept as an orphan (still counted as reserved) and retried later.
+// The device itself may be short (other processes, less memory than the limit says, or the driver's
+// own memory for a mapping): an out-of-memory cuMemCreate, cuMemMap or cuMemSetAccess gives idle
+// memory back and tries once more. (Without that second try for the mapping calls, the caller fell
+// back to carving the request out of an idle bulk handle, which pinned that handle for as long as
+// the block lived and broke the guarantee under the limit.)
 bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, Block* anchor, const Exclusion& ex) {
   const std::size_t bytes = nframes * frame_;
-  if (!make_room(bytes, ex)) return false;
   driver::Driver& drv = ctx_.driver;
-  auto h = std::make_unique<ExpHandle>();  // before the memory: a bad_alloc after create would leak it
-  driver::phys_handle ph = 0;
-  try {
-    ph = drv.create(bytes);
-  } catch (const driver_error& e) {
-    if (!e.is_out_of_memory()) throw;
-    // The device itself is short (other processes, or less memory than the limit says).
+  bool reclaimed = false;  // idle memory given back for this handle: no third try
+  auto short_of_memory = [&] {
     ctx_.refused = Context::Refusal::memory;
-    if (reclaim_idle(bytes, ex) == 0) return false;
+    if (reclaimed) return false;
+    reclaimed = true;
+    return reclaim_idle(bytes, ex) != 0;
+  };
+  for (;;) {
+    if (!make_room(bytes, ex)) return false;
+    auto h = std::make_unique<ExpHandle>();  // before the memory: a bad_alloc after create would leak it
+    driver::phys_handle ph = 0;
     try {
       ph = drv.create(bytes);
-    } catch (const driver_error& e2) {
-      if (!e2.is_out_of_memory()) throw;
-      return false;
+    } catch (const driver_error& e) {
+      if (!e.is_out_of_memory()) throw;
+      if (!short_of_memory()) return false;
+      continue;
     }
+    h->handle = ph;
+    h->bytes = bytes;
+    h->nframes = nframes;
+    ExpHandle* const mapped_handle = h.release();
+    if (map_handle(seg, frame, mapped_handle, anchor)) {
+      ctx_.stats.num_device_alloc += 1;
+      mapped_handle->counted = true;
+      return true;
+    }
+    // cuMemMap or cuMemSetAccess ran out of memory; the handle went back (or is kept as an orphan).
+    if (!short_of_memory()) return false;
   }
-  h->handle = ph;
-  h->bytes = bytes;
-  h->nframes = nframes;
-  ExpHandle* const mapped_handle = h.release();
-  if (!map_handle(seg, frame, mapped_handle, anchor)) return false;
-  ctx_.stats.num_device_alloc += 1;
-  mapped_handle->counted = true;
-  return true;
 }
 
 // Under a limit, when the frames at `frame` need memory the limit only leaves by giving back idle
