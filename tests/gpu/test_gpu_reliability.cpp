@@ -26,6 +26,7 @@
 #include "driver/driver.hpp"
 #include "expseg/expseg.h"
 #include "expseg/scenarios.hpp"
+#include "forwarding_driver.hpp"
 #include "gpu_util.hpp"
 #include "test_util.hpp"
 
@@ -469,6 +470,75 @@ TEST_CASE("gpu: expandable: over a lowered limit, a block swaps a freed bulk han
   a.deallocate(mid);
   a.release_cached();
   CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+}
+
+namespace {
+// The CUDA driver, with the next cuMemMap or cuMemSetAccess refused for memory (as when the driver's
+// own memory for the mapping runs out), before it reaches the device.
+class RefuseOneMapping final : public testutil::ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  expseg::driver::Op refuse = expseg::driver::Op::count_;  // map or set_access, once
+  int maps = 0, grants = 0;
+  void map(dev_ptr va, std::size_t bytes, phys_handle h) override {
+    ++maps;
+    refuse_if(expseg::driver::Op::map, "cuMemMap");
+    ForwardingDriver::map(va, bytes, h);
+  }
+  void set_access(dev_ptr va, std::size_t bytes) override {
+    ++grants;
+    refuse_if(expseg::driver::Op::set_access, "cuMemSetAccess");
+    ForwardingDriver::set_access(va, bytes);
+  }
+
+ private:
+  void refuse_if(expseg::driver::Op op, const char* call) {
+    if (refuse != op) return;
+    refuse = expseg::driver::Op::count_;
+    throw expseg::driver_error(call, expseg::driver_error::kOutOfMemoryCode, "CUDA_ERROR_OUT_OF_MEMORY", "refused by the test");
+  }
+};
+}  // namespace
+
+// Was: a refused cuMemMap or cuMemSetAccess failed the growth at once, and the request was carved out
+// of an idle bulk handle, pinning it while the block lived: the lowered limit below then failed the
+// 80 MiB request as fragmentation. Now the handle goes back, idle memory too, and the growth is tried
+// again on the device.
+TEST_CASE("gpu: expandable: a cuMemMap or cuMemSetAccess refused for memory is retried after idle memory goes back") {
+  for (const auto op : {expseg::driver::Op::map, expseg::driver::Op::set_access}) {
+    const std::string op_name = expseg::driver::op_name(op);
+    CAPTURE(op_name);
+    auto drv = std::make_shared<RefuseOneMapping>(std::shared_ptr<Driver>(expseg::driver::make_cuda_driver(0)));
+    REQUIRE(drv->granularity() == 2 * MiB);  // the sizes below are in H200 pages
+    auto a = expseg::detail::AllocatorAccess::make(cuda_config(BackendKind::expandable, "limit:1GiB"), drv);
+    Driver& d = *drv;
+    a->deallocate(a->allocate(100 * MiB));  // 50 pages idle: a 64 MiB bulk handle (1/16 of the limit) and 36 MiB
+    void* tail = a->allocate(36 * MiB);     // the 36 MiB handle, whole
+    d.memset_d32(dp(tail), 0x5eed0011u, 36 * MiB / 4, nullptr);
+    drv->refuse = op;
+    const int maps = drv->maps, grants = drv->grants;
+    void* small = a->allocate(557 * 1024);  // needs a page of its own
+    CHECK(drv->refuse == expseg::driver::Op::count_);  // the refusal happened
+    CHECK(drv->maps >= maps + 2);                      // and the mapping was made again
+    CHECK(drv->grants >= grants + 1);
+    d.memset_d32(dp(small), 0x5eed0012u, 557 * 1024 / 4, nullptr);
+    a->set_limit(128 * MiB);  // the live blocks touch 38 MiB of pages: room for 80 MiB
+    void* big = nullptr;
+    CHECK_NOTHROW(big = a->allocate(80 * MiB));
+    CHECK(a->stats().num_ooms == 0);
+    if (big != nullptr) d.memset_d32(dp(big), 0x5eed0013u, 80 * MiB / 4, nullptr);
+    d.stream_synchronize(nullptr);
+    CHECK(read_back(d, tail, 36 * MiB, 0x5eed0011u) == -1);
+    CHECK(read_back(d, small, 557 * 1024, 0x5eed0012u) == -1);
+    if (big != nullptr) CHECK(read_back(d, big, 80 * MiB, 0x5eed0013u) == -1);
+    check_stats(*a);
+    a->validate();
+    if (big != nullptr) a->deallocate(big);
+    a->deallocate(small);
+    a->deallocate(tail);
+    a->release_cached();
+    CHECK(a->stats().reserved_bytes[kAllPools].current == 0);
+  }
 }
 
 TEST_CASE("gpu: stress: host threads and streams write with cuMemsetD32Async and check by read-back") {

@@ -253,3 +253,25 @@ TEST_CASE("regression: a cuMemMap or cuMemSetAccess refused for memory is retrie
     sa.sim->stream_destroy(s);
   }
 }
+
+// Review of the retry above: a cuMemSetAccess refused for memory whose cleanup cuMemUnmap failed too
+// leaves the handle mapped there (an orphan); the retry mapped at the same frames, whose first step
+// unmaps that orphan, and that unmap failing replaced the OOM with a driver error. The OOM stands.
+TEST_CASE("regression: a refused cuMemSetAccess whose cleanup unmap failed is not retried over the orphan; the OOM stands") {
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, ""));
+  void* s1 = sa.sim->stream_create();
+  void* s2 = sa.sim->stream_create();
+  sa->deallocate(sa->allocate(64 * MiB, s1));  // idle memory: a retry would have something to give back
+  sa.sim->inject_fault(Op::set_access, 1, Fault::out_of_memory);
+  sa.sim->inject_fault(Op::unmap, 1, Fault::error);  // the cleanup: a mapped orphan
+  sa.sim->inject_fault(Op::unmap, 3, Fault::error);  // what the retry's unmap of that orphan would be
+  CHECK_THROWS_AS((void)sa->allocate(8 * MiB, s2), expseg::out_of_memory);
+  sa->validate();
+  sa.sim->clear_faults();
+  void* p = nullptr;
+  CHECK_NOTHROW(p = sa->allocate(8 * MiB, s2));  // the orphan is unmapped and released on the way
+  if (p != nullptr) sa->deallocate(p);
+  check_nothing_left(sa);
+  sa.sim->stream_destroy(s1);
+  sa.sim->stream_destroy(s2);
+}

@@ -1456,8 +1456,10 @@ bool ExpandableBackend::map_one(ExpSegment& seg, std::size_t frame, std::size_t 
       mapped_handle->counted = true;
       return true;
     }
-    // cuMemMap or cuMemSetAccess ran out of memory; the handle went back (or is kept as an orphan).
-    if (!short_of_memory()) return false;
+    // cuMemMap or cuMemSetAccess ran out of memory; the handle went back, or is kept as an orphan.
+    // One still mapped there (its cleanup unmap failed too) would have to be unmapped first, and a
+    // failure of that would replace this OOM: the OOM stands instead.
+    if (mapped_orphan_in(frame_addr(seg, frame), bytes) || !short_of_memory()) return false;
   }
 }
 
@@ -2009,6 +2011,12 @@ void ExpandableBackend::unmap_handle(ExpHandle* h) {
 // A handle whose access grant and unmap both failed (a mapped orphan) still holds its frames, which
 // the segment counts as unmapped: before anything is mapped there or the reservation is freed, its
 // unmap must succeed. Throws driver_error when it fails again (nothing changed).
+bool ExpandableBackend::mapped_orphan_in(std::uint64_t lo, std::size_t bytes) const noexcept {
+  for (const ExpHandle& o : orphans_)
+    if (o.mapped && o.orphan_addr < lo + bytes && o.orphan_addr + o.bytes > lo) return true;
+  return false;
+}
+
 void ExpandableBackend::unmap_orphans_in(std::uint64_t lo, std::size_t bytes) {
   for (ExpHandle& o : orphans_) {
     if (!o.mapped || o.orphan_addr >= lo + bytes || o.orphan_addr + o.bytes <= lo) continue;

@@ -354,6 +354,7 @@ class ExpandableBackend final : public Backend {
                  std::vector<ExpHandle*>* mapped_now = nullptr);
   void unmap_new_handles(const std::vector<ExpHandle*>& handles) noexcept;
   void unmap_orphans_in(std::uint64_t lo, std::size_t bytes);
+  bool mapped_orphan_in(std::uint64_t lo, std::size_t bytes) const noexcept;  // a mapped orphan overlaps [lo, lo + bytes)
   bool map_one(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
   std::size_t move_idle_handle(ExpSegment& seg, std::size_t frame, std::size_t nframes, core::Block* anchor, const Exclusion& ex);
   bool map_handle(ExpSegment& seg, std::size_t frame, ExpHandle* h, core::Block* anchor);
