@@ -130,7 +130,8 @@ for p in "${phases[@]}"; do
       run_phase workloads 560 env EXPSEG_LIBRARY="$LIB" PYTHONUNBUFFERED=1 python3 benchmarks/workloads.py --out "$OUT/workloads" ${WORKLOADS_ARGS:-} ;;
     torch)
       # Where libexpseg_torch.so was built, the tests take only torch.cuda.OutOfMemoryError for an OOM.
-      require=0; [ -f "$B/lib/torch/libexpseg_torch.so" ] && require=1
+      # (Asked of the build's targets: a library left from an earlier configuration does not count.)
+      require=0; ninja -C "$B" -t targets all 2>/dev/null | grep -q '^lib/torch/libexpseg_torch.so:' && require=1
       run_phase torch 900 env EXPSEG_LIBRARY="$LIB" EXPSEG_REQUIRE_TORCH_LIBRARY=$require "${sh_c[@]}" "python3 tests/gpu/torch_oom.py && python3 tests/gpu/torch_api.py && python3 tests/gpu/torch_compile.py" ;;
     cupy)
       run_phase cupy 200 env EXPSEG_LIBRARY="$LIB" python3 benchmarks/cupy_story.py ;;

@@ -1225,7 +1225,8 @@ def torch_oom_error():
 
 def _torch_library_path():
     """libexpseg_torch.so: $EXPSEG_TORCH_LIBRARY, else beside libexpseg.so (an install) or in its build tree's
-    lib/torch/, else the system's; None where there is none."""
+    lib/torch/ (where libexpseg.so was named by its path: also beside the file a link names), else where the
+    system's loader finds it (as library_path() looks); None where there is none."""
     env = os.environ.get("EXPSEG_TORCH_LIBRARY")
     if env:
         if not os.path.isfile(env):
@@ -1233,12 +1234,20 @@ def _torch_library_path():
                               INVALID_ARGUMENT)
         return os.path.abspath(env)
     if os.path.isabs(_lib_path):
-        here = os.path.dirname(_lib_path)
-        for candidate in (os.path.join(here, "libexpseg_torch.so"), os.path.join(here, "torch", "libexpseg_torch.so")):
-            if os.path.isfile(candidate):
-                return candidate
+        dirs = [os.path.dirname(_lib_path), os.path.dirname(os.path.realpath(_lib_path))]
+        for here in dict.fromkeys(dirs):
+            for candidate in (os.path.join(here, "libexpseg_torch.so"), os.path.join(here, "torch", "libexpseg_torch.so")):
+                if os.path.isfile(candidate):
+                    return candidate
         return None
-    return ctypes.util.find_library("expseg_torch")
+    found = ctypes.util.find_library("expseg_torch")
+    if found:
+        return found
+    try:  # LD_LIBRARY_PATH (find_library does not always look there)
+        ctypes.CDLL("libexpseg_torch.so")
+        return "libexpseg_torch.so"
+    except OSError:
+        return None
 
 
 def _torch_malloc_library(torch):
@@ -1265,8 +1274,9 @@ def _torch_malloc_library(torch):
         why = "was built for PyTorch %s, and this is PyTorch %s" % (built_for, running)
     import warnings
     warnings.warn("expseg.install_torch: %s %s: an OOM raises RuntimeError, not torch.cuda.OutOfMemoryError, and "
-                  "PyTorch's own OOM recoveries (cuDNN's smaller workspaces) do not run. Rebuild expseg with this "
-                  "PyTorch's python3 on PATH (ninja -C <build dir> reconfigures) to get them back" % (path, why),
+                  "PyTorch's own OOM recoveries (cuDNN's smaller workspaces) do not run. Rebuild expseg where this "
+                  "PyTorch's python3 is on PATH (meson setup --reconfigure BUILD_DIR && ninja -C BUILD_DIR) to get "
+                  "them back" % (path, why),
                   RuntimeWarning, stacklevel=3)
     return fallback
 

@@ -1226,6 +1226,20 @@ class InstallTest(unittest.TestCase):
         self.assertEqual((alloc.path, alloc.malloc_name), (expseg.library_path(), "expseg_malloc"))
         self.assertIsNone(expseg.torch_oom_error())
 
+    def test_torch_library_found_by_the_loader_as_libexpseg_is(self):
+        # libexpseg.so found by name (LD_LIBRARY_PATH, an install): was not looked for there, so install_torch
+        # fell back to RuntimeError without a word.
+        fake = self.fake_torch_library()
+        with tempfile.TemporaryDirectory() as d:
+            os.symlink(fake, os.path.join(d, "libexpseg_torch.so"))
+            code = ("import sys; sys.path.insert(0, %r); import expseg; expseg.load(); expseg._lib_path = 'libexpseg.so'; "
+                    "print(expseg._torch_library_path())" % TOOLS)
+            env = dict(os.environ, LD_LIBRARY_PATH=d, PATH="/nonexistent")  # no gcc or ld for find_library either
+            env.pop("EXPSEG_TORCH_LIBRARY", None)
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "libexpseg_torch.so")
+
     def test_torch_library_variable_naming_no_file_is_refused(self):
         install_fakes()
         os.environ["EXPSEG_TORCH_LIBRARY"] = "/nonexistent/libexpseg_torch.so"
