@@ -43,10 +43,15 @@ Hundredths shown_bytes(std::size_t v) {
 using LiveAllocation = detail::CounterfactualCheck::Live;
 
 // Replays the live set, in address order, into a fresh allocator of the other backend on a
-// simulated device of the same size and limit, then asks for the failed request.
+// simulated device of the same size and limit, then asks for the failed request. A fresh pool, not
+// this run's history: what the other backend would have cached and split on the way can make its
+// answer differ either way (a recording's replay, expseg explain, tells for the run itself), and
+// the message says "in a fresh pool". `live_set_unfit`: the live set alone did not fit, so the
+// request was never asked (not_evaluated; was: "would have failed too").
 Counterfactual run_counterfactual(const Config& base, BackendKind other, std::size_t device_total, std::size_t granularity,
                                   std::size_t limit, const std::vector<LiveAllocation>& live, std::size_t requested,
-                                  driver::stream_t stream) {
+                                  driver::stream_t stream, bool& live_set_unfit) {
+  live_set_unfit = false;
   Config c = base.with_backend(other);  // under policy:cupy, split_merge without PyTorch's rules
   c.device = DeviceKind::sim;
   c.sim_granularity = granularity;
@@ -60,7 +65,12 @@ Counterfactual run_counterfactual(const Config& base, BackendKind other, std::si
   c.limit = Limit{limit, 0.0};
   try {
     Allocator a(c);
-    for (const LiveAllocation& l : live) a.allocate(l.requested, l.stream);
+    try {
+      for (const LiveAllocation& l : live) a.allocate(l.requested, l.stream);
+    } catch (const out_of_memory&) {
+      live_set_unfit = true;
+      return Counterfactual::not_evaluated;
+    }
     a.allocate(requested, stream);
     return Counterfactual::would_succeed;
   } catch (const out_of_memory&) {
@@ -73,15 +83,18 @@ Counterfactual run_counterfactual(const Config& base, BackendKind other, std::si
 
 // The message's last sentence: the other backend's answer (`live_count`: the live set it was given),
 // or why it was not asked.
-std::string counterfactual_sentence(const OomReport& r, std::size_t live_count, const char* why_not) {
+std::string counterfactual_sentence(const OomReport& r, std::size_t live_count, const char* why_not, bool simulated) {
   std::string s = " The " + r.other_backend + " backend";
+  if (!simulated && r.counterfactual == Counterfactual::would_fail)  // the live requested bytes plus the request do not fit
+    return s + " would have failed too.";
+  const std::string given = ", given the same " + std::to_string(live_count) + " live allocation" + (live_count == 1 ? "" : "s") +
+                            (r.limit_bytes ? " and limit" : "") + " in a fresh pool, would have ";
   switch (r.counterfactual) {
     case Counterfactual::would_succeed:
-      s += ", given the same " + std::to_string(live_count) + " live allocation" + (live_count == 1 ? "" : "s") +
-           (r.limit_bytes ? " and limit" : "") + ", would have served this request.";
+      s += given + "served this request.";
       break;
     case Counterfactual::would_fail:
-      s += " would have failed too.";
+      s += given + "failed too.";
       break;
     case Counterfactual::not_evaluated:  // said, so that no answer is not read as one
       s += " was not asked";
@@ -406,7 +419,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
                                         "given back until the capture ends."
                           : driver->granularity() == 0 ? ": the device does not support CUDA virtual memory management, which it maps memory with."
                                                        : kCheckFailed;
-    os << counterfactual_sentence(*r, 0, why_not);
+    os << counterfactual_sentence(*r, 0, why_not, false);
   }
   r->message = os.str();
   if (config.oom_snapshot) r->snapshot = std::make_shared<const Snapshot>(snapshot_locked());
@@ -422,14 +435,20 @@ void Allocator::Impl::finish_counterfactual(OomReport& r, CounterfactualCheck& c
   live_set.erase(std::unique(live_set.begin(), live_set.end(), [](const LiveAllocation& a, const LiveAllocation& b) { return a.addr == b.addr; }),
                  live_set.end());
   const BackendKind other = check.config.backend == BackendKind::expandable ? BackendKind::split_merge : BackendKind::expandable;
+  bool live_set_unfit = false;
   try {
     r.counterfactual = run_counterfactual(check.config, other, check.capacity, check.granularity, check.limit, live_set, check.requested,
-                                          check.stream);
+                                          check.stream, live_set_unfit);
   } catch (...) {
     r.counterfactual = Counterfactual::not_evaluated;
+    live_set_unfit = false;
   }
   try {
-    r.message += counterfactual_sentence(r, live_set.size(), kCheckFailed);  // strong guarantee: whole or not at all
+    const std::string unfit = ": a fresh pool of it could not hold the " + std::to_string(live_set.size()) + " live allocation" +
+                              (live_set.size() == 1 ? "" : "s") + " themselves" + (check.limit ? " under the limit" : "") +
+                              " (after this run's own history it might have; a recording's replay tells: record:true, then expseg explain).";
+    // strong guarantee: whole or not at all
+    r.message += counterfactual_sentence(r, live_set.size(), live_set_unfit ? unfit.c_str() : kCheckFailed, true);
   } catch (...) {
     // No host memory for the sentence: no answer, rather than one the message does not give.
     r.counterfactual = Counterfactual::not_evaluated;

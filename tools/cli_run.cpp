@@ -713,6 +713,29 @@ void print_dump_summary(const std::string& path, const OomDump& d) {
   t.print(stdout, 2, false);
 }
 
+// The report's other-backend sentence placed the live allocations in a fresh pool; the replay takes the
+// other backend through the run's own history (what it cached and split on the way). Where the two
+// answers for the dumped request differ, says so: the replay's is the one about this run.
+void print_counterfactual_check(const OomReport& r, const Trace& trace, const std::vector<ReplayResult>& results) {
+  if (r.counterfactual == Counterfactual::not_evaluated) return;
+  std::size_t failed = trace.events.size();  // the dumped request: the trace's last failed allocation of its size
+  for (std::size_t i = trace.events.size(); i-- > 0;)
+    if (trace.events[i].action == TraceAction::allocate_failure && trace.events[i].size == r.requested_bytes) {
+      failed = i;
+      break;
+    }
+  if (failed == trace.events.size()) return;
+  for (const ReplayResult& res : results) {
+    if (res.backend != r.other_backend) continue;
+    const bool fails = std::find(res.oom_events.begin(), res.oom_events.end(), failed) != res.oom_events.end();
+    if (fails == (r.counterfactual == Counterfactual::would_fail)) return;
+    std::printf("\nNote: the report says the %s backend would have %s this request; it placed the live allocations in a fresh\n"
+                "pool. Replayed through this run's events, %s %s it: its own history (what it cached and split on the way)\n"
+                "decides, so for this run the replay's answer is the one that holds.\n",
+                r.other_backend.c_str(), fails ? "served" : "failed", r.other_backend.c_str(), fails ? "fails" : "serves");
+  }
+}
+
 }  // namespace
 
 int cmd::explain(int argc, char** argv) {
@@ -858,6 +881,7 @@ int cmd::explain(int argc, char** argv) {
       with_trace_path(d.trace, [&] { return replay_trace(trace, setup, html.has_value(), lenient, false); })};
   print_replay_table(groups);
   print_replay_failures(groups);
+  print_counterfactual_check(d.report, trace, groups.front());
   if (html) {
     write_picture(*html, {}, groups, {"The events that led to " + path + ", replayed on the simulated device."}, setup,
                   "expseg explain: " + path, command_line(argc, argv));

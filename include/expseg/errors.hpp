@@ -107,7 +107,10 @@ enum class OomVerdict : std::uint8_t {
 };
 const char* to_string(OomVerdict) noexcept;
 
-// What the other backend would have done with the same live set and the same request.
+// What the other backend would have done with the same live set, placed afresh in a new pool (not
+// after the run's own history, which `expseg explain` replays), and the same request. would_fail
+// without a simulation where the live requested bytes plus the request exceed what any backend may
+// hold; not_evaluated where it was not asked, or could not hold the live set itself afresh.
 enum class Counterfactual : std::uint8_t { not_evaluated, would_succeed, would_fail };
 const char* to_string(Counterfactual) noexcept;
 

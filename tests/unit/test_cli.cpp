@@ -831,6 +831,57 @@ TEST_CASE("cli: explain says when the limit changed while the events were record
   CHECK(f.out.find("Note: the limit changed") == std::string::npos);
 }
 
+TEST_CASE("cli: explain says when its replay of the other backend answers the dumped request otherwise than the report") {
+  // The report's other-backend sentence places the live allocations in a fresh pool. Here expandable,
+  // given the two live 15 MiB blocks afresh, serves the 32.5 MiB request; through the run's events
+  // (60 MiB first, kept mapped as cache) it fails it too. Was: the report's claim stood unanswered
+  // above a table that contradicted it.
+  const testutil::TempDir tmp("cli-explain-counterfactual");
+  const fs::path& dir = tmp.path;
+  {
+    expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:1GiB,backend:split_merge,limit:64MiB,record:true,oom_dump:" +
+                                              (dir / "cf-%n.json").string()));
+    a.deallocate(a.allocate(60u << 20));
+    std::vector<void*> v;
+    for (int i = 0; i < 4; ++i) v.push_back(a.allocate(15u << 20));
+    a.deallocate(v[0]);
+    a.deallocate(v[2]);
+    CHECK_THROWS_AS(a.allocate(65u << 19), expseg::out_of_memory);
+    REQUIRE(a.last_oom().has_value());
+    CHECK(a.last_oom()->counterfactual == expseg::Counterfactual::would_succeed);
+    CHECK(a.last_oom()->message.find("The expandable backend, given the same 2 live allocations and limit in a fresh pool, would "
+                                     "have served this request.") != std::string::npos);
+    a.deallocate(v[1]);
+    a.deallocate(v[3]);
+  }
+  const Run e = run_cli("explain '" + (dir / "cf-1.json").string() + "'");
+  CAPTURE(e.out);
+  CAPTURE(e.err);
+  REQUIRE(e.status == 0);
+  CHECK(e.out.find("Note: the report says the expandable backend would have served this request; it placed the live allocations in "
+                   "a fresh\npool. Replayed through this run's events, expandable fails it") != std::string::npos);
+  // The 800/500/300 story: both answers agree (expandable serves it), no note.
+  {
+    expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:80GiB,backend:split_merge,limit:2064MiB,record:true,oom_dump:" +
+                                              (dir / "story-%n.json").string()));
+    a.deallocate(a.allocate(2000u << 20));
+    void* p800 = a.allocate(800u << 20);
+    void* p500 = a.allocate(500u << 20);
+    void* p300 = a.allocate(300u << 20);
+    a.deallocate(p500);
+    CHECK_THROWS_AS(a.allocate(800u << 20), expseg::out_of_memory);
+    REQUIRE(a.last_oom().has_value());
+    CHECK(a.last_oom()->counterfactual == expseg::Counterfactual::would_succeed);
+    a.deallocate(p800);
+    a.deallocate(p300);
+  }
+  const Run f = run_cli("explain '" + (dir / "story-1.json").string() + "'");
+  CAPTURE(f.out);
+  REQUIRE(f.status == 0);
+  CHECK(f.out.find("expandable") != std::string::npos);
+  CHECK(f.out.find("Note: the report says") == std::string::npos);
+}
+
 TEST_CASE("cli: explain of an expandable dump under policy:cupy with PyTorch's rules replays split_merge as CuPy's pool") {
   // Was: split_merge refused the dump's own configuration (policy:cupy with roundup_power2_divisions)
   // after the header was printed, exit 2, no replay table; the user had nothing to drop.

@@ -701,3 +701,35 @@ TEST_CASE("oom truth: an expandable configuration under policy:cupy with PyTorch
   const expseg::Config pt = expseg::Config::parse("backend:expandable,roundup_power2_divisions:4");
   CHECK(pt.with_backend(BackendKind::split_merge).roundup_power2_divisions == pt.roundup_power2_divisions);
 }
+
+// Was: the other-backend check counted an OOM while it placed the live allocations themselves as the
+// request failing ("The split_merge backend would have failed too."), though it never asked for the
+// request. Five allocations of 10 MiB + 100 KiB: expandable packs them into 26 pages (52 MiB); split_merge
+// rounds each to 12 MiB, 60 MiB, past the 56 MiB limit. The request, on another stream, needs 3 pages
+// of its own, though the live requested bytes plus it (55.89 MiB) are within the limit.
+TEST_CASE("oom truth: the other backend that cannot hold the live set in a fresh pool is not said to fail the request") {
+  constexpr std::size_t kBlock = 10 * MiB + 100 * 1024;
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 1 * GiB, "limit:56MiB"));
+  for (int i = 0; i < 5; ++i) (void)sa->allocate(kBlock);
+  void* s = sa.sim->stream_create();
+  std::optional<expseg::OomReport> r;
+  try {
+    (void)sa->allocate(5 * MiB + 400 * 1024, s);
+  } catch (const expseg::out_of_memory& e) {
+    r = e.report();
+  }
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->verdict == expseg::OomVerdict::limit);
+  CHECK(r->counterfactual == expseg::Counterfactual::not_evaluated);
+  CHECK(r->message.find("would have failed too") == std::string::npos);
+  CHECK(r->message.find("The split_merge backend was not asked: a fresh pool of it could not hold the 5 live allocations themselves "
+                        "under the limit (after this run's own history it might have; a recording's replay tells: record:true, "
+                        "then expseg explain).") != std::string::npos);
+  // What the sentence says: split_merge fails the live allocations themselves.
+  auto other = make_sim_allocator(sim_config(BackendKind::split_merge, 1 * GiB, "limit:56MiB"));
+  for (int i = 0; i < 4; ++i) (void)other->allocate(kBlock);
+  CHECK_THROWS_AS((void)other->allocate(kBlock), expseg::out_of_memory);
+  sa.alloc.reset();
+  sa.sim->stream_destroy(s);
+}
