@@ -686,12 +686,15 @@ def _snapshot_and_trace(device):
     finally:
         os.unlink(path)
     # A free that waited for other streams' work (record_stream) has its own "free completed" line
-    # later; any other free completes as it is requested. Walked backwards: a completion belongs to
-    # the latest free of its address before it (the address is not allocated again in between).
+    # later; any other free completes as it is requested, except one still waiting at the snapshot (its
+    # block is active_pending_free there: no completion yet, as in PyTorch's trace). Walked backwards: a
+    # completion belongs to the latest free of its address before it (the address is not allocated again
+    # in between).
     completes_later = [False] * len(rows)
-    waiting = set()
+    waiting = {int(b["address"], 16) for seg in snap.get("segments", []) for b in seg.get("blocks", [])
+               if b.get("state") == "pending_free"}
     for i in range(len(rows) - 1, -1, -1):
-        action, addr = rows[i]["Action"], rows[i]["Pointer"]
+        action, addr = rows[i]["Action"], int(rows[i]["Pointer"] or "0", 16)
         if action == "free completed":
             waiting.add(addr)
         elif action == "free":

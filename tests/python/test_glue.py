@@ -945,6 +945,32 @@ class TorchApiTest(unittest.TestCase):
             self.torch.freed_storages.clear()
             self.assertEqual(expseg.stats()["allocated_bytes.all.current"], 0)
 
+    def test_history_leaves_a_free_still_waiting_uncompleted(self):
+        # Was: every free without a later "free completed" line got a free_completed entry right after its
+        # free_requested, also one still waiting for another stream at the snapshot: memory_viz's timeline
+        # ended the block there while the snapshot's segments still held it (active_pending_free).
+        for backend in ("split_merge", "expandable"):
+            with self.subTest(backend=backend):
+                self.lib.expseg_reset_for_tests()
+                expseg.configure("device:sim,sim_capacity:4GiB,backend:" + backend)
+                C = self.torch._C
+                C._cuda_record_memory_history("all", "all", "all", 100000, False, False, False, [], False, True)
+                p = self.lib.expseg_malloc(4 * MiB, 0, None)
+                q = self.lib.expseg_malloc(2 * MiB, 0, None)
+                self.torch.Tensor(p).record_stream(types.SimpleNamespace(cuda_stream=0x77))
+                self.lib.expseg_free(p, 0, 0, None)  # waits for stream 0x77's work
+                self.lib.expseg_free(q, 0, 0, None)  # completes at once
+                snap = C._cuda_memorySnapshot(None)
+                C._cuda_record_memory_history(None, None, "all", 0, False, False, False, [], False, True)
+                pending = [blk for s in snap["segments"] for blk in s["blocks"] if blk["state"] == "active_pending_free"]
+                self.assertEqual([blk["address"] for blk in pending], [p])
+                by_addr = {}
+                for e in snap["device_traces"][0]:
+                    if e["action"] in ("alloc", "free_requested", "free_completed"):
+                        by_addr.setdefault(e["addr"], []).append(e["action"])
+                self.assertEqual(by_addr[p], ["alloc", "free_requested"])
+                self.assertEqual(by_addr[q], ["alloc", "free_requested", "free_completed"])
+
     def test_snapshot_and_history_in_torch_format(self):
         expseg.configure("device:sim,sim_capacity:4GiB,backend:expandable,limit:64MiB")
         C = self.torch._C
