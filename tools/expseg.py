@@ -56,6 +56,19 @@ class ExpsegError(RuntimeError):
         self.code = code
 
 
+def _found_by_loader(name):
+    """The name to load lib<name>.so by where the system's loader finds it: an installed soname (e.g.
+    "libexpseg.so.0"), or "lib<name>.so" on LD_LIBRARY_PATH (find_library does not always look there); None."""
+    found = ctypes.util.find_library(name)
+    if found:
+        return found
+    try:
+        ctypes.CDLL("lib%s.so" % name)
+        return "lib%s.so" % name
+    except OSError:
+        return None
+
+
 def library_path():
     """The path of libexpseg.so that load() uses ($EXPSEG_LIBRARY, <repo>/build/lib, or the system path)."""
     env = os.environ.get("EXPSEG_LIBRARY")
@@ -67,14 +80,9 @@ def library_path():
     built = os.path.join(repo, "build", "lib", "libexpseg.so")
     if os.path.isfile(built):
         return built
-    found = ctypes.util.find_library("expseg")  # an installed soname, e.g. "libexpseg.so.0"
+    found = _found_by_loader("expseg")
     if found:
         return found
-    try:  # LD_LIBRARY_PATH (find_library does not always look there)
-        ctypes.CDLL("libexpseg.so")
-        return "libexpseg.so"
-    except OSError:
-        pass
     if os.path.isfile(os.path.join(repo, "meson.build")):
         build = ("build it there: `meson setup build && ninja -C build` in %s (or tools/study.sh, tools/build.sh) gives "
                  "%s; a build in another directory: EXPSEG_LIBRARY=BUILD_DIR/lib/libexpseg.so" % (repo, built))
@@ -1243,14 +1251,7 @@ def _torch_library_path():
                 if os.path.isfile(candidate):
                     return candidate
         return None
-    found = ctypes.util.find_library("expseg_torch")
-    if found:
-        return found
-    try:  # LD_LIBRARY_PATH (find_library does not always look there)
-        ctypes.CDLL("libexpseg_torch.so")
-        return "libexpseg_torch.so"
-    except OSError:
-        return None
+    return _found_by_loader("expseg_torch")
 
 
 def _torch_malloc_library(torch):
