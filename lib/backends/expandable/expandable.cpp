@@ -2011,18 +2011,19 @@ void ExpandableBackend::unmap_handle(ExpHandle* h) {
 // A handle whose access grant and unmap both failed (a mapped orphan) still holds its frames, which
 // the segment counts as unmapped: before anything is mapped there or the reservation is freed, its
 // unmap must succeed. Throws driver_error when it fails again (nothing changed).
-bool ExpandableBackend::mapped_orphan_in(std::uint64_t lo, std::size_t bytes) const noexcept {
-  for (const ExpHandle& o : orphans_)
-    if (o.mapped && o.orphan_addr < lo + bytes && o.orphan_addr + o.bytes > lo) return true;
-  return false;
-}
-
 void ExpandableBackend::unmap_orphans_in(std::uint64_t lo, std::size_t bytes) {
   for (ExpHandle& o : orphans_) {
     if (!o.mapped || o.orphan_addr >= lo + bytes || o.orphan_addr + o.bytes <= lo) continue;
     ctx_.driver.unmap(o.orphan_addr, o.bytes);
     o.mapped = false;  // still held (reserved) until retry_orphans releases it
   }
+}
+
+// Whether such an orphan overlaps [lo, lo + bytes) (map_one's retry stops there).
+bool ExpandableBackend::mapped_orphan_in(std::uint64_t lo, std::size_t bytes) const noexcept {
+  for (const ExpHandle& o : orphans_)
+    if (o.mapped && o.orphan_addr < lo + bytes && o.orphan_addr + o.bytes > lo) return true;
+  return false;
 }
 
 // Gives back the handles a failed growth mapped (idle: nothing was carved from them yet), best
