@@ -6,7 +6,8 @@
 //   Time    RMM's "HH:MM:SS.ffffff" (also "HH:MM:SS:ffffff"), or a plain number (seconds, or an index)
 //   Action  allocate | free | deallocate (= free) | allocate failure | map | unmap |
 //           pool begin | pool end | pool release | pool restore | free completed
-//   Pointer hex (0x...) address; only an identity for replay, never dereferenced
+//   Pointer hex (0x...) address, or "(nil)" for 0 (RMM's printf-style logs); only an identity for
+//           replay, never dereferenced
 //   Size    decimal bytes as requested
 //   Stream  hex (0x...) or decimal stream id; 0 is the default stream
 // `allocate failure` (an allocation that failed when recorded): replay asks the allocator for the

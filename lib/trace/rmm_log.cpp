@@ -116,8 +116,14 @@ inline int hex_digit(char c) {
 }
 
 // "0x..." hex or decimal. Bare hex digits are refused: "1000" would silently read as decimal in a
-// file whose other pointers are bare hex, giving wrong identities.
+// file whose other pointers are bare hex, giving wrong identities. "(nil)" is 0: RMM's logger
+// formats the pointer with printf's %p since its rapids-logger versions, which glibc prints so for a
+// null pointer (every "allocate failure" line, a free of nullptr); RMM's own log parser reads it so.
 NumError parse_address(std::string_view s, std::uint64_t& v) {
+  if (s == "(nil)") {
+    v = 0;
+    return NumError::none;
+  }
   if (s.size() >= 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
     s.remove_prefix(2);
     if (s.empty()) return NumError::syntax;

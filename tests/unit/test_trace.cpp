@@ -107,6 +107,37 @@ constexpr std::string_view kAllActions =
 
 TEST_SUITE("trace") {
 
+TEST_CASE("trace: RMM's printf-style logs, where a null pointer reads (nil), replay as with 0x0") {
+  // RMM's logging_resource_adaptor formats "%p" since its rapids-logger versions: glibc prints a null
+  // pointer as (nil) (every allocate failure, a free of nullptr). Was: "bad Pointer \"(nil)\"".
+  const std::string nil =
+      "Thread,Time,Action,Pointer,Size,Stream\n"
+      "140000,13:43:57.491640,allocate,0x7f8d6c000000,256,0\n"
+      "140000,13:43:57.491650,allocate failure,(nil),1099511627776000,0\n"
+      "140000,13:43:57.491655,allocate,0x7f8d6e000000,4096,(nil)\n"
+      "140000,13:43:57.491660,free,0x7f8d6c000000,256,0\n"
+      "140000,13:43:57.491670,free,0x7f8d6e000000,4096,0\n";
+  std::string zero = nil;
+  for (std::size_t at; (at = zero.find("(nil)")) != std::string::npos;) zero.replace(at, 5, "0x0");
+  const auto t = expseg::parse_trace(nil, "rmm25.csv");
+  REQUIRE(t.events.size() == 5);
+  CHECK(t.events[1].action == TraceAction::allocate_failure);
+  CHECK(t.events[1].pointer == 0);
+  CHECK(t.events[1].size == 1099511627776000u);
+  CHECK(t.events[2].stream == 0);
+  expseg::validate_trace(t);
+  const auto z = expseg::parse_trace(zero, "rmm-old.csv");
+  const expseg::Config c = expseg::Config::parse("device:sim,backend:split_merge,oom_snapshot:false");
+  const auto rn = expseg::replay(t, c);
+  const auto rz = expseg::replay(z, c);
+  CHECK(rn.operations == 5);
+  CHECK(rn.ooms == 1);
+  CHECK(rn.operations == rz.operations);
+  CHECK(rn.ooms == rz.ooms);
+  CHECK(rn.peak_allocated_bytes == rz.peak_allocated_bytes);
+  CHECK(rn.peak_reserved_bytes == rz.peak_reserved_bytes);
+}
+
 TEST_CASE("trace: RMM clock times, both separators") {
   const auto t = expseg::parse_trace(
       "Thread,Time,Action,Pointer,Size,Stream\n"
