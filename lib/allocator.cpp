@@ -207,11 +207,16 @@ void check_config(const Config& c) {
     throw config_error("sim_granularity", "sim_granularity: " + size_value(g) +
                                               " is not a power of two that is a multiple of 4KiB, at most 1TiB, e.g. 2MiB");
   if (c.device != DeviceKind::sim) return;
-  // A capacity under a MiB is a unit left out (sim_capacity:80), not a page size too large.
-  if (g > c.sim_capacity && c.sim_capacity < (std::size_t{1} << 20))
-    throw config_error("sim_capacity", "sim_capacity: " + std::to_string(c.sim_capacity) + " bytes is less than one page of the simulated "
-                                           "device (sim_granularity " + size_value(g) + "); a size without a unit is a number "
-                                           "of bytes: did you mean sim_capacity:" + std::to_string(c.sim_capacity) + "GiB?");
+  // A capacity under a MiB is most likely a unit left out (sim_capacity:80), not a page size too
+  // large. A value that a unit gives exactly (512KiB, maybe typed so) gets no guess at the unit.
+  if (g > c.sim_capacity && c.sim_capacity < (std::size_t{1} << 20)) {
+    const std::string bytes = std::to_string(c.sim_capacity);
+    const std::string shown = size_value(c.sim_capacity);
+    throw config_error("sim_capacity", "sim_capacity: " + (shown == bytes ? bytes + " bytes" : shown + " (" + bytes + " bytes)") +
+                                           " is less than one page of the simulated device (sim_granularity " + size_value(g) + "); " +
+                                           (shown == bytes ? "a size without a unit is a number of bytes: did you mean sim_capacity:" + bytes + "GiB?"
+                                                           : "expected at least one page, e.g. 80GiB"));
+  }
   if (g > c.sim_capacity)
     throw config_error("sim_granularity", "sim_granularity: " + size_value(g) + " is larger than sim_capacity (" +
                                               size_value(c.sim_capacity) + "): the simulated device could not give out a "
@@ -277,6 +282,8 @@ int visible_device_count(const Config& config) {
 }
 
 bool cuda_available(std::string* why) { return driver::cuda_usable(why); }
+
+int cuda_device_count() { return driver::cuda_device_count(); }
 
 Allocator::Impl::Impl(const Config& cfg, std::shared_ptr<driver::Driver> drv)
     : config(cfg), driver(std::move(drv)), ctx{*driver, config, stats} {
@@ -1399,6 +1406,11 @@ bool Allocator::recording() const {
 std::vector<TraceEvent> Allocator::recorded() const {
   std::lock_guard<core::Mutex> lock(impl_->mu);
   return impl_->recorder.events();
+}
+
+bool Allocator::recorded_partial() const {
+  std::lock_guard<core::Mutex> lock(impl_->mu);
+  return impl_->recorder.partial();
 }
 
 Snapshot Allocator::snapshot_with_recorded(std::vector<TraceEvent>& events) const {

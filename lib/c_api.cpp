@@ -961,6 +961,22 @@ int expseg_record_write(int device, const char* path) noexcept {
   }
 }
 
+int expseg_record_partial(int device, int* partial) noexcept {
+  constexpr const char* fn = "expseg_record_partial";
+  if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;
+  if (partial == nullptr) {
+    set_error(EXPSEG_ERROR_INVALID_ARGUMENT, fn, "partial is NULL");
+    return EXPSEG_ERROR_INVALID_ARGUMENT;
+  }
+  try {
+    const Allocator* a = existing(device);
+    *partial = a != nullptr && a->recorded_partial() ? 1 : 0;
+    return EXPSEG_SUCCESS;
+  } catch (...) {
+    return fail_current(fn);
+  }
+}
+
 int expseg_enable_peer_access(int device, int peer) noexcept {
   constexpr const char* fn = "expseg_enable_peer_access";
   if (!valid_device(device, fn)) return EXPSEG_ERROR_INVALID_DEVICE;

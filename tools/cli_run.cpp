@@ -365,7 +365,11 @@ void check_picture_path(const std::string& path, const std::vector<std::string>&
     if (std::filesystem::equivalent(path, in, ec))
       throw UsageError("--html " + path + " is the input " + in + " itself: writing the picture would overwrite it; give --html another file");
   const bool existed = std::filesystem::exists(std::filesystem::symlink_status(path, ec));
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666);  // no O_TRUNC: a kept file stays as it is
+  // No O_TRUNC: a kept file stays as it is. O_NONBLOCK: a FIFO nobody reads yet fails (ENXIO) instead
+  // of blocking the command before its runs (was: a hang); one with a reader (--html /dev/stdout into a
+  // pipe) is fine.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK, 0666);
+  if (fd < 0 && errno == ENXIO) throw error("cannot write the report to '" + path + "': it is a FIFO that no process reads");
   if (fd < 0) throw error("cannot write the report to '" + path + "': " + std::strerror(errno));
   ::close(fd);
   if (!existed) ::unlink(path.c_str());

@@ -186,6 +186,15 @@ Setup make_setup(const Args& args) {
   Setup s;
   s.config = base_config(args);
   if (const char* env = std::getenv("EXPSEG_ALLOC_CONF")) s.env_conf = env;
+  // The job's EXPSEG_ALLOC_CONF, still set in the shell that now replays its trace, names the job's
+  // dump: a simulated run writing there replaced the job's dump and its trace (the evidence the
+  // replay is about) with its own. Only a --conf oom_dump or record asks these commands for them.
+  if (!s.config.oom_dump.empty() && !conf_names(args, {"oom_dump"})) {
+    std::fprintf(stderr, "note: oom_dump in EXPSEG_ALLOC_CONF is not used by this command (it would overwrite that job's dump); "
+                         "--conf oom_dump:PATH writes this run's dumps\n");
+    s.config.oom_dump.clear();
+  }
+  if (s.config.record && !conf_names(args, {"record"})) s.config.record = false;
   const bool conf_backend = conf_names(args, {"backend", "expandable_segments"});
   if (args.get("--backend")) {
     // Both would pick the backend, one of them silently ignored: the caller must choose.
@@ -234,6 +243,11 @@ Setup make_setup(const Args& args) {
         s.device = static_cast<int>(n);
       }
       if (!cuda_available(&why)) throw std::runtime_error("--device " + d + ": CUDA is not usable here: " + why);
+      // Before the "Device:" line and a driver error from deep inside the run (was: exit 1 with
+      // cuDeviceGet's CUDA_ERROR_INVALID_DEVICE).
+      if (const int visible = cuda_device_count(); s.device >= visible)
+        throw UsageError("bad --device value '" + d + "': no such device; " + std::to_string(visible) + " visible (cuda:0" +
+                         (visible > 1 ? " to cuda:" + std::to_string(visible - 1) : std::string()) + ")");
       s.config.device = DeviceKind::cuda;
       s.device_note = "the GPU (--device " + d + ")";
     } else {

@@ -25,7 +25,7 @@ __all__ = [
     "ExpsegError", "library_path", "load", "version", "configure", "config", "install_torch", "install_cupy",
     "stats", "snapshot", "oom_report", "oom_report_json", "on_oom", "release_cached", "release_stream", "set_limit",
     "get_limit",
-    "reset_peak_stats", "reset_accumulated_stats", "record_start", "record_stop", "record_write", "torch_memory_stats",
+    "reset_peak_stats", "reset_accumulated_stats", "record_start", "record_stop", "record_write", "record_partial", "torch_memory_stats",
     "torch_snapshot", "initialized_devices", "enable_peer_access", "ipc_export", "ipc_import", "ipc_close",
     "ipc_send", "ipc_recv", "torch_oom_error",
 ]
@@ -130,6 +130,7 @@ def _declare(lib):
         "expseg_record_stop": (c_int, [c_int]),
         "expseg_set_record_default": (c_int, [c_int, c_size_t]),
         "expseg_record_write": (c_int, [c_int, c_char_p]),
+        "expseg_record_partial": (c_int, [c_int, ctypes.POINTER(c_int)]),
         "expseg_snapshot_json_with_trace": (c_char_p, [c_int, c_char_p]),
         "expseg_last_error": (c_char_p, []),
         "expseg_last_error_code": (c_int, []),
@@ -409,6 +410,14 @@ def record_stop(device=0):
 def record_write(path, device=0):
     """Writes the recorded events as an RMM CSV trace (gzip when path ends in .gz)."""
     _check(load().expseg_record_write(_device(device), _cpath(path, "path")), "expseg_record_write")
+
+
+def record_partial(device=0):
+    """Whether the recorded events do not start from an empty allocator (recording began while memory was
+    allocated or cached, or a full ring dropped the oldest events): replay them with `expseg replay --lenient`."""
+    partial = ctypes.c_int(0)
+    _check(load().expseg_record_partial(_device(device), ctypes.byref(partial)), "expseg_record_partial")
+    return partial.value == 1
 
 
 def enable_peer_access(peer, device=0):

@@ -294,6 +294,10 @@ int run_command(int argc, char** argv) {
     return kExitOk;
   }
   if (command == "--version" || command == "version") {
+    if (argc > 2) {
+      std::fprintf(stderr, "expseg %s: unexpected argument '%s'\n", command.c_str(), argv[2]);
+      return kExitUsage;
+    }
     std::printf("expseg %s\n", EXPSEG_VERSION);
     return kExitOk;
   }

@@ -12,9 +12,10 @@
 // synchronization of the legacy stream, which waits for every thread's per-thread stream: work the
 // thread queued may still run); its blocks still live (freed by another thread later) go back the
 // same way once freed.
-// A stream given here must outlive the memory cached for it: destroy it only after release_stream()
-// or release_cached()
-// (the expandable backend synchronizes a block's stream before unmapping its memory, and the driver
+// A stream given here must outlive the memory cached for it and every live block that has it
+// recorded (record_stream: that block's deallocate() records an event on it): destroy it only after
+// release_stream(), which refuses while such a block lives, or after release_cached() once none
+// does (the expandable backend synchronizes a block's stream before unmapping its memory, and the driver
 // may crash on a destroyed stream), as PyTorch requires of its external streams. The C API's CuPy
 // entry point (expseg_cupy_malloc) is the exception: it never synchronizes its streams.
 //
@@ -59,6 +60,8 @@ using stream_t = void*;  // a cudaStream_t / CUstream; nullptr is the default st
 // On false, `why` (if given) says what failed. Thread-safe; the answer is computed once. Tools use it
 // to pick device:cuda when it works and the simulated device otherwise.
 bool cuda_available(std::string* why = nullptr);
+// How many CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); 0 when CUDA is not usable.
+int cuda_device_count();
 
 struct DeviceInfo {
   int index = 0;
@@ -237,6 +240,10 @@ class Allocator {
   void stop_recording();
   bool recording() const;
   std::vector<TraceEvent> recorded() const;
+  // Whether recorded() does not start from an empty allocator: the recording began while memory was
+  // allocated or cached, or events were dropped (a full ring, or no host memory for one). Its replay
+  // then needs ReplayOptions::lenient (expseg replay --lenient): it frees what it never saw allocated.
+  bool recorded_partial() const;
   // snapshot() and recorded() of one moment (one lock): the events end where the snapshot stands,
   // as a viewer that walks the events back from the snapshot needs (PyTorch's memory_viz).
   Snapshot snapshot_with_recorded(std::vector<TraceEvent>& events) const;

@@ -314,7 +314,11 @@ TEST_CASE("allocator: the recorder's trace replays to the same peaks as the reco
 TEST_CASE("allocator: a bounded recorder keeps the last events") {
   Allocator a(sim_config(BackendKind::split_merge));
   a.start_recording(10);
-  for (int i = 0; i < 20; ++i) a.deallocate(a.allocate(1024 + static_cast<std::size_t>(i)));
+  for (int i = 0; i < 3; ++i) a.deallocate(a.allocate(1024 + static_cast<std::size_t>(i)));
+  REQUIRE(a.recorded().size() < 10);
+  CHECK_FALSE(a.recorded_partial());  // the ring not full yet, started on an empty allocator
+  for (int i = 3; i < 20; ++i) a.deallocate(a.allocate(1024 + static_cast<std::size_t>(i)));
+  CHECK(a.recorded_partial());  // the oldest events were dropped: its replay needs --lenient
   auto ev = a.recorded();
   REQUIRE(ev.size() == 10);
   CHECK(ev.back().action == expseg::TraceAction::free);
@@ -322,6 +326,11 @@ TEST_CASE("allocator: a bounded recorder keeps the last events") {
   a.stop_recording();
   a.deallocate(a.allocate(1));
   CHECK(a.recorded().size() == 10);
+  a.start_recording();  // afresh, but over cached memory: its first frees may be of blocks it never saw
+  CHECK(a.recorded_partial());
+  a.release_cached();
+  a.start_recording();
+  CHECK_FALSE(a.recorded_partial());
 }
 
 TEST_CASE("allocator: the ResNet-50 trace replays on split_merge within 1% of PyTorch's own peaks") {

@@ -313,6 +313,17 @@ TEST_CASE_FIXTURE(CApiFixture, "expseg_set_record_default: allocators created af
   CHECK(recorded(0) == 0);
   CHECK(recorded(1) == 2);  // its allocate and free
   CHECK(recorded(2) == 0);
+  // Device 1 recorded from its creation: complete. Restarted over its cached block: partial.
+  int partial = -1;
+  REQUIRE(expseg_record_partial(1, &partial) == EXPSEG_SUCCESS);
+  CHECK(partial == 0);
+  REQUIRE(expseg_record_start(1, 0) == EXPSEG_SUCCESS);
+  REQUIRE(expseg_record_partial(1, &partial) == EXPSEG_SUCCESS);
+  CHECK(partial == 1);
+  REQUIRE(expseg_record_partial(5, &partial) == EXPSEG_SUCCESS);  // no allocator there: nothing recorded
+  CHECK(partial == 0);
+  CHECK(expseg_record_partial(1, nullptr) == EXPSEG_ERROR_INVALID_ARGUMENT);
+  CHECK(expseg_record_partial(-1, &partial) == EXPSEG_ERROR_INVALID_DEVICE);
   CHECK(std::string(expseg_config(1)).find("record:true") != std::string::npos);
 }
 

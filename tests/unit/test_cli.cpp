@@ -3,6 +3,7 @@
 // the bad argument) / a malformed trace (exit 2, file:line) / study writing its picture.
 // Runs on the simulated device (--device sim) so it passes on machines with and without a GPU.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -96,6 +97,9 @@ TEST_CASE("cli: --help, COMMAND --help, --version") {
   r = run_cli("--version");
   CHECK(r.status == 0);
   CHECK(r.out.rfind("expseg ", 0) == 0);
+  r = run_cli("--version extra");  // was: exit 0, the argument ignored
+  CHECK(r.status == 2);
+  CHECK(r.err.find("unexpected argument 'extra'") != std::string::npos);
   r = run_cli("");
   CHECK(r.status == 2);
 }
@@ -472,6 +476,43 @@ TEST_CASE("cli: scenario --html writes the picture") {
   CHECK(count(page, "<svg class=\"chart\"") == 1);
   CHECK(count(page, "class=\"oom\"") == 1);
   fs::remove(html);
+}
+
+TEST_CASE("cli: --html naming a FIFO that no process reads fails before the runs instead of blocking") {
+  const fs::path fifo = temp_path("picture.fifo");
+  fs::remove(fifo);
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  // (timeout: the old check blocked in open() until a reader came; 124 then, not 1)
+  const Run r = run_cli("scenario split-800-500-300 --device sim --json --html '" + fifo.string() + "'", "timeout 60");
+  CHECK(r.status == 1);
+  CHECK(r.err.find("cannot write the report to '" + fifo.string() + "': it is a FIFO that no process reads") != std::string::npos);
+  CHECK(r.out.empty());  // before any run
+  fs::remove(fifo);
+}
+
+TEST_CASE("cli: oom_dump and record in EXPSEG_ALLOC_CONF do not make a replay or scenario overwrite the job's dump") {
+  // The job that OOMed left its dump; the shell that replays its trace still has the job's configuration.
+  const fs::path dir = temp_path("job-dump");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path job = dir / "oom.json";
+  std::ofstream(job) << "the job's own dump";
+  const std::string env = "EXPSEG_ALLOC_CONF='record:true,oom_dump:" + job.string() + "'";
+  Run r = run_cli("scenario split-800-500-300 --device sim --json", env);
+  CHECK(r.status == 0);
+  CHECK(read_file(job) == "the job's own dump");
+  CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator{}) == 1);
+  CHECK(r.err.find("note: oom_dump in EXPSEG_ALLOC_CONF is not used by this command") != std::string::npos);
+  r = run_cli("replay '" + kTrace + "' --device sim:4GiB --backend split_merge --json", env);  // OOMs under 4 GiB
+  CHECK(r.status == 0);
+  CHECK(read_file(job) == "the job's own dump");
+  // Asked for on the command line, the run's own dumps are written (split_merge OOMs once here).
+  r = run_cli("scenario split-800-500-300 --device sim --json --backend split_merge --conf 'oom_dump:" + (dir / "run-%n.json").string() + "'", env);
+  CHECK(r.status == 0);
+  CHECK(r.err.find("note: oom_dump") == std::string::npos);
+  CHECK(fs::exists(dir / "run-1.json"));
+  CHECK(read_file(job) == "the job's own dump");
+  fs::remove_all(dir);
 }
 
 TEST_CASE("cli: study --device sim --html FILE writes the picture and says where it is") {

@@ -8,7 +8,13 @@
 
 #include <dlfcn.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "driver/driver.hpp"
@@ -194,6 +200,27 @@ TEST_CASE("cuda driver: an export without a shareable type names a fallback only
     CHECK(contains(e.what(), "fell back to none: posix_fd handles are not available (a probe cuMemExportToShareableHandle failed"));
   }
   d->release(h);
+}
+
+// The command line on the fake's one device: an index past it is a usage error named before any
+// run (was: the "Device: cuda:5" line, then cuDeviceGet's CUDA_ERROR_INVALID_DEVICE, exit 1).
+TEST_CASE("cli: --device cuda:N past the visible devices is a usage error that says how many there are") {
+  const std::string err_file = "/tmp/expseg-cuda-fake-cli-" + std::to_string(::getpid()) + ".txt";
+  auto run = [&](const std::string& device, std::string* err) {
+    const std::string cmd = "env EXPSEG_LIBCUDA='" EXPSEG_FAKE_LIBCUDA "' '" EXPSEG_CLI "' scenario split-800-500-300 --json --device " + device +
+                            " >/dev/null 2>'" + err_file + "'";
+    const int st = std::system(cmd.c_str());
+    std::ifstream f(err_file);
+    err->assign(std::istreambuf_iterator<char>(f), {});
+    std::remove(err_file.c_str());
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+  };
+  std::string err;
+  CHECK(run("cuda:5", &err) == 2);
+  CHECK_MESSAGE(contains(err, "bad --device value 'cuda:5': no such device; 1 visible (cuda:0)"), err);
+  CHECK_FALSE(contains(err, "CUDA_ERROR_INVALID_DEVICE"));
+  CHECK(run("cuda:1", &err) == 2);
+  CHECK_MESSAGE(contains(err, "no such device; 1 visible"), err);
 }
 
 int main(int argc, char** argv) {

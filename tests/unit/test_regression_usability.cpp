@@ -164,6 +164,16 @@ TEST_CASE("usability: a simulated capacity without a unit is answered with the u
     CHECK(m.rfind("sim_capacity: 80 bytes is less than one page", 0) == 0);
     CHECK(m.find("did you mean sim_capacity:80GiB?") != std::string::npos);
   }
+  // A capacity given with its unit is not guessed at (was: "did you mean sim_capacity:524288GiB?").
+  try {
+    Allocator a(Config::parse("device:sim,sim_capacity:512KiB"));
+    FAIL("a simulated device smaller than its page was accepted");
+  } catch (const config_error& e) {
+    const std::string m = e.what();
+    CAPTURE(m);
+    CHECK(m.rfind("sim_capacity: 512KiB (524288 bytes) is less than one page of the simulated device (sim_granularity 2MiB)", 0) == 0);
+    CHECK(m.find("did you mean") == std::string::npos);
+  }
   // A page size larger than a real capacity is still the page size's fault.
   try {
     Allocator a(Config::parse("device:sim,sim_capacity:1GiB,sim_granularity:4GiB"));
