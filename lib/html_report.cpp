@@ -39,16 +39,26 @@ std::string esc(std::string_view text) {
       case '"': o += "&quot;"; break;
       case '\'': o += "&#39;"; break;
       default:
-        // Control characters are not allowed in XML 1.0 text: show them as spaces.
-        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') o += ' ';
+        // Control characters are not allowed in HTML text (nor, below 0x20, in XML 1.0): spaces.
+        if ((static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') || c == '\x7F') o += ' ';
         else o += c;
     }
   });
-  // U+FFFE and U+FFFF are well-formed UTF-8 but not XML characters: U+FFFD too. (0xEF only
-  // starts a sequence here: out is well-formed UTF-8.)
-  for (std::size_t at = out.find("\xEF\xBF"); at != std::string::npos; at = out.find("\xEF\xBF", at + 3))
-    if (at + 2 < out.size() && (out[at + 2] == '\xBE' || out[at + 2] == '\xBF')) out[at + 2] = '\xBD';
-  return out;
+  // Well-formed UTF-8 that HTML still refuses in text: the C1 controls U+0080-U+009F (spaces, as the
+  // C0 ones) and the noncharacters U+FDD0-U+FDEF and U+xFFFE/U+xFFFF of every plane (U+FFFD).
+  // out is well-formed UTF-8 here, so a lead byte tells its sequence's length.
+  std::string clean;
+  for (std::size_t at = 0; at < out.size();) {
+    const auto b0 = static_cast<unsigned char>(out[at]);
+    const std::size_t len = std::min<std::size_t>(b0 < 0x80 ? 1 : b0 < 0xE0 ? 2 : b0 < 0xF0 ? 3 : 4, out.size() - at);
+    char32_t cp = len == 1 ? b0 : len == 2 ? (b0 & 0x1Fu) : len == 3 ? (b0 & 0x0Fu) : (b0 & 0x07u);
+    for (std::size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(out[at + k]) & 0x3Fu);
+    if (cp >= 0x80 && cp <= 0x9F) clean += ' ';
+    else if ((cp >= 0xFDD0 && cp <= 0xFDEF) || (cp & 0xFFFEu) == 0xFFFEu) clean += "\xEF\xBF\xBD";
+    else clean.append(out, at, len);
+    at += len;
+  }
+  return clean;
 }
 
 // Fixed-point number, locale-independent.
@@ -265,6 +275,10 @@ std::string takeaway(const ReportGroup& g) {
       else if (failed[i]->first_oom) s += " (first: " + verdict_of(*failed[i]) + ")";
     }
     s += ".";
+  } else if (std::any_of(g.runs.begin(), g.runs.end(), [](const ReportRun& r) { return r.refused_requests != 0; })) {
+    // Not "every allocation": requests the trace made were refused before any allocator ran.
+    s = g.runs.size() == 1 ? "The run has no OOM; requests of 1 EiB or more were refused up front."
+                           : "No backend runs out of memory; requests of 1 EiB or more were refused up front.";
   } else {
     s = g.runs.size() == 1 ? "No allocation fails." : "Every backend serves every allocation.";
   }
@@ -351,7 +365,10 @@ void chart(std::string& o, const ReportGroup& g) {
   }
   // The reference line: the limit, or the device's capacity when there is none.
   const bool has_limit = g.limit_bytes != 0;
-  const double ref = static_cast<double>(has_limit ? g.limit_bytes : g.device_total_bytes);
+  // The label from the integer: a double of a limit near 2^64 rounds to 2^64, which converts back to
+  // size_t as undefined behaviour (it printed "limit 0 bytes").
+  const std::size_t ref_bytes = has_limit ? g.limit_bytes : g.device_total_bytes;
+  const double ref = static_cast<double>(ref_bytes);
   const char* ref_name = has_limit ? "limit" : "device capacity";
   const bool ref_on_chart = ref > 0 && (ymax_data <= 0 || ref <= 2.5 * ymax_data);
   double ymax = std::max(ymax_data, ref_on_chart ? ref : 0.0) * 1.08;
@@ -440,10 +457,10 @@ void chart(std::string& o, const ReportGroup& g) {
       o += "<g class=\"limit\"><line x1=\"" + co(kL) + "\" x2=\"" + co(kL + pw) + "\" y1=\"" + co(y) + "\" y2=\"" + co(y) + "\" stroke=\"" + kLimitColour +
            "\" stroke-width=\"1.5\" stroke-dasharray=\"2 3\"/><text x=\"" + co(kL + 8) + "\" y=\"" + co(y - 6) +
            "\" text-anchor=\"start\" font-size=\"12\" font-weight=\"600\" fill=\"" + kLimitColour + "\" stroke=\"#ffffff\" stroke-width=\"3\" paint-order=\"stroke\">" +
-           esc(std::string(ref_name) + " " + format_bytes(static_cast<std::size_t>(ref))) + "</text></g>\n";
+           esc(std::string(ref_name) + " " + format_bytes(ref_bytes)) + "</text></g>\n";
     } else {
       o += "<g class=\"limit\"><text x=\"" + co(kL + pw - 6) + "\" y=\"" + co(kT + 14) + "\" text-anchor=\"end\" font-size=\"12\" fill=\"" + kLimitColour + "\">" +
-           esc(std::string("\xE2\x86\x91 ") + ref_name + " " + format_bytes(static_cast<std::size_t>(ref)) + " (far above the chart)") + "</text></g>\n";
+           esc(std::string("\xE2\x86\x91 ") + ref_name + " " + format_bytes(ref_bytes) + " (far above the chart)") + "</text></g>\n";
     }
   }
 
@@ -815,6 +832,19 @@ void summary_table(std::string& o, const ReportGroup& g) {
     o += "</tr>\n";
   }
   o += "</tbody>\n</table>\n";
+  // What the command line's notes say of a replay, under its table (was: missing from the page, whose
+  // takeaway then said every allocation was served).
+  for (const ReportRun& r : g.runs) {
+    if (r.refused_requests == 0 && r.skipped_frees == 0) continue;
+    std::string n = r.backend + ": ";
+    if (r.refused_requests)
+      n += plural(r.refused_requests, "request", "requests") + " of 1 EiB or more refused up front (no OOM of the allocator, which num_ooms does not count either)";
+    if (r.skipped_frees)
+      n += std::string(r.refused_requests ? "; " : "") + plural(r.skipped_frees, "free", "frees") +
+           " skipped or supplied (frees of allocations that failed here, or of pointers the trace never allocated, are skipped; with "
+           "--lenient, a free missing before a pointer is allocated again is supplied)";
+    o += "<p class=\"desc notes\" data-backend=\"" + esc(r.backend) + "\">" + esc(n + ".") + "</p>\n";
+  }
   // The two counts of fragmentation differ (a run's OOMs counted by fill, its first report's verdict
   // by whole pages): the page says so, as the command line's tables do.
   if (fill)
@@ -1017,6 +1047,8 @@ ReportGroup report_group(std::span<const ReplayResult> runs, std::string descrip
     r.backend = s.backend;
     r.device = s.device;
     r.ooms = s.ooms;
+    r.refused_requests = s.refused_requests;
+    r.skipped_frees = s.skipped_frees;
     r.first_oom = s.first_oom;
     r.peak_allocated_bytes = s.peak_allocated_bytes;
     r.peak_reserved_bytes = s.peak_reserved_bytes;

@@ -10,7 +10,8 @@
 //   - a segment map per backend at the moment of peak reserved (and at the first OOM when the run
 //     kept that snapshot): every segment a bar scaled to its size, its blocks coloured by state;
 //   - a summary table: outcome, verdict, peak allocated, peak reserved, reserved/allocated, OOMs, time
-//     (and the time in driver calls, when a run knows it).
+//     (and the time in driver calls, when a run knows it); under it, a replay's requests refused up
+//     front and frees skipped or supplied, as the command line notes them.
 //
 // The markup is XHTML-compatible (every element closed, attributes quoted, text escaped), so it can
 // be checked with an XML parser. Stable hooks for tests and scripts:
@@ -46,6 +47,10 @@ struct ReportRun {
   std::string backend;                 // "split_merge", "expandable"
   std::string device;                  // "sim:80GiB", "cuda:0"
   std::size_t ooms = 0;
+  // Replays: requests of 1 EiB or more refused up front (no OOM of the allocator), and frees skipped
+  // or supplied (ReplayResult's fields of the same names).
+  std::size_t refused_requests = 0;
+  std::size_t skipped_frees = 0;
   std::size_t fragmentation_ooms = 0;  // OOMs whose report's verdict was fragmentation, when known
   bool fragmentation_known = false;
   // expseg's test of a fragmentation OOM: live requested bytes + the request <= 98% of the limit

@@ -461,6 +461,53 @@ TEST_CASE("report regression: U+FFFE and U+FFFF in a name become U+FFFD (they ar
   CHECK(page.find("trace \xEF\xBF\xBD and \xEF\xBF\xBD.csv") != std::string::npos);
 }
 
+TEST_CASE("report regression: C1 controls, DEL and every noncharacter in a name are replaced (HTML refuses them in text)") {
+  expseg::ReportGroup g;
+  // U+007F, U+0085, U+FDD0, U+1FFFE, U+10FFFF; U+00A0 and U+FDCF / U+FDF0 are fine and stay.
+  g.name = "a\x7F" "b\xC2\x85" "c\xEF\xB7\x90" "d\xF0\x9F\xBF\xBE" "e\xF4\x8F\xBF\xBF" "f\xC2\xA0" "g\xEF\xB7\x8F\xEF\xB7\xB0.csv";
+  g.runs.resize(1);
+  g.runs[0].backend = "split_merge";
+  const expseg::ReportGroup groups[] = {g};
+  const std::string page = expseg::render_html_report(groups);
+  CHECK(page.find("a b c\xEF\xBF\xBD" "d\xEF\xBF\xBD" "e\xEF\xBF\xBD" "f\xC2\xA0" "g\xEF\xB7\x8F\xEF\xB7\xB0.csv") != std::string::npos);
+  for (const char* bad : {"\x7F", "\xC2\x85", "\xEF\xB7\x90", "\xF0\x9F\xBF\xBE", "\xF4\x8F\xBF\xBF"}) CHECK(page.find(bad) == std::string::npos);
+  CHECK_MESSAGE(check_xml(page).ok, check_xml(page).error);
+}
+
+TEST_CASE("report regression: a limit near 2^64 is labelled with its value, not 0 bytes") {
+  expseg::ReportGroup g;
+  g.name = "huge limit";
+  g.limit_bytes = SIZE_MAX;
+  g.runs.resize(1);
+  g.runs[0].backend = "split_merge";
+  g.runs[0].peak_reserved_bytes = g.runs[0].peak_allocated_bytes = 1 << 20;
+  const expseg::ReportGroup groups[] = {g};
+  const std::string page = expseg::render_html_report(groups);
+  CHECK(page.find("limit 0 bytes") == std::string::npos);
+  CHECK(page.find("limit 17179869184.00 GiB (far above the chart)") != std::string::npos);
+}
+
+TEST_CASE("report regression: a replay whose requests were refused up front does not say every allocation was served") {
+  // One request of 2^64-1 bytes (a negative size cast): refused before any allocator runs, no OOM.
+  const std::string csv =
+      "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,1048576,0x0\n1,1,allocate,0x2000,18446744073709551615,0x0\n"
+      "1,2,free,0x1000,1048576,0x0\n1,3,free,0x2000,18446744073709551615,0x0\n";
+  const auto runs = replay_ab(expseg::parse_trace(csv, "refused.csv"), "");
+  REQUIRE(runs.size() == 2);
+  for (const auto& r : runs) {
+    CHECK(r.ooms == 0);
+    CHECK(r.refused_requests == 1);
+    CHECK(r.skipped_frees == 1);
+  }
+  const expseg::ReportGroup groups[] = {expseg::report_group(std::span<const expseg::ReplayResult>(runs))};
+  const std::string page = expseg::render_html_report(groups);
+  CHECK(page.find("Every backend serves every allocation") == std::string::npos);
+  CHECK(page.find("No backend runs out of memory; requests of 1 EiB or more were refused up front.") != std::string::npos);
+  CHECK(count(page, "1 request of 1 EiB or more refused up front (no OOM of the allocator") == 2);
+  CHECK(count(page, "1 free skipped or supplied") == 2);
+  CHECK(check_xml(page).ok);
+}
+
 TEST_CASE("report regression: with only first-OOM snapshots there is no empty 'peak reserved' heading") {
   // A replay without snapshot_at_peak under oom_snapshot:true keeps the OOM's snapshot only: the
   // page announced "Segment maps at the moment of peak reserved" and drew none under it.
