@@ -215,7 +215,10 @@ void bm_pair_pending(benchmark::State& st, const std::string& key, const Config&
 
 // torch_anchor.py's churn, one step per iteration. The generator and the 64 slots live as long as
 // the subject, so the sequence continues across Google Benchmark's calls; the first call warms the
-// cache with 20000 untimed steps (the anchor warms with a whole untimed pass).
+// cache with 200000 untimed steps, as compare.py's PyTorch loop warms with an untimed pass of
+// 200000. (With 20000, expandable still mapped and unmapped handles in the timed steps at a rate
+// that fell over the first million steps, so the figure hung on the iteration count the host's
+// speed chose, and repetitions differed.)
 template <class S>
 void bm_churn(benchmark::State& st, const std::string& key, const Make<S>& make, std::size_t warm) {
   guarded(st, key, [&] {
@@ -243,7 +246,10 @@ void bm_churn(benchmark::State& st, const std::string& key, const Make<S>& make,
 // own stream or all on the default stream. One iteration: every thread warms up (`warm` untimed
 // steps), the threads wait at a start line, then each runs `steps` steps; the iteration time is
 // from the start signal to the last thread's last step (manual time). Thread start-up, warm-up
-// and the final frees are not timed. compare.py's PyTorch extension does exactly the same.
+// and the final frees are not timed. A fresh subject first runs one untimed round, which fills its
+// cache, as compare.py's PyTorch extension runs a cache-filling round before its timed ones (a
+// repetition after the first gets a fresh subject and no new iteration count: its first round was
+// timed on an empty cache).
 template <class S>
 double run_mt(S& s, const std::vector<stream_t>& streams, std::size_t steps, std::size_t warm) {
   const std::size_t n = streams.size();
@@ -284,10 +290,12 @@ template <class S>
 void bm_churn_mt(benchmark::State& st, const std::string& key, const Make<S>& make, std::size_t nthreads, bool own_streams,
                  std::size_t steps, std::size_t warm) {
   guarded(st, key, [&] {
-    S& s = Holder::instance().subject<S>(key, make);
+    bool fresh = false;
+    S& s = Holder::instance().subject<S>(key, make, &fresh);
     std::vector<stream_t> streams(nthreads, nullptr);
     if (own_streams)
       for (std::size_t i = 0; i < nthreads; ++i) streams[i] = s.stream(i);
+    if (fresh) (void)run_mt(s, streams, steps, warm);
     for (auto _ : st) st.SetIterationTime(run_mt(s, streams, steps, warm));
     const double items = static_cast<double>(nthreads * steps);
     st.SetItemsProcessed(static_cast<std::int64_t>(st.iterations()) * static_cast<std::int64_t>(nthreads * steps));
@@ -301,6 +309,7 @@ void bm_churn_mt(benchmark::State& st, const std::string& key, const Make<S>& ma
 // the allocation would have cost (modelled_driver_us).
 void bm_growth_expseg(benchmark::State& st, const std::string& name, const Config& base, std::size_t bytes) {
   guarded(st, name, [&] {
+    Holder::instance().reset();  // no earlier benchmark's subject holds memory beside this one
     Config cfg = base;
     if (cfg.device == DeviceKind::sim) cfg.sim_latency = true;
     double modelled = 0.0;
@@ -327,6 +336,7 @@ void bm_growth_expseg(benchmark::State& st, const std::string& name, const Confi
 // Baseline: cuMemAlloc of the same size (cuMemFree untimed).
 void bm_growth_cu_mem_alloc(benchmark::State& st, const std::string& name, std::size_t bytes) {
   guarded(st, name, [&] {
+    Holder::instance().reset();  // no earlier benchmark's subject holds memory beside this one
     driver::Driver& d = cuda_driver();
     for (auto _ : st) {
       const Clock::time_point t0 = Clock::now();
@@ -345,6 +355,7 @@ void bm_growth_cu_mem_alloc(benchmark::State& st, const std::string& name, std::
 // aligned differently, and came out slower than expseg's superset of these calls).
 void bm_growth_vmm(benchmark::State& st, const std::string& name, std::size_t bytes) {
   guarded(st, name, [&] {
+    Holder::instance().reset();  // no earlier benchmark's subject holds memory beside this one
     driver::Driver& d = cuda_driver();
     const std::size_t g = d.granularity();
     const std::size_t sz = (bytes + g - 1) / g * g;
@@ -379,6 +390,7 @@ void bm_growth_vmm(benchmark::State& st, const std::string& name, std::size_t by
 // neighbouring idle handles together would pay; on the H200 it does not (benchmarks/PERFORMANCE.md).
 void bm_driver_batching(benchmark::State& st, const std::string& name, std::size_t bytes, int n, bool range) {
   guarded(st, name, [&] {
+    Holder::instance().reset();  // no earlier benchmark's subject holds memory beside this one
     driver::Driver& d = cuda_driver();
     const std::size_t g = d.granularity();
     const std::size_t hb = (bytes + g - 1) / g * g;
@@ -437,6 +449,7 @@ void bm_driver_batching(benchmark::State& st, const std::string& name, std::size
 // traffic (modelled_driver_ms; estimated_h200_ms = both).
 void bm_scenario(benchmark::State& st, const std::string& key, const std::string& name, const Config& base) {
   guarded(st, key, [&] {
+    Holder::instance().reset();  // no earlier benchmark's subject holds memory beside this one
     Config cfg = base;
     if (cfg.device == DeviceKind::sim) cfg.sim_latency = true;
     // The allocator, not its diagnostics: the other-backend check replays the live set on a
@@ -494,6 +507,7 @@ void bm_replay(benchmark::State& st, const std::string& name, const Config& cfg)
     return;
   }
   guarded(st, name, [&] {
+    Holder::instance().reset();  // no earlier benchmark's subject holds memory beside this one
     double ooms = 0.0, peak_reserved = 0.0, peak_allocated = 0.0;
     for (auto _ : st) {
       const ReplayResult r = replay(*trace, cfg);
@@ -597,7 +611,7 @@ void register_all() {
   for (const Target& t : targets) {
     with_subject(t, [&]<class S>(const Target& tt, const Make<S>& make) {
       const std::string name = "churn64/" + tt.label;
-      const std::size_t warm = tt.kind == Kind::cu_mem_alloc ? 64 : 20000;
+      const std::size_t warm = tt.kind == Kind::cu_mem_alloc ? 64 : 200000;
       benchmark::RegisterBenchmark(name.c_str(), [name, make, warm](benchmark::State& st) { bm_churn<S>(st, name, make, warm); })
           ->MinTime(t_short)
           ->UseRealTime();

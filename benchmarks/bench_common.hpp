@@ -152,7 +152,8 @@ class CapiSubject final : public Subject {
 // benchmark's name. Google Benchmark calls a benchmark function several times while it settles on
 // an iteration count; the subject survives those calls, so its cache stays warm, and it is
 // destroyed (giving all its memory back) when the next benchmark starts. Results therefore do not
-// depend on which benchmarks ran before.
+// depend on which benchmarks ran before. A benchmark that makes its own allocators (growth, the
+// scenarios, replay, driver_batching) resets the holder first for the same reason.
 
 class Holder {
  public:
