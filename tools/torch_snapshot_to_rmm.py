@@ -11,7 +11,7 @@ Then:
     python3 tools/torch_snapshot_to_rmm.py snapshot.pickle t.rmm.csv.gz --replay split_merge expandable
                                                      # replays on the simulated device through libexpseg
 The trace keeps the device's 'alloc' and 'free_completed' events (a block is reusable only once its free has
-completed), with requested sizes and streams. Blocks already allocated when the recording began (before
+completed; 'free_requested' where the recording skipped 'free_completed'), with requested sizes and streams. Blocks already allocated when the recording began (before
 _record_memory_history(), or whose 'alloc' the max_entries ring dropped) are allocated at the start of the
 trace, as PyTorch's memory_viz counts them: those the trace frees, and those the snapshot's segments show
 allocated (e.g. the model's weights). Loading the pickle needs no torch.
@@ -71,12 +71,30 @@ def pick_device(snap, device):
         if device < 0 or device >= len(traces):
             raise ConvertError("no device %d in the snapshot (it has %d device trace(s))" % (device, len(traces)))
         return device
-    used = [d for d, t in enumerate(traces) if t]
+    # A device whose trace holds only 'snapshot' entries (PyTorch records one in every device's trace at each
+    # _snapshot() from the second on, allocated there or not) is not a device the work ran on.
+    # (A malformed entry counts too: reading the device's trace then says what is wrong with it.)
+    used = [d for d, t in enumerate(traces)
+            if any(not isinstance(e, dict) or not isinstance(e.get("action"), str) or e["action"] in _WORK_ACTIONS for e in t)]
     if not used:
         raise ConvertError("the snapshot has no trace events: was _record_memory_history() enabled before the work ran?")
     if len(used) > 1:
         raise ConvertError("the snapshot has events for devices %s: choose one with --device" % used)
     return used[0]
+
+
+_WORK_ACTIONS = ("alloc", "free_requested", "free_completed", "oom")
+
+
+def free_action(snap, device):
+    """The action that frees a block in this device's trace: 'free_completed' (the block is reusable once its
+    free has completed), or 'free_requested' when the trace has none of those but has requests
+    (_record_memory_history(skip_actions=["free_completed"])): without it, nothing would ever be freed."""
+    has = {a: False for a in ("free_requested", "free_completed")}
+    for e in snap["device_traces"][device]:
+        if isinstance(e, dict) and isinstance(e.get("action"), str) and e["action"] in has:
+            has[e["action"]] = True
+    return "free_requested" if has["free_requested"] and not has["free_completed"] else "free_completed"
 
 
 def _int(obj, key, where, default=None):
@@ -107,9 +125,10 @@ def _live_before_trace(snap, device):
     allocated (e.g. the model's weights). PyTorch's memory_viz counts both; leaving them out would replay the
     trace with less memory held than the job held."""
     initial, seen, live = [], set(), set()
+    freeing = free_action(snap, device)
     for i, e in _trace_entries(snap, device):
         action = e["action"]
-        if action not in ("alloc", "free_completed"):
+        if action not in ("alloc", freeing):
             continue
         where = "device %d trace entry %d (%s)" % (device, i, action)
         addr = _int(e, "addr", where) & U64
@@ -151,10 +170,12 @@ def convert(snap, device=None, oom_events=False):
     'allocate failure'; info counts what was kept and skipped and the peak of live requested bytes.
     The blocks live when the trace begins (see _live_before_trace) are allocated first."""
     device = pick_device(snap, device)
+    freeing = free_action(snap, device)
     live = {}  # addr -> requested size
     events = []
     info = dict(device=device, entries=0, actions={}, allocations=0, frees=0, skipped_frees=0, implicit_frees=0,
-                ooms=0, live_requested=0, peak_live_requested=0, live_at_end=0, live_before=0, live_before_bytes=0)
+                ooms=0, live_requested=0, peak_live_requested=0, live_at_end=0, live_before=0, live_before_bytes=0,
+                free_action=freeing, warnings=[])
     cur = 0
     for addr, size, stream in _live_before_trace(snap, device):
         live[addr] = size
@@ -180,7 +201,7 @@ def convert(snap, device=None, oom_events=False):
             cur += size
             if cur > info["peak_live_requested"]:
                 info["peak_live_requested"] = cur
-        elif action == "free_completed":
+        elif action == freeing:
             addr, stream = _int(e, "addr", where) & U64, _int(e, "stream", where, 0) & U64
             size = live.pop(addr, None)
             if size is None:  # a second free of a block the trace already freed
@@ -195,6 +216,19 @@ def convert(snap, device=None, oom_events=False):
                 events.append(("allocate failure", 0, _int(e, "size", where, 0), _int(e, "stream", where, 0) & U64))
     info["live_requested"] = cur
     info["live_at_end"] = len(live)
+    if freeing == "free_requested":
+        info["warnings"].append(
+            "the trace has no 'free_completed' entries (recorded with skip_actions?): each block is freed at its "
+            "'free_requested', so a free that waited for another stream's work (record_stream) ends early")
+    # Recorded without history (_record_memory_history(True) of the legacy API keeps 1 entry, enabled="state"
+    # none): the trace is the end state only, not the run.
+    history = info["allocations"] + info["frees"] + info["skipped_frees"]
+    if history <= 1 and info["live_before"] > 1:
+        info["warnings"].append(
+            "the trace holds %d alloc/free entr%s: the recording kept almost no history, so the trace is "
+            "the blocks live at the snapshot, not the run that led there (_record_memory_history(True) keeps 1 entry, "
+            "enabled='state' none); record with torch.cuda.memory._record_memory_history(max_entries=1_000_000)"
+            % (history, "y" if history == 1 else "ies"))
     return events, info
 
 
@@ -246,6 +280,11 @@ def describe(info, out=sys.stdout):
               % info["implicit_frees"], file=out)
     print("  live at the end: %d allocations, %d bytes" % (info["live_at_end"], info["live_requested"]), file=out)
     print("  peak live requested bytes: %d (%.3f GiB)" % (info["peak_live_requested"], gib), file=out)
+
+
+def warn(info, out=sys.stderr):
+    for w in info["warnings"]:
+        print("torch_snapshot_to_rmm: WARNING: %s" % w, file=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +368,7 @@ def print_replays(results, torch_peak_allocated=None, out=sys.stdout):
         line = "  replay %-12s peak allocated %15d  peak reserved %15d  peak requested %15d  ooms %d  (%.1f s)" % (
             r["backend"], r["peak_allocated"], r["peak_reserved"], r["peak_requested"], r["ooms"], r["seconds"])
         if torch_peak_allocated:
-            line += "  vs PyTorch's peak allocated: %+.3f%%" % (100.0 * (r["peak_allocated"] - torch_peak_allocated) / torch_peak_allocated)
+            line += "  vs PyTorch's peak: %+.3f%%" % (100.0 * (r["peak_allocated"] - torch_peak_allocated) / torch_peak_allocated)
         print(line, file=out)
 
 
@@ -344,7 +383,11 @@ def main(argv=None):
     ap.add_argument("--replay", nargs="+", metavar="BACKEND", choices=["split_merge", "expandable"],
                     help="replay the trace on the simulated device (needs libexpseg.so, see tools/expseg.py)")
     ap.add_argument("--sim-conf", default="", help="extra expseg configuration for --replay (e.g. limit:20GiB)")
-    ap.add_argument("--torch-peak-allocated", type=int, default=None, help="PyTorch's allocated_bytes.all.peak, to compare with --replay")
+    ap.add_argument("--torch-peak-allocated", type=int, default=None,
+                    help="PyTorch's active_bytes.all.peak (torch.cuda.memory_stats()), to compare with --replay's peak "
+                         "allocated: the trace frees a block where its free completed, as active_bytes counts it "
+                         "(allocated_bytes drops at the free's request: the two differ where frees waited for other "
+                         "streams' work)")
     ap.add_argument("--replay-child", nargs=2, metavar=("BACKEND", "TRACE"), help=argparse.SUPPRESS)
     if argv is None:
         argv = sys.argv[1:]
@@ -366,6 +409,7 @@ def main(argv=None):
             check_replay_conf(args.replay, args.sim_conf)
         snap = load_snapshot(args.snapshot)
         events, info = convert(snap, args.device, args.oom_events)
+        warn(info)
         if args.check or args.output:
             describe(info)
         trace = args.output

@@ -1580,6 +1580,56 @@ class ConverterTest(unittest.TestCase):
             else:
                 live.remove(addr)
 
+    def test_a_trace_recorded_without_free_completed_frees_at_free_requested(self):
+        # _record_memory_history(skip_actions=["free_completed"]): 100 steps of a 4 GiB buffer at 20 addresses.
+        # Was: no free kept, 20 blocks live at the end, a replay peak of 80 GiB for a run that held 4 GiB.
+        trace = []
+        for i in range(100):
+            a = 0x7F0000000000 + (i % 20) * (4 << 30)
+            trace.append({"action": "alloc", "addr": a, "size": 4 << 30, "stream": 0})
+            trace.append({"action": "free_requested", "addr": a, "size": 4 << 30, "stream": 0})
+        events, info = conv.convert({"segments": [], "device_traces": [trace]})
+        self.assertEqual(info["free_action"], "free_requested")
+        self.assertEqual((info["allocations"], info["frees"], info["implicit_frees"]), (100, 100, 0))
+        self.assertEqual((info["live_at_end"], info["peak_live_requested"]), (0, 4 << 30))
+        self.assertEqual(len(info["warnings"]), 1)
+        self.assertIn("no 'free_completed' entries", info["warnings"][0])
+        # With free_completed present, free_requested stays a request (the block is reused at its completion).
+        trace.append({"action": "free_completed", "addr": 0x7F0000000000, "size": 4 << 30, "stream": 0})
+        _, info = conv.convert({"segments": [], "device_traces": [trace]})
+        self.assertEqual(info["free_action"], "free_completed")
+        self.assertEqual(info["warnings"], [])
+
+    def test_a_device_with_only_snapshot_entries_is_not_chosen(self):
+        # PyTorch records a 'snapshot' entry in every device's trace at each _snapshot() from the second on.
+        # Was: "the snapshot has events for devices [0, 1]: choose one with --device".
+        work = [{"action": "alloc", "addr": 0x1000, "size": MiB, "stream": 0},
+                {"action": "snapshot", "addr": 0, "size": 0, "stream": 0}]
+        snap = {"segments": [], "device_traces": [[{"action": "snapshot", "addr": 0, "size": 0, "stream": 0}], work]}
+        _, info = conv.convert(snap)
+        self.assertEqual(info["device"], 1)
+        snap["device_traces"][0].insert(0, {"action": "alloc", "addr": 0x2000, "size": MiB, "stream": 0})
+        with self.assertRaisesRegex(conv.ConvertError, r"devices \[0, 1\]: choose one with --device"):
+            conv.convert(snap)
+
+    def test_a_recording_without_history_is_warned_about(self):
+        # _record_memory_history(True) (legacy: 1 entry) or enabled="state": the trace is the end state only.
+        seg = {"device": 0, "address": 0x10000000, "total_size": 30 << 30, "stream": 0, "blocks": [
+            {"address": 0x10000000 + k * (10 << 30), "size": 10 << 30, "requested_size": 10 << 30, "state": "active_allocated"}
+            for k in range(3)]}
+        snap = {"segments": [seg], "device_traces": [[{"action": "free_completed", "addr": 0x90000000, "size": MiB, "stream": 0}]]}
+        with tempfile.TemporaryDirectory() as d:
+            pkl = os.path.join(d, "s.pickle")
+            with open(pkl, "wb") as f:
+                pickle.dump(snap, f)
+            p = subprocess.run([sys.executable, os.path.join(TOOLS, "torch_snapshot_to_rmm.py"), pkl, "--check"],
+                               capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("WARNING: the trace holds 1 alloc/free entry: the recording kept almost no history", p.stderr)
+        self.assertIn("_record_memory_history(max_entries=1_000_000)", p.stderr)
+        _, info = conv.convert(self.snapshot())  # a recording with history: no warning
+        self.assertEqual(info["warnings"], [])
+
     def test_malformed_snapshots_fail_with_a_message(self):
         ok = {"action": "alloc", "addr": 0x1000, "size": 5, "stream": 0}
         cases = [
