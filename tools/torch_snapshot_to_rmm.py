@@ -109,6 +109,17 @@ def _int(obj, key, where, default=None):
     return v
 
 
+def _requested_size(block, where, size):
+    """A segment block's requested bytes: 'requested_size'; PyTorch 2.0's snapshots have none, and keep it
+    as 'real_size' in the block's first 'history' entry (as _memory_viz.py reads them); else the rounded size."""
+    if "requested_size" in block:
+        return _int(block, "requested_size", where)
+    history = block.get("history")
+    if isinstance(history, list) and history and isinstance(history[0], dict) and "real_size" in history[0]:
+        return _int(history[0], "real_size", where + " history 0")
+    return size
+
+
 def _trace_entries(snap, device):
     """The device's trace entries, each checked to be a dict with an action."""
     for i, e in enumerate(snap["device_traces"][device]):
@@ -158,7 +169,7 @@ def _live_before_trace(snap, device):
             # allocated, or freed by the program while another stream still uses it: memory held either way
             if block.get("state") in ("active_allocated", "active_pending_free") and (addr & U64) not in live:
                 if addr & U64 not in seen:
-                    initial.append((addr & U64, _int(block, "requested_size", bwhere, size),
+                    initial.append((addr & U64, _requested_size(block, bwhere, size),
                                     _int(seg, "stream", where, 0) & U64))
                     seen.add(addr & U64)
             addr += size

@@ -1600,6 +1600,17 @@ class ConverterTest(unittest.TestCase):
         self.assertEqual(info["free_action"], "free_completed")
         self.assertEqual(info["warnings"], [])
 
+    def test_a_pytorch_2_0_block_gives_its_requested_size_in_its_history(self):
+        # PyTorch 2.0's segment blocks have no 'requested_size': 'history'[0]['real_size'] holds it (was: the
+        # rounded 20 MiB of a 19 MiB request seeded).
+        seg = {"device": 0, "address": 0x10000000, "total_size": 20 * MiB, "stream": 0, "blocks": [
+            {"address": 0x10000000, "size": 20 * MiB, "state": "active_allocated",
+             "history": [{"addr": 0x10000000, "real_size": 19 * MiB, "frames": []}]}]}
+        trace = [{"action": "alloc", "addr": 0x90000000, "size": MiB, "stream": 0}]
+        events, info = conv.convert({"segments": [seg], "device_traces": [trace]})
+        self.assertEqual(events[0], ("allocate", 0x10000000, 19 * MiB, 0))
+        self.assertEqual(info["live_before_bytes"], 19 * MiB)
+
     def test_a_device_with_only_snapshot_entries_is_not_chosen(self):
         # PyTorch records a 'snapshot' entry in every device's trace at each _snapshot() from the second on.
         # Was: "the snapshot has events for devices [0, 1]: choose one with --device".
