@@ -208,14 +208,16 @@ void check_config(const Config& c) {
                                               " is not a power of two that is a multiple of 4KiB, at most 1TiB, e.g. 2MiB");
   if (c.device != DeviceKind::sim) return;
   // A capacity under a MiB is most likely a unit left out (sim_capacity:80), not a page size too
-  // large. A value that a unit gives exactly (512KiB, maybe typed so) gets no guess at the unit.
+  // large. A value that a unit gives exactly (512KiB, or 1024 typed bare: the text is gone here) gets
+  // the hint in a form true of either.
   if (g > c.sim_capacity && c.sim_capacity < (std::size_t{1} << 20)) {
     const std::string bytes = std::to_string(c.sim_capacity);
     const std::string shown = size_value(c.sim_capacity);
     throw config_error("sim_capacity", "sim_capacity: " + (shown == bytes ? bytes + " bytes" : shown + " (" + bytes + " bytes)") +
                                            " is less than one page of the simulated device (sim_granularity " + size_value(g) + "); " +
                                            (shown == bytes ? "a size without a unit is a number of bytes: did you mean sim_capacity:" + bytes + "GiB?"
-                                                           : "expected at least one page, e.g. 80GiB"));
+                                                           : "expected at least one page (a size without a unit is a number of bytes: "
+                                                             "sim_capacity:" + bytes + "GiB for " + bytes + " GiB)"));
   }
   if (g > c.sim_capacity)
     throw config_error("sim_granularity", "sim_granularity: " + size_value(g) + " is larger than sim_capacity (" +

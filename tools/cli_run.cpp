@@ -1,5 +1,6 @@
 // expseg replay / scenario / study: the A/B runs, their tables, and the HTML picture.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -364,12 +365,15 @@ void check_picture_path(const std::string& path, const std::vector<std::string>&
   for (const std::string& in : inputs)
     if (std::filesystem::equivalent(path, in, ec))
       throw UsageError("--html " + path + " is the input " + in + " itself: writing the picture would overwrite it; give --html another file");
+  // A FIFO (a named one, or /dev/stdout into a pipe) is not opened to check it: opening it blocks
+  // until a reader comes (was: a hang before the runs), and closing it again ends a named FIFO's
+  // reader's input before the picture is written. The picture is written to it after the runs, where
+  // it waits for a reader as any writer of a FIFO does.
+  if (struct stat st; ::stat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode)) return;
   const bool existed = std::filesystem::exists(std::filesystem::symlink_status(path, ec));
-  // No O_TRUNC: a kept file stays as it is. O_NONBLOCK: a FIFO nobody reads yet fails (ENXIO) instead
-  // of blocking the command before its runs (was: a hang); one with a reader (--html /dev/stdout into a
-  // pipe) is fine.
+  // No O_TRUNC: a kept file stays as it is. O_NONBLOCK: a socket or a device that would block is
+  // refused (with the system's reason), not waited on.
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK, 0666);
-  if (fd < 0 && errno == ENXIO) throw error("cannot write the report to '" + path + "': it is a FIFO that no process reads");
   if (fd < 0) throw error("cannot write the report to '" + path + "': " + std::strerror(errno));
   ::close(fd);
   if (!existed) ::unlink(path.c_str());

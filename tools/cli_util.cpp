@@ -188,13 +188,14 @@ Setup make_setup(const Args& args) {
   if (const char* env = std::getenv("EXPSEG_ALLOC_CONF")) s.env_conf = env;
   // The job's EXPSEG_ALLOC_CONF, still set in the shell that now replays its trace, names the job's
   // dump: a simulated run writing there replaced the job's dump and its trace (the evidence the
-  // replay is about) with its own. Only a --conf oom_dump or record asks these commands for them.
+  // replay is about) with its own. Only --conf oom_dump asks these commands for dumps; the recorder,
+  // which only feeds a dump's trace, goes with the dump unless --conf names it.
   if (!s.config.oom_dump.empty() && !conf_names(args, {"oom_dump"})) {
     std::fprintf(stderr, "note: oom_dump in EXPSEG_ALLOC_CONF is not used by this command (it would overwrite that job's dump); "
                          "--conf oom_dump:PATH writes this run's dumps\n");
     s.config.oom_dump.clear();
+    if (!conf_names(args, {"record"})) s.config.record = false;
   }
-  if (s.config.record && !conf_names(args, {"record"})) s.config.record = false;
   const bool conf_backend = conf_names(args, {"backend", "expandable_segments"});
   if (args.get("--backend")) {
     // Both would pick the backend, one of them silently ignored: the caller must choose.

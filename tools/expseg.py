@@ -414,7 +414,8 @@ def record_write(path, device=0):
 
 def record_partial(device=0):
     """Whether the recorded events do not start from an empty allocator (recording began while memory was
-    allocated or cached, or a full ring dropped the oldest events): replay them with `expseg replay --lenient`."""
+    allocated or cached, or a full ring dropped the oldest events): their replay starts from another state, and
+    needs `expseg replay --lenient` where it frees blocks it never saw allocated."""
     partial = ctypes.c_int(0)
     _check(load().expseg_record_partial(_device(device), ctypes.byref(partial)), "expseg_record_partial")
     return partial.value == 1

@@ -230,7 +230,8 @@ def convert(snap, device=None, oom_events=False):
     if freeing == "free_requested":
         info["warnings"].append(
             "the trace has no 'free_completed' entries (recorded with skip_actions?): each block is freed at its "
-            "'free_requested', so a free that waited for another stream's work (record_stream) ends early")
+            "'free_requested', so a free that waited for another stream's work (record_stream) ends early (compare "
+            "--replay's peak with allocated_bytes.all.peak then, not active_bytes)")
     # Recorded without history (_record_memory_history(True) of the legacy API keeps 1 entry, enabled="state"
     # none): the trace is the end state only, not the run.
     history = info["allocations"] + info["frees"] + info["skipped_frees"]

@@ -241,8 +241,10 @@ class Allocator {
   bool recording() const;
   std::vector<TraceEvent> recorded() const;
   // Whether recorded() does not start from an empty allocator: the recording began while memory was
-  // allocated or cached, or events were dropped (a full ring, or no host memory for one). Its replay
-  // then needs ReplayOptions::lenient (expseg replay --lenient): it frees what it never saw allocated.
+  // allocated or cached, or events were dropped (a full ring, or no host memory for one). A replay
+  // then starts from another state than the run did; where blocks were live at the start or events
+  // were dropped, it frees what it never saw allocated and needs ReplayOptions::lenient (expseg
+  // replay --lenient). (Memory only cached at the start replays strictly.)
   bool recorded_partial() const;
   // snapshot() and recorded() of one moment (one lock): the events end where the snapshot stands,
   // as a viewer that walks the events back from the snapshot needs (PyTorch's memory_viz).

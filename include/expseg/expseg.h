@@ -264,8 +264,9 @@ EXPSEG_API int expseg_record_stop(int device) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_set_record_default(int on, size_t ring) EXPSEG_NOEXCEPT;
 EXPSEG_API int expseg_record_write(int device, const char* path) EXPSEG_NOEXCEPT;
 /* *partial = 1 when what record_write writes does not start from an empty allocator (the recording
- * began while memory was allocated or cached, or a full ring dropped its oldest events): replay it
- * with `expseg replay --lenient`; 0 when it does (or `device` has no allocator yet). */
+ * began while memory was allocated or cached, or a full ring dropped its oldest events): its replay
+ * starts from another state, and needs `expseg replay --lenient` where it frees blocks it never saw
+ * allocated; 0 when it does start there (or `device` has no allocator yet). */
 EXPSEG_API int expseg_record_partial(int device, int* partial) EXPSEG_NOEXCEPT;
 /* expseg_snapshot_json and expseg_record_write of one moment (one lock, taken once): the events
  * written to `trace_path` end where the returned snapshot stands, which a viewer that walks the

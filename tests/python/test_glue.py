@@ -385,7 +385,7 @@ print("sim limit", expseg.get_limit()[0])
             self.assertEqual(len(frees), 4)
             events = conv.read_trace(path)  # the converter reads expseg's own traces too
             self.assertEqual(sum(1 for e in events if e[0] == "allocate"), 4)
-        expseg.record_start()  # afresh over the memory the frees left cached: a replay needs --lenient
+        expseg.record_start()  # afresh over the memory the frees left cached: not where a replay starts
         self.assertTrue(expseg.record_partial())
         expseg.record_stop()
 

@@ -326,7 +326,7 @@ TEST_CASE("allocator: a bounded recorder keeps the last events") {
   a.stop_recording();
   a.deallocate(a.allocate(1));
   CHECK(a.recorded().size() == 10);
-  a.start_recording();  // afresh, but over cached memory: its first frees may be of blocks it never saw
+  a.start_recording();  // afresh, but over cached memory: not the state the replay starts from
   CHECK(a.recorded_partial());
   a.release_cached();
   a.start_recording();

@@ -174,6 +174,15 @@ TEST_CASE("usability: a simulated capacity without a unit is answered with the u
     CHECK(m.rfind("sim_capacity: 512KiB (524288 bytes) is less than one page of the simulated device (sim_granularity 2MiB)", 0) == 0);
     CHECK(m.find("did you mean") == std::string::npos);
   }
+  // 1024 typed bare reads as 1KiB: the hint still says what a bare number means, and the GiB form.
+  try {
+    Allocator a(Config::parse("device:sim,sim_capacity:1024"));
+    FAIL("a simulated device smaller than its page was accepted");
+  } catch (const config_error& e) {
+    const std::string m = e.what();
+    CAPTURE(m);
+    CHECK(m.find("a size without a unit is a number of bytes: sim_capacity:1024GiB for 1024 GiB") != std::string::npos);
+  }
   // A page size larger than a real capacity is still the page size's fault.
   try {
     Allocator a(Config::parse("device:sim,sim_capacity:1GiB,sim_granularity:4GiB"));
