@@ -659,7 +659,14 @@ driver::stream_t Allocator::Impl::route_to_pool(driver::stream_t stream, bool ma
   if (!capture_routes.empty()) {
     try {
       id = driver->stream_capture_id(backends::capture_query_stream(stream));
-    } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
+    } catch (const driver_error&) {
+      // A stream of a capture expseg was told of (its own, or one it forked to) keeps its route: the
+      // capture counts as underway until end_graph_pool (was: a failed question sent the request
+      // out of the graph's pool, to memory an eager request could get while the graph replays into it).
+      for (const CaptureRoute& r : capture_routes) {
+        const bool fork = std::any_of(r.forks.begin(), r.forks.end(), [&](const CaptureRoute::Fork& f) { return f.stream == stream; });
+        if (r.stream == stream || fork) id = r.capture_id;
+      }
     }
   }
   if (id != 0)
@@ -1104,7 +1111,11 @@ void Allocator::end_graph_pool(std::uint64_t pool) {
     std::uint64_t id = 0;
     try {
       id = m.driver->stream_capture_id(backends::capture_query_stream(r->stream));
-    } catch (const driver_error&) {  // a stream the driver no longer knows captures nothing
+    } catch (const driver_error& e) {
+      // A stream the driver no longer knows captures nothing; any other failure leaves the capture's
+      // end unknown: refused, with nothing changed yet (was: read as ended, dropping the route of a
+      // capture that still ran).
+      if (!driver::Driver::stream_gone(e)) throw;
     }
     if (id != r->capture_id) {
       ended = true;

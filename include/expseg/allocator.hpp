@@ -29,7 +29,9 @@
 // expseg::invalid_pointer; failing driver calls throw expseg::driver_error. After any throw the
 // allocator is unchanged and keeps serving, except that release_cached(), set_limit(),
 // release_stream() and end_graph_pool() may have done part of their work before a driver error
-// (memory given back stays given back; each says what); the allocator stays consistent.
+// (memory given back stays given back; each says what), and so may allocate(): cached memory it
+// gave back to make room for the request stays given back when the driver then fails it with an
+// error other than out of memory. The allocator stays consistent.
 //
 // Size 0: allocate(0) returns nullptr and deallocate(nullptr) does nothing (PyTorch's behaviour).
 #pragma once

@@ -175,6 +175,10 @@ class Driver {
   // the one question that sees a capture on any blocking stream, untold ones on other threads' too.
   virtual std::uint64_t stream_capture_id(stream_t stream);
   static constexpr int kCaptureImplicitCode = 906;
+  // Whether a failed question about a stream says the stream no longer exists (CUDA_ERROR_INVALID_
+  // CONTEXT, _INVALID_HANDLE, _CONTEXT_IS_DESTROYED): such a stream captures nothing. Any other
+  // failure of stream_capture_id says nothing about a capture either way.
+  static bool stream_gone(const driver_error& e) noexcept { return e.code() == 201 || e.code() == 400 || e.code() == 709; }
   // How a capture restricts "unsafe" calls (CUstreamCaptureMode). cuGraphInstantiate is one
   // (measured on the H200: refused with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED while another capture
   // is underway in global mode), so two captures at once end one after the other only when the

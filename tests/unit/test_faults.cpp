@@ -19,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "test_util.hpp"
@@ -481,3 +482,75 @@ TEST_CASE("faults: a failing cuEventQuery fails the allocation, and the pending 
 }
 
 }  // TEST_SUITE
+
+// A capture question the driver fails (not for a stream gone) says nothing about the capture: a
+// capture expseg was told of keeps its requests in its graph pool, and end_graph_pool refuses to
+// guess that it ended. Was: the request was served from the stream's ordinary cache, which an eager
+// request got after the capture while the graph replayed into it; and end_graph_pool dropped the
+// route of a capture still running.
+TEST_CASE("faults: a failed capture question keeps a told capture's requests in its pool, and end_graph_pool refuses") {
+  for (BackendKind b : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(b);
+    auto s = make_sim_allocator(sim_config(b, 1024 * MiB));
+    void* cs = s.sim->stream_create();
+    s.sim->capture_begin(cs);
+    s->begin_graph_pool(7, cs);
+    s.sim->inject_fault(Op::stream_query, 1, Fault::error);
+    void* p = s->allocate(4 * MiB, cs);
+    void* q = s->allocate(4 * MiB, cs);
+    const auto blocks = s->graph_pool_blocks(7);
+    CHECK(blocks.size() == 2);
+    CHECK(std::count_if(blocks.begin(), blocks.end(), [&](const auto& x) { return x.first == addr(p); }) == 1);
+    // The capture still runs: end_graph_pool refuses, its question failed or not, and keeps the route.
+    s.sim->inject_fault(Op::stream_query, 1, Fault::error);
+    CHECK_THROWS_AS(s->end_graph_pool(7), expseg::driver_error);
+    CHECK_THROWS_AS(s->end_graph_pool(7), expseg::error);  // "still running", as without a fault
+    void* t = s->allocate(MiB, cs);
+    CHECK(s->graph_pool_blocks(7).size() == 3);
+    s->validate();
+    const auto g = s.sim->capture_end(cs);
+    s->end_graph_pool(7);
+    s->deallocate(p);
+    s->deallocate(q);
+    s->deallocate(t);
+    void* r = s->allocate(4 * MiB, cs);  // eager, after the capture: not the graph's memory
+    CHECK(r != p);
+    CHECK(r != q);
+    s->deallocate(r);
+    s.sim->graph_destroy(g);
+    s->release_graph_pool(7);
+    s->validate();
+  }
+}
+
+// split_merge's optional clean-up before a new segment (an exited thread's cache, garbage collection):
+// a cuMemFree refused there does not fail a request the limit and the device have room for. Was: the
+// request failed with that driver_error.
+TEST_CASE("faults: split_merge serves a request whose optional clean-up was refused by cuMemFree") {
+  {
+    auto c = sim_config(BackendKind::split_merge, 1024 * MiB, "garbage_collection_threshold:0.5");
+    c.limit = expseg::Limit{200 * MiB, 0.0};
+    auto s = make_sim_allocator(c);
+    void* a = s->allocate(60 * MiB);
+    void* b = s->allocate(60 * MiB);
+    s->deallocate(a);
+    s->deallocate(b);
+    s.sim->inject_fault(Op::mem_free, 1, Fault::error);
+    void* p = nullptr;
+    CHECK_NOTHROW(p = s->allocate(70 * MiB));
+    CHECK(p != nullptr);
+    s->validate();
+    s->deallocate(p);
+  }
+  {
+    auto s = make_sim_allocator(sim_config(BackendKind::split_merge, 1024 * MiB));
+    void* per_thread = reinterpret_cast<void*>(0x2);  // cudaStreamPerThread
+    std::thread([&] { s->deallocate(s->allocate(30 * MiB, per_thread)); }).join();
+    s.sim->inject_fault(Op::mem_free, 1, Fault::error);  // the exited thread's cached segment
+    void* p = nullptr;
+    CHECK_NOTHROW(p = s->allocate(50 * MiB));
+    CHECK(p != nullptr);
+    s->validate();
+    s->deallocate(p);
+  }
+}

@@ -428,8 +428,14 @@ Block* SplitMergeBackend::allocate(std::size_t requested, driver::stream_t strea
       // deliberate difference): each cuMemFree is one more call that a capture may refuse.
       found = alloc_block(p, false);
     } else {
-      reap_retired(stream, false);
-      if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
+      // Optional clean-up first (an exited thread's cache, garbage collection): a cuMemFree refused
+      // there stops the clean-up, not the request, which may fit without it (was: the request failed
+      // with that driver_error on a device with room). The segment it could not free stays cached.
+      try {
+        reap_retired(stream, false);
+        if (gc_enabled() && !cupy()) garbage_collect_cached_blocks();
+      } catch (const driver_error&) {
+      }
       // CuPy (_try_malloc, since cupy/cupy#7679) has no oversize blocks to release first
       // (release_available_cached_blocks does nothing for it): over the limit or out of device memory,
       // it frees all unsplit cached blocks (free_all_blocks) and retries, as PyTorch's last step does.
