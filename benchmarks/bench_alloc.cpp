@@ -232,13 +232,35 @@ void bm_churn(benchmark::State& st, const std::string& key, const Make<S>& make,
     if (fresh)
       for (std::size_t i = 0; i < warm; ++i) churn.step();
     std::int64_t maps_before = 0;
-    if constexpr (std::is_same_v<S, ExpsegSubject>) maps_before = s.allocator().stats().num_device_alloc;
-    for (auto _ : st) churn.step();
+    driver::CallStats calls_before;
+    if constexpr (std::is_same_v<S, ExpsegSubject>) {
+      maps_before = s.allocator().stats().num_device_alloc;
+      calls_before = detail::AllocatorAccess::driver(s.allocator()).call_stats();
+    }
+    std::uint64_t steps = 0;
+    for (auto _ : st) {
+      churn.step();
+      ++steps;
+    }
     st.counters["ns_per_step"] = ns_per(1);
     // Driver allocations (handles or segments) inside the timed steps: on a GPU each costs tens
-    // of microseconds, so a few per million steps show in ns_per_step.
-    if constexpr (std::is_same_v<S, ExpsegSubject>)
+    // of microseconds, so a few per million steps show in ns_per_step. driver_ns_per_step is their
+    // share of a step (a GPU times each call; the simulated device gives its latency model's
+    // figure, 0 without sim_latency), and the counts per million steps say which calls it is.
+    if constexpr (std::is_same_v<S, ExpsegSubject>) {
       st.counters["device_allocs"] = static_cast<double>(s.allocator().stats().num_device_alloc - maps_before);
+      const driver::CallStats d = detail::AllocatorAccess::driver(s.allocator()).call_stats().since(calls_before);
+      const double n = static_cast<double>(std::max<std::uint64_t>(steps, 1));
+      st.counters["driver_ns_per_step"] = d.total_seconds() * 1e9 / n;
+      for (const driver::Op op : {driver::Op::create, driver::Op::map, driver::Op::set_access, driver::Op::unmap,
+                                  driver::Op::release, driver::Op::event_record, driver::Op::event_query,
+                                  driver::Op::stream_sync, driver::Op::mem_alloc, driver::Op::mem_free}) {
+        const auto i = static_cast<std::size_t>(op);
+        if (d.calls[i] == 0) continue;
+        st.counters[std::string(driver::op_name(op)) + "_per_M"] = static_cast<double>(d.calls[i]) * 1e6 / n;
+        st.counters[std::string(driver::op_name(op)) + "_us_each"] = d.seconds[i] * 1e6 / static_cast<double>(d.calls[i]);
+      }
+    }
   });
 }
 

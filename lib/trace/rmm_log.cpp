@@ -255,8 +255,17 @@ struct Parser {
   }
 
   [[noreturn]] void bad(std::size_t line_no, int col, std::string_view value, const char* reason) const {
-    fail(line_no, "bad " + std::string(kColumnNames[std::size_t(col)]) + " " + quote(value) + ": " + reason);
+    bad_line(line_no, "bad " + std::string(kColumnNames[std::size_t(col)]) + " " + quote(value) + ": " + reason);
   }
+  // A data line that does not parse. A last line without its newline is most often one cut off as
+  // it was written (a job killed mid-write, RMM's log not flushed): the message says so, since the
+  // lines before it are whole.
+  [[noreturn]] void bad_line(std::size_t line_no, const std::string& msg) const {
+    if (!unterminated) fail(line_no, msg);
+    fail(line_no, msg + "; this is the file's last line and it has no newline at its end, as when the process writing the log "
+                        "stopped mid-line: delete it to read the lines before it");
+  }
+  bool unterminated = false;  // the line being parsed is the text's last and no newline ends it
 
   // One line, without its '\n'.
   void line(std::string_view line) {
@@ -284,7 +293,7 @@ struct Parser {
       p = q + 1;
     }
     if (nfields != ncols)
-      fail(line_no, "expected " + std::to_string(ncols) + " comma-separated fields (as in the header), found " +
+      bad_line(line_no, "expected " + std::to_string(ncols) + " comma-separated fields (as in the header), found " +
                         std::to_string(nfields) + ": " + quote(line));
     for (auto& v : f)
       if (!v.empty() && (is_space(v.front()) || is_space(v.back()))) v = trim(v);
@@ -344,7 +353,10 @@ class LineFeeder {
     }
   }
   void finish() {
-    if (!carry_.empty()) parser_.line(carry_);
+    if (!carry_.empty()) {
+      parser_.unterminated = true;
+      parser_.line(carry_);
+    }
     carry_.clear();
   }
 
@@ -498,6 +510,7 @@ Trace parse_trace(std::string_view csv_text, const std::string& name) {
   parser.t.events.reserve(std::min(estimate, kMaxReserve));
   while (!csv_text.empty()) {
     const std::size_t nl = csv_text.find('\n');
+    parser.unterminated = nl == std::string_view::npos;
     parser.line(csv_text.substr(0, nl));
     csv_text.remove_prefix(nl == std::string_view::npos ? csv_text.size() : nl + 1);
   }

@@ -278,6 +278,31 @@ TEST_CASE("trace: wrong number of fields") {
   CHECK(c.what == "t.csv:2: expected 7 comma-separated fields (as in the header), found 6: \"1,0,allocate,0x10,16,0x0\"");
 }
 
+TEST_CASE("trace: a last line cut off mid-write is named as such, in memory and in a file") {
+  // A job killed while its RMM log was written: the lines before the last are whole.
+  const std::string whole = std::string(kHeader) + "1,0,allocate,0x10,16,0x0\n";
+  const std::string hint =
+      "; this is the file's last line and it has no newline at its end, as when the process writing the log stopped "
+      "mid-line: delete it to read the lines before it";
+  auto c = parse_error(whole + "1,1,allocate,0x7f5");
+  CHECK(c.line == 3);
+  CHECK(c.what == "t.csv:3: expected 6 comma-separated fields (as in the header), found 4: \"1,1,allocate,0x7f5\"" + hint);
+  c = parse_error(whole + "1,1,allocate,0x20,16,0x");
+  CHECK(c.what == "t.csv:3: bad Stream \"0x\": expected a 0x-prefixed hex or a decimal number" + hint);
+  // The same line with its newline is only malformed; so is a bad line before the last.
+  c = parse_error(whole + "1,1,allocate,0x7f5\n");
+  CHECK(c.what == "t.csv:3: expected 6 comma-separated fields (as in the header), found 4: \"1,1,allocate,0x7f5\"");
+  c = parse_error(std::string(kHeader) + "1,1,allocate,0x7f5\n1,0,allocate,0x10,16,0x0");
+  CHECK(c.what == "t.csv:2: expected 6 comma-separated fields (as in the header), found 4: \"1,1,allocate,0x7f5\"");
+  // Read from a file, in pieces (the line is the feeder's carry at the end).
+  TempDir dir;
+  const std::string path = dir.file("killed.csv");
+  write_bytes(path, whole + "1,1,free,0x1");
+  c = catch_trace_error([&] { expseg::read_trace(path); });
+  CHECK(c.line == 3);
+  CHECK(c.what == path + ":3: expected 6 comma-separated fields (as in the header), found 4: \"1,1,free,0x1\"" + hint);
+}
+
 TEST_CASE("trace: bad values name the line, the column and the text") {
   struct Case {
     const char* line;
