@@ -30,8 +30,12 @@
 // allocator is unchanged and keeps serving, except that release_cached(), set_limit(),
 // release_stream() and end_graph_pool() may have done part of their work before a driver error
 // (memory given back stays given back; each says what), and so may allocate(): cached memory it
-// gave back to make room for the request stays given back when the driver then fails it with an
-// error other than out of memory. The allocator stays consistent.
+// gave back to make room for the request stays given back when the request then fails. At an
+// out_of_memory, split_merge, as PyTorch, has given back every cached segment it could; expandable
+// gives back nothing for a request that would not fit even with all its idle memory given back (it
+// checks that first: its cache stays mapped for the requests that follow, and the report counts it
+// as reserved but unallocated; release_cached() gives it back), and otherwise only what it unmapped
+// before the device itself refused. The allocator stays consistent.
 //
 // Size 0: allocate(0) returns nullptr and deallocate(nullptr) does nothing (PyTorch's behaviour).
 #pragma once

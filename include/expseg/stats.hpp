@@ -16,9 +16,15 @@
 // Identities of the `all` figures (checked by tests after every step of randomized runs; per pool
 // they hold on split_merge only, as expandable's small_pool reserves nothing, see above):
 //   allocated_bytes.current <= active_bytes.current (a block freed while a stream still uses it is
-//     no longer allocated but still active)
+//     no longer allocated but still active; it stops being active when the allocator sees the
+//     stream's event complete: split_merge, as PyTorch, looks at every such stream at each request,
+//     expandable at two a request in turn, so with three or more such streams its active and
+//     requested figures can lag a few requests behind, and all are looked at before it maps memory)
 //   active_bytes.current <= reserved_bytes.current <= limit (when a limit is set; after set_limit
-//     lowered it below what was held, reserved may stay above it until live blocks are freed)
+//     lowered it below what was held, reserved may stay above it: on expandable until the live
+//     blocks in that memory are freed; on split_merge, as on PyTorch, also after they are, since its
+//     cache keeps serving requests, until release_cached() or a request that needs a new segment
+//     gives cached segments back)
 //   CuPy: total_bytes == used_bytes + free_bytes
 //   every peak >= its current
 #pragma once
@@ -99,7 +105,10 @@ struct Stats {
   std::int64_t max_split_size = -1;  // -1: unlimited (PyTorch reports SIZE_MAX as -1 too)
 
   // expseg's own, beyond PyTorch's:
-  Stat physical_handles;      // expandable: cuMemCreate handles held; split_merge: driver allocations
+  // expandable: physical handles mapped (current: cuMemCreate handles held; allocated/freed count
+  // every map and unmap, so a handle moved under a limit, unmapped and mapped elsewhere, counts in
+  // both); split_merge: driver allocations.
+  Stat physical_handles;
   std::int64_t num_free_blocks = 0;  // free blocks holding device memory (expandable: mapped ones), CuPy's n_free_blocks
 
   // --- CuPy's views of the same numbers ---
