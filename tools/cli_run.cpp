@@ -737,6 +737,21 @@ void print_counterfactual_check(const OomReport& r, const Trace& trace, const st
     if (res.backend != r.other_backend) continue;
     const bool fails = std::find(res.oom_events.begin(), res.oom_events.end(), failed) != res.oom_events.end();
     if (fails == (r.counterfactual == Counterfactual::would_fail)) return;
+    // A replay that failed a request this run served holds other allocations from there on (less:
+    // the failed block and its later free are skipped), so what it does with the dumped request is
+    // no answer for this run.
+    std::size_t diverged = failed;
+    for (const std::uint64_t k : res.oom_events)
+      if (k < diverged && trace.events[k].action == TraceAction::allocate) diverged = static_cast<std::size_t>(k);
+    if (diverged != failed) {
+      const TraceEvent& e = trace.events[diverged];
+      const std::string where = e.line != 0 ? "line " + std::to_string(e.line) + " of the trace" : "event " + std::to_string(diverged + 1);
+      std::printf("\nNote: replayed through this run's events, the %s backend ran out of memory earlier, at a request of %s\n"
+                  "(%s) that this run served; from there it holds other allocations than this run, so what it does\n"
+                  "with this request is no answer for this run.\n",
+                  r.other_backend.c_str(), format_bytes(e.size).c_str(), where.c_str());
+      return;
+    }
     std::printf("\nNote: the report says the %s backend would have %s this request; it placed the live allocations in a fresh\n"
                 "pool. Replayed through this run's events, %s %s it: its own history (what it cached and split on the way)\n"
                 "decides, so for this run the replay's answer is the one that holds.\n",

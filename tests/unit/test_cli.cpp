@@ -931,6 +931,33 @@ TEST_CASE("cli: explain says when its replay of the other backend answers the du
   REQUIRE(f.status == 0);
   CHECK(f.out.find("expandable") != std::string::npos);
   CHECK(f.out.find("Note: the report says") == std::string::npos);
+  // expandable's run of the same story asks 500 MiB more, past the limit with the live 1.86 GiB:
+  // no backend serves that. split_merge's replay served it only because it had failed the 800 MiB
+  // request before (the trace's second 800 MiB), which this run served, and so held 800 MiB less. Was: "split_merge
+  // serves it ... the replay's answer is the one that holds".
+  {
+    expseg::Allocator a(expseg::Config::parse("device:sim,sim_capacity:8GiB,backend:expandable,limit:2064MiB,record:true,oom_dump:" +
+                                              (dir / "diverged-%n.json").string()));
+    a.deallocate(a.allocate(2000u << 20));
+    void* p800 = a.allocate(800u << 20);
+    void* p500 = a.allocate(500u << 20);
+    void* p300 = a.allocate(300u << 20);
+    a.deallocate(p500);
+    void* p800b = a.allocate(800u << 20);
+    CHECK_THROWS_AS(a.allocate(500u << 20), expseg::out_of_memory);
+    REQUIRE(a.last_oom().has_value());
+    CHECK(a.last_oom()->verdict == expseg::OomVerdict::limit);
+    CHECK(a.last_oom()->counterfactual == expseg::Counterfactual::would_fail);
+    for (void* p : {p800, p300, p800b}) a.deallocate(p);
+  }
+  const Run g = run_cli("explain '" + (dir / "diverged-1.json").string() + "'");
+  CAPTURE(g.out);
+  REQUIRE(g.status == 0);
+  CHECK(g.out.find("the replay's answer is the one that holds") == std::string::npos);
+  CHECK(g.out.find("Note: replayed through this run's events, the split_merge backend ran out of memory earlier, at a request of "
+                   "800.00 MiB\n(line ") != std::string::npos);
+  CHECK(g.out.find(" of the trace) that this run served; from there it holds other allocations than this run, so what it does\nwith "
+                   "this request is no answer for this run.\n") != std::string::npos);
 }
 
 TEST_CASE("cli: explain of an expandable dump under policy:cupy with PyTorch's rules replays split_merge as CuPy's pool") {
