@@ -237,9 +237,10 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
   // A stream that finds no memory sets badbit and drops the text: throw instead (the caller's short report).
   os.exceptions(std::ios::badbit);
   const std::size_t unallocated = r->reserved_unallocated_bytes();
-  // As PyTorch, memory cached in private pools (CUDA graph pools other than the request's) counts as
-  // allocated, not as reserved but unallocated: the request cannot use it.
-  const std::size_t in_pools = std::min(fs.graph_pool_bytes, unallocated);
+  // As PyTorch, memory cached in private pools (CUDA graph pools; of the request's own pool, the
+  // blocks too small for it) counts as allocated, not as reserved but unallocated: the request
+  // cannot use it. Whole blocks: the free blocks the message counts are these bytes' blocks.
+  const std::size_t in_pools = std::min(fs.graph_pool_free_bytes, unallocated);
   if (config.backend == BackendKind::split_merge && config.policy == PoolPolicy::cupy) {
     os << "Out of memory allocating " << with_commas(r->rounded_bytes) << " bytes (allocated so far: " << with_commas(r->reserved_bytes)
        << " bytes";
@@ -317,7 +318,7 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
         os << " Of those pages, " << format_bytes(r->page_slack_bytes) << " in " << r->partial_pages << " page"
            << (r->partial_pages == 1 ? " is" : "s are") << " free but shared with live allocations: pages ("
            << format_bytes(driver->granularity()) << ") are the smallest unit memory is mapped in, so only a request smaller than such a gap"
-           << " can use it; allocation sizes in multiples of " << format_bytes(driver->granularity()) << " leave no such gaps.";
+           << ", on the stream of the allocations beside it, can use it; allocation sizes in multiples of " << format_bytes(driver->granularity()) << " leave no such gaps.";
       break;
     }
     case OomVerdict::fragmentation: {
@@ -383,6 +384,13 @@ std::shared_ptr<OomReport> Allocator::Impl::build_oom_report(std::size_t request
            << "retry asks the device for a new segment and does not look in the cache again, so the same request made again is "
            << "served from it.";
       }
+      // Expandable moves free memory to the request by unmapping it where it lies (another stream's
+      // idle memory, or its own not placed right): say what could not move.
+      if (!capture_underway && fs.handle_pinned_bytes != 0)
+        os << " Of the free memory, " << format_bytes(fs.handle_pinned_bytes)
+           << " lies in physical handles that live allocations use in part: a handle goes back to the device only whole, so "
+           << "that memory stays where it is while they live (without a limit a block may be placed in part of a free handle; "
+           << "with one, e.g. limit:100%, blocks never use part of a handle).";
       // A pool's free block large enough for the request serves only that pool's allocations.
       if (!capture_underway && fs.largest_graph_pool_block >= r->rounded_bytes && fs.largest_usable_block < r->rounded_bytes)
         os << " The free block of " << format_bytes(fs.largest_graph_pool_block)

@@ -274,13 +274,16 @@ struct FreeSummary {
   bool cache_serves = false;
   std::size_t free_blocks = 0;         // free blocks backed by memory
   std::size_t releasable_bytes = 0;    // cached bytes that release_cached() would give back
-  // Free bytes cached for live graph pools: no request but their captures' can use them (those of
-  // the request's own key, a pool's while the request is routed there, are left out; expandable:
-  // so are those in frames live blocks touch, which live_footprint counts).
+  // Free bytes cached for live graph pools: no request but their captures' can use them. Of the
+  // request's own pool (a request routed to a pool), only the free blocks smaller than the request:
+  // those cannot serve it, nor can any backend give them back while the pool lives; a larger one
+  // may serve it. Expandable: but those in frames live blocks touch, which live_footprint counts.
   std::size_t graph_pool_bytes = 0;
-  // The free blocks that hold those bytes (counted in free_blocks and largest_free_block too): how
-  // many, the largest, and the largest free block outside them, which the OOM report's fragmentation
-  // verdict names apart (as PyTorch's message counts pool memory as allocated).
+  // The free blocks that hold those bytes (counted in free_blocks and largest_free_block too): their
+  // bytes (whole, for the message's figures), how many, the largest, and the largest free block
+  // outside them, which the OOM report's fragmentation verdict names apart (as PyTorch's message
+  // counts pool memory as allocated).
+  std::size_t graph_pool_free_bytes = 0;
   std::size_t graph_pool_free_blocks = 0;
   std::size_t largest_graph_pool_block = 0;
   std::size_t largest_free_outside_pools = 0;
@@ -297,6 +300,10 @@ struct FreeSummary {
   std::size_t live_partial_pages = 0;
   // What the request itself needs at the least (its rounded size; whole frames when expandable).
   std::size_t request_footprint = 0;
+  // expandable: free bytes in whole frames of physical handles that live (or pending) blocks use in
+  // part. A handle is unmapped only whole, so no request of another stream can get them while
+  // those blocks live (a block placed without a limit in part of a free handle).
+  std::size_t handle_pinned_bytes = 0;
 };
 
 // What another process must import to map an allocated block (Allocator::export_ipc, lib/ipc.cpp):

@@ -419,7 +419,7 @@ TEST_CASE("oom truth: during a capture, the other-backend check is not run and e
   }
 }
 
-TEST_CASE("oom truth: memory kept for a graph pool: the other-backend check says it does not model it; a request into the pool may use the pool's own") {
+TEST_CASE("oom truth: memory kept for a graph pool: the other-backend check says it does not model it, for a request into the pool too") {
   for (const BackendKind kind : {BackendKind::expandable, BackendKind::split_merge}) {
     CAPTURE(std::string(expseg::to_string(kind)));
     {
@@ -445,8 +445,11 @@ TEST_CASE("oom truth: memory kept for a graph pool: the other-backend check says
       sa->release_graph_pool(1);
     }
     {
-      // A capture's request into its own pool: the pool's 100 MiB free may serve it, not "kept for
-      // their graphs" (verdict limit); and the stream shown is the one named, not the pool's key.
+      // A capture's request into its own pool: the pool's free 100 MiB block is too small for it and
+      // no backend gives it back while the pool lives, so it counts as kept for the pool's graphs, as
+      // another pool's would (verdict limit: 50 + 100 + 120 MiB > 200 MiB; it was fragmentation, and
+      // the other-backend check, which puts the live set in a fresh pool, said it would serve the
+      // request). The stream shown is the one named, not the pool's key.
       auto sa = make_sim_allocator(sim_config(kind, 1 * GiB, "limit:200MiB"));
       void* s = stream_id(0x700);
       sa.sim->capture_begin(s);
@@ -457,8 +460,10 @@ TEST_CASE("oom truth: memory kept for a graph pool: the other-backend check says
       const auto r = oom_of([&] { (void)sa->allocate(120 * MiB, s); });
       REQUIRE(r.has_value());
       CAPTURE(r->message);
-      CHECK(r->verdict == expseg::OomVerdict::fragmentation);
-      CHECK(r->message.find("cached for CUDA graph pools") == std::string::npos);
+      CHECK(r->verdict == expseg::OomVerdict::limit);
+      CHECK(r->message.find("and 100.00 MiB cached for CUDA graph pools (kept for their graphs until release_graph_pool) exceed the "
+                            "limit of 200.00 MiB") != std::string::npos);
+      CHECK(r->message.find("would have served") == std::string::npos);
       CHECK(r->stream == 0x700);
       CHECK(r->message.find("stream 0x700,") != std::string::npos);
       sa->deallocate(small);
@@ -732,4 +737,103 @@ TEST_CASE("oom truth: the other backend that cannot hold the live set in a fresh
   CHECK_THROWS_AS((void)other->allocate(kBlock), expseg::out_of_memory);
   sa.alloc.reset();
   sa.sim->stream_destroy(s);
+}
+
+TEST_CASE("oom truth: a request routed to its own graph pool counts that pool's blocks too small for it as kept, on both backends") {
+  // Pool 7 caches a free 300 MiB block (its 200 MiB block lives), 450 MiB live outside it, a 350 MiB
+  // request routed to the pool under a 1 GiB limit. While the pool lives no backend gives its cached
+  // memory back, so 650 + 300 + 350 MiB exceed the limit. Was: both backends said fragmentation ("300.00
+  // MiB ... in 1 free block"), split_merge advised backend:expandable, and each said the other would
+  // have served the request, which both fail.
+  for (const BackendKind backend : {BackendKind::split_merge, BackendKind::expandable}) {
+    CAPTURE(expseg::to_string(backend));
+    auto sa = make_sim_allocator(sim_config(backend, 8 * GiB, "limit:1GiB"));
+    void* ps = stream_id(0x100);
+    sa->begin_pool_allocations(7, ps);
+    void* p1 = sa->allocate(300 * MiB, ps);
+    void* p2 = sa->allocate(200 * MiB, ps);
+    sa->deallocate(p1);
+    void* a = sa->allocate(450 * MiB);
+    const auto r = oom_of([&] { (void)sa->allocate(350 * MiB, ps); });
+    REQUIRE(r.has_value());
+    CAPTURE(r->message);
+    CHECK(r->verdict == expseg::OomVerdict::limit);
+    CHECK(r->message.find("and 300.00 MiB cached for CUDA graph pools (kept for their graphs until release_graph_pool) exceed the limit "
+                          "of 1024.00 MiB") != std::string::npos);
+    CHECK(r->message.find("with 300.00 MiB allocated in private pools (e.g., CUDA Graphs)") != std::string::npos);
+    CHECK(r->message.find("try setting") == std::string::npos);
+    CHECK(r->message.find("would have served") == std::string::npos);
+    CHECK(r->message.find("its check does not model memory kept for CUDA graph pools") != std::string::npos);
+    // A free block of the pool as large as the request still serves it.
+    void* p3 = sa->allocate(250 * MiB, ps);
+    CHECK(p3 == p1);
+    sa->end_pool_allocations(7, ps);
+    for (void* p : {p2, a, p3}) sa->deallocate(p);
+    sa->release_graph_pool(7);
+    sa->validate();
+  }
+}
+
+TEST_CASE("oom truth: expandable's fragmentation sentence counts a graph pool's free blocks whole, in pages live blocks share too") {
+  // The pool caches 3 MiB between two live 1 MiB blocks, and 1 MiB after them, partly in pages they
+  // use. Was: "33.00 MiB ... in 1 free block, the largest 31.00 MiB (besides 2.00 MiB in 2 free blocks
+  // ..., the largest 3.00 MiB": the pool's bytes in shared pages counted outside the pool, its blocks
+  // inside.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 64 * MiB, ""));
+  void* ps = stream_id(0x100);
+  void* s1 = stream_id(0x200);
+  sa->begin_pool_allocations(7, ps);
+  void* p1 = sa->allocate(1 * MiB, ps);
+  void* p2 = sa->allocate(3 * MiB, ps);
+  void* p3 = sa->allocate(1 * MiB, ps);
+  sa->deallocate(p2);
+  sa->end_pool_allocations(7, ps);
+  sa->deallocate(sa->allocate(32 * MiB, s1));
+  void* a = sa->allocate(1 * MiB, s1);
+  const auto r = oom_of([&] { (void)sa->allocate(40 * MiB); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  REQUIRE(r->verdict == expseg::OomVerdict::fragmentation);
+  CHECK(r->message.find("is reserved but unallocated in 1 free block, the largest 31.00 MiB (besides 4.00 MiB in 2 free blocks cached "
+                        "for CUDA graph pools, the largest 3.00 MiB,") != std::string::npos);
+  CHECK(r->message.find("31.00 MiB is reserved but unallocated in 1 free block") != std::string::npos);
+  for (void* p : {p1, p3, a}) sa->deallocate(p);
+  sa->release_graph_pool(7);
+  sa->validate();
+}
+
+TEST_CASE("oom truth: expandable names free memory that physical handles partly used by live blocks keep from other streams") {
+  // Without a limit, a 100 MiB block on s1 took part of s1's free 1 GiB handle; the 924 MiB left free
+  // there cannot be unmapped for a request on another stream. Was: only "free blocks serve only
+  // requests on their own stream", though expandable moves other streams' idle memory.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, 2 * GiB, ""));
+  void* s1 = stream_id(0x100);
+  sa->deallocate(sa->allocate(1 * GiB, s1));
+  void* a = sa->allocate(100 * MiB, s1);
+  void* b = sa->allocate(900 * MiB);
+  const auto r = oom_of([&] { (void)sa->allocate(200 * MiB); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  REQUIRE(r->verdict == expseg::OomVerdict::fragmentation);
+  CHECK(r->message.find("Of the free memory, 924.00 MiB lies in physical handles that live allocations use in part: a handle goes back to "
+                        "the device only whole") != std::string::npos);
+  // The request on s1 itself is served from that memory.
+  void* c = sa->allocate(200 * MiB, s1);
+  for (void* p : {a, b, c}) sa->deallocate(p);
+  sa->validate();
+}
+
+TEST_CASE("oom truth: the page-slack sentence says a gap serves only its own stream's requests") {
+  // A 512 KiB request on another stream, smaller than the 1 MiB gap, still fails: the gap lies in
+  // the default stream's segment.
+  auto sa = make_sim_allocator(sim_config(BackendKind::expandable, GiB, "limit:4MiB"));
+  void* a = sa->allocate(1 * MiB);
+  void* b = sa->allocate(2 * MiB);
+  const auto r = oom_of([&] { (void)sa->allocate(512 * 1024, stream_id(0x100)); });
+  REQUIRE(r.has_value());
+  CAPTURE(r->message);
+  CHECK(r->message.find("so only a request smaller than such a gap, on the stream of the allocations beside it, can use it") !=
+        std::string::npos);
+  for (void* p : {a, b}) sa->deallocate(p);
+  sa->validate();
 }

@@ -2741,14 +2741,26 @@ FreeSummary ExpandableBackend::free_summary(std::size_t request, driver::stream_
       s.free_blocks += 1;
       s.largest_free_block = std::max(s.largest_free_block, b.size);
       if (request != 0 && arena->stream == stream) s.largest_usable_block = std::max(s.largest_usable_block, b.size);
-      if (pool && arena->stream != stream) {  // the request's own pool may serve it
+      if (pool && (arena->stream != stream || b.size < request)) {  // the own pool's larger blocks may serve it
         s.graph_pool_bytes += outside_live_frames(b);
+        s.graph_pool_free_bytes += b.size;
         s.graph_pool_free_blocks += 1;
         s.largest_graph_pool_block = std::max(s.largest_graph_pool_block, b.size);
       } else {
         s.largest_free_outside_pools = std::max(s.largest_free_outside_pools, b.size);
       }
       if (kept) s.capture_kept_bytes += outside_live_frames(b);
+      // The whole frames of b under handles that reach past it (a handle wholly inside b is idle).
+      const auto& seg = *static_cast<const ExpSegment*>(b.segment);
+      const std::uint64_t lo = round_up(b.addr - seg.base, frame_) + seg.base;
+      const std::uint64_t hi = (b.end() - seg.base) / frame_ * frame_ + seg.base;
+      for (std::uint64_t a = lo; a < hi;) {
+        const ExpHandle* h = handle_at(seg, a);
+        const std::uint64_t hlo = frame_addr(seg, h->first_frame);
+        const std::uint64_t hhi = hlo + h->bytes;
+        if (hlo < b.addr || hhi > b.end()) s.handle_pinned_bytes += std::min(hhi, hi) - a;
+        a = std::min(hhi, hi);
+      }
     });
   }
   for_each_idle([&](const ExpHandle& h) { s.releasable_bytes += h.bytes; });

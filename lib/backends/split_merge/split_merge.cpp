@@ -769,9 +769,10 @@ FreeSummary SplitMergeBackend::free_summary(std::size_t request, driver::stream_
           s.oversize_block = std::max(s.oversize_block, b.size);
       }
       if (!b.is_split()) s.releasable_bytes += b.size;
-      // (The request's own pool key's blocks may serve it: not kept from it.)
-      if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream) && b.stream != stream) {
+      // (The request's own pool's blocks as large as the request may serve it: not kept from it.)
+      if (is_graph_pool_key(b.stream) && is_live_graph_pool_key(b.stream) && (b.stream != stream || b.size < request)) {
         s.graph_pool_bytes += b.size;
+        s.graph_pool_free_bytes += b.size;
         s.graph_pool_free_blocks += 1;
         s.largest_graph_pool_block = std::max(s.largest_graph_pool_block, b.size);
       } else {
