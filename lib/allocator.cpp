@@ -724,17 +724,13 @@ bool Allocator::Impl::held_free_ready() const noexcept {
   });
 }
 
+// The legacy stream while a blocking stream captures, untold ones included, counts as capturing:
+// work recorded on it would be refused and invalidate that capture. So does a stream whose question
+// failed twice (backends::capture_question): what that holds back (a synchronization, an event) is
+// tried again at a later question.
 bool Allocator::Impl::stream_capturing(driver::stream_t stream) const noexcept {
   if (backends::is_graph_pool_key(stream)) return true;
-  try {
-    return driver->stream_capture_id(backends::capture_query_stream(stream)) != 0;
-  } catch (const driver_error& e) {
-    // The legacy stream while a blocking stream captures, untold ones included: work recorded on it
-    // would be refused and invalidate that capture, so it counts as capturing.
-    return e.code() == driver::Driver::kCaptureImplicitCode;
-  } catch (...) {
-    return false;
-  }
+  return backends::capture_question(*driver, backends::capture_query_stream(stream));
 }
 
 // The queues of per-thread streams whose threads have exited, once empty: no event is recorded on

@@ -194,15 +194,28 @@ struct Context {
 // pool's key of nothing (false). The legacy stream counts as capturing while a blocking stream
 // captures (CUDA refuses its work then, and the question says so without harm: Driver::
 // stream_capture_id).
+// Whether `stream` (a driver stream, not a key) captures a CUDA graph. A failed question says
+// nothing about a capture, but that a stream the driver no longer knows (Driver::stream_gone)
+// captures nothing, and 906 (the legacy stream while a blocking stream captures) that it counts as
+// capturing. Any other failure is asked again once (a refusal of the moment); failing twice reads as
+// capturing, so that nothing synchronizes the stream or unmaps its idle memory, which would
+// invalidate a capture underway (was: read as not capturing at the first failure).
+inline bool capture_question(driver::Driver& driver, driver::stream_t stream) noexcept {
+  for (int tries = 1;; ++tries) {
+    try {
+      return driver.stream_capture_id(stream) != 0;
+    } catch (const driver_error& e) {
+      if (e.code() == driver::Driver::kCaptureImplicitCode) return true;
+      if (driver::Driver::stream_gone(e)) return false;
+    } catch (...) {
+    }
+    if (tries == 2) return true;
+  }
+}
+
 inline bool stream_captures(Context& ctx, driver::stream_t key) noexcept {
   if (is_graph_pool_key(key)) return false;
-  try {
-    return ctx.driver.stream_capture_id(capture_query_stream(key)) != 0;
-  } catch (const driver_error& e) {
-    return e.code() == driver::Driver::kCaptureImplicitCode;
-  } catch (...) {  // a stream the driver no longer knows captures nothing
-    return false;
-  }
+  return capture_question(ctx.driver, capture_query_stream(key));
 }
 
 // For the span of a slow path: sets ctx.capturing when the request's stream (key) is capturing

@@ -554,3 +554,87 @@ TEST_CASE("faults: split_merge serves a request whose optional clean-up was refu
     s->deallocate(p);
   }
 }
+
+// Expandable's optional clean-up before a growth: an exited thread's cache (reap_retired) and,
+// without a limit, the reclaim of idle memory before a new peak. A refused unmap there does not
+// fail a request the device has room for (as split_merge's, above). Was: the request failed with
+// that driver_error, and the reclaim's case had given back memory before it threw.
+TEST_CASE("faults: expandable serves a request whose optional clean-up was refused by cuMemUnmap") {
+  {
+    auto s = make_sim_allocator(sim_config(BackendKind::expandable, 1024 * MiB));
+    void* per_thread = reinterpret_cast<void*>(0x2);  // cudaStreamPerThread
+    std::thread([&] { s->deallocate(s->allocate(30 * MiB, per_thread)); }).join();
+    s.sim->inject_fault(Op::unmap, 1, Fault::error);  // the exited thread's idle handle
+    void* p = nullptr;
+    CHECK_NOTHROW(p = s->allocate(50 * MiB));
+    CHECK(p != nullptr);
+    s->validate();
+    s->deallocate(p);
+    s->release_cached();
+    CHECK(s->stats().reserved_bytes[kAllPools].current == 0);
+    s->validate();
+  }
+  {
+    auto s = make_sim_allocator(sim_config(BackendKind::expandable, 1024 * MiB));  // no limit
+    void* a = s->allocate(20 * MiB);
+    void* x = s->allocate(2 * MiB);
+    void* b = s->allocate(20 * MiB);
+    void* y = s->allocate(40 * MiB);
+    s->deallocate(a);
+    s->deallocate(b);
+    s.sim->inject_fault(Op::unmap, 2, Fault::error);  // the reclaim's first unmap goes, its second fails
+    void* p = nullptr;
+    CHECK_NOTHROW(p = s->allocate(70 * MiB));
+    CHECK(p != nullptr);
+    s->validate();
+    for (void* q : {x, y, p}) s->deallocate(q);
+    s->release_cached();
+    CHECK(s->stats().reserved_bytes[kAllPools].current == 0);
+    s->validate();
+  }
+}
+
+// A capture expseg was not told of (PyTorch's CUDAPluggableAllocator passes none on) whose stream's
+// capture question fails: asked again, and failing twice read as capturing, so expseg neither
+// synchronizes the stream nor unmaps its idle memory. Was: read as "not capturing" at the first
+// failure, the stream was synchronized, which the driver refused and which invalidated the capture
+// (cuStreamEndCapture: 901). `twice`: the question fails on two calls in a row.
+TEST_CASE("faults: a failed capture question does not let expandable synchronize an untold capture's stream") {
+  for (int variant = 0; variant < 8; ++variant) {
+    const bool twice = variant >= 4;
+    const std::uint64_t call = 1 + static_cast<std::uint64_t>(variant % 4);
+    CAPTURE(twice);
+    CAPTURE(call);
+    auto s = make_sim_allocator(sim_config(BackendKind::expandable, 512 * MiB, "limit:64MiB"));
+    void* s1 = s.sim->stream_create();
+    s->deallocate(s->allocate(40 * MiB, s1));  // 40 MiB idle in s1's arena
+    s.sim->capture_begin(s1);
+    s.sim->inject_fault(Op::stream_query, call, Fault::error);
+    if (twice) s.sim->inject_fault(Op::stream_query, call + 1, Fault::error);
+    CHECK_THROWS_AS(s->allocate(50 * MiB), expseg::out_of_memory);  // it would need s1's idle memory
+    s->validate();
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = s.sim->capture_end(s1));  // the capture is still valid
+    s.sim->graph_destroy(g);
+    s.sim->clear_faults();
+    void* p = s->allocate(50 * MiB);  // the capture over, s1's idle memory moves
+    s->deallocate(p);
+    s->validate();
+  }
+  {
+    auto s = make_sim_allocator(sim_config(BackendKind::expandable, 512 * MiB, "limit:64MiB"));
+    void* s1 = s.sim->stream_create();
+    s->deallocate(s->allocate(40 * MiB, s1));
+    s.sim->capture_begin(s1);
+    s.sim->inject_fault(Op::stream_query, 1, Fault::error);
+    s.sim->inject_fault(Op::stream_query, 2, Fault::error);
+    CHECK_NOTHROW(s->release_cached());  // s1's idle memory stays: its stream may be capturing
+    CHECK(s->stats().reserved_bytes[kAllPools].current == 40 * static_cast<std::int64_t>(MiB));
+    s->validate();
+    expseg::driver::graph_t g = nullptr;
+    CHECK_NOTHROW(g = s.sim->capture_end(s1));
+    s.sim->graph_destroy(g);
+    s->release_cached();
+    CHECK(s->stats().reserved_bytes[kAllPools].current == 0);
+  }
+}

@@ -1130,7 +1130,15 @@ Block* ExpandableBackend::allocate_slow(ExpArena& arena, std::size_t size, std::
 
 Block* ExpandableBackend::place_or_grow(ExpArena& arena, std::size_t size, std::size_t requested) {
   begin_operation();
-  if (!ctx_.capturing) reap_retired(&arena);  // it synchronizes
+  // Optional clean-up (exited threads' caches; it synchronizes): a driver call refused there stops
+  // the clean-up, not the request, which may fit without it, as in split_merge (was: the request
+  // failed with that driver_error on a device with room). What it could not give back stays cached.
+  if (!ctx_.capturing) {
+    try {
+      reap_retired(&arena);
+    } catch (const driver_error&) {
+    }
+  }
   // Handles whose cleanup failed earlier may sit on frames we are about to use: retry them first.
   if (!orphans_.empty()) retry_orphans();
   Placement pl;
@@ -1281,9 +1289,15 @@ Block* ExpandableBackend::grow_and_carve(ExpArena& arena, const Placement& pl, s
       // Only this stream's idle memory: taking another stream's would make streams that churn side
       // by side hand memory back and forth (an unmap, a map and a synchronization each time),
       // where each stream's cache would settle at its own working set.
-      if (reserved_ + need > soft)
-        reclaim_idle(reserved_ + need - soft, Exclusion{pl.seg, pl.start, map_hi}, &arena, false,
-                     reserved_ + need > hard ? reserved_ + need - hard : 0, &deferred_idle_);
+      // Best effort: a refused unmap or synchronization ends the reclaim, not the growth, which has
+      // room without it (no limit); what it gave back before stays given back.
+      if (reserved_ + need > soft) {
+        try {
+          reclaim_idle(reserved_ + need - soft, Exclusion{pl.seg, pl.start, map_hi}, &arena, false,
+                       reserved_ + need > hard ? reserved_ + need - hard : 0, &deferred_idle_);
+        } catch (const driver_error&) {
+        }
+      }
     }
   }
   if (ctx_.limit != 0 && may_unmap_in(arena)) unmap_bulk_handles_under(*pl.seg, pl.anchor, pl.start, pl.start + size);
